@@ -1,0 +1,13 @@
+# steptrace_add_test(NAME name SOURCES a.cpp ... [LIBS lib ...] [LABELS l ...])
+# One GoogleTest executable, discovered test by test.
+include(GoogleTest)
+find_package(GTest REQUIRED)
+function(steptrace_add_test)
+  cmake_parse_arguments(ARG "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${ARG_NAME} ${ARG_SOURCES})
+  target_link_libraries(${ARG_NAME} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gmock GTest::gtest_main
+    steptrace_build_flags steptrace_test_support)
+  gtest_discover_tests(${ARG_NAME}
+    DISCOVERY_TIMEOUT 60
+    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT 300)
+endfunction()

@@ -1,0 +1,163 @@
+// steptrace wire format: the records a client sends to steptraced and back.
+//
+// A binary connection is: one Hello (48 bytes, first byte kMagic[0] = 0xF7, which is
+// not printable ASCII, so the daemon can tell it from a text command), then frames.
+// A frame is an 8-byte FrameHeader followed by `size` payload bytes. Every record is
+// fixed-size, little-endian, with its size asserted below; strings are NUL-padded
+// fixed arrays. proto/PROTOCOL.md is the byte-exact spec; this header is its code.
+// Nothing here allocates, throws or does I/O.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace steptrace::proto {
+
+static_assert(std::endian::native == std::endian::little,
+              "the wire format is little-endian and records are copied as laid out in memory");
+
+inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
+inline constexpr std::uint16_t kProtocolVersion = 1;
+
+// Hard limits that every decoder enforces.
+inline constexpr std::uint32_t kMaxFramePayload = 256 * 1024;  // bytes after the header
+inline constexpr std::size_t kNameField = 64;                  // step name, GPU UUID, task
+inline constexpr std::size_t kMaxNameLength = kNameField - 1;  // a NUL must fit
+inline constexpr std::size_t kProcessNameField = 24;
+inline constexpr std::size_t kLibraryVersionField = 16;
+inline constexpr std::size_t kErrorMessageField = 120;
+
+// Step ids: 0..11 are the built-in steps (same order as the C ABI's enum);
+// custom steps registered by name use [kFirstCustomStep, kFirstCustomStep + kMaxCustomSteps).
+inline constexpr std::uint32_t kBuiltinStepCount = 12;
+inline constexpr std::uint32_t kFirstCustomStep = 256;
+inline constexpr std::uint32_t kMaxCustomSteps = 1024;
+
+inline constexpr std::string_view kBuiltinStepNames[kBuiltinStepCount] = {
+    "Forward",       "Backward",      "Matmul",    "Attention", "Transpose", "Alloc",
+    "Transfer",      "LedgerReserve", "LedgerCleanup", "VramQuery", "WaitPoll", "LedgerRelease"};
+
+constexpr bool is_builtin_step(std::uint32_t step) { return step < kBuiltinStepCount; }
+constexpr bool is_custom_step(std::uint32_t step) {
+  return step >= kFirstCustomStep && step < kFirstCustomStep + kMaxCustomSteps;
+}
+constexpr bool is_valid_step(std::uint32_t step) {
+  return is_builtin_step(step) || is_custom_step(step);
+}
+// The ledger steps, whose spans the daemon attributes to a GPU.
+constexpr bool is_ledger_step(std::uint32_t step) { return step >= 7 && step <= 11; }
+
+struct Hello {
+  std::uint8_t magic[4];
+  std::uint16_t version;
+  std::uint16_t flags;  // must be 0
+  char library_version[kLibraryVersionField];
+  char process_name[kProcessNameField];
+};
+static_assert(sizeof(Hello) == 48);
+
+enum class FrameType : std::uint16_t {
+  // client -> daemon
+  kEvents = 1,        // payload: N x EventRecord, N >= 1
+  kRegisterStep = 2,  // payload: RegisterStep
+  kLedger = 3,        // payload: LedgerRecord
+  kDropped = 4,       // payload: DroppedReport
+  kFlush = 5,         // payload: FlushRequest
+  // daemon -> client
+  kFlushAck = 0x81,  // payload: FlushAck
+  kError = 0x82,     // payload: ErrorReport; the daemon closes the connection after it
+};
+
+struct FrameHeader {
+  std::uint32_t size;  // payload bytes, <= kMaxFramePayload
+  std::uint16_t type;  // FrameType
+  std::uint16_t reserved;  // must be 0
+};
+static_assert(sizeof(FrameHeader) == 8);
+
+enum class EventKind : std::uint8_t { kStart = 1, kEnd = 2 };
+
+struct EventRecord {
+  std::uint64_t timestamp_ns;  // CLOCK_MONOTONIC nanoseconds
+  std::uint32_t thread_id;     // the client's kernel thread id
+  std::uint16_t step;          // a valid step id
+  std::uint8_t kind;           // EventKind
+  std::uint8_t reserved;       // must be 0
+};
+static_assert(sizeof(EventRecord) == 16);
+
+inline constexpr std::uint32_t kMaxEventsPerFrame = kMaxFramePayload / sizeof(EventRecord);
+
+struct RegisterStep {
+  std::uint32_t step;      // a custom step id
+  std::uint32_t reserved;  // must be 0
+  char name[kNameField];   // 1..63 printable chars, NUL-padded
+};
+static_assert(sizeof(RegisterStep) == 72);
+
+enum class LedgerOp : std::uint8_t {
+  kReserve = 1,     // reservation_id, bytes, task
+  kRelease = 2,     // reservation_id
+  kCleanup = 3,     // reservation_id, holder_pid (the dead holder whose entry was removed)
+  kVramSample = 4,  // bytes = free bytes, total_bytes
+};
+
+struct LedgerRecord {
+  std::uint64_t timestamp_ns;
+  std::uint64_t reservation_id;
+  std::uint64_t bytes;
+  std::uint64_t total_bytes;
+  std::uint32_t thread_id;
+  std::uint32_t holder_pid;
+  std::uint8_t op;  // LedgerOp
+  std::uint8_t reserved[7];  // must be 0
+  char gpu_uuid[kNameField];  // 1..63 printable chars
+  char task[kNameField];      // 0..63 printable chars
+};
+static_assert(sizeof(LedgerRecord) == 176);
+
+struct DroppedReport {
+  std::uint64_t total_dropped;  // cumulative for the process; the daemon keeps the maximum
+};
+static_assert(sizeof(DroppedReport) == 8);
+
+struct FlushRequest {
+  std::uint64_t sequence;
+};
+static_assert(sizeof(FlushRequest) == 8);
+
+struct FlushAck {
+  std::uint64_t sequence;  // echoes the FlushRequest once every earlier frame is applied
+};
+static_assert(sizeof(FlushAck) == 8);
+
+enum class ErrorCode : std::uint32_t {
+  kProtocol = 1,        // a malformed frame; message says which rule
+  kUnsupportedVersion = 2,
+  kLimit = 3,           // a configured limit was hit (connections, custom steps, ...)
+};
+
+struct ErrorReport {
+  std::uint32_t code;  // ErrorCode
+  std::uint32_t reserved;
+  char message[kErrorMessageField];  // NUL-padded, printable
+};
+static_assert(sizeof(ErrorReport) == 128);
+
+// Fixed payload size of each non-event frame type; 0 for kEvents and unknown types.
+constexpr std::uint32_t fixed_payload_size(FrameType type) {
+  switch (type) {
+    case FrameType::kRegisterStep: return sizeof(RegisterStep);
+    case FrameType::kLedger: return sizeof(LedgerRecord);
+    case FrameType::kDropped: return sizeof(DroppedReport);
+    case FrameType::kFlush: return sizeof(FlushRequest);
+    case FrameType::kFlushAck: return sizeof(FlushAck);
+    case FrameType::kError: return sizeof(ErrorReport);
+    case FrameType::kEvents: return 0;
+  }
+  return 0;
+}
+
+}  // namespace steptrace::proto
