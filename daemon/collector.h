@@ -121,16 +121,17 @@ class Collector {
   void reset(std::optional<std::int32_t> pid);
 
   // ---- reports (see DESIGN.md for the JSON schema) -----------------------------------
+  // Each process object also carries "current": per thread the innermost open span and
+  // how long it has been open (what the CLI's `top` shows), plus "unmatched_ends" and
+  // "abandoned" per step.
   nlohmann::json report_json(std::optional<std::int32_t> pid) const;
   std::string report_text(std::optional<std::int32_t> pid) const;
   nlohmann::json ledger_json() const;
   std::string ledger_text() const;
   nlohmann::json stats_json() const;
   std::string stats_text() const;
-  std::string metrics_text() const;  // Prometheus text exposition format 0.0.4
-  // The "what is each live process in right now" view the CLI's `top` shows: per live
-  // process, per thread, the innermost open span and how long it has been open.
-  nlohmann::json top_json() const;
+  // Prometheus text exposition format 0.0.4.
+  std::string metrics_text() const;
 
   // ---- persistence -------------------------------------------------------------------
   nlohmann::json snapshot() const;
