@@ -314,6 +314,7 @@ class Decoder {
         for (auto b : r.reserved) {
           if (b != 0) return fail(errc::bad_reserved);
         }
+        if ((r.flags & ~kLedgerKnownFlags) != 0) return fail(errc::bad_reserved);
         if (r.op < static_cast<std::uint8_t>(LedgerOp::kReserve) ||
             r.op > static_cast<std::uint8_t>(LedgerOp::kVramSample)) {
           return fail(errc::bad_ledger_op);

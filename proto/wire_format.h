@@ -104,6 +104,14 @@ enum class LedgerOp : std::uint8_t {
   kVramSample = 4,  // bytes = free bytes, total_bytes
 };
 
+// Set by the client when it had to cut a string to fit its field (an anomaly the
+// daemon counts; the cut value is still applied).
+enum LedgerFlag : std::uint8_t {
+  kLedgerGpuUuidTruncated = 1,
+  kLedgerTaskTruncated = 2,
+  kLedgerKnownFlags = kLedgerGpuUuidTruncated | kLedgerTaskTruncated,
+};
+
 struct LedgerRecord {
   std::uint64_t timestamp_ns;
   std::uint64_t reservation_id;
@@ -111,8 +119,9 @@ struct LedgerRecord {
   std::uint64_t total_bytes;
   std::uint32_t thread_id;
   std::uint32_t holder_pid;
-  std::uint8_t op;  // LedgerOp
-  std::uint8_t reserved[7];  // must be 0
+  std::uint8_t op;     // LedgerOp
+  std::uint8_t flags;  // LedgerFlag bits; others must be 0
+  std::uint8_t reserved[6];  // must be 0
   char gpu_uuid[kNameField];  // 1..63 printable chars
   char task[kNameField];      // 0..63 printable chars
 };
