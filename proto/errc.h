@@ -7,6 +7,8 @@
 
 namespace steptrace {
 
+// Spelled like std::errc on purpose (it is used the same way), hence no kName constants.
+// NOLINTBEGIN(readability-identifier-naming)
 enum class errc {
   // Framing and validation (proto/codec.h); each names the PROTOCOL.md rule it breaks.
   truncated = 1,        // the stream ended inside a hello or a frame
@@ -30,6 +32,7 @@ enum class errc {
   bad_config,
   bad_command,
 };
+// NOLINTEND(readability-identifier-naming)
 
 const std::error_category& steptrace_category() noexcept;
 
@@ -95,8 +98,8 @@ class SteptraceCategory final : public std::error_category {
 }  // namespace detail
 
 inline const std::error_category& steptrace_category() noexcept {
-  static const detail::SteptraceCategory category;
-  return category;
+  static const detail::SteptraceCategory kCategory;
+  return kCategory;
 }
 
 }  // namespace steptrace

@@ -31,6 +31,7 @@ extern "C" {
 
 #define STEPTRACE_DEFAULT_SOCKET "/run/steptrace/steptraced.sock"
 
+/* C naming, fixed by the ABI. NOLINTBEGIN(readability-identifier-naming) */
 enum steptrace_step {
   STEPTRACE_FORWARD = 0,
   STEPTRACE_BACKWARD = 1,
@@ -45,6 +46,7 @@ enum steptrace_step {
   STEPTRACE_WAIT_POLL = 10,
   STEPTRACE_LEDGER_RELEASE = 11
 };
+/* NOLINTEND(readability-identifier-naming) */
 
 /* Connects to the daemon (NULL: $STEPTRACE_SOCKET, then the default path) and starts the
  * flusher thread. 0 on success, -errno when the daemon cannot be reached now; recording
