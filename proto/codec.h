@@ -207,6 +207,9 @@ class Decoder {
   }
   void commit(std::size_t n) { end_ += std::min(n, buffer_.size() - end_); }
   void feed(std::span<const std::byte> data) {
+    // memcpy with a null pointer is undefined even for 0 bytes, and an empty buffer or
+    // span has one.
+    if (data.empty()) return;
     auto dst = prepare(data.size());
     std::memcpy(dst.data(), data.data(), data.size());
     commit(data.size());

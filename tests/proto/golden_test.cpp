@@ -1,0 +1,252 @@
+// Golden vectors: tests/proto/golden/*.hex hold the exact bytes PROTOCOL.md specifies for
+// fixed inputs (written from the spec's tables, not by this code). Each test encodes the
+// same inputs with the Encoder and compares byte for byte, then decodes the file and
+// checks every field, so any change of the wire format fails here.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "proto/codec.h"
+#include "tests/proto/proto_test_util.h"
+
+#ifndef STEPTRACE_PROTO_GOLDEN_DIR
+#error "STEPTRACE_PROTO_GOLDEN_DIR must point at tests/proto/golden"
+#endif
+
+namespace steptrace::proto {
+namespace {
+
+using testing::Bytes;
+using testing::decode_all;
+using testing::DecodeAll;
+
+// Hex bytes separated by whitespace; '#' starts a comment to the end of the line.
+Bytes read_hex(const std::string& name) {
+  const std::string path = std::string(STEPTRACE_PROTO_GOLDEN_DIR) + "/" + name;
+  std::ifstream in(path);
+  EXPECT_TRUE(in) << "cannot open " << path;
+  Bytes out;
+  std::string line;
+  while (std::getline(in, line)) {
+    line = line.substr(0, line.find('#'));
+    std::istringstream words(line);
+    std::string word;
+    while (words >> word) {
+      EXPECT_EQ(word.size(), 2u) << name << ": bad byte '" << word << "'";
+      EXPECT_TRUE(std::isxdigit(static_cast<unsigned char>(word[0])) &&
+                  std::isxdigit(static_cast<unsigned char>(word[1])))
+          << name << ": bad byte '" << word << "'";
+      out.push_back(static_cast<std::byte>(std::stoul(word, nullptr, 16)));
+    }
+  }
+  return out;
+}
+
+template <typename F>
+Bytes encode(F&& f) {
+  std::vector<std::byte> buffer(4096);
+  Encoder encoder(buffer);
+  f(encoder);
+  return {encoder.bytes().begin(), encoder.bytes().end()};
+}
+
+std::string hex(const Bytes& b) {
+  std::string out;
+  char cell[4];
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    std::snprintf(cell, sizeof cell, "%02x", static_cast<unsigned>(b[i]));
+    out += cell;
+    out += (i % 16 == 15) ? '\n' : ' ';
+  }
+  return out;
+}
+
+// The file must equal the Encoder's output byte for byte.
+void expect_golden(const std::string& name, const Bytes& encoded, std::size_t expected_size) {
+  const Bytes golden = read_hex(name);
+  EXPECT_EQ(golden.size(), expected_size) << name;
+  EXPECT_EQ(encoded.size(), expected_size) << name;
+  EXPECT_TRUE(golden == encoded) << name << "\nfile:\n"
+                                 << hex(golden) << "\nencoder:\n"
+                                 << hex(encoded);
+}
+
+// Decodes one frame of `golden` on `side` (after a hello for the daemon side).
+testing::Owned decode_one(Side side, const Bytes& frame) {
+  const Bytes stream = side == Side::kDaemon ? testing::concat({read_hex("hello.hex"), frame})
+                                             : frame;
+  const DecodeAll d = decode_all(side, stream);
+  EXPECT_FALSE(d.error) << d.error.message();
+  EXPECT_FALSE(d.finish) << d.finish.message();
+  const std::size_t want = side == Side::kDaemon ? 2 : 1;
+  if (d.messages.size() != want) {
+    ADD_FAILURE() << "decoded " << d.messages.size() << " messages, want " << want;
+    return DroppedReport{~0ull};
+  }
+  return d.messages.back();
+}
+
+const std::string kGpu = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789";
+
+TEST(ProtoGolden, Hello) {
+  expect_golden("hello.hex", encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.1.0", "trainer")); }),
+                48);
+  const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello.hex"));
+  ASSERT_FALSE(d.error);
+  ASSERT_EQ(d.messages.size(), 1u);
+  const auto& h = std::get<Hello>(d.messages[0]);
+  EXPECT_EQ(h.magic[0], 0xF7);
+  EXPECT_EQ(h.magic[1], 'S');
+  EXPECT_EQ(h.magic[2], 'T');
+  EXPECT_EQ(h.magic[3], 'P');
+  EXPECT_EQ(h.version, 1);
+  EXPECT_EQ(h.flags, 0);
+  EXPECT_EQ(field_view(h.library_version), "0.1.0");
+  EXPECT_EQ(field_view(h.process_name), "trainer");
+}
+
+TEST(ProtoGolden, Events) {
+  const EventRecord events[] = {
+      {1000000000, 4242, 0, static_cast<std::uint8_t>(EventKind::kStart), 0},
+      {1000000500, 4242, 0, static_cast<std::uint8_t>(EventKind::kEnd), 0},
+      {0x0102030405060708, 7, 256, static_cast<std::uint8_t>(EventKind::kStart), 0},
+  };
+  expect_golden("events.hex", encode([&](Encoder& e) { ASSERT_EQ(e.events(events), 3u); }),
+                8 + 48);
+  const auto got = std::get<std::vector<EventRecord>>(
+      decode_one(Side::kDaemon, read_hex("events.hex")));
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(got[i].timestamp_ns, events[i].timestamp_ns);
+    EXPECT_EQ(got[i].thread_id, events[i].thread_id);
+    EXPECT_EQ(got[i].step, events[i].step);
+    EXPECT_EQ(got[i].kind, events[i].kind);
+    EXPECT_EQ(got[i].reserved, 0);
+  }
+}
+
+TEST(ProtoGolden, RegisterStep) {
+  expect_golden("register_step.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.register_step(256, "data_loader")); }),
+                8 + 72);
+  const auto r = std::get<RegisterStep>(decode_one(Side::kDaemon, read_hex("register_step.hex")));
+  EXPECT_EQ(r.step, 256u);
+  EXPECT_EQ(r.reserved, 0u);
+  EXPECT_EQ(field_view(r.name), "data_loader");
+}
+
+struct LedgerCase {
+  const char* file;
+  std::uint64_t timestamp_ns, reservation_id, bytes, total_bytes;
+  std::uint32_t thread_id, holder_pid;
+  LedgerOp op;
+  std::uint8_t flags;
+  std::string gpu_uuid, task;
+};
+
+void check_ledger(const LedgerCase& c) {
+  SCOPED_TRACE(c.file);
+  LedgerRecord in{};
+  in.timestamp_ns = c.timestamp_ns;
+  in.reservation_id = c.reservation_id;
+  in.bytes = c.bytes;
+  in.total_bytes = c.total_bytes;
+  in.thread_id = c.thread_id;
+  in.holder_pid = c.holder_pid;
+  in.op = static_cast<std::uint8_t>(c.op);
+  in.flags = c.flags;
+  ASSERT_TRUE(set_field(in.gpu_uuid, c.gpu_uuid));
+  ASSERT_TRUE(set_field(in.task, c.task));
+  expect_golden(c.file, encode([&](Encoder& e) { ASSERT_TRUE(e.ledger(in)); }), 8 + 176);
+
+  const auto r = std::get<LedgerRecord>(decode_one(Side::kDaemon, read_hex(c.file)));
+  EXPECT_EQ(r.timestamp_ns, c.timestamp_ns);
+  EXPECT_EQ(r.reservation_id, c.reservation_id);
+  EXPECT_EQ(r.bytes, c.bytes);
+  EXPECT_EQ(r.total_bytes, c.total_bytes);
+  EXPECT_EQ(r.thread_id, c.thread_id);
+  EXPECT_EQ(r.holder_pid, c.holder_pid);
+  EXPECT_EQ(r.op, static_cast<std::uint8_t>(c.op));
+  EXPECT_EQ(r.flags, c.flags);
+  for (auto b : r.reserved) EXPECT_EQ(b, 0);
+  EXPECT_EQ(field_view(r.gpu_uuid), c.gpu_uuid);
+  EXPECT_EQ(field_view(r.task), c.task);
+}
+
+TEST(ProtoGolden, LedgerReserve) {
+  check_ledger({"ledger_reserve.hex", 123456789, 42, 8ull << 30, 0, 4242, 0, LedgerOp::kReserve,
+                0, kGpu, "qlora-7b"});
+}
+
+TEST(ProtoGolden, LedgerRelease) {
+  check_ledger(
+      {"ledger_release.hex", 223456789, 42, 0, 0, 4242, 0, LedgerOp::kRelease, 0, kGpu, ""});
+}
+
+TEST(ProtoGolden, LedgerCleanupWithTruncationFlags) {
+  check_ledger({"ledger_cleanup.hex", 323456789, 41, 0, 0, 4243, 31337, LedgerOp::kCleanup,
+                kLedgerGpuUuidTruncated | kLedgerTaskTruncated, std::string(63, 'G'),
+                std::string(63, 't')});
+}
+
+TEST(ProtoGolden, VramSample) {
+  check_ledger({"vram_sample.hex", 423456789, 0, 20ull << 30, 24ull << 30, 4244, 0,
+                LedgerOp::kVramSample, 0, kGpu, ""});
+}
+
+TEST(ProtoGolden, Dropped) {
+  expect_golden("dropped.hex", encode([](Encoder& e) { ASSERT_TRUE(e.dropped(1234567)); }), 16);
+  EXPECT_EQ(std::get<DroppedReport>(decode_one(Side::kDaemon, read_hex("dropped.hex")))
+                .total_dropped,
+            1234567u);
+}
+
+TEST(ProtoGolden, Flush) {
+  expect_golden("flush.hex", encode([](Encoder& e) { ASSERT_TRUE(e.flush(7)); }), 16);
+  EXPECT_EQ(std::get<FlushRequest>(decode_one(Side::kDaemon, read_hex("flush.hex"))).sequence,
+            7u);
+}
+
+TEST(ProtoGolden, FlushAck) {
+  expect_golden("flush_ack.hex", encode([](Encoder& e) { ASSERT_TRUE(e.flush_ack(7)); }), 16);
+  EXPECT_EQ(std::get<FlushAck>(decode_one(Side::kClient, read_hex("flush_ack.hex"))).sequence,
+            7u);
+  // The daemon does not accept its own frame type.
+  const DecodeAll d = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello.hex"), read_hex("flush_ack.hex")}));
+  EXPECT_EQ(d.error, make_error_code(errc::unknown_frame_type));
+}
+
+TEST(ProtoGolden, Error) {
+  expect_golden("error.hex", encode([](Encoder& e) {
+                  ASSERT_TRUE(e.error(ErrorCode::kUnsupportedVersion, "unsupported protocol version"));
+                }),
+                8 + 128);
+  const auto r = std::get<ErrorReport>(decode_one(Side::kClient, read_hex("error.hex")));
+  EXPECT_EQ(r.code, 2u);
+  EXPECT_EQ(r.reserved, 0u);
+  EXPECT_EQ(field_view(r.message), "unsupported protocol version");
+}
+
+// Every golden frame, concatenated after the hello, is one valid daemon-side stream, and
+// also decodes when cut into single bytes.
+TEST(ProtoGolden, AllClientFramesFormOneStream) {
+  Bytes stream = read_hex("hello.hex");
+  for (const char* f : {"register_step.hex", "events.hex", "ledger_reserve.hex",
+                        "ledger_release.hex", "ledger_cleanup.hex", "vram_sample.hex",
+                        "dropped.hex", "flush.hex"}) {
+    stream = testing::concat({stream, read_hex(f)});
+  }
+  const DecodeAll d = decode_all(Side::kDaemon, stream, 1);
+  EXPECT_FALSE(d.error);
+  EXPECT_FALSE(d.finish);
+  EXPECT_EQ(d.messages.size(), 9u);
+}
+
+}  // namespace
+}  // namespace steptrace::proto
