@@ -1,1 +1,174 @@
-// placeholder: being written
+// `metrics`: the Prometheus text exposition format 0.0.4, for the node's Prometheus
+// (socket command or the optional HTTP listener). Base units (seconds, bytes), counters
+// end in _total, every family has # HELP and # TYPE, label values are escaped.
+//
+// steptrace_step_duration_seconds sums every process the daemon knows plus the ones it
+// already evicted (CollectorState::retired), with no pid label, so a cluster-wide
+// Prometheus can sum it across nodes and it never goes backwards unless reset.
+// Per-process series exist only for live processes, so exited pids do not pile up as
+// stale series.
+#include <array>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/collector.h"
+#include "daemon/collector_state.h"
+#include "daemon/report_format.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using report::MetricFamily;
+
+constexpr std::array<const char*, Histogram::kPromBuckets> kLe = {
+    "1e-06", "1e-05", "0.0001", "0.001", "0.01", "0.1", "1", "10", "+Inf"};
+
+double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
+
+// Protocol error kinds always exported (zero until seen), so rate() works from the
+// start; any other kind the server counts is exported as well.
+constexpr std::array<errc, 13> kProtocolErrorKinds = {
+    errc::truncated,      errc::bad_magic,      errc::unsupported_version, errc::bad_hello,
+    errc::frame_too_large, errc::unknown_frame_type, errc::bad_frame_size, errc::bad_reserved,
+    errc::bad_step_id,    errc::bad_event_kind, errc::bad_string,          errc::bad_ledger_op,
+    errc::unregistered_step};
+
+}  // namespace
+
+std::string Collector::metrics_text() const {
+  const State& state = *state_;
+  std::string out;
+  out.reserve(16 * 1024);
+
+  // ---- per step, all processes -------------------------------------------------------
+  std::map<std::string, Histogram, std::less<>> by_step;
+  for (std::uint32_t i = 0; i < proto::kBuiltinStepCount; ++i) {
+    by_step.try_emplace(std::string(proto::kBuiltinStepNames[i]));
+  }
+  for (const auto& slot : state.slots) {
+    if (!slot) continue;
+    for (std::size_t s = 0; s < slot->steps.size(); ++s) {
+      const Histogram& h = slot->steps[s].hist;
+      if (h.count() == 0) continue;
+      auto it = by_step.find(slot->step_name(s));
+      if (it == by_step.end()) it = by_step.try_emplace(std::string(slot->step_name(s))).first;
+      it->second.merge(h);
+    }
+  }
+  for (const auto& [name, h] : state.retired) {
+    auto it = by_step.find(name);
+    if (it == by_step.end()) it = by_step.try_emplace(name).first;
+    it->second.merge(h);
+  }
+  {
+    MetricFamily f(out, "steptrace_step_duration_seconds", "histogram",
+                   "Duration of ended spans per step, summed over all processes of this node.");
+    for (const auto& [name, h] : by_step) {
+      std::uint64_t cumulative = 0;
+      for (std::size_t b = 0; b < Histogram::kPromBuckets; ++b) {
+        cumulative += h.prom_buckets()[b];
+        f.sample({{"step", name}, {"le", kLe[b]}}, cumulative, "_bucket");
+      }
+      f.sample({{"step", name}}, seconds(h.sum()), "_sum");
+      f.sample({{"step", name}}, h.count(), "_count");
+    }
+  }
+
+  // ---- per live process -------------------------------------------------------------------
+  {
+    std::string step_seconds, step_spans, open_spans, unmatched, abandoned, dropped;
+    MetricFamily f_seconds(step_seconds, "steptrace_process_step_seconds_total", "counter",
+                           "Total time of ended spans per live process and step.");
+    MetricFamily f_spans(step_spans, "steptrace_process_step_spans_total", "counter",
+                         "Ended spans per live process and step.");
+    MetricFamily f_open(open_spans, "steptrace_process_open_spans", "gauge",
+                        "Spans open now per live process and step.");
+    MetricFamily f_unmatched(unmatched, "steptrace_process_unmatched_ends_total", "counter",
+                             "Span ends without a start per live process and step.");
+    MetricFamily f_abandoned(abandoned, "steptrace_process_abandoned_spans_total", "counter",
+                             "Spans left open when the process's connections closed.");
+    MetricFamily f_dropped(dropped, "steptrace_process_dropped_events_total", "counter",
+                           "Events a live process reported it could not deliver.");
+    for (const ProcessRecord* rec : select_processes(state, std::nullopt)) {
+      if (!rec->alive) continue;
+      const std::string pid = std::to_string(rec->key().pid);
+      const std::string& comm = rec->peer.comm;
+      f_dropped.sample({{"pid", pid}, {"comm", comm}}, rec->dropped);
+      const auto open = rec->open_per_slot();
+      for (std::size_t s = 0; s < rec->steps.size(); ++s) {
+        const StepAgg& agg = rec->steps[s];
+        if (!agg.has_data() && open[s] == 0) continue;
+        const std::string_view step = rec->step_name(s);
+        f_seconds.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, seconds(agg.hist.sum()));
+        f_spans.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, agg.hist.count());
+        f_open.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, open[s]);
+        f_unmatched.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, agg.unmatched_ends);
+        f_abandoned.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, agg.abandoned);
+      }
+    }
+    out += step_seconds + step_spans + open_spans + unmatched + abandoned + dropped;
+  }
+
+  // ---- daemon -----------------------------------------------------------------------------
+  const DaemonCounters& c = counters_;
+  MetricFamily(out, "steptrace_events_received_total", "counter",
+               "Span events received from clients.")
+      .sample({}, c.events_received);
+  MetricFamily(out, "steptrace_frames_received_total", "counter", "Frames received from clients.")
+      .sample({}, c.frames_received);
+  MetricFamily(out, "steptrace_received_bytes_total", "counter", "Bytes received from clients.")
+      .sample({}, c.bytes_received);
+  MetricFamily(out, "steptrace_events_dropped_by_clients_total", "counter",
+               "Events clients reported they could not deliver (daemon absent or slow).")
+      .sample({}, c.events_dropped_by_clients);
+  {
+    std::map<std::string, std::uint64_t> errors;
+    for (const errc e : kProtocolErrorKinds) errors[errc_name(e)] = 0;
+    for (const auto& [kind, n] : c.protocol_errors) errors[kind] = n;
+    MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
+                   "Connections closed for a protocol error, by kind.");
+    for (const auto& [kind, n] : errors) f.sample({{"kind", kind}}, n);
+  }
+  MetricFamily(out, "steptrace_connections", "gauge", "Client connections open now.")
+      .sample({}, c.connections_now);
+  MetricFamily(out, "steptrace_connections_accepted_total", "counter",
+               "Client connections accepted.")
+      .sample({}, c.connections_total);
+  MetricFamily(out, "steptrace_connections_rejected_total", "counter",
+               "Client connections refused over max_connections.")
+      .sample({}, c.connections_rejected);
+  MetricFamily(out, "steptrace_commands_served_total", "counter", "Text commands answered.")
+      .sample({}, c.commands_served);
+  {
+    std::uint64_t live = 0;
+    for (const auto& slot : state.slots) live += (slot && slot->alive) ? 1 : 0;
+    MetricFamily f(out, "steptrace_processes", "gauge", "Processes tracked, by state.");
+    f.sample({{"state", "live"}}, live);
+    f.sample({{"state", "exited"}}, static_cast<std::uint64_t>(state.exited));
+  }
+  {
+    std::map<std::string, std::uint64_t> limits = {{"max_processes", 0},
+                                                   {"max_custom_steps", 0},
+                                                   {"max_open_depth", 0},
+                                                   {"max_threads_per_process", 0}};
+    for (const auto& [name, n] : c.limits_hit) limits[name] = n;
+    MetricFamily f(out, "steptrace_limit_hits_total", "counter",
+                   "Times a configured limit refused or dropped something, by limit.");
+    for (const auto& [name, n] : limits) f.sample({{"limit", name}}, n);
+  }
+  MetricFamily(out, "steptrace_snapshots_written_total", "counter", "State snapshots written.")
+      .sample({}, c.snapshots_written);
+  MetricFamily(out, "steptrace_snapshot_errors_total", "counter",
+               "State snapshots that failed to write.")
+      .sample({}, c.snapshot_errors);
+  {
+    const auto elapsed = std::chrono::steady_clock::now() - c.started;
+    MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
+        .sample({}, std::chrono::duration<double>(elapsed).count());
+  }
+  state.ledger.append_metrics(out);
+  return out;
+}
+
+}  // namespace steptrace::daemon

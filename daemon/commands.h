@@ -1,0 +1,109 @@
+// The text commands steptraced answers on its socket (one per line, each answered in
+// order; see DESIGN.md "Text commands").
+//
+// Data flow: Session reads a line -> CommandTable::execute(line, context) splits it into
+// words, looks the first word up in a table of handlers registered by name, the handler
+// parses the remaining words into its typed request struct (validated; a bad word is an
+// `error: ...` reply naming it), runs it against the Collector and returns the reply.
+// Every reply is text ending in '\n'; JSON replies are one line. A bad command never
+// closes the connection.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "daemon/collector.h"
+
+namespace steptrace::daemon {
+
+// Who asks, and whom: the peer's uid comes from SO_PEERCRED.
+struct CommandContext {
+  Collector& collector;
+  std::uint32_t peer_uid = 0;
+  std::uint32_t daemon_euid = 0;
+};
+
+// A rejected command line; the reply is "error: " + message.
+struct CommandError {
+  std::string message;
+};
+
+template <typename Request>
+using Parsed = std::variant<Request, CommandError>;
+
+using Args = std::span<const std::string_view>;
+
+// ---- typed requests, one per command --------------------------------------------
+struct PingRequest {
+  static Parsed<PingRequest> parse(Args args);
+};
+struct ReportRequest {
+  bool json = false;
+  std::optional<std::int32_t> pid;
+  static Parsed<ReportRequest> parse(Args args);
+};
+struct LedgerRequest {
+  bool json = false;
+  static Parsed<LedgerRequest> parse(Args args);
+};
+struct StatsRequest {
+  bool json = false;
+  static Parsed<StatsRequest> parse(Args args);
+};
+struct MetricsRequest {
+  static Parsed<MetricsRequest> parse(Args args);
+};
+struct ResetRequest {
+  std::optional<std::int32_t> pid;
+  static Parsed<ResetRequest> parse(Args args);
+};
+struct VersionRequest {
+  static Parsed<VersionRequest> parse(Args args);
+};
+struct HelpRequest {
+  static Parsed<HelpRequest> parse(Args args);
+};
+
+// The reply of `version`: {"version": ..., "protocol": 1, "commands": [...]}.
+struct VersionResponse {
+  std::string version;
+  std::uint32_t protocol = 0;
+  std::vector<std::string> commands;
+  std::string to_json_line() const;
+};
+
+// Only root or the daemon's own effective uid may change state.
+bool may_reset(std::uint32_t peer_uid, std::uint32_t daemon_euid);
+
+class CommandTable {
+ public:
+  CommandTable();  // registers every command
+
+  // Answers one line (without its '\n'); the reply ends with '\n'. Counts
+  // commands_served.
+  std::string execute(std::string_view line, const CommandContext& context) const;
+  std::vector<std::string> names() const;
+
+ private:
+  using Handler = std::function<std::string(Args, const CommandContext&)>;
+  struct Entry {
+    std::string usage;
+    std::string summary;
+    Handler handler;
+  };
+  // Registers `name`: parse the words with Request::parse, then run(request, context).
+  template <typename Request, typename Run>
+  void add(std::string name, std::string usage, std::string summary, Run run);
+  std::string help_text() const;
+
+  std::map<std::string, Entry, std::less<>> entries_;
+};
+
+}  // namespace steptrace::daemon

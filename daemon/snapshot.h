@@ -1,0 +1,50 @@
+// Snapshot files: where the Collector's state (Collector::snapshot(), a
+// "steptrace.snapshot/v1" JSON document) lives on disk across daemon restarts.
+//
+// Data flow: the server calls save_snapshot(state_dir, collector.snapshot()) on a timer
+// and on SIGTERM; at start it calls load_snapshot(state_dir) and, when a document came
+// back, collector.restore(doc). Writes are atomic: the document goes to
+// `steptraced.snapshot.json.tmp`, is fsynced, renamed over `steptraced.snapshot.json`,
+// and the directory is fsynced, so a crash leaves the old or the new file, never half of
+// one. A file that cannot be parsed or is not ours is moved aside to
+// `steptraced.snapshot.json.corrupt-<unix time>` (never deleted, never fatal) and the
+// caller is told so it can log it.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <system_error>
+
+#include <nlohmann/json.hpp>
+
+namespace steptrace::daemon {
+
+inline constexpr const char* kSnapshotFileName = "steptraced.snapshot.json";
+inline constexpr const char* kSnapshotSchema = "steptrace.snapshot/v1";
+
+// Writes `doc` atomically into `dir` (which must exist). Errors are the OS's
+// (std::system_category) and leave any previous snapshot in place.
+std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::json& doc);
+
+struct LoadedSnapshot {
+  enum class Status {
+    kNone,     // no snapshot file: a fresh start
+    kLoaded,   // `doc` holds a parsed document whose "schema" is kSnapshotSchema
+    kCorrupt,  // unparseable or not ours: moved to `moved_to` (empty if the move failed)
+  };
+  Status status = Status::kNone;
+  nlohmann::json doc;
+  std::string error;  // kCorrupt (or a read error): what was wrong, for the log
+  std::filesystem::path moved_to;
+};
+
+// Reads `dir`/steptraced.snapshot.json. Never throws.
+LoadedSnapshot load_snapshot(const std::filesystem::path& dir);
+
+// Moves the snapshot file aside as `steptraced.snapshot.json.corrupt-<unix time>` and
+// returns the new path (empty with `ec` set on failure). load_snapshot() does this for
+// unparseable files; the server calls it too when Collector::restore() rejects a
+// document that parsed.
+std::filesystem::path move_snapshot_aside(const std::filesystem::path& dir, std::error_code& ec);
+
+}  // namespace steptrace::daemon

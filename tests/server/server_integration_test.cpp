@@ -1,0 +1,515 @@
+// The real steptraced on a temporary socket, driven by real processes: raw_client (the
+// wire protocol through proto::Encoder, well-behaved or not), socat, and plain sockets
+// for the text and HTTP interfaces.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "tests/support/daemon_process.h"
+
+namespace steptrace::testing {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_file(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+json command_json(const std::string& socket, const std::string& line) {
+  const auto reply = command(socket, line);
+  EXPECT_TRUE(reply.has_value()) << line;
+  if (!reply) return json();
+  EXPECT_EQ(reply->find('\n'), reply->size() - 1) << "JSON reply must be one line: " << *reply;
+  return json::parse(*reply);
+}
+
+const json* find_process(const json& report, pid_t pid) {
+  for (const auto& p : report["processes"]) {
+    if (p["pid"] == pid) return &p;
+  }
+  return nullptr;
+}
+
+const json* find_step(const json& process, const std::string& name) {
+  for (const auto& s : process["steps"]) {
+    if (s["step"] == name) return &s;
+  }
+  return nullptr;
+}
+
+std::uint64_t protocol_errors(const json& stats, const std::string& kind) {
+  const auto& by_kind = stats["protocol_errors"]["by_kind"];
+  return by_kind.contains(kind) ? by_kind[kind].get<std::uint64_t>() : 0;
+}
+
+pid_t spawn_raw(const std::string& socket, std::vector<std::string> args) {
+  std::vector<std::string> argv{RAW_CLIENT_BIN, socket};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return spawn_process(argv);
+}
+
+// Runs a shell command line; its stdout and stderr go to `out`.
+int run_shell(const std::string& line, std::string& out, const TempDir& dir) {
+  const std::string file = dir.file("shell.out");
+  const int status = run_process({"/bin/sh", "-c", line + " >" + file + " 2>&1"}, {}, 30000);
+  out = read_file(file);
+  return status;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  std::string socket() const { return dir_.file("d.sock"); }
+  std::string write_config(const std::string& text) {
+    const std::string path = dir_.file("config.json");
+    write_file(path, text);
+    return path;
+  }
+  TempDir dir_;
+};
+
+// A config with short timeouts so timeout tests stay fast.
+constexpr const char* kFastTimeouts = R"({"timeouts": {"handshake_s": 1, "frame_s": 1}})";
+
+TEST_F(DaemonTest, CountsFromSeveralProcessesAndThreadsAreExact) {
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  std::vector<pid_t> pids;
+  for (int i = 0; i < 3; ++i) {
+    pids.push_back(spawn_raw(socket(), {"good", "--threads", "4", "--pairs", "50", "--dur",
+                                        "1000", "--nest", "--custom", "my_step", "--ledger",
+                                        "--dropped", "5"}));
+  }
+  for (pid_t pid : pids) ASSERT_EQ(wait_process(pid, 30000), 0) << daemon.log();
+
+  const json report = command_json(socket(), "report --json");
+  for (pid_t pid : pids) {
+    const json* p = find_process(report, pid);
+    ASSERT_NE(p, nullptr) << report.dump();
+    EXPECT_EQ((*p)["comm"], "raw_client");
+    EXPECT_EQ((*p)["uid"], ::getuid());
+    EXPECT_EQ((*p)["dropped"], 5);
+    EXPECT_EQ((*p)["alive"], false);  // it exited before the report
+    const json* forward = find_step(*p, "Forward");
+    const json* matmul = find_step(*p, "Matmul");
+    const json* custom = find_step(*p, "my_step");
+    ASSERT_TRUE(forward && matmul && custom) << p->dump();
+    EXPECT_EQ((*forward)["count"], 200);
+    EXPECT_EQ((*forward)["total_ns"], 200 * 1000);
+    EXPECT_EQ((*forward)["min_ns"], 1000);
+    EXPECT_EQ((*forward)["max_ns"], 1000);
+    EXPECT_EQ((*forward)["open"], 0);
+    // Nested inside Forward, on the same threads: matched as a stack, not overwritten.
+    EXPECT_EQ((*matmul)["count"], 200);
+    EXPECT_EQ((*matmul)["min_ns"], 500);
+    EXPECT_EQ((*matmul)["max_ns"], 500);
+    EXPECT_EQ((*custom)["count"], 200);
+    EXPECT_EQ((*custom)["total_ns"], 200 * 1000);
+  }
+  bool found_total = false;
+  for (const auto& t : report["totals"]) {
+    if (t["step"] == "Forward") {
+      found_total = true;
+      EXPECT_EQ(t["count"], 600);
+      EXPECT_EQ(t["processes"], 3);
+    }
+  }
+  EXPECT_TRUE(found_total);
+  // Each process's ledger reservation (id = its pid) is in the view.
+  std::size_t reservations = 0;
+  for (const auto& gpu : report["ledger"]["gpus"]) {
+    if (gpu["gpu"] != "GPU-raw") continue;
+    for (const auto& r : gpu["reservations"]) {
+      if (std::find(pids.begin(), pids.end(), r["pid"].get<pid_t>()) != pids.end()) {
+        EXPECT_EQ(r["bytes"], 1000);
+        EXPECT_EQ(r["id"], r["pid"]);
+        ++reservations;
+      }
+    }
+  }
+  EXPECT_EQ(reservations, 3u) << report["ledger"].dump();
+  EXPECT_EQ(report["daemon"]["events_received"], 3 * 4 * 50 * 6);
+  EXPECT_EQ(report["daemon"]["events_dropped_by_clients"], 15);
+
+  const json one = command_json(socket(), "report --json --pid " + std::to_string(pids[0]));
+  ASSERT_EQ(one["processes"].size(), 1u);
+  EXPECT_EQ(one["processes"][0]["pid"], pids[0]);
+
+  const json stats = command_json(socket(), "stats --json");
+  EXPECT_EQ(protocol_errors(stats, "bad_magic"), 0u);
+  EXPECT_GE(stats["frames_received"].get<std::uint64_t>(), 3u * 5);
+  EXPECT_GE(stats["connections"]["total"].get<std::uint64_t>(), 3u);
+}
+
+TEST_F(DaemonTest, BadAndSlowClientsDoNotDisturbAGoodOne) {
+  DaemonProcess daemon(socket(), {"--config", write_config(kFastTimeouts)});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  const pid_t good = spawn_raw(socket(), {"good", "--threads", "3", "--pairs", "3000", "--dur",
+                                          "2000", "--hold-ms", "300"});
+  std::vector<std::pair<std::string, pid_t>> bad;
+  for (const char* mode : {"garbage", "oversize", "badversion", "badstep", "truncated", "silent"}) {
+    bad.emplace_back(mode, spawn_raw(socket(), {mode}));
+  }
+  // One byte every 300 ms of a 24-byte frame: measured from the frame's start, the 1 s
+  // frame timeout cuts it long before it completes.
+  bad.emplace_back("slow", spawn_raw(socket(), {"slow", "--interval-ms", "300"}));
+  for (auto& [mode, pid] : bad) EXPECT_EQ(wait_process(pid, 30000), 0) << mode << daemon.log();
+  ASSERT_EQ(wait_process(good, 30000), 0) << daemon.log();
+
+  const json report = command_json(socket(), "report --json");
+  const json* p = find_process(report, good);
+  ASSERT_NE(p, nullptr);
+  const json* forward = find_step(*p, "Forward");
+  ASSERT_NE(forward, nullptr);
+  EXPECT_EQ((*forward)["count"], 9000);
+  EXPECT_EQ((*forward)["total_ns"], 9000 * 2000);
+  EXPECT_EQ((*forward)["open"], 0);
+
+  const json stats = command_json(socket(), "stats --json");
+  EXPECT_EQ(protocol_errors(stats, "bad_magic"), 1u) << stats.dump();
+  EXPECT_EQ(protocol_errors(stats, "frame_too_large"), 1u);
+  EXPECT_EQ(protocol_errors(stats, "unsupported_version"), 1u);
+  EXPECT_EQ(protocol_errors(stats, "unregistered_step"), 1u);
+  EXPECT_EQ(protocol_errors(stats, "truncated"), 1u);
+  EXPECT_EQ(protocol_errors(stats, "timed_out"), 2u);  // silent + slow
+  EXPECT_EQ(stats["protocol_errors"]["total"], 7);
+  EXPECT_EQ(stats["connections"]["now"], 1) << stats.dump();  // this stats connection
+  EXPECT_NE(daemon.log().find("bad_magic"), std::string::npos);
+}
+
+TEST_F(DaemonTest, ProtocolErrorLogIsRateLimited) {
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  std::vector<pid_t> pids;
+  for (int i = 0; i < 15; ++i) pids.push_back(spawn_raw(socket(), {"garbage"}));
+  for (pid_t pid : pids) EXPECT_EQ(wait_process(pid, 30000), 0);
+  const json stats = command_json(socket(), "stats --json");
+  EXPECT_EQ(protocol_errors(stats, "bad_magic"), 15u);  // every one counted...
+  const std::string log = daemon.log();
+  std::size_t lines = 0;
+  for (auto pos = log.find("[bad_magic]"); pos != std::string::npos;
+       pos = log.find("[bad_magic]", pos + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, 10u) << log;  // ...but at most 10 logged per 10 s
+}
+
+TEST_F(DaemonTest, SocatPingAndTextCommands) {
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  std::string out;
+  ASSERT_EQ(run_shell("echo ping | socat - UNIX-CONNECT:" + socket(), out, dir_), 0) << out;
+  EXPECT_EQ(out, "pong\n");
+  // Several commands on one connection, answered in order; an unknown one gets an
+  // error line and the connection stays usable.
+  ASSERT_EQ(run_shell("printf 'ping\\nfrobnicate\\nping\\nversion\\n' | socat - UNIX-CONNECT:" +
+                          socket(),
+                      out, dir_),
+            0);
+  std::istringstream lines(out);
+  std::string line;
+  std::vector<std::string> got;
+  while (std::getline(lines, line)) got.push_back(line);
+  ASSERT_EQ(got.size(), 4u) << out;
+  EXPECT_EQ(got[0], "pong");
+  EXPECT_EQ(got[1].rfind("error: ", 0), 0u);
+  EXPECT_NE(got[1].find("frobnicate"), std::string::npos);
+  EXPECT_EQ(got[2], "pong");
+  const json version = json::parse(got[3]);
+  EXPECT_EQ(version["protocol"], 1);
+
+  auto reply = command(socket(), "report --pid abc\nping");
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->rfind("error: ", 0), 0u) << *reply;
+  EXPECT_NE(reply->find("\npong\n"), std::string::npos) << *reply;
+
+  reply = command(socket(), "reset");
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(*reply, "ok\n");  // we run as the daemon's uid
+}
+
+TEST_F(DaemonTest, OverlongLineIsRefusedAndClosed) {
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  const auto reply = command(socket(), std::string(5000, 'x'));
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(*reply, "error: line too long\n");
+  EXPECT_EQ(command(socket(), "ping"), "pong\n");
+}
+
+TEST_F(DaemonTest, MaxConnectionsRejectsTheExtraOne) {
+  DaemonProcess daemon(socket(),
+                       {"--config", write_config(R"({"limits": {"max_connections": 2}})")});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  std::vector<int> held;
+  for (int i = 0; i < 2; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket().c_str(), sizeof addr.sun_path - 1);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    held.push_back(fd);
+  }
+  // The daemon counts a connection once it accepted it; wait for that.
+  std::optional<std::string> reply;
+  for (int i = 0; i < 100; ++i) {
+    reply = command(socket(), "ping");
+    if (reply && reply->rfind("error:", 0) == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(reply);
+  EXPECT_NE(reply->find("too many connections"), std::string::npos) << *reply;
+  for (int fd : held) ::close(fd);
+  for (int i = 0; i < 100; ++i) {
+    reply = command(socket(), "ping");
+    if (reply == "pong\n") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(reply, "pong\n");
+  const json stats = command_json(socket(), "stats --json");
+  EXPECT_GE(stats["connections"]["rejected"].get<std::uint64_t>(), 1u);
+  EXPECT_GE(stats["limits_hit"]["max_connections"].get<std::uint64_t>(), 1u);
+}
+
+TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  std::string out;
+  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --socket " + socket(), out, dir_), 1);
+  EXPECT_NE(out.find("already listening"), std::string::npos) << out;
+  EXPECT_EQ(command(socket(), "ping"), "pong\n");
+}
+
+TEST_F(DaemonTest, StaleSocketFileIsReplaced) {
+  {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket().c_str(), sizeof addr.sun_path - 1);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    ::close(fd);  // the file stays, nobody listens: a crashed daemon's leftover
+  }
+  ASSERT_TRUE(fs::exists(socket()));
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  EXPECT_EQ(command(socket(), "ping"), "pong\n");
+  EXPECT_NE(daemon.log().find("stale"), std::string::npos);
+}
+
+TEST_F(DaemonTest, SocketModeAndCleanExit) {
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  struct stat st {};
+  ASSERT_EQ(::stat(socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  EXPECT_EQ(daemon.stop(SIGTERM), 0);
+  EXPECT_FALSE(fs::exists(socket()));  // removed on exit
+
+  DaemonProcess strict(socket(), {"--config", write_config(R"({"socket_mode": "0600"})")});
+  ASSERT_TRUE(strict.start()) << strict.log();
+  ASSERT_EQ(::stat(socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(strict.stop(SIGINT), 0);
+}
+
+TEST_F(DaemonTest, MissingSocketDirectoryIsAClearError) {
+  std::string out;
+  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --socket " + dir_.file("nope/d.sock"), out,
+                      dir_),
+            1);
+  EXPECT_NE(out.find("does not exist"), std::string::npos) << out;
+}
+
+TEST_F(DaemonTest, RestartWithTheSameStateDirGivesTheSameReport) {
+  const std::string state = dir_.file("state");
+  DaemonProcess daemon(socket(), {"--state-dir", state});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  const pid_t a = spawn_raw(socket(), {"good", "--threads", "2", "--pairs", "20", "--nest"});
+  const pid_t b = spawn_raw(socket(), {"good", "--pairs", "7", "--custom", "opt_step", "--ledger"});
+  ASSERT_EQ(wait_process(a, 30000), 0);
+  ASSERT_EQ(wait_process(b, 30000), 0);
+  const json before = command_json(socket(), "report --json");
+  ASSERT_NE(find_process(before, a), nullptr);
+  ASSERT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
+  EXPECT_TRUE(fs::exists(state + "/steptraced.snapshot.json"));
+
+  DaemonProcess again(socket(), {"--state-dir", state});
+  ASSERT_TRUE(again.start()) << again.log();
+  const json after = command_json(socket(), "report --json");
+  for (pid_t pid : {a, b}) {
+    const json* p0 = find_process(before, pid);
+    const json* p1 = find_process(after, pid);
+    ASSERT_TRUE(p0 && p1) << after.dump();
+    EXPECT_EQ((*p1)["steps"], (*p0)["steps"]);
+    EXPECT_EQ((*p1)["start_time"], (*p0)["start_time"]);
+    EXPECT_EQ((*p1)["alive"], false);
+  }
+  EXPECT_EQ(after["totals"], before["totals"]);
+}
+
+TEST_F(DaemonTest, SigtermAppliesWhatClientsAlreadySent) {
+  const std::string state = dir_.file("state");
+  DaemonProcess daemon(socket(), {"--state-dir", state});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  // While the daemon is stopped the client connects (backlog) and sends everything; the
+  // bytes wait in the socket. SIGTERM must apply them before the snapshot.
+  daemon.signal(SIGSTOP);
+  const pid_t client = spawn_raw(socket(), {"good", "--threads", "2", "--pairs", "100"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
+  wait_process(client, 30000);  // it may or may not have seen its FlushAck
+
+  DaemonProcess again(socket(), {"--state-dir", state});
+  ASSERT_TRUE(again.start()) << again.log();
+  const json report = command_json(socket(), "report --json");
+  const json* p = find_process(report, client);
+  ASSERT_NE(p, nullptr) << report.dump() << daemon.log();
+  const json* forward = find_step(*p, "Forward");
+  ASSERT_NE(forward, nullptr);
+  EXPECT_EQ((*forward)["count"], 200);
+}
+
+TEST_F(DaemonTest, CorruptSnapshotIsMovedAsideAndTheDaemonStarts) {
+  const std::string state = dir_.file("state");
+  fs::create_directories(state);
+  write_file(state + "/steptraced.snapshot.json", "{ this is not json");
+  DaemonProcess daemon(socket(), {"--state-dir", state});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  bool moved = false;
+  for (const auto& entry : fs::directory_iterator(state)) {
+    if (entry.path().filename().string().find(".corrupt-") != std::string::npos) moved = true;
+  }
+  EXPECT_TRUE(moved);
+  EXPECT_FALSE(fs::exists(state + "/steptraced.snapshot.json"));
+  EXPECT_NE(daemon.log().find("snapshot"), std::string::npos);
+  const json stats = command_json(socket(), "stats --json");
+  EXPECT_EQ(stats["snapshots"]["errors"], 1);
+}
+
+TEST_F(DaemonTest, BadConfigStopsStartUpNamingTheKey) {
+  std::string out;
+  const auto path = write_config(R"({"limits": {"max_open_depht": 3}})");
+  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --socket " + socket() + " --config " + path,
+                      out, dir_),
+            2);
+  EXPECT_NE(out.find("limits.max_open_depht"), std::string::npos) << out;
+  write_config(R"({"limits": {"max_open_depth": 0}})");
+  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --socket " + socket() + " --config " + path,
+                      out, dir_),
+            2);
+  EXPECT_NE(out.find("config: limits.max_open_depth: must be an integer in 1..4096"),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(fs::exists(socket()));
+  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --bogus", out, dir_), 2);
+}
+
+TEST_F(DaemonTest, HelpAndVersion) {
+  std::string out;
+  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --help", out, dir_), 0);
+  EXPECT_NE(out.find("--socket"), std::string::npos) << out;
+  EXPECT_NE(out.find("--metrics-listen"), std::string::npos);
+  EXPECT_NE(out.find("/run/steptrace/steptraced.sock"), std::string::npos);
+  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --version", out, dir_), 0);
+  EXPECT_NE(out.find("steptraced"), std::string::npos) << out;
+}
+
+// ---- HTTP ----------------------------------------------------------------------------
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Sends `request` to 127.0.0.1:port and reads until the server closes.
+std::string http_exchange(int port, const std::string& request) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd);
+    return "";
+  }
+  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string reply;
+  char buf[65536];
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 10000) <= 0) break;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    reply.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return reply;
+}
+
+TEST_F(DaemonTest, HttpMetricsEndpoint) {
+  const int port = free_port();
+  DaemonProcess daemon(socket(), {"--metrics-listen", "127.0.0.1:" + std::to_string(port)});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  const pid_t good = spawn_raw(socket(), {"good", "--pairs", "4"});
+  ASSERT_EQ(wait_process(good, 30000), 0);
+
+  std::string reply =
+      http_exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(reply.rfind("HTTP/1.1 200", 0), 0u) << reply;
+  EXPECT_NE(reply.find("text/plain; version=0.0.4; charset=utf-8"), std::string::npos);
+  EXPECT_NE(reply.find("steptrace_events_received_total"), std::string::npos) << reply;
+  // The body is the same exposition the `metrics` command gives.
+  const auto metrics = command(socket(), "metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_NE(metrics->find("# TYPE steptrace_events_received_total counter"), std::string::npos);
+  EXPECT_NE(reply.find("# TYPE steptrace_events_received_total counter"), std::string::npos);
+
+  reply = http_exchange(port, "HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(reply.rfind("HTTP/1.1 200", 0), 0u) << reply;
+  EXPECT_EQ(reply.find("# TYPE"), std::string::npos);
+
+  reply = http_exchange(port, "GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(reply.rfind("HTTP/1.1 404", 0), 0u) << reply;
+
+  reply = http_exchange(
+      port, "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(reply.rfind("HTTP/1.1 405", 0), 0u) << reply;
+  EXPECT_NE(reply.find("Allow: GET, HEAD"), std::string::npos) << reply;
+
+  reply = http_exchange(port, "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+                              "Connection: close\r\n\r\n" + std::string(100000, 'a'));
+  EXPECT_EQ(reply.rfind("HTTP/1.1 413", 0), 0u) << reply;
+
+  // Ingest still works after all that.
+  EXPECT_EQ(command(socket(), "ping"), "pong\n");
+}
+
+}  // namespace
+}  // namespace steptrace::testing
