@@ -13,6 +13,8 @@
  *   STEPTRACE_SOCKET          socket path (default /run/steptrace/steptraced.sock)
  *   STEPTRACE_DISABLE=1       record nothing
  *   STEPTRACE_BLOCK_WHEN_FULL=1  a full buffer waits (bounded) for the flusher
+ *   STEPTRACE_CLOCK=monotonic    timestamp with clock_gettime instead of the TSC
+ *                                (the TSC is used only when invariant; =tsc forces it then)
  */
 #ifndef STEPTRACE_STEPTRACE_H_
 #define STEPTRACE_STEPTRACE_H_

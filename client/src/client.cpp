@@ -1,0 +1,349 @@
+#include "client/src/client.h"
+
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string_view>
+
+#include <steptrace/steptrace.h>
+
+namespace steptrace::client {
+
+std::atomic<std::uint8_t> g_mode{kModeOff};
+std::atomic<std::uint32_t> g_custom_steps{0};
+bool g_use_tsc = false;
+std::atomic<bool> g_block_when_full{false};
+constinit thread_local EventRing* t_ring __attribute__((tls_model("initial-exec"))) = nullptr;
+
+namespace {
+
+thread_local std::uint32_t t_tid __attribute__((tls_model("initial-exec"))) = 0;
+pthread_key_t g_thread_key;
+bool g_thread_key_ok = false;
+
+constexpr std::uint64_t kBlockWaitNs = 100'000'000;  // bounded wait of the opt-in mode
+constexpr int kExitFlushMs = 500;
+
+std::uint32_t current_tid() noexcept {
+  if (t_tid == 0) t_tid = static_cast<std::uint32_t>(::gettid());
+  return t_tid;
+}
+
+bool env_true(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return false;
+  const std::string_view s(v);
+  return s == "1" || s == "true" || s == "yes" || s == "on";
+}
+
+void on_thread_exit(void* p) {
+  auto* ring = static_cast<EventRing*>(p);
+  if (t_ring == ring) t_ring = nullptr;
+  Client::get().retire_ring(ring);
+}
+
+void fork_prepare_hook() { Client::get().fork_prepare(); }
+void fork_parent_hook() { Client::get().fork_parent(); }
+void fork_child_hook() { Client::get().fork_child(); }
+void at_exit_hook() { Client::get().at_exit(); }
+
+}  // namespace
+
+void ClientState::wake() noexcept {
+  const int fd = wake_fd.load(std::memory_order_relaxed);
+  if (fd < 0) return;
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const ssize_t r = ::write(fd, &one, sizeof one);
+}
+
+EventRing* first_event() noexcept {
+  try {
+    Client& client = Client::get();
+    client.restart_after_fork_if_needed();
+    EventRing* ring = client.create_ring();
+    t_ring = ring;
+    return ring;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept {
+  Client::get().ring_full(ring, ticks, meta);
+}
+
+void count_drop() noexcept {
+  Client::get().state().other_dropped.fetch_add(1, std::memory_order_relaxed);
+}
+
+// ---- Client ------------------------------------------------------------------------
+
+Client& Client::get() {
+  static Client* const instance = [] {
+    auto* client = new Client();  // never destroyed: usable from static destructors
+    ::pthread_atfork(fork_prepare_hook, fork_parent_hook, fork_child_hook);
+    std::atexit(at_exit_hook);
+    return client;
+  }();
+  return *instance;
+}
+
+Client::Client() {
+  env_disabled_ = env_true("STEPTRACE_DISABLE");
+  g_block_when_full.store(env_true("STEPTRACE_BLOCK_WHEN_FULL"), std::memory_order_relaxed);
+  s_.clock_source =
+      choose_clock_source(std::getenv("STEPTRACE_CLOCK"), cpu_has_invariant_tsc(),
+                          current_clocksource());
+  g_use_tsc = s_.clock_source == ClockSource::kTsc;
+  if (g_use_tsc) s_.converter.start(take_clock_sample());
+  s_.wake_fd.store(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), std::memory_order_relaxed);
+  g_thread_key_ok = ::pthread_key_create(&g_thread_key, on_thread_exit) == 0;
+  update_mode_locked();
+}
+
+void Client::update_mode_locked() {
+  Mode mode = kModeRecord;
+  if (env_disabled_ || !user_enabled_) {
+    mode = kModeOff;
+  } else if (lifecycle_ == Lifecycle::kStopped) {
+    mode = kModeDrop;
+  }
+  g_mode.store(mode, std::memory_order_release);
+}
+
+EventRing* Client::create_ring() {
+  auto ring = std::make_unique<EventRing>(current_tid());
+  std::lock_guard lock(s_.registry.mu);
+  s_.registry.rings.push_back(ring.get());
+  if (g_thread_key_ok) ::pthread_setspecific(g_thread_key, ring.get());
+  return ring.release();
+}
+
+void Client::retire_ring(EventRing* ring) noexcept {
+  std::lock_guard lock(s_.registry.mu);
+  auto& rings = s_.registry.rings;
+  const auto it = std::find(rings.begin(), rings.end(), ring);
+  if (it == rings.end()) return;  // already freed (e.g. over a fork)
+  ring->orphan();
+  if (ring->fill() == 0) {
+    s_.registry.free_ring_locked(static_cast<std::size_t>(it - rings.begin()));
+    return;
+  }
+  if (s_.connected.load(std::memory_order_acquire)) return;  // the flusher drains it soon
+  // Nobody drains: keep only the newest kMaxOrphanRings exited threads' events.
+  std::size_t orphans = 0;
+  for (std::size_t i = rings.size(); i-- > 0;) {
+    if (rings[i]->orphaned() && ++orphans > kMaxOrphanRings) s_.registry.free_ring_locked(i);
+  }
+}
+
+void Client::ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept {
+  if (g_block_when_full.load(std::memory_order_relaxed) &&
+      s_.connected.load(std::memory_order_acquire)) {
+    if (ring->stalled && ring->consumed() != ring->stalled_tail) ring->stalled = false;
+    if (!ring->stalled) {
+      s_.wake();
+      const std::uint64_t deadline = monotonic_ns() + kBlockWaitNs;
+      const timespec pause{0, 50'000};
+      for (;;) {
+        if (ring->try_push(ticks, meta)) return;
+        if (!s_.connected.load(std::memory_order_acquire) || monotonic_ns() >= deadline) break;
+        ::nanosleep(&pause, nullptr);
+      }
+      ring->stalled = true;
+      ring->stalled_tail = ring->consumed();
+    }
+  }
+  ring->count_drop();
+}
+
+int Client::connect(const char* socket_path) {
+  restart_after_fork_if_needed();
+  std::lock_guard lock(control_mu_);
+  if (env_disabled_) return 0;  // STEPTRACE_DISABLE=1: no thread, no connection
+  std::string path;
+  if (socket_path != nullptr && socket_path[0] != '\0') {
+    path = socket_path;
+  } else if (const char* env = std::getenv("STEPTRACE_SOCKET"); env != nullptr && env[0]) {
+    path = env;
+  } else {
+    path = STEPTRACE_DEFAULT_SOCKET;
+  }
+  lifecycle_ = Lifecycle::kRunning;
+  update_mode_locked();
+  if (flusher_ && flusher_->socket_path() == path && s_.connected.load()) return 0;
+  stop_flusher_locked(0);
+  int fd = -1;
+  const int rc = connect_unix_socket(path, fd);
+  flusher_ = std::make_unique<Flusher>(s_, path, rc == 0 ? fd : -1);
+  flusher_->start();
+  flusher_running_.store(true, std::memory_order_release);
+  socket_path_ = path;
+  return rc;
+}
+
+void Client::stop_flusher_locked(int flush_timeout_ms) {
+  if (!flusher_) return;
+  if (flush_timeout_ms > 0 && s_.connected.load(std::memory_order_acquire)) {
+    flush_impl(flush_timeout_ms);
+  }
+  flusher_running_.store(false, std::memory_order_release);
+  flusher_->stop();
+  flusher_.reset();
+  std::lock_guard lock(s_.flush.mu);
+  s_.flush.fail_all_locked(-ENOTCONN);
+}
+
+std::uint32_t Client::register_step(const char* name) {
+  restart_after_fork_if_needed();
+  if (name == nullptr) return kInvalidStep;
+  const std::uint32_t id = s_.steps.register_step(name);
+  if (id != kInvalidStep) g_custom_steps.store(s_.steps.count(), std::memory_order_release);
+  return id;
+}
+
+void Client::ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t reservation_id,
+                    std::uint64_t bytes, std::uint64_t total_bytes, std::uint32_t holder_pid,
+                    const char* task) {
+  restart_after_fork_if_needed();
+  const std::uint8_t mode = g_mode.load(std::memory_order_relaxed);
+  if (mode == kModeOff) return;
+  auto record = mode == kModeRecord
+                    ? make_ledger_record(op, gpu_uuid, task, read_clock(), current_tid())
+                    : std::nullopt;
+  if (!record) {
+    count_drop();
+    return;
+  }
+  record->reservation_id = reservation_id;
+  record->bytes = bytes;
+  record->total_bytes = total_bytes;
+  record->holder_pid = holder_pid;
+  if (!s_.ledger.push(*record)) count_drop();
+}
+
+int Client::flush(int timeout_ms) {
+  restart_after_fork_if_needed();
+  return flush_impl(timeout_ms);
+}
+
+int Client::flush_impl(int timeout_ms) {
+  if (!flusher_running_.load(std::memory_order_acquire)) return -ENOTCONN;
+  FlushWaiter waiter;
+  std::unique_lock lock(s_.flush.mu);
+  waiter.sequence = ++s_.flush.requested;
+  s_.flush.waiters.push_back(&waiter);
+  s_.wake();
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(timeout_ms, 0));
+  s_.flush.cv.wait_until(lock, deadline, [&] { return waiter.result != 1; });
+  auto& waiters = s_.flush.waiters;
+  waiters.erase(std::remove(waiters.begin(), waiters.end(), &waiter), waiters.end());
+  if (waiter.result != 1) return waiter.result;
+  return s_.connected.load(std::memory_order_acquire) ? -ETIMEDOUT : -ENOTCONN;
+}
+
+std::uint64_t Client::dropped() {
+  restart_after_fork_if_needed();
+  std::lock_guard lock(s_.registry.mu);
+  return s_.total_dropped_locked();
+}
+
+void Client::set_enabled(bool on) {
+  restart_after_fork_if_needed();
+  std::lock_guard lock(control_mu_);
+  user_enabled_ = on;
+  update_mode_locked();
+}
+
+void Client::set_block_when_full(bool on) {
+  g_block_when_full.store(on, std::memory_order_relaxed);
+}
+
+void Client::shutdown(int flush_timeout_ms) {
+  std::lock_guard lock(control_mu_);
+  stop_flusher_locked(flush_timeout_ms);
+  restart_pending_.store(false, std::memory_order_relaxed);
+  lifecycle_ = Lifecycle::kStopped;
+  update_mode_locked();
+}
+
+void Client::at_exit() noexcept {
+  try {
+    // Never hang exit: give up on the lock if some thread holds it for long.
+    std::unique_lock lock(control_mu_, std::defer_lock);
+    if (!lock.try_lock_for(std::chrono::milliseconds(kExitFlushMs))) return;
+    stop_flusher_locked(kExitFlushMs);
+    restart_pending_.store(false, std::memory_order_relaxed);
+    lifecycle_ = Lifecycle::kStopped;
+    update_mode_locked();
+  } catch (...) {
+  }
+}
+
+void Client::restart_after_fork() noexcept {
+  try {
+    std::lock_guard lock(control_mu_);
+    if (!restart_pending_.exchange(false)) return;
+    int fd = -1;
+    const int rc = connect_unix_socket(socket_path_, fd);
+    flusher_ = std::make_unique<Flusher>(s_, socket_path_, rc == 0 ? fd : -1);
+    flusher_->start();
+    flusher_running_.store(true, std::memory_order_release);
+  } catch (...) {
+  }
+}
+
+void Client::fork_prepare() noexcept {
+  control_mu_.lock();
+  s_.flush.mu.lock();
+  s_.registry.mu.lock();
+  s_.steps.mutex().lock();
+  s_.ledger.mutex().lock();
+}
+
+void Client::fork_parent() noexcept {
+  s_.ledger.mutex().unlock();
+  s_.steps.mutex().unlock();
+  s_.registry.mu.unlock();
+  s_.flush.mu.unlock();
+  control_mu_.unlock();
+}
+
+void Client::fork_child() noexcept {
+  // Only this thread exists now. Start clean: nothing of the parent's is sent twice.
+  // (fork() has already made malloc usable in the child when these handlers run.)
+  for (EventRing* ring : s_.registry.rings) delete ring;
+  s_.registry.rings.clear();
+  t_ring = nullptr;
+  t_tid = 0;
+  if (g_thread_key_ok) ::pthread_setspecific(g_thread_key, nullptr);
+  s_.registry.retired_dropped = 0;
+  s_.other_dropped.store(0, std::memory_order_relaxed);
+  s_.ledger.clear_after_fork();
+  s_.flush.waiters.clear();
+  new (&s_.flush.cv) std::condition_variable();  // the parent's waiters do not exist here
+  s_.connected.store(false, std::memory_order_relaxed);
+  if (g_use_tsc) s_.converter.start(take_clock_sample());  // the parent may have been mid-update
+  const int old_wake = s_.wake_fd.load(std::memory_order_relaxed);
+  if (old_wake >= 0) ::close(old_wake);
+  s_.wake_fd.store(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), std::memory_order_relaxed);
+  if (flusher_) {
+    flusher_->abandon_after_fork();
+    Flusher* old = flusher_.release();
+    old->next_abandoned = abandoned_;
+    abandoned_ = old;
+    flusher_running_.store(false, std::memory_order_relaxed);
+    restart_pending_.store(true, std::memory_order_relaxed);
+  }
+  fork_parent();  // same unlocks: this thread took them in fork_prepare
+}
+
+}  // namespace steptrace::client

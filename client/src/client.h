@@ -1,0 +1,123 @@
+// libsteptrace's core: the per-process Client (lifecycle, flusher, fork and exit
+// handling) and the inline hot path that steptrace_start/end compile to.
+//
+// Hot path (record()): one relaxed load of the mode (off / record / drop-and-count),
+// a range check of the step id, the thread's ring pointer (an initial-exec TLS slot),
+// one clock read, one 16-byte store and a release store of the ring head. The first
+// event of a thread takes the slow path (first_event): it allocates the thread's ring,
+// registers it under the registry mutex and arms a pthread key whose destructor hands
+// the ring to the flusher when the thread exits (drained, then freed: nothing lost).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "client/src/client_state.h"
+#include "client/src/clock.h"
+#include "client/src/event_ring.h"
+#include "client/src/flusher.h"
+
+namespace steptrace::client {
+
+enum Mode : std::uint8_t {
+  kModeOff = 0,     // disabled (STEPTRACE_DISABLE=1 or steptrace_set_enabled(0)): nothing
+  kModeRecord = 1,  // record into the rings
+  kModeDrop = 2,    // after shutdown / exit: drop and count
+};
+
+// Constant-initialized, so the hot path is safe even before the library's own
+// initializers ran (mode 0 = off).
+extern std::atomic<std::uint8_t> g_mode;
+extern std::atomic<std::uint32_t> g_custom_steps;  // registered custom step count
+extern bool g_use_tsc;
+extern std::atomic<bool> g_block_when_full;
+extern constinit thread_local EventRing* t_ring __attribute__((tls_model("initial-exec")));
+
+inline std::uint64_t read_clock() noexcept { return g_use_tsc ? tsc_ticks() : monotonic_ns(); }
+
+// Slow paths, out of line.
+EventRing* first_event() noexcept;
+void ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept;
+void count_drop() noexcept;
+
+inline void record(std::uint32_t step, proto::EventKind kind) noexcept {
+  const std::uint8_t mode = g_mode.load(std::memory_order_relaxed);
+  if (mode != kModeRecord) [[unlikely]] {
+    if (mode == kModeDrop) count_drop();
+    return;
+  }
+  if (step >= proto::kBuiltinStepCount &&
+      step - proto::kFirstCustomStep >= g_custom_steps.load(std::memory_order_relaxed))
+      [[unlikely]] {
+    count_drop();  // unknown id: never sent as an invalid frame
+    return;
+  }
+  EventRing* ring = t_ring;
+  if (ring == nullptr) [[unlikely]] {
+    ring = first_event();
+    if (ring == nullptr) {
+      count_drop();
+      return;
+    }
+  }
+  const std::uint64_t meta = event_meta(ring->thread_id(), step, kind);
+  const std::uint64_t ticks = read_clock();
+  if (!ring->try_push(ticks, meta)) [[unlikely]] ring_full(ring, ticks, meta);
+}
+
+class Client {
+ public:
+  static Client& get();
+
+  ClientState& state() { return s_; }
+
+  EventRing* create_ring();
+  void retire_ring(EventRing* ring) noexcept;
+  void ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept;
+
+  int connect(const char* socket_path);
+  std::uint32_t register_step(const char* name);
+  void ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t reservation_id,
+              std::uint64_t bytes, std::uint64_t total_bytes, std::uint32_t holder_pid,
+              const char* task);
+  int flush(int timeout_ms);
+  std::uint64_t dropped();
+  void set_enabled(bool on);
+  void set_block_when_full(bool on);
+  void shutdown(int flush_timeout_ms);
+  void at_exit() noexcept;
+
+  // The child of a fork whose parent had connected starts its own flusher here (on its
+  // first event or API call after the fork).
+  void restart_after_fork_if_needed() noexcept {
+    if (restart_pending_.load(std::memory_order_relaxed)) restart_after_fork();
+  }
+
+  void fork_prepare() noexcept;
+  void fork_parent() noexcept;
+  void fork_child() noexcept;
+
+ private:
+  Client();
+  enum class Lifecycle { kIdle, kRunning, kStopped };
+  void update_mode_locked();
+  void stop_flusher_locked(int flush_timeout_ms);
+  int flush_impl(int timeout_ms);
+  void restart_after_fork() noexcept;
+
+  ClientState s_;
+  std::timed_mutex control_mu_;  // lifecycle, flusher, socket path
+  std::unique_ptr<Flusher> flusher_;
+  std::atomic<bool> flusher_running_{false};
+  Flusher* abandoned_ = nullptr;  // flushers inherited over fork, leaked on purpose
+  std::string socket_path_;
+  Lifecycle lifecycle_ = Lifecycle::kIdle;
+  bool env_disabled_ = false;
+  bool user_enabled_ = true;
+  std::atomic<bool> restart_pending_{false};
+};
+
+}  // namespace steptrace::client
