@@ -1,0 +1,238 @@
+// steptrace: the command-line client of steptraced.
+//
+// Each subcommand is one of the daemon's text commands: the CLI resolves the socket path
+// (--socket, else $STEPTRACE_SOCKET, else the default), sends the command over one Unix
+// stream connection (cli/control_client.h) and prints the reply. `top` polls
+// `report --json` and renders it (cli/top_view.h). Exit status: 0 success, 1 the daemon
+// could not be reached or answered with an error, 2 bad usage.
+#include <signal.h>
+#include <steptrace/steptrace.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <variant>
+
+#include "cli/control_client.h"
+#include "cli/top_view.h"
+
+namespace {
+
+using steptrace::cli::CommandFailure;
+using steptrace::cli::SocketPath;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+constexpr const char* kDescription =
+    "steptrace - ask steptraced, the steptrace trace collector, what ML training processes on "
+    "this machine are doing.\n"
+    "Trainers linked with libsteptrace send their span timings (Forward, Backward, Matmul, ...) "
+    "and VRAM-ledger annotations to the steptraced daemon; this tool queries it over its Unix "
+    "socket.";
+
+constexpr const char* kFooter =
+    "Socket: --socket PATH, else $STEPTRACE_SOCKET, else " STEPTRACE_DEFAULT_SOCKET
+    ".\nIf the daemon is not running: systemctl start steptraced.socket\n"
+    "Exit status: 0 ok, 1 daemon unreachable or answered an error, 2 bad usage.\n"
+    "Run `steptrace SUBCOMMAND --help` for a subcommand's options.\n";
+
+struct Options {
+  std::string socket_flag;
+  double timeout_s = 10.0;
+  bool json = false;
+  int pid = 0;
+  double interval_s = 1.0;
+  int iterations = 0;
+};
+
+std::chrono::milliseconds to_ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<long long>(std::llround(seconds * 1000.0)));
+}
+
+void write_line(std::FILE* out, const std::string& text) {
+  std::fputs(text.c_str(), out);
+  if (text.empty() || text.back() != '\n') std::fputc('\n', out);
+  std::fflush(out);
+}
+
+// Runs one command and prints its reply; returns the exit status.
+int run_and_print(const SocketPath& socket, const std::string& line,
+                  std::chrono::milliseconds timeout) {
+  auto result = steptrace::cli::run_command(socket.path, line, timeout);
+  if (const auto* failure = std::get_if<CommandFailure>(&result)) {
+    write_line(stderr, steptrace::cli::describe_failure(*failure, socket, line, timeout));
+    return kExitFailure;
+  }
+  const std::string& reply = std::get<std::string>(result);
+  if (reply.empty()) {
+    write_line(stderr, "steptrace: steptraced at " + socket.path +
+                           " closed the connection without answering `" + line + "`");
+    return kExitFailure;
+  }
+  if (reply.rfind("error:", 0) == 0) {
+    write_line(stderr, reply);
+    return kExitFailure;
+  }
+  std::fputs(reply.c_str(), stdout);
+  if (reply.back() != '\n') std::fputc('\n', stdout);
+  return std::fflush(stdout) == 0 ? kExitOk : kExitFailure;
+}
+
+std::string wall_clock() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%H:%M:%S", &local);
+  return buf;
+}
+
+// One refresh of `top`: the rendered screen, or an error line.
+struct Frame {
+  std::string text;
+  bool ok = false;
+};
+
+Frame top_frame(const SocketPath& socket, const Options& options, bool color) {
+  const std::string line = "report --json";
+  const auto timeout = to_ms(options.timeout_s);
+  auto result = steptrace::cli::run_command(socket.path, line, timeout);
+  if (const auto* failure = std::get_if<CommandFailure>(&result)) {
+    return {steptrace::cli::describe_failure(*failure, socket, line, timeout), false};
+  }
+  const std::string& reply = std::get<std::string>(result);
+  if (reply.rfind("error:", 0) == 0) return {"steptrace: steptraced answered: " + reply, false};
+  const nlohmann::json report = nlohmann::json::parse(reply, nullptr, /*allow_exceptions=*/false);
+  if (report.is_discarded() || !report.is_object()) {
+    return {"steptrace: steptraced at " + socket.path +
+                " answered `report --json` with something that is not a JSON object",
+            false};
+  }
+  steptrace::cli::TopStyle style;
+  style.color = color;
+  char interval[32];
+  std::snprintf(interval, sizeof interval, "%g", options.interval_s);
+  style.note = wall_clock() + ", every " + interval + " s, " + socket.path;
+  return {steptrace::cli::render_top(report, style), true};
+}
+
+int run_top(const SocketPath& socket, const Options& options) {
+  const bool tty = ::isatty(STDOUT_FILENO) == 1;
+  const auto interval = to_ms(options.interval_s);
+  auto next = std::chrono::steady_clock::now();
+  bool last_ok = false;
+  for (int i = 0; options.iterations == 0 || i < options.iterations; ++i) {
+    if (i > 0) std::this_thread::sleep_until(next);
+    next = std::chrono::steady_clock::now() + interval;
+    Frame frame = top_frame(socket, options, tty);
+    if (!frame.ok && i == 0) {
+      // Nothing to show yet: fail the way every other subcommand does.
+      write_line(stderr, frame.text);
+      return kExitFailure;
+    }
+    if (!frame.ok) frame.text += " (retrying)\n";
+    last_ok = frame.ok;
+    if (tty) {
+      std::fputs("\x1b[H\x1b[2J", stdout);  // home, clear screen
+    } else if (i > 0) {
+      std::fputs("\n", stdout);  // frames stay readable when piped or logged
+    }
+    std::fputs(frame.text.c_str(), stdout);
+    std::fflush(stdout);
+  }
+  return last_ok ? kExitOk : kExitFailure;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // A daemon that goes away mid-reply must give an error, not kill us with SIGPIPE.
+  ::signal(SIGPIPE, SIG_IGN);
+
+  Options options;
+  CLI::App app{kDescription, "steptrace"};
+  app.footer(kFooter);
+  app.fallthrough();  // global options may come after the subcommand too
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "steptrace " STEPTRACE_VERSION, "Print the CLI's version");
+  app.add_option("--socket", options.socket_flag,
+                 "steptraced's socket (default: $STEPTRACE_SOCKET, else " STEPTRACE_DEFAULT_SOCKET
+                 ")")
+      ->type_name("PATH");
+  app.add_option("--timeout", options.timeout_s, "Seconds to wait for the daemon's reply")
+      ->type_name("SECONDS")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 3600.0));
+
+  auto* ping = app.add_subcommand("ping", "Check that steptraced answers (prints pong)");
+  auto* report = app.add_subcommand(
+      "report", "Time per step for all processes and for each one, then the VRAM ledger");
+  report->add_flag("--json", options.json, "Machine-readable report (steptrace.report/v1)");
+  report->add_option("--pid", options.pid, "Only this process")->type_name("PID")->check(CLI::Range(1, 1 << 30));
+  auto* ledger =
+      app.add_subcommand("ledger", "Who holds VRAM on each GPU; leaked reservations are marked");
+  ledger->add_flag("--json", options.json, "As JSON");
+  auto* stats = app.add_subcommand(
+      "stats", "The daemon's own counters: events, connections, protocol errors, limits hit");
+  stats->add_flag("--json", options.json, "As JSON");
+  auto* metrics =
+      app.add_subcommand("metrics", "Everything in the Prometheus text exposition format");
+  auto* reset = app.add_subcommand(
+      "reset", "Clear the step aggregates (all, or one process's); root or the daemon's user only");
+  reset->add_option("--pid", options.pid, "Only this process")->type_name("PID")->check(CLI::Range(1, 1 << 30));
+  auto* version = app.add_subcommand("version", "Versions of this CLI and of the running daemon");
+  auto* top = app.add_subcommand(
+      "top",
+      "Live view: what each process is doing right now (WAITING FOR VRAM stands out), its step "
+      "totals, and the VRAM ledger");
+  top->add_option("--interval", options.interval_s, "Seconds between refreshes")
+      ->type_name("SECONDS")
+      ->capture_default_str()
+      ->check(CLI::Range(0.05, 3600.0));
+  top->add_option("--iterations", options.iterations, "Exit after N refreshes (0: run until ^C)")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 30));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr && app.remaining_size() > 0 &&
+        app.remaining().front().rfind('-', 0) != 0) {
+      // CLI11 would say "a subcommand is required" for a misspelt one; name it instead.
+      std::fprintf(stderr, "steptrace: unknown subcommand '%s'\nRun with --help for more information.\n",
+                   app.remaining().front().c_str());
+      return kExitUsage;
+    }
+    const int code = app.exit(e);  // prints help/version to stdout, errors to stderr
+    return code == 0 ? kExitOk : kExitUsage;
+  }
+
+  const SocketPath socket = steptrace::cli::resolve_socket_path(options.socket_flag);
+  const auto timeout = to_ms(options.timeout_s);
+  const std::string pid_arg = options.pid > 0 ? " --pid " + std::to_string(options.pid) : "";
+  const std::string json_arg = options.json ? " --json" : "";
+
+  if (app.got_subcommand(ping)) return run_and_print(socket, "ping", timeout);
+  if (app.got_subcommand(report)) return run_and_print(socket, "report" + json_arg + pid_arg, timeout);
+  if (app.got_subcommand(ledger)) return run_and_print(socket, "ledger" + json_arg, timeout);
+  if (app.got_subcommand(stats)) return run_and_print(socket, "stats" + json_arg, timeout);
+  if (app.got_subcommand(metrics)) return run_and_print(socket, "metrics", timeout);
+  if (app.got_subcommand(reset)) return run_and_print(socket, "reset" + pid_arg, timeout);
+  if (app.got_subcommand(version)) {
+    std::printf("steptrace %s (CLI)\n", STEPTRACE_VERSION);
+    std::fflush(stdout);
+    return run_and_print(socket, "version", timeout);
+  }
+  if (app.got_subcommand(top)) return run_top(socket, options);
+  return kExitUsage;  // unreachable: require_subcommand(1)
+}

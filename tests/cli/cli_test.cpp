@@ -1,0 +1,440 @@
+// Integration tests of the steptrace CLI: the real binary (fork/exec) against the real
+// steptraced on a temporary socket, with sim_trainer and the C example as real traced
+// processes.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support/daemon_process.h"
+
+namespace {
+
+using nlohmann::json;
+using steptrace::testing::DaemonProcess;
+using steptrace::testing::TempDir;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint64_t kGiB = 1024ULL * 1024 * 1024;
+
+struct Output {
+  int status = -1;  // exit status, 128+signal, -1 on timeout
+  std::string out;
+  std::string err;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// fork/exec argv with stdout and stderr captured in files of `dir`; `env` entries
+// ("NAME=value", or "NAME" alone to unset) adjust this process's environment.
+Output run(const TempDir& dir, std::vector<std::string> argv,
+           const std::vector<std::string>& env = {}, int timeout_ms = 60000) {
+  static int counter = 0;
+  const std::string base = dir.file("run" + std::to_string(++counter));
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int out = ::open((base + ".out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err = ::open((base + ".err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (out < 0 || err < 0) std::_Exit(126);
+    ::dup2(out, STDOUT_FILENO);
+    ::dup2(err, STDERR_FILENO);
+    for (const auto& e : env) {
+      const auto eq = e.find('=');
+      if (eq == std::string::npos) {
+        ::unsetenv(e.c_str());
+      } else {
+        ::setenv(e.substr(0, eq).c_str(), e.substr(eq + 1).c_str(), 1);
+      }
+    }
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    std::_Exit(127);
+  }
+  Output result;
+  result.status = steptrace::testing::wait_process(pid, timeout_ms);
+  if (result.status < 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+  result.out = read_file(base + ".out");
+  result.err = read_file(base + ".err");
+  return result;
+}
+
+std::size_t count_lines(const std::string& text) {
+  std::size_t n = 0;
+  for (char c : text) n += c == '\n';
+  return n;
+}
+
+// ---------------------------------------------------------------------------------
+// Without a daemon
+
+TEST(CliNoDaemon, UnreachableSocketExitsOneNamingThePath) {
+  TempDir dir;
+  const std::string socket = dir.file("absent.sock");
+  const Output r = run(dir, {STEPTRACE_CLI_BIN, "--socket", socket, "ping"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_THAT(r.err, HasSubstr(socket));
+  EXPECT_THAT(r.err, HasSubstr("No such file or directory"));
+  EXPECT_THAT(r.err, HasSubstr("systemctl start steptraced.socket"));
+  EXPECT_EQ(count_lines(r.err), 1u) << r.err;
+}
+
+TEST(CliNoDaemon, SocketPathComesFromTheEnvironmentWithoutFlag) {
+  TempDir dir;
+  const std::string socket = dir.file("from-env.sock");
+  const Output r = run(dir, {STEPTRACE_CLI_BIN, "report", "--json"}, {"STEPTRACE_SOCKET=" + socket});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.err, HasSubstr(socket));
+  EXPECT_THAT(r.err, HasSubstr("STEPTRACE_SOCKET"));
+}
+
+TEST(CliNoDaemon, DefaultSocketWhenNothingElseIsSet) {
+  TempDir dir;
+  const Output r = run(dir, {STEPTRACE_CLI_BIN, "stats"}, {"STEPTRACE_SOCKET"});
+  // A machine running steptraced answers on the default path; any other must name it.
+  if (::access("/run/steptrace/steptraced.sock", F_OK) == 0 && r.status == 0) {
+    EXPECT_FALSE(r.out.empty());
+  } else {
+    EXPECT_EQ(r.status, 1);
+    EXPECT_THAT(r.err, HasSubstr("/run/steptrace/steptraced.sock (the default)"));
+  }
+}
+
+TEST(CliNoDaemon, BadUsageExitsTwo) {
+  TempDir dir;
+  const Output none = run(dir, {STEPTRACE_CLI_BIN});
+  EXPECT_EQ(none.status, 2);
+  EXPECT_THAT(none.err, HasSubstr("--help"));
+
+  const Output unknown = run(dir, {STEPTRACE_CLI_BIN, "frobnicate"});
+  EXPECT_EQ(unknown.status, 2);
+  EXPECT_THAT(unknown.err, HasSubstr("frobnicate"));
+
+  const Output bad_pid = run(dir, {STEPTRACE_CLI_BIN, "report", "--pid", "many"});
+  EXPECT_EQ(bad_pid.status, 2);
+  const Output bad_option = run(dir, {STEPTRACE_CLI_BIN, "ping", "--loud"});
+  EXPECT_EQ(bad_option.status, 2);
+  const Output bad_interval = run(dir, {STEPTRACE_CLI_BIN, "top", "--interval", "-1"});
+  EXPECT_EQ(bad_interval.status, 2);
+}
+
+TEST(CliNoDaemon, HelpDescribesEverySubcommand) {
+  TempDir dir;
+  const Output r = run(dir, {STEPTRACE_CLI_BIN, "--help"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_THAT(r.out, HasSubstr("steptraced"));
+  for (const char* sub : {"ping", "report", "ledger", "stats", "metrics", "reset", "version", "top"}) {
+    EXPECT_THAT(r.out, HasSubstr(std::string("  ") + sub + " ")) << sub;
+  }
+  EXPECT_THAT(r.out, HasSubstr("STEPTRACE_SOCKET"));
+}
+
+// ---------------------------------------------------------------------------------
+// Against a live daemon
+
+class CliLive : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(daemon_.start()) << daemon_.log();
+  }
+
+  Output cli(std::vector<std::string> args) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN, "--socket", daemon_.socket()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run(dir_, argv);
+  }
+
+  json cli_json(std::vector<std::string> args) {
+    const Output r = cli(std::move(args));
+    EXPECT_EQ(r.status, 0) << r.err;
+    json doc = json::parse(r.out, nullptr, false);
+    EXPECT_TRUE(doc.is_object()) << r.out;
+    // An empty object keeps the caller's lookups well-defined after a recorded failure.
+    return doc.is_object() ? doc : json::object();
+  }
+
+  TempDir dir_;
+  DaemonProcess daemon_{dir_.file("d.sock"), {"--state-dir", dir_.path()}};
+};
+
+TEST_F(CliLive, PingPrintsPong) {
+  const Output r = cli({"ping"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, "pong\n");
+  EXPECT_EQ(r.err, "");
+}
+
+TEST_F(CliLive, SocketFromTheEnvironment) {
+  const Output r = run(dir_, {STEPTRACE_CLI_BIN, "ping"}, {"STEPTRACE_SOCKET=" + daemon_.socket()});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, "pong\n");
+}
+
+TEST_F(CliLive, ReportLedgerStatsMetricsAnswer) {
+  const Output report = cli({"report"});
+  EXPECT_EQ(report.status, 0) << report.err;
+  EXPECT_FALSE(report.out.empty());
+
+  const json report_json = cli_json({"report", "--json"});
+  ASSERT_TRUE(report_json.is_object());
+  EXPECT_EQ(report_json.value("schema", ""), "steptrace.report/v1");
+  EXPECT_TRUE(report_json["processes"].is_array());
+
+  const Output ledger = cli({"ledger"});
+  EXPECT_EQ(ledger.status, 0) << ledger.err;
+  EXPECT_FALSE(ledger.out.empty());
+  const json ledger_json = cli_json({"ledger", "--json"});
+  ASSERT_TRUE(ledger_json.is_object());
+  EXPECT_TRUE(ledger_json["gpus"].is_array());
+
+  const Output stats = cli({"stats"});
+  EXPECT_EQ(stats.status, 0) << stats.err;
+  EXPECT_FALSE(stats.out.empty());
+  EXPECT_TRUE(cli_json({"stats", "--json"}).is_object());
+
+  const Output metrics = cli({"metrics"});
+  EXPECT_EQ(metrics.status, 0) << metrics.err;
+  EXPECT_THAT(metrics.out, HasSubstr("# TYPE "));
+}
+
+TEST_F(CliLive, VersionShowsTheCliAndTheDaemon) {
+  const Output r = cli({"version"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("(CLI)"));
+  const auto second = r.out.substr(r.out.find('\n') + 1);
+  const json daemon_version = json::parse(second, nullptr, false);
+  ASSERT_TRUE(daemon_version.is_object()) << r.out;
+  EXPECT_TRUE(daemon_version.contains("version"));
+}
+
+TEST_F(CliLive, ReportOfOneProcessAfterTheCExample) {
+  const Output c = run(dir_, {MINIMAL_C_BIN}, {"STEPTRACE_SOCKET=" + daemon_.socket()});
+  ASSERT_EQ(c.status, 0) << c.out << c.err;
+  // "minimal: pid N, ..."
+  const auto pos = c.out.find("pid ");
+  ASSERT_NE(pos, std::string::npos) << c.out;
+  const int pid = std::atoi(c.out.c_str() + pos + 4);
+  ASSERT_GT(pid, 0);
+
+  const json report = cli_json({"report", "--json", "--pid", std::to_string(pid)});
+  ASSERT_TRUE(report.is_object());
+  ASSERT_EQ(report["processes"].size(), 1u) << report.dump();
+  const json& proc = report["processes"][0];
+  EXPECT_EQ(proc.value("pid", 0), pid);
+  std::map<std::string, std::uint64_t> counts;
+  for (const auto& s : proc["steps"]) counts[s.value("step", "")] = s.value("count", 0ULL);
+  EXPECT_EQ(counts["Forward"], 5u);
+  EXPECT_EQ(counts["Backward"], 5u);
+  EXPECT_EQ(counts["Matmul"], 10u);
+  EXPECT_EQ(counts["Checkpoint"], 1u);
+
+  const Output text = cli({"report", "--pid", std::to_string(pid)});
+  EXPECT_EQ(text.status, 0);
+  EXPECT_THAT(text.out, HasSubstr("Forward"));
+}
+
+#ifdef PYTHON3_BIN
+TEST_F(CliLive, ReportOfThePythonExample) {
+  const Output py = run(dir_, {PYTHON3_BIN, MINIMAL_PY},
+                        {"STEPTRACE_SOCKET=" + daemon_.socket(),
+                         std::string("STEPTRACE_LIBRARY=") + STEPTRACE_LIBRARY_FILE});
+  ASSERT_EQ(py.status, 0) << py.out << py.err;
+  const auto pos = py.out.find("pid ");
+  ASSERT_NE(pos, std::string::npos) << py.out;
+  const int pid = std::atoi(py.out.c_str() + pos + 4);
+  ASSERT_GT(pid, 0);
+  const json report = cli_json({"report", "--json", "--pid", std::to_string(pid)});
+  ASSERT_EQ(report["processes"].size(), 1u) << report.dump();
+  std::map<std::string, std::uint64_t> counts;
+  for (const auto& s : report["processes"][0]["steps"]) {
+    counts[s.value("step", "")] = s.value("count", 0ULL);
+  }
+  EXPECT_EQ(counts["Forward"], 5u);
+  EXPECT_EQ(counts["Matmul"], 10u);
+  EXPECT_EQ(counts["Tokenize"], 5u);  // the decorated function, a custom step
+  EXPECT_EQ(counts["LedgerReserve"], 1u);
+  EXPECT_EQ(counts["LedgerRelease"], 1u);
+}
+#endif
+
+// Kills the given processes on scope exit, so a failing test leaves nothing behind.
+struct Reaper {
+  std::vector<pid_t> pids;
+  ~Reaper() {
+    for (pid_t p : pids) ::kill(p, SIGKILL);
+    for (pid_t p : pids) ::waitpid(p, nullptr, WNOHANG);
+  }
+};
+
+TEST_F(CliLive, TopShowsLiveProcessesAndWhoWaitsForVram) {
+  // Two workers, room for one: the second waits for VRAM the whole time the first trains.
+  const pid_t trainer = steptrace::testing::spawn_process(
+      {SIM_TRAINER_BIN, "--workers", "2", "--steps", "1000000000", "--ledger",
+       dir_.file("ledger"), "--vram-total", std::to_string(8 * kGiB), "--reserve",
+       std::to_string(5 * kGiB), "--poll-ms", "50", "--max-wait-ms", "60000"},
+      {"STEPTRACE_SOCKET=" + daemon_.socket()});
+  ASSERT_GT(trainer, 0);
+  Reaper reaper{{trainer}};
+
+  // Wait (bounded) until both workers are known to the daemon and one is in WaitPoll.
+  std::string top_out;
+  std::set<int> worker_pids;
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  bool seen = false;
+  while (!seen && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_EQ(::waitpid(trainer, nullptr, WNOHANG), 0) << "sim_trainer exited early";
+    const Output top = cli({"top", "--iterations", "1"});
+    ASSERT_EQ(top.status, 0) << top.err;
+    top_out = top.out;
+    const json report = cli_json({"report", "--json"});
+    worker_pids.clear();
+    for (const auto& p : report["processes"]) {
+      if (p.value("comm", "").rfind("sim-worker-", 0) == 0 && p.value("alive", false)) {
+        worker_pids.insert(p.value("pid", 0));
+      }
+    }
+    seen = worker_pids.size() == 2 && top_out.find("WAITING FOR VRAM") != std::string::npos;
+  }
+  for (int p : worker_pids) reaper.pids.push_back(p);
+  ASSERT_TRUE(seen) << top_out;
+  for (int p : worker_pids) EXPECT_THAT(top_out, HasSubstr("PID " + std::to_string(p))) << top_out;
+  EXPECT_THAT(top_out, HasSubstr("sim-worker-0"));
+  EXPECT_THAT(top_out, HasSubstr("sim-worker-1"));
+  EXPECT_THAT(top_out, HasSubstr("in WaitPoll"));
+  EXPECT_THAT(top_out, HasSubstr("GPU GPU-"));
+  EXPECT_THAT(top_out, Not(HasSubstr("\x1b[")));  // not a terminal: no ANSI codes
+}
+
+TEST_F(CliLive, TopIterationsRefreshesThatManyTimes) {
+  const Output r = cli({"top", "--iterations", "3", "--interval", "0.05"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  std::size_t frames = 0;
+  for (auto pos = r.out.find("steptrace top"); pos != std::string::npos;
+       pos = r.out.find("steptrace top", pos + 1)) {
+    ++frames;
+  }
+  EXPECT_EQ(frames, 3u) << r.out;
+}
+
+TEST_F(CliLive, SimTrainerKillOneLeaksThenIsCleanedUpByAnother) {
+  constexpr int kSteps = 12;
+  const std::string summary_path = dir_.file("summary.json");
+  const pid_t trainer = steptrace::testing::spawn_process(
+      {"/bin/sh", "-c",
+       std::string("exec \"$0\" \"$@\" > ") + summary_path, SIM_TRAINER_BIN, "--workers", "3",
+       "--steps", std::to_string(kSteps), "--dim", "16", "--kill-one", "--json", "--ledger",
+       dir_.file("ledger"), "--vram-total", std::to_string(8 * kGiB), "--reserve",
+       std::to_string(5 * kGiB), "--pause-after-kill-ms", "1500"},
+      {"STEPTRACE_SOCKET=" + daemon_.socket()});
+  ASSERT_GT(trainer, 0);
+  Reaper reaper{{trainer}};
+
+  // While the others have not started yet, the killed worker's reservation is a leak.
+  std::optional<std::int64_t> leaked_pid;
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (!leaked_pid && Clock::now() < deadline) {
+    const json ledger = cli_json({"ledger", "--json"});
+    for (const auto& gpu : ledger["gpus"]) {
+      for (const auto& r : gpu["reservations"]) {
+        if (!r.value("holder_alive", true)) leaked_pid = r.value("pid", std::int64_t{0});
+      }
+    }
+    if (!leaked_pid) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const Output leaked_text = cli({"ledger"});
+  EXPECT_THAT(leaked_text.out, HasSubstr("LEAKED"));
+
+  const int status = steptrace::testing::wait_process(trainer, 60000);
+  reaper.pids.clear();
+  const json summary = json::parse(read_file(summary_path), nullptr, false);
+  ASSERT_EQ(status, 0) << read_file(summary_path);
+  ASSERT_TRUE(summary.is_object());
+  ASSERT_TRUE(leaked_pid.has_value()) << "the daemon never showed the killed worker's leak";
+
+  std::int64_t killed_pid = 0;
+  std::set<std::int64_t> survivors;
+  std::set<std::int64_t> cleaners;
+  for (const auto& w : summary["workers"]) {
+    if (w.value("killed", false)) {
+      killed_pid = w.value("pid", std::int64_t{0});
+    } else {
+      survivors.insert(w.value("pid", std::int64_t{0}));
+      EXPECT_EQ(w.value("steps", 0), kSteps);
+    }
+    if (!w["cleaned"].empty()) cleaners.insert(w.value("pid", std::int64_t{0}));
+  }
+  if (!summary["janitor_cleaned"].empty()) cleaners.insert(summary.value("janitor_pid", std::int64_t{0}));
+  EXPECT_EQ(*leaked_pid, killed_pid);
+  EXPECT_EQ(survivors.size(), 2u);
+  ASSERT_EQ(cleaners.size(), 1u) << summary.dump();
+
+  // Every surviving worker's steps reached the daemon, exactly.
+  const json report = cli_json({"report", "--json"});
+  std::set<std::int64_t> reported;
+  for (const auto& p : report["processes"]) {
+    const auto pid = p.value("pid", std::int64_t{0});
+    if (!survivors.count(pid)) continue;
+    reported.insert(pid);
+    std::map<std::string, std::uint64_t> counts;
+    for (const auto& s : p["steps"]) counts[s.value("step", "")] = s.value("count", 0ULL);
+    EXPECT_EQ(counts["Forward"], static_cast<std::uint64_t>(kSteps)) << pid;
+    EXPECT_EQ(counts["Backward"], static_cast<std::uint64_t>(kSteps)) << pid;
+    EXPECT_EQ(counts["Matmul"], 4u * kSteps) << pid;
+    EXPECT_EQ(counts["LedgerReserve"], 1u) << pid;
+    EXPECT_EQ(counts["LedgerRelease"], 1u) << pid;
+  }
+  EXPECT_EQ(reported, survivors);
+
+  // The cleanup is credited to the cleaner, not the killed worker; nothing is held.
+  const json ledger = cli_json({"ledger", "--json"});
+  ASSERT_EQ(ledger["gpus"].size(), 1u) << ledger.dump();
+  const json& gpu = ledger["gpus"][0];
+  EXPECT_TRUE(gpu["reservations"].empty()) << gpu.dump();
+  EXPECT_EQ(gpu.value("reserved_bytes", std::uint64_t{1}), 0u);
+  std::set<std::int64_t> credited;
+  for (const auto& p : gpu["processes"]) {
+    if (p.value("cleanups", 0) > 0) credited.insert(p.value("pid", std::int64_t{0}));
+  }
+  EXPECT_EQ(credited, cleaners);
+  EXPECT_FALSE(credited.count(killed_pid));
+}
+
+TEST_F(CliLive, SimTrainerFailsClearlyWithoutTheDaemon) {
+  ASSERT_EQ(daemon_.stop(), 0);
+  const Output r = run(dir_,
+                       {SIM_TRAINER_BIN, "--workers", "1", "--steps", "2", "--dim", "8", "--ledger",
+                        dir_.file("ledger")},
+                       {"STEPTRACE_SOCKET=" + daemon_.socket()});
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("FAILED"));
+}
+
+}  // namespace

@@ -1,0 +1,157 @@
+// Unit tests of `steptrace top`'s rendering (cli/top_view.h) from report documents.
+#include "cli/top_view.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace steptrace::cli {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+json process(int pid, const char* comm, bool alive, json current, json steps) {
+  return {{"pid", pid},     {"start_time", 1},          {"uid", 1000},
+          {"comm", comm},   {"alive", alive},           {"dropped", 0},
+          {"steps", steps}, {"current", current}};
+}
+
+json step(const char* name, std::uint64_t count, std::uint64_t total_ns) {
+  return {{"step", name},         {"count", count},       {"total_ns", total_ns},
+          {"min_ns", 1},          {"max_ns", total_ns},   {"p50_ns", 1},
+          {"p99_ns", total_ns},   {"open", 0}};
+}
+
+json report(json processes, json gpus) {
+  return {{"schema", "steptrace.report/v1"},
+          {"processes", processes},
+          {"totals", json::array()},
+          {"ledger", {{"gpus", gpus}}},
+          {"daemon",
+           {{"events_received", 10},
+            {"events_dropped_by_clients", 0},
+            {"protocol_errors", 0},
+            {"clients_connected", 2},
+            {"uptime_s", 5}}}};
+}
+
+TEST(TopView, MarksAThreadInWaitPollAsWaitingForVram) {
+  const json doc = report(
+      json::array({process(101, "sim-worker-1", true,
+                           json::array({{{"thread", 101}, {"step", "WaitPoll"},
+                                         {"open_for_ns", 1500000000ULL}, {"depth", 1}}}),
+                           json::array()),
+                   process(102, "sim-worker-2", true,
+                           json::array({{{"thread", 102}, {"step", "Matmul"},
+                                         {"open_for_ns", 2000000}, {"depth", 2}}}),
+                           json::array())}),
+      json::array());
+  const std::string out = render_top(doc, {});
+  // The marker sits on the waiting thread's line, not on the busy one's.
+  const auto waiting_line = out.substr(out.find("in WaitPoll"));
+  EXPECT_THAT(waiting_line.substr(0, waiting_line.find('\n')), HasSubstr("WAITING FOR VRAM"));
+  const auto busy_line = out.substr(out.find("in Matmul"));
+  EXPECT_THAT(busy_line.substr(0, busy_line.find('\n')), Not(HasSubstr("WAITING")));
+  EXPECT_THAT(busy_line.substr(0, busy_line.find('\n')), HasSubstr("(depth 2)"));
+  EXPECT_THAT(out, HasSubstr("1.50 s"));
+  EXPECT_THAT(out, HasSubstr("1 WAITING FOR VRAM"));  // summary line counts processes
+  EXPECT_THAT(out, HasSubstr("2 live processes"));
+}
+
+TEST(TopView, ShowsOnlyLiveProcessesAndCountsTheExitedOnes) {
+  const json doc = report(json::array({process(201, "alive-one", true, json::array(), json::array()),
+                                       process(202, "gone-one", false, json::array(), json::array())}),
+                          json::array());
+  const std::string out = render_top(doc, {});
+  EXPECT_THAT(out, HasSubstr("alive-one"));
+  EXPECT_THAT(out, Not(HasSubstr("gone-one")));
+  EXPECT_THAT(out, HasSubstr("1 live process (1 exited, not shown)"));
+  EXPECT_THAT(out, HasSubstr("(no open span)"));
+}
+
+TEST(TopView, StepSharesAreOfTheProcessTotalAndSortedByTime) {
+  const json doc = report(
+      json::array({process(301, "trainer", true, json::array(),
+                           json::array({step("Backward", 4, 1000000), step("Forward", 4, 3000000)}))}),
+      json::array());
+  const std::string out = render_top(doc, {});
+  const auto forward = out.find("Forward");
+  const auto backward = out.find("Backward");
+  ASSERT_NE(forward, std::string::npos);
+  ASSERT_NE(backward, std::string::npos);
+  EXPECT_LT(forward, backward);
+  EXPECT_THAT(out.substr(forward, out.find('\n', forward) - forward), HasSubstr("75.0%"));
+  EXPECT_THAT(out.substr(backward, out.find('\n', backward) - backward), HasSubstr("25.0%"));
+}
+
+TEST(TopView, LedgerShowsReservationsAndMarksLeakedOnes) {
+  const json gpu = {{"gpu", "GPU-test"},
+                    {"total_bytes", 8ULL << 30},
+                    {"free_bytes", 2ULL << 30},
+                    {"reserved_bytes", 6ULL << 30},
+                    {"reservations",
+                     json::array({{{"id", 7}, {"pid", 401}, {"bytes", 3ULL << 30},
+                                   {"task", "ok-task"}, {"holder_alive", true}},
+                                  {{"id", 8}, {"pid", 402}, {"bytes", 3ULL << 30},
+                                   {"task", "dead-task"}, {"holder_alive", false}}})}};
+  const std::string out = render_top(report(json::array(), json::array({gpu})), {});
+  EXPECT_THAT(out, HasSubstr("GPU GPU-test: reserved 6.00 GiB of 8.00 GiB, free 2.00 GiB"));
+  const auto ok_line = out.substr(out.find("ok-task"));
+  EXPECT_THAT(ok_line.substr(0, ok_line.find('\n')), HasSubstr("alive"));
+  const auto dead_line = out.substr(out.find("dead-task"));
+  EXPECT_THAT(dead_line.substr(0, dead_line.find('\n')), HasSubstr("LEAKED"));
+}
+
+TEST(TopView, UnknownTotalWhenTheGpuWasNeverSampled) {
+  const json gpu = {{"gpu", "GPU-nosample"},
+                    {"total_bytes", nullptr},
+                    {"free_bytes", nullptr},
+                    {"reserved_bytes", 1024},
+                    {"reservations", json::array()}};
+  const std::string out = render_top(report(json::array(), json::array({gpu})), {});
+  EXPECT_THAT(out, HasSubstr("GPU GPU-nosample: reserved 1.00 KiB (no VRAM sample yet)"));
+  EXPECT_THAT(out, HasSubstr("(no reservations)"));
+}
+
+TEST(TopView, ColorOnlyWhenAsked) {
+  const json doc = report(
+      json::array({process(501, "w", true,
+                           json::array({{{"thread", 501}, {"step", "WaitPoll"},
+                                         {"open_for_ns", 1}, {"depth", 1}}}),
+                           json::array())}),
+      json::array());
+  EXPECT_THAT(render_top(doc, {.color = false, .note = ""}), Not(HasSubstr("\x1b[")));
+  EXPECT_THAT(render_top(doc, {.color = true, .note = ""}), HasSubstr("\x1b[1;97;41m"));
+}
+
+TEST(TopView, FieldsOfTheWrongTypeRenderWithoutThrowing) {
+  const json doc = {{"processes", json::array({{{"pid", "not-a-number"},
+                                                {"comm", 42},
+                                                {"current", "nope"},
+                                                {"steps", json::array({"junk", 3})}}})},
+                    {"ledger", {{"gpus", json::array({"junk"})}}},
+                    {"daemon", "junk"}};
+  std::string out;
+  EXPECT_NO_THROW(out = render_top(doc, {}));
+  EXPECT_THAT(out, HasSubstr("1 live process"));
+  EXPECT_NO_THROW(out = render_top(json::array({1, 2}), {}));
+  EXPECT_THAT(out, HasSubstr("0 live processes"));
+}
+
+TEST(TopView, DurationAndByteUnits) {
+  EXPECT_EQ(format_duration_ns(999), "999 ns");
+  EXPECT_EQ(format_duration_ns(12345), "12.3 us");
+  EXPECT_EQ(format_duration_ns(4560000), "4.56 ms");
+  EXPECT_EQ(format_duration_ns(1200000000), "1.20 s");
+  EXPECT_EQ(format_duration_ns(185ULL * 1000000000), "3m05s");
+  EXPECT_EQ(format_bytes(512), "512 B");
+  EXPECT_EQ(format_bytes(3 * 1024), "3.00 KiB");
+  EXPECT_EQ(format_bytes(1536ULL << 20), "1.50 GiB");
+  EXPECT_EQ(format_bytes(24ULL << 30), "24.0 GiB");
+}
+
+}  // namespace
+}  // namespace steptrace::cli
