@@ -9,6 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev clang-format clang-tidy
   socat python3 systemd
+  dpkg-dev prometheus
 )
 
 missing=()
