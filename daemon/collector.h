@@ -58,7 +58,7 @@ struct Environment {
 struct Limits {
   std::size_t max_processes = 4096;         // kept in total; exited ones go first, oldest out
   std::size_t max_exited_processes = 256;   // exited processes kept for reports
-  std::size_t max_custom_steps = 256;       // per process (<= proto::kMaxCustomSteps)
+  std::size_t max_custom_steps = 1024;      // per process (<= proto::kMaxCustomSteps)
   std::size_t max_open_depth = 64;          // open spans per (process, thread, step)
   std::size_t max_threads_per_process = 1024;
   std::size_t max_gpus = 64;

@@ -33,8 +33,14 @@ ClockSource choose_clock_source(const char* env, bool invariant_tsc,
     return ClockSource::kMonotonic;
   }
   if (forced == "tsc") return ClockSource::kTsc;
-  if (clocksource && *clocksource != "tsc") return ClockSource::kMonotonic;
-  return ClockSource::kTsc;
+  if (!clocksource) return ClockSource::kTsc;
+  // The kernel's own TSC-based clocksources: bare metal ("tsc") and the paravirtual
+  // clocks of KVM and Hyper-V guests, which scale the host's invariant TSC. Any other
+  // (hpet, acpi_pm, ...) means the kernel distrusted the TSC, and so do we.
+  for (std::string_view ok : {"tsc", "kvm-clock", "hyperv_clocksource_tsc_page"}) {
+    if (*clocksource == ok) return ClockSource::kTsc;
+  }
+  return ClockSource::kMonotonic;
 }
 
 ClockSample take_clock_sample() noexcept {

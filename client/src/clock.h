@@ -3,8 +3,11 @@
 // CLOCK_MONOTONIC, and ledger annotations are stamped with CLOCK_MONOTONIC directly).
 //
 // Source: the TSC (rdtsc, ~11 ns) when the CPU says it is invariant (cpuid 0x80000007
-// EDX bit 8) and the kernel's clocksource is "tsc" (when that file cannot be read, cpuid
-// alone decides); otherwise clock_gettime(CLOCK_MONOTONIC) (vDSO, ~27 ns).
+// EDX bit 8) and the kernel's clocksource is TSC-based ("tsc", or a VM's "kvm-clock" /
+// "hyperv_clocksource_tsc_page", which scale the host's invariant TSC; when that file
+// cannot be read, cpuid alone decides); otherwise clock_gettime(CLOCK_MONOTONIC) (vDSO,
+// ~27 ns). Either way the flusher re-anchors against CLOCK_MONOTONIC, so rate drift
+// (a VM migrated to another host) is corrected within one anchor period.
 // STEPTRACE_CLOCK=monotonic forces the fallback, STEPTRACE_CLOCK=tsc forces the TSC
 // when it is invariant. The choice is made once, at library load, before any event.
 //

@@ -11,9 +11,13 @@ namespace {
 TEST(ClockChoice, FollowsCpuidClocksourceAndEnvironment) {
   const std::optional<std::string> tsc = "tsc";
   const std::optional<std::string> kvm = "kvm-clock";
+  const std::optional<std::string> hpet = "hpet";
   EXPECT_EQ(choose_clock_source(nullptr, true, tsc), ClockSource::kTsc);
   EXPECT_EQ(choose_clock_source(nullptr, true, std::nullopt), ClockSource::kTsc);
-  EXPECT_EQ(choose_clock_source(nullptr, true, kvm), ClockSource::kMonotonic);
+  EXPECT_EQ(choose_clock_source(nullptr, true, kvm), ClockSource::kTsc);
+  EXPECT_EQ(choose_clock_source(nullptr, true, hpet), ClockSource::kMonotonic);
+  EXPECT_EQ(choose_clock_source(nullptr, false, kvm), ClockSource::kMonotonic);
+  EXPECT_EQ(choose_clock_source("tsc", true, hpet), ClockSource::kTsc);
   EXPECT_EQ(choose_clock_source(nullptr, false, tsc), ClockSource::kMonotonic);
   EXPECT_EQ(choose_clock_source("monotonic", true, tsc), ClockSource::kMonotonic);
   EXPECT_EQ(choose_clock_source("tsc", true, kvm), ClockSource::kTsc);

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 #include <thread>
 
 extern char** environ;
@@ -174,7 +175,17 @@ std::optional<std::string> command(const std::string& socket, const std::string&
 pid_t spawn_process(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
   std::vector<std::string> args = argv;
   std::vector<std::string> envs;
-  for (char** e = environ; *e; ++e) envs.emplace_back(*e);
+  // `env` overrides what the test inherited: drop inherited entries it names.
+  auto named_in_env = [&env](std::string_view entry) {
+    const std::string_view name = entry.substr(0, entry.find('='));
+    for (const auto& e : env) {
+      if (std::string_view(e).substr(0, e.find('=')) == name) return true;
+    }
+    return false;
+  };
+  for (char** e = environ; *e; ++e) {
+    if (!named_in_env(*e)) envs.emplace_back(*e);
+  }
   envs.insert(envs.end(), env.begin(), env.end());
   const pid_t pid = ::fork();
   if (pid == 0) {
