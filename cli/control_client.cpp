@@ -50,17 +50,18 @@ class Exchange {
 
  private:
   void receive() {
-    socket_.async_read_some(asio::buffer(buffer_), [this](const boost::system::error_code& ec,
-                                                          std::size_t n) {
-      reply_.append(buffer_.data(), n);
-      if (reply_.size() > kMaxReplyBytes) return fail(make_error_code(errc::limit_reached));
-      if (ec == asio::error::eof) {
-        done_ = true;
-        return;
-      }
-      if (ec) return fail(ec);
-      receive();
-    });
+    socket_.async_read_some(asio::buffer(buffer_),
+                            [this](const boost::system::error_code& ec, std::size_t n) {
+                              reply_.append(buffer_.data(), n);
+                              if (reply_.size() > kMaxReplyBytes)
+                                return fail(make_error_code(errc::limit_reached));
+                              if (ec == asio::error::eof) {
+                                done_ = true;
+                                return;
+                              }
+                              if (ec) return fail(ec);
+                              receive();
+                            });
   }
 
   void fail(const boost::system::error_code& ec) {
@@ -85,9 +86,12 @@ class Exchange {
 
 const char* source_name(SocketSource source) {
   switch (source) {
-    case SocketSource::kFlag: return "from --socket";
-    case SocketSource::kEnvironment: return "from STEPTRACE_SOCKET";
-    case SocketSource::kDefault: return "the default";
+    case SocketSource::kFlag:
+      return "from --socket";
+    case SocketSource::kEnvironment:
+      return "from STEPTRACE_SOCKET";
+    case SocketSource::kDefault:
+      return "the default";
   }
   return "";
 }
@@ -122,7 +126,8 @@ CommandResult run_command(const std::string& socket_path, const std::string& lin
     return exchange.take_reply();
   } catch (const std::exception&) {
     // Asio throws only when it cannot set up its own resources (e.g. out of descriptors).
-    return CommandFailure{Stage::kConnect, std::make_error_code(std::errc::resource_unavailable_try_again)};
+    return CommandFailure{Stage::kConnect,
+                          std::make_error_code(std::errc::resource_unavailable_try_again)};
   }
 }
 

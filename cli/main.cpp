@@ -177,7 +177,9 @@ int main(int argc, char** argv) {
   auto* report = app.add_subcommand(
       "report", "Time per step for all processes and for each one, then the VRAM ledger");
   report->add_flag("--json", options.json, "Machine-readable report (steptrace.report/v1)");
-  report->add_option("--pid", options.pid, "Only this process")->type_name("PID")->check(CLI::Range(1, 1 << 30));
+  report->add_option("--pid", options.pid, "Only this process")
+      ->type_name("PID")
+      ->check(CLI::Range(1, 1 << 30));
   auto* ledger =
       app.add_subcommand("ledger", "Who holds VRAM on each GPU; leaked reservations are marked");
   ledger->add_flag("--json", options.json, "As JSON");
@@ -188,7 +190,9 @@ int main(int argc, char** argv) {
       app.add_subcommand("metrics", "Everything in the Prometheus text exposition format");
   auto* reset = app.add_subcommand(
       "reset", "Clear the step aggregates (all, or one process's); root or the daemon's user only");
-  reset->add_option("--pid", options.pid, "Only this process")->type_name("PID")->check(CLI::Range(1, 1 << 30));
+  reset->add_option("--pid", options.pid, "Only this process")
+      ->type_name("PID")
+      ->check(CLI::Range(1, 1 << 30));
   auto* version = app.add_subcommand("version", "Versions of this CLI and of the running daemon");
   auto* top = app.add_subcommand(
       "top",
@@ -209,7 +213,8 @@ int main(int argc, char** argv) {
     if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr && app.remaining_size() > 0 &&
         app.remaining().front().rfind('-', 0) != 0) {
       // CLI11 would say "a subcommand is required" for a misspelt one; name it instead.
-      std::fprintf(stderr, "steptrace: unknown subcommand '%s'\nRun with --help for more information.\n",
+      std::fprintf(stderr,
+                   "steptrace: unknown subcommand '%s'\nRun with --help for more information.\n",
                    app.remaining().front().c_str());
       return kExitUsage;
     }
@@ -223,7 +228,8 @@ int main(int argc, char** argv) {
   const std::string json_arg = options.json ? " --json" : "";
 
   if (app.got_subcommand(ping)) return run_and_print(socket, "ping", timeout);
-  if (app.got_subcommand(report)) return run_and_print(socket, "report" + json_arg + pid_arg, timeout);
+  if (app.got_subcommand(report))
+    return run_and_print(socket, "report" + json_arg + pid_arg, timeout);
   if (app.got_subcommand(ledger)) return run_and_print(socket, "ledger" + json_arg, timeout);
   if (app.got_subcommand(stats)) return run_and_print(socket, "stats" + json_arg, timeout);
   if (app.got_subcommand(metrics)) return run_and_print(socket, "metrics", timeout);

@@ -96,8 +96,8 @@ class Painter {
 };
 
 void render_process(const json& process, const Painter& paint, std::string& out) {
-  out += paint.bold(printf_string("PID %-8" PRIu64 " %-16s", u64(process, "pid"),
-                                  str(process, "comm").c_str()));
+  out += paint.bold(
+      printf_string("PID %-8" PRIu64 " %-16s", u64(process, "pid"), str(process, "comm").c_str()));
   out += printf_string("  uid %" PRIu64, u64(process, "uid"));
   if (const auto dropped = u64(process, "dropped"); dropped > 0) {
     out += printf_string("  dropped %" PRIu64 " events", dropped);
@@ -128,14 +128,16 @@ void render_process(const json& process, const Painter& paint, std::string& out)
   std::stable_sort(rows.begin(), rows.end(), [](const json* a, const json* b) {
     return u64(*a, "total_ns") > u64(*b, "total_ns");
   });
-  out += paint.dim(printf_string("  %-18s %10s %12s %8s", "Step", "Count", "Total", "Share")) +
-         "\n";
+  out +=
+      paint.dim(printf_string("  %-18s %10s %12s %8s", "Step", "Count", "Total", "Share")) + "\n";
   for (const json* step : rows) {
     const auto total = u64(*step, "total_ns");
-    const double share = sum == 0 ? 0.0 : 100.0 * static_cast<double>(total) / static_cast<double>(sum);
+    const double share =
+        sum == 0 ? 0.0 : 100.0 * static_cast<double>(total) / static_cast<double>(sum);
     out += printf_string("  %-18s %10" PRIu64 " %12s %7.1f%%", str(*step, "step").c_str(),
                          u64(*step, "count"), format_duration_ns(total).c_str(), share);
-    if (const auto open = u64(*step, "open"); open > 0) out += printf_string("  (%" PRIu64 " open)", open);
+    if (const auto open = u64(*step, "open"); open > 0)
+      out += printf_string("  (%" PRIu64 " open)", open);
     out += "\n";
   }
 }
@@ -156,14 +158,13 @@ void render_gpu(const json& gpu, const Painter& paint, std::string& out) {
     out += paint.dim("  (no reservations)") + "\n";
     return;
   }
-  out += paint.dim(printf_string("  %-20s %-8s %12s  %-24s %s", "id", "pid", "bytes", "task",
-                                 "holder")) +
+  out += paint.dim(
+             printf_string("  %-20s %-8s %12s  %-24s %s", "id", "pid", "bytes", "task", "holder")) +
          "\n";
   for (const json& r : reservations) {
     const bool alive = flag(r, "holder_alive", true);
-    out += printf_string("  %-20" PRIu64 " %-8" PRIu64 " %12s  %-24s ", u64(r, "id"),
-                         u64(r, "pid"), format_bytes(u64(r, "bytes")).c_str(),
-                         str(r, "task", "").c_str());
+    out += printf_string("  %-20" PRIu64 " %-8" PRIu64 " %12s  %-24s ", u64(r, "id"), u64(r, "pid"),
+                         format_bytes(u64(r, "bytes")).c_str(), str(r, "task", "").c_str());
     out += alive ? std::string("alive") : paint.alert(kLeakedMarker);
     out += "\n";
   }

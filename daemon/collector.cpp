@@ -6,8 +6,8 @@
 #include <limits>
 #include <utility>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include "daemon/collector_state.h"
 #include "daemon/snapshot.h"
@@ -52,7 +52,8 @@ std::size_t ProcessRecord::memory_bytes() const {
   }
   // unordered_map: one bucket pointer per bucket plus one node per entry.
   bytes += thread_index.bucket_count() * sizeof(void*) +
-           thread_index.size() * (sizeof(void*) + sizeof(std::pair<std::uint32_t, std::uint32_t>) + sizeof(std::size_t));
+           thread_index.size() * (sizeof(void*) + sizeof(std::pair<std::uint32_t, std::uint32_t>) +
+                                  sizeof(std::size_t));
   return bytes;
 }
 
@@ -160,7 +161,8 @@ ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& li
     // Threads with nothing open hold no state worth keeping: drop them first.
     std::erase_if(rec.threads, [](const auto& t) { return t->open == 0; });
     rec.thread_index.clear();
-    for (std::uint32_t i = 0; i < rec.threads.size(); ++i) rec.thread_index[rec.threads[i]->tid] = i;
+    for (std::uint32_t i = 0; i < rec.threads.size(); ++i)
+      rec.thread_index[rec.threads[i]->tid] = i;
     rec.last_thread = nullptr;
     rec.last_tid = 0;
     if (rec.threads.size() >= limits.max_threads_per_process) {
@@ -183,7 +185,8 @@ ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& li
 // ---- Collector -----------------------------------------------------------------------
 
 Collector::Collector(Limits limits, Environment env) : limits_(limits), env_(std::move(env)) {
-  limits_.max_custom_steps = std::min<std::size_t>(limits_.max_custom_steps, proto::kMaxCustomSteps);
+  limits_.max_custom_steps =
+      std::min<std::size_t>(limits_.max_custom_steps, proto::kMaxCustomSteps);
   const Environment system = Environment::system();
   if (!env_.monotonic_now_ns) env_.monotonic_now_ns = system.monotonic_now_ns;
   if (!env_.probe) env_.probe = system.probe;
@@ -245,8 +248,7 @@ void Collector::hello(ProcessHandle process, const proto::Hello& hello) {
 }
 
 std::error_code Collector::events(ProcessHandle process, proto::EventSpan events) {
-  ProcessRecord* rec =
-      process < state_->slots.size() ? state_->slots[process].get() : nullptr;
+  ProcessRecord* rec = process < state_->slots.size() ? state_->slots[process].get() : nullptr;
   if (rec == nullptr) return std::make_error_code(std::errc::invalid_argument);
   counters_.events_received += events.size();
 
@@ -274,7 +276,8 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       thread = find_thread(*rec, e.thread_id, limits_, counters_);
       if (thread == nullptr) continue;
     }
-    if (slot >= thread->stacks.size()) [[unlikely]] thread->stacks.resize(rec->steps.size());
+    if (slot >= thread->stacks.size()) [[unlikely]]
+      thread->stacks.resize(rec->steps.size());
     std::vector<std::uint64_t>& stack = thread->stacks[slot];
     if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
       if (stack.size() >= max_depth) [[unlikely]] {
@@ -469,7 +472,8 @@ class Reader {
     const auto* v = field(j, key, what);
     if (!v) return false;
     // In-memory documents keep signed integers signed; parsed ones make them unsigned.
-    const bool non_negative = v->is_number_unsigned() || (v->is_number_integer() && v->get<std::int64_t>() >= 0);
+    const bool non_negative =
+        v->is_number_unsigned() || (v->is_number_integer() && v->get<std::int64_t>() >= 0);
     if (!non_negative || v->get<std::uint64_t>() > std::numeric_limits<T>::max()) {
       return fail(std::string(what) + ": \"" + key + "\" must be an unsigned integer in range");
     }
@@ -499,7 +503,8 @@ class Reader {
   }
   const nlohmann::json* array(const nlohmann::json& j, const char* key, const char* what) {
     const auto* v = field(j, key, what);
-    if (v && !v->is_array()) return fail(std::string(what) + ": \"" + key + "\" must be an array"), nullptr;
+    if (v && !v->is_array())
+      return fail(std::string(what) + ": \"" + key + "\" must be an array"), nullptr;
     return v;
   }
   bool fail(std::string message) {
@@ -589,7 +594,8 @@ bool read_process(Reader& r, const nlohmann::json& j, ProcessRecord& rec, std::s
     seen[slot] = true;
     if (!read_step_agg(r, s, rec.steps[slot], error)) return false;
   }
-  if (!rec.alive && rec.exit_order == 0) return r.fail("process: an exited process needs \"exit_order\"");
+  if (!rec.alive && rec.exit_order == 0)
+    return r.fail("process: an exited process needs \"exit_order\"");
   return true;
 }
 
@@ -646,13 +652,15 @@ nlohmann::json Collector::snapshot() const {
 std::error_code Collector::restore(const nlohmann::json& doc) {
   for (const auto& slot : state_->slots) {
     // Live sessions hold handles into the table that a restore would invalidate.
-    if (slot && slot->connections > 0) return std::make_error_code(std::errc::device_or_resource_busy);
+    if (slot && slot->connections > 0)
+      return std::make_error_code(std::errc::device_or_resource_busy);
   }
   std::string error;
   Reader r(error);
   // The caller only gets errc::bad_config; the reason goes to the log.
   const auto bad = [&error] {
-    spdlog::warn("snapshot rejected: {}", error.empty() ? std::string("malformed document") : error);
+    spdlog::warn("snapshot rejected: {}",
+                 error.empty() ? std::string("malformed document") : error);
     return make_error_code(errc::bad_config);
   };
   if (!doc.is_object() || !doc.contains("schema") || doc["schema"] != kSnapshotSchema) {
@@ -701,7 +709,8 @@ std::error_code Collector::restore(const nlohmann::json& doc) {
     if (!r.get_unsigned(*counters, "events_received", what, c.events_received) ||
         !r.get_unsigned(*counters, "frames_received", what, c.frames_received) ||
         !r.get_unsigned(*counters, "bytes_received", what, c.bytes_received) ||
-        !r.get_unsigned(*counters, "events_dropped_by_clients", what, c.events_dropped_by_clients) ||
+        !r.get_unsigned(*counters, "events_dropped_by_clients", what,
+                        c.events_dropped_by_clients) ||
         !r.get_unsigned(*counters, "connections_total", what, c.connections_total) ||
         !r.get_unsigned(*counters, "connections_rejected", what, c.connections_rejected) ||
         !r.get_unsigned(*counters, "commands_served", what, c.commands_served)) {

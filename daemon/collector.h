@@ -52,14 +52,14 @@ struct ProcessProbe {
 struct Environment {
   std::function<std::uint64_t()> monotonic_now_ns;  // CLOCK_MONOTONIC, as clients stamp
   std::function<std::optional<ProcessProbe>(std::int32_t pid)> probe;  // reads /proc
-  static Environment system();                      // the real clock and /proc
+  static Environment system();                                         // the real clock and /proc
 };
 
 struct Limits {
-  std::size_t max_processes = 4096;         // kept in total; exited ones go first, oldest out
-  std::size_t max_exited_processes = 256;   // exited processes kept for reports
-  std::size_t max_custom_steps = 1024;      // per process (<= proto::kMaxCustomSteps)
-  std::size_t max_open_depth = 64;          // open spans per (process, thread, step)
+  std::size_t max_processes = 4096;        // kept in total; exited ones go first, oldest out
+  std::size_t max_exited_processes = 256;  // exited processes kept for reports
+  std::size_t max_custom_steps = 1024;     // per process (<= proto::kMaxCustomSteps)
+  std::size_t max_open_depth = 64;         // open spans per (process, thread, step)
   std::size_t max_threads_per_process = 1024;
   std::size_t max_gpus = 64;
   std::size_t max_reservations_per_gpu = 4096;
@@ -74,7 +74,7 @@ struct DaemonCounters {
   std::uint64_t events_dropped_by_clients = 0;  // sum over processes of their reports
   std::uint64_t connections_now = 0;
   std::uint64_t connections_total = 0;
-  std::uint64_t connections_rejected = 0;       // over max_connections
+  std::uint64_t connections_rejected = 0;  // over max_connections
   std::uint64_t commands_served = 0;
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;

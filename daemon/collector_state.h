@@ -47,7 +47,7 @@ struct StepAgg {
 
 struct ThreadSpans {
   std::uint32_t tid = 0;
-  std::uint32_t open = 0;  // spans open on this thread, all steps
+  std::uint32_t open = 0;                          // spans open on this thread, all steps
   std::vector<std::vector<std::uint64_t>> stacks;  // by step slot: start timestamps
 };
 
@@ -62,9 +62,9 @@ struct ProcessRecord {
   std::uint64_t exit_order = 0;    // increasing per exit: oldest exited goes first
   std::uint64_t dropped = 0;       // max of the client's cumulative reports
 
-  std::vector<StepAgg> steps;  // by slot; size kBuiltinStepCount + custom_ids.size()
-  std::vector<std::uint32_t> custom_ids;   // slot - kBuiltinStepCount -> step id
-  std::vector<std::string> custom_names;   // slot - kBuiltinStepCount -> name
+  std::vector<StepAgg> steps;             // by slot; size kBuiltinStepCount + custom_ids.size()
+  std::vector<std::uint32_t> custom_ids;  // slot - kBuiltinStepCount -> step id
+  std::vector<std::string> custom_names;  // slot - kBuiltinStepCount -> name
   std::unique_ptr<std::array<std::uint16_t, proto::kMaxCustomSteps>> custom_slot;  // id -> slot
 
   std::vector<std::unique_ptr<ThreadSpans>> threads;
@@ -76,8 +76,9 @@ struct ProcessRecord {
 
   const ProcessKey& key() const { return peer.key; }
   std::string_view step_name(std::size_t slot) const {
-    return slot < proto::kBuiltinStepCount ? proto::kBuiltinStepNames[slot]
-                                           : std::string_view(custom_names[slot - proto::kBuiltinStepCount]);
+    return slot < proto::kBuiltinStepCount
+               ? proto::kBuiltinStepNames[slot]
+               : std::string_view(custom_names[slot - proto::kBuiltinStepCount]);
   }
   std::uint32_t step_id(std::size_t slot) const {
     return slot < proto::kBuiltinStepCount ? static_cast<std::uint32_t>(slot)
@@ -94,7 +95,7 @@ struct NamedTotals {
   std::string name;
   StepAgg agg;
   std::uint64_t open = 0;
-  std::uint64_t processes = 0;  // processes with this step
+  std::uint64_t processes = 0;                  // processes with this step
   const ProcessRecord* last_process = nullptr;  // so a process counts once
 };
 

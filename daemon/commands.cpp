@@ -99,14 +99,18 @@ Parsed<Request> no_arguments(std::string_view command, Args args) {
 
 }  // namespace
 
-Parsed<PingRequest> PingRequest::parse(Args args) { return no_arguments<PingRequest>("ping", args); }
+Parsed<PingRequest> PingRequest::parse(Args args) {
+  return no_arguments<PingRequest>("ping", args);
+}
 Parsed<MetricsRequest> MetricsRequest::parse(Args args) {
   return no_arguments<MetricsRequest>("metrics", args);
 }
 Parsed<VersionRequest> VersionRequest::parse(Args args) {
   return no_arguments<VersionRequest>("version", args);
 }
-Parsed<HelpRequest> HelpRequest::parse(Args args) { return no_arguments<HelpRequest>("help", args); }
+Parsed<HelpRequest> HelpRequest::parse(Args args) {
+  return no_arguments<HelpRequest>("help", args);
+}
 
 Parsed<ReportRequest> ReportRequest::parse(Args args) {
   auto parsed = parse_options("report", {.json = true, .pid = true}, args);
@@ -145,20 +149,20 @@ void CommandTable::add(std::string name, std::string usage, std::string summary,
     if (auto* err = std::get_if<CommandError>(&parsed)) return "error: " + err->message + "\n";
     return run(std::get<Request>(parsed), context);
   };
-  entries_.emplace(std::move(name), Entry{std::move(usage), std::move(summary), std::move(handler)});
+  entries_.emplace(std::move(name),
+                   Entry{std::move(usage), std::move(summary), std::move(handler)});
 }
 
 CommandTable::CommandTable() {
   add<PingRequest>("ping", "ping", "answers pong",
                    [](const PingRequest&, const CommandContext&) { return std::string("pong\n"); });
-  add<ReportRequest>(
-      "report", "report [--json] [--pid N]",
-      "per-step timing for all processes (or one pid), then the VRAM ledger",
-      [](const ReportRequest& r, const CommandContext& c) {
-        c.collector.refresh_liveness();
-        return r.json ? json_line(c.collector.report_json(r.pid))
-                      : text_reply(c.collector.report_text(r.pid));
-      });
+  add<ReportRequest>("report", "report [--json] [--pid N]",
+                     "per-step timing for all processes (or one pid), then the VRAM ledger",
+                     [](const ReportRequest& r, const CommandContext& c) {
+                       c.collector.refresh_liveness();
+                       return r.json ? json_line(c.collector.report_json(r.pid))
+                                     : text_reply(c.collector.report_text(r.pid));
+                     });
   add<LedgerRequest>("ledger", "ledger [--json]", "the VRAM ledger view per GPU",
                      [](const LedgerRequest& r, const CommandContext& c) {
                        c.collector.refresh_liveness();
@@ -185,12 +189,11 @@ CommandTable::CommandTable() {
                       c.collector.reset(r.pid);
                       return std::string("ok\n");
                     });
-  add<VersionRequest>("version", "version",
-                      "daemon version, protocol version and commands, as one JSON line",
-                      [this](const VersionRequest&, const CommandContext&) {
-                        return VersionResponse{STEPTRACE_VERSION, proto::kProtocolVersion, names()}
-                            .to_json_line();
-                      });
+  add<VersionRequest>(
+      "version", "version", "daemon version, protocol version and commands, as one JSON line",
+      [this](const VersionRequest&, const CommandContext&) {
+        return VersionResponse{STEPTRACE_VERSION, proto::kProtocolVersion, names()}.to_json_line();
+      });
   add<HelpRequest>("help", "help", "this list",
                    [this](const HelpRequest&, const CommandContext&) { return help_text(); });
 }

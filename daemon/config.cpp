@@ -2,8 +2,8 @@
 
 #include <sys/un.h>
 
-#include <boost/asio/ip/address.hpp>
 #include <CLI/CLI.hpp>
+#include <boost/asio/ip/address.hpp>
 #include <charconv>
 #include <fstream>
 #include <functional>
@@ -64,8 +64,10 @@ Error set_metrics_listen(const std::string& text, const std::string& key, Config
   }
   auto address = parse_listen_address(text);
   if (!address) {
-    return fail(key, "must be \"\" or ADDR:PORT with a numeric address and a port in 1..65535 "
-                     "(IPv6 as [::1]:9464), got \"" + text + "\"");
+    return fail(key,
+                "must be \"\" or ADDR:PORT with a numeric address and a port in 1..65535 "
+                "(IPv6 as [::1]:9464), got \"" +
+                    text + "\"");
   }
   config.metrics_listen = text;
   config.metrics_address = std::move(address);
@@ -126,7 +128,7 @@ KeyHandler timeout_key(T Timeouts::*member, std::uint64_t min, std::uint64_t max
 }
 
 const KeyTable& limits_table() {
-  static const KeyTable table{
+  static const KeyTable kTable{
       {"max_connections", server_limit_key(&ServerLimits::max_connections, 1, 65536)},
       // A frame must at least hold the largest fixed record (a LedgerRecord).
       {"max_frame_bytes",
@@ -140,19 +142,19 @@ const KeyTable& limits_table() {
       {"max_gpus", limit_key(&Limits::max_gpus, 1, 4096)},
       {"max_reservations_per_gpu", limit_key(&Limits::max_reservations_per_gpu, 1, 1'000'000)},
   };
-  return table;
+  return kTable;
 }
 
 const KeyTable& timeouts_table() {
-  static const KeyTable table{
+  static const KeyTable kTable{
       {"handshake_s", timeout_key(&Timeouts::handshake_s, 1, 3600)},
       {"frame_s", timeout_key(&Timeouts::frame_s, 1, 3600)},
   };
-  return table;
+  return kTable;
 }
 
 const KeyTable& top_table() {
-  static const KeyTable table{
+  static const KeyTable kTable{
       {"socket",
        [](const json& v, const std::string& key, Config& c) -> Error {
          std::string path;
@@ -170,10 +172,8 @@ const KeyTable& top_table() {
          c.socket_mode = *mode;
          return std::nullopt;
        }},
-      {"state_dir",
-       [](const json& v, const std::string& key, Config& c) {
-         return read_string(v, key, c.state_dir);
-       }},
+      {"state_dir", [](const json& v, const std::string& key,
+                       Config& c) { return read_string(v, key, c.state_dir); }},
       {"snapshot_interval_s", uint_key(&Config::snapshot_interval_s, 1, 86400)},
       {"metrics_listen",
        [](const json& v, const std::string& key, Config& c) -> Error {
@@ -188,16 +188,12 @@ const KeyTable& top_table() {
          return set_log_level(level, key, c);
        }},
       {"liveness_interval_ms", uint_key(&Config::liveness_interval_ms, 10, 60000)},
-      {"limits",
-       [](const json& v, const std::string& key, Config& c) {
-         return apply_object(v, key, limits_table(), c);
-       }},
-      {"timeouts",
-       [](const json& v, const std::string& key, Config& c) {
-         return apply_object(v, key, timeouts_table(), c);
-       }},
+      {"limits", [](const json& v, const std::string& key,
+                    Config& c) { return apply_object(v, key, limits_table(), c); }},
+      {"timeouts", [](const json& v, const std::string& key,
+                      Config& c) { return apply_object(v, key, timeouts_table(), c); }},
   };
-  return table;
+  return kTable;
 }
 
 std::string mode_string(unsigned mode) {
@@ -360,8 +356,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       app.add_option("--log-level", log_level,
                      "trace|debug|info|warn|error|critical|off (default info; logs go to stderr)")
           ->type_name("LEVEL");
-  app.set_version_flag("--version", std::string("steptraced ") + STEPTRACE_VERSION +
-                                        " (protocol " +
+  app.set_version_flag("--version", std::string("steptraced ") + STEPTRACE_VERSION + " (protocol " +
                                         std::to_string(proto::kProtocolVersion) + ")");
   app.footer(
       std::string("Flags override the config file. Environment: LISTEN_FDS/LISTEN_PID "

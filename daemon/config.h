@@ -45,7 +45,7 @@ struct Config {
   unsigned socket_mode = 0660;
   std::string state_dir;  // "" = no snapshots
   std::uint32_t snapshot_interval_s = 30;
-  std::string metrics_listen;  // "" = no HTTP listener
+  std::string metrics_listen;                    // "" = no HTTP listener
   std::optional<ListenAddress> metrics_address;  // parsed metrics_listen
   std::string log_level = "info";
   std::uint32_t liveness_interval_ms = 500;

@@ -119,8 +119,8 @@ nlohmann::json Histogram::to_json() const {
       if (n != 0) buckets.push_back({c * kSubBuckets + s, n});
     }
   }
-  return {{"count", count_},     {"sum_ns", sum_},       {"min_ns", min()},
-          {"max_ns", max_},      {"buckets", buckets},  {"prom", prom_}};
+  return {{"count", count_}, {"sum_ns", sum_},     {"min_ns", min()},
+          {"max_ns", max_},  {"buckets", buckets}, {"prom", prom_}};
 }
 
 namespace {
@@ -170,8 +170,8 @@ std::optional<Histogram> Histogram::from_json(const nlohmann::json& j, std::stri
     const auto index = b[0].get<std::uint64_t>();
     const auto n = b[1].get<std::uint64_t>();
     if (index >= kBuckets || n == 0 || (!first && index <= last_index)) {
-      error = "histogram: bucket indices must be increasing, below " +
-              std::to_string(kBuckets) + ", with nonzero counts";
+      error = "histogram: bucket indices must be increasing, below " + std::to_string(kBuckets) +
+              ", with nonzero counts";
       return std::nullopt;
     }
     first = false;

@@ -52,8 +52,9 @@ constexpr std::array<std::uint8_t, 64> make_prom_below() {
 inline constexpr std::array<std::uint8_t, 64> kPromBelow = make_prom_below();
 // kPromBoundsNs plus a sentinel no value exceeds.
 inline constexpr std::array<std::uint64_t, 9> kPromUpper = {
-    kPromBoundsNs[0], kPromBoundsNs[1], kPromBoundsNs[2], kPromBoundsNs[3], kPromBoundsNs[4],
-    kPromBoundsNs[5], kPromBoundsNs[6], kPromBoundsNs[7], std::numeric_limits<std::uint64_t>::max()};
+    kPromBoundsNs[0], kPromBoundsNs[1], kPromBoundsNs[2],
+    kPromBoundsNs[3], kPromBoundsNs[4], kPromBoundsNs[5],
+    kPromBoundsNs[6], kPromBoundsNs[7], std::numeric_limits<std::uint64_t>::max()};
 }  // namespace histogram_detail
 
 class Histogram {
@@ -76,9 +77,11 @@ class Histogram {
     const std::uint64_t top = v >> shift;  // in [0, 64)
     const unsigned chunk = shift + static_cast<unsigned>(top >> kSubBits);
     std::uint8_t slot = chunk_slot_[chunk];
-    if (slot == 0) [[unlikely]] slot = add_chunk(chunk);
+    if (slot == 0) [[unlikely]]
+      slot = add_chunk(chunk);
     const unsigned sub = static_cast<unsigned>(top & (kSubBuckets - 1));
-    if (++chunks_[slot - 1u][sub] == 0) [[unlikely]] carry(chunk * kSubBuckets + sub, 1);
+    if (++chunks_[slot - 1u][sub] == 0) [[unlikely]]
+      carry(chunk * kSubBuckets + sub, 1);
     // At most one Prometheus bound lies inside one power of two, so one comparison
     // after the table lookup finds the bucket.
     const unsigned prom = histogram_detail::kPromBelow[log2];

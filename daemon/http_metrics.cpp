@@ -1,22 +1,22 @@
 #include "daemon/http_metrics.h"
 
+#include <spdlog/spdlog.h>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <chrono>
-#include <spdlog/spdlog.h>
 
 namespace steptrace::daemon {
 namespace {
 
 namespace beast = boost::beast;
 namespace http = beast::http;
-using tcp = boost::asio::ip::tcp;
+using Tcp = boost::asio::ip::tcp;
 
 constexpr const char* kContentType = "text/plain; version=0.0.4; charset=utf-8";
 
 class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
  public:
-  HttpConnection(tcp::socket socket, std::shared_ptr<HttpMetricsServer::Shared> shared)
+  HttpConnection(Tcp::socket socket, std::shared_ptr<HttpMetricsServer::Shared> shared)
       : stream_(std::move(socket)), shared_(std::move(shared)) {
     ++shared_->active;
   }
@@ -31,15 +31,14 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
     parser_->body_limit(HttpMetricsServer::kBodyLimit);
     // Covers the whole request, so a slow sender cannot hold the connection.
     stream_.expires_after(std::chrono::seconds(HttpMetricsServer::kRequestTimeoutS));
-    http::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, std::size_t) {
-                       self->on_read(ec);
-                     });
+    http::async_read(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](beast::error_code ec, std::size_t) { self->on_read(ec); });
   }
 
   void on_read(beast::error_code ec) {
     if (ec == http::error::end_of_stream) {
-      stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+      stream_.socket().shutdown(Tcp::socket::shutdown_send, ec);
       return;
     }
     if (ec == http::error::body_limit) {
@@ -113,7 +112,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
                       [self = shared_from_this(), keep_alive](beast::error_code ec, std::size_t) {
                         if (ec) return;
                         if (!keep_alive) {
-                          self->stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+                          self->stream_.socket().shutdown(Tcp::socket::shutdown_send, ec);
                           return;
                         }
                         self->read();
@@ -144,9 +143,9 @@ std::optional<std::string> HttpMetricsServer::listen(const ListenAddress& addres
   boost::system::error_code ec;
   const auto ip = boost::asio::ip::make_address(address.host, ec);
   if (ec) return "metrics_listen: bad address " + address.host;
-  const tcp::endpoint endpoint(ip, address.port);
+  const Tcp::endpoint endpoint(ip, address.port);
   acceptor_.open(endpoint.protocol(), ec);
-  if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor_.set_option(Tcp::acceptor::reuse_address(true), ec);
   if (!ec) acceptor_.bind(endpoint, ec);
   if (!ec) acceptor_.listen(boost::asio::socket_base::max_listen_connections, ec);
   if (ec) {
@@ -159,25 +158,25 @@ std::optional<std::string> HttpMetricsServer::listen(const ListenAddress& addres
 }
 
 void HttpMetricsServer::accept() {
-  acceptor_.async_accept(io_, [this, shared = shared_](boost::system::error_code ec,
-                                                       tcp::socket socket) {
-    if (ec == boost::asio::error::operation_aborted || !acceptor_.is_open()) return;
-    if (ec) {
-      // Out of descriptors or similar: back off instead of spinning on the error.
-      retry_timer_.expires_after(std::chrono::milliseconds(100));
-      retry_timer_.async_wait([this](boost::system::error_code wait_ec) {
-        if (!wait_ec && acceptor_.is_open()) accept();
+  acceptor_.async_accept(
+      io_, [this, shared = shared_](boost::system::error_code ec, Tcp::socket socket) {
+        if (ec == boost::asio::error::operation_aborted || !acceptor_.is_open()) return;
+        if (ec) {
+          // Out of descriptors or similar: back off instead of spinning on the error.
+          retry_timer_.expires_after(std::chrono::milliseconds(100));
+          retry_timer_.async_wait([this](boost::system::error_code wait_ec) {
+            if (!wait_ec && acceptor_.is_open()) accept();
+          });
+          return;
+        }
+        if (shared->active >= kMaxConnections) {
+          // Over the cap: close at once; a scraper retries on its next interval.
+          socket.close(ec);
+        } else {
+          std::make_shared<HttpConnection>(std::move(socket), shared)->start();
+        }
+        accept();
       });
-      return;
-    }
-    if (shared->active >= kMaxConnections) {
-      // Over the cap: close at once; a scraper retries on its next interval.
-      socket.close(ec);
-    } else {
-      std::make_shared<HttpConnection>(std::move(socket), shared)->start();
-    }
-    accept();
-  });
 }
 
 void HttpMetricsServer::close() {

@@ -53,14 +53,11 @@ enum Anomaly : std::size_t {
 };
 
 constexpr std::array<std::string_view, kAnomalyCount> kAnomalyNames = {
-    "unknown_release",       "unknown_cleanup",
-    "duplicate_reservation", "zero_byte_reserve",
-    "gpu_uuid_truncated",    "task_truncated",
-    "cleanup_holder_mismatch", "max_gpus",
-    "max_reservations_per_gpu", "reserved_bytes_overflow",
-    "bad_vram_sample",       "bad_record",
-    "overcommitted",         "process_rows_full",
-    "attribution_threads_full",
+    "unknown_release",         "unknown_cleanup",    "duplicate_reservation",
+    "zero_byte_reserve",       "gpu_uuid_truncated", "task_truncated",
+    "cleanup_holder_mismatch", "max_gpus",           "max_reservations_per_gpu",
+    "reserved_bytes_overflow", "bad_vram_sample",    "bad_record",
+    "overcommitted",           "process_rows_full",  "attribution_threads_full",
 };
 
 enum Op : std::size_t { kOpReserve, kOpRelease, kOpCleanup, kOpVramSample, kOpCount };
@@ -110,9 +107,9 @@ struct Gpu {
   std::map<std::uint32_t, StepTime> steps;
 
   std::size_t leaked() const {
-    return static_cast<std::size_t>(std::count_if(
-        reservations.begin(), reservations.end(),
-        [](const auto& entry) { return !entry.second.holder_alive; }));
+    return static_cast<std::size_t>(
+        std::count_if(reservations.begin(), reservations.end(),
+                      [](const auto& entry) { return !entry.second.holder_alive; }));
   }
 };
 
@@ -275,8 +272,7 @@ struct LedgerView::State {
 
   // The actor's row on `gpu`; nullptr (counted) when the GPU already keeps a row for as
   // many processes as the collector may hold.
-  ProcessRow* row(Gpu& gpu, const ProcessKey& key, const std::string& comm,
-                  std::size_t max_rows) {
+  ProcessRow* row(Gpu& gpu, const ProcessKey& key, const std::string& comm, std::size_t max_rows) {
     auto it = gpu.processes.find(key);
     if (it == gpu.processes.end()) {
       if (gpu.processes.size() >= max_rows) {
@@ -359,9 +355,8 @@ void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
         break;
       }
       if (!ensure_gpu()) return;
-      gpu->reservations.emplace(
-          record.reservation_id,
-          Reservation{actor.key, comm, record.bytes, std::string(task), at_ns, true});
+      gpu->reservations.emplace(record.reservation_id, Reservation{actor.key, comm, record.bytes,
+                                                                   std::string(task), at_ns, true});
       gpu->reserved_bytes += record.bytes;
       gpu->high_water_bytes = std::max(gpu->high_water_bytes, gpu->reserved_bytes);
       ++gpu->operations[kOpReserve];
@@ -377,8 +372,7 @@ void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
         break;
       }
       const auto entry = gpu->reservations.find(record.reservation_id);
-      if (cleanup &&
-          static_cast<std::int64_t>(record.holder_pid) != entry->second.holder.pid) {
+      if (cleanup && static_cast<std::int64_t>(record.holder_pid) != entry->second.holder.pid) {
         s.count(kCleanupHolderMismatch);  // the ledger removed it anyway; so do we
       }
       gpu->reserved_bytes -= entry->second.bytes;
@@ -431,8 +425,7 @@ void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
 }
 
 void LedgerView::attribute_span(const ProcessKey& process, std::uint32_t thread_id,
-                                std::uint32_t step, std::uint64_t start_ns,
-                                std::uint64_t end_ns) {
+                                std::uint32_t step, std::uint64_t start_ns, std::uint64_t end_ns) {
   if (!proto::is_ledger_step(step) || end_ns < start_ns) return;
   State& s = *state_;
   const auto threads = s.marks.find(process);
@@ -520,7 +513,8 @@ nlohmann::json LedgerView::to_json(std::uint64_t now_ns) const {
         g["available_bytes"] = total - gpu.reserved_bytes;
       } else {
         constexpr auto kMax = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
-        g["available_bytes"] = -static_cast<std::int64_t>(std::min(gpu.reserved_bytes - total, kMax));
+        g["available_bytes"] =
+            -static_cast<std::int64_t>(std::min(gpu.reserved_bytes - total, kMax));
       }
       g["sample_age_s"] = seconds_between(gpu.sample->at_ns, now_ns);
     }
@@ -580,8 +574,7 @@ std::string LedgerView::to_text(std::uint64_t now_ns) const {
           {"PID", "Process", "Reserves", "Releases", "Cleanups", "Step", "Count", "Time"}};
       for (const auto& [key, row] : gpu.processes) {
         std::vector<std::string> head = {std::to_string(key.pid), row.comm,
-                                         std::to_string(row.reserves),
-                                         std::to_string(row.releases),
+                                         std::to_string(row.reserves), std::to_string(row.releases),
                                          std::to_string(row.cleanups)};
         if (row.steps.empty()) {
           head.push_back("-");
@@ -592,8 +585,9 @@ std::string LedgerView::to_text(std::uint64_t now_ns) const {
         for (const auto& [step, time] : row.steps) {
           std::vector<std::string> cells =
               first ? head : std::vector<std::string>{"", "", "", "", ""};
-          cells.insert(cells.end(), {std::string(proto::kBuiltinStepNames[step]),
-                                     std::to_string(time.count), report::format_duration(time.total_ns)});
+          cells.insert(cells.end(),
+                       {std::string(proto::kBuiltinStepNames[step]), std::to_string(time.count),
+                        report::format_duration(time.total_ns)});
           rows.push_back(std::move(cells));
           first = false;
         }
@@ -615,8 +609,7 @@ void LedgerView::append_metrics(std::string& out) const {
   static constexpr Gauge kGauges[] = {
       {"steptrace_gpu_reserved_bytes", "Bytes reserved in the VRAM ledger.",
        [](const Gpu& g) -> std::optional<std::uint64_t> { return g.reserved_bytes; }},
-      {"steptrace_gpu_reserved_high_water_bytes",
-       "Highest reserved bytes seen in the VRAM ledger.",
+      {"steptrace_gpu_reserved_high_water_bytes", "Highest reserved bytes seen in the VRAM ledger.",
        [](const Gpu& g) -> std::optional<std::uint64_t> { return g.high_water_bytes; }},
       {"steptrace_gpu_free_bytes", "Free VRAM bytes at the last sample.",
        [](const Gpu& g) -> std::optional<std::uint64_t> {
@@ -728,13 +721,15 @@ nlohmann::json LedgerView::snapshot() const {
                     {"reservations", std::move(reservations)},
                     {"processes", std::move(processes)}});
   }
-  return json{{"version", kSnapshotVersion}, {"gpus", std::move(gpus)}, {"anomalies", anomalies_json()}};
+  return json{
+      {"version", kSnapshotVersion}, {"gpus", std::move(gpus)}, {"anomalies", anomalies_json()}};
 }
 
 std::error_code LedgerView::restore(const nlohmann::json& doc) {
   const std::error_code bad = make_error_code(errc::bad_config);
   if (!has_exactly(doc, {"version", "gpus", "anomalies"})) return bad;
-  if (!doc["version"].is_number_integer() || doc["version"].get<std::int64_t>() != kSnapshotVersion) {
+  if (!doc["version"].is_number_integer() ||
+      doc["version"].get<std::int64_t>() != kSnapshotVersion) {
     return bad;
   }
   const json& gpus = doc["gpus"];
@@ -742,8 +737,8 @@ std::error_code LedgerView::restore(const nlohmann::json& doc) {
 
   auto next = std::make_unique<State>();
   for (const json& g : gpus) {
-    if (!has_exactly(g, {"gpu", "high_water_bytes", "sample", "overcommit_events",
-                         "operations", "steps", "reservations", "processes"})) {
+    if (!has_exactly(g, {"gpu", "high_water_bytes", "sample", "overcommit_events", "operations",
+                         "steps", "reservations", "processes"})) {
       return bad;
     }
     std::string uuid;
@@ -786,8 +781,7 @@ std::error_code LedgerView::restore(const nlohmann::json& doc) {
       if (!read_u64(r, "id", id) || gpu.reservations.contains(id) ||
           !read_process_key(r, res.holder) || !read_string(r, "comm", true, res.comm) ||
           !read_u64(r, "bytes", res.bytes) || res.bytes == 0 ||
-          !read_string(r, "task", true, res.task) ||
-          !read_u64(r, "reserved_ns", res.reserved_ns) ||
+          !read_string(r, "task", true, res.task) || !read_u64(r, "reserved_ns", res.reserved_ns) ||
           !read_bool(r, "holder_alive", res.holder_alive)) {
         return bad;
       }
@@ -801,8 +795,8 @@ std::error_code LedgerView::restore(const nlohmann::json& doc) {
     const json& processes = g["processes"];
     if (!processes.is_array() || processes.size() > limits_.max_processes) return bad;
     for (const json& p : processes) {
-      if (!has_exactly(p, {"pid", "start_time", "comm", "reserves", "releases", "cleanups",
-                           "steps"})) {
+      if (!has_exactly(
+              p, {"pid", "start_time", "comm", "reserves", "releases", "cleanups", "steps"})) {
         return bad;
       }
       ProcessKey key;
@@ -823,8 +817,8 @@ std::error_code LedgerView::restore(const nlohmann::json& doc) {
   for (const auto& [name, value] : anomalies.items()) {
     const auto kind = std::find(kAnomalyNames.begin(), kAnomalyNames.end(), name);
     if (kind == kAnomalyNames.end()) return bad;
-    if (!read_u64(anomalies, name, next->anomalies[static_cast<std::size_t>(
-                                       kind - kAnomalyNames.begin())])) {
+    if (!read_u64(anomalies, name,
+                  next->anomalies[static_cast<std::size_t>(kind - kAnomalyNames.begin())])) {
       return bad;
     }
   }

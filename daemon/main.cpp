@@ -1,12 +1,12 @@
 // steptraced's entry point: flags and config -> logging -> Collector + Server -> run.
 // Start-up failures are one line on stderr: exit 2 for usage and configuration errors,
 // 1 for runtime ones (socket in use, directory missing). Exceptions stop here.
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <spdlog/sinks/stdout_sinks.h>
-#include <spdlog/spdlog.h>
 
 #include "daemon/collector.h"
 #include "daemon/config.h"

@@ -29,9 +29,10 @@ double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
 // Protocol error kinds always exported (zero until seen), so rate() works from the
 // start; any other kind the server counts is exported as well.
 constexpr std::array<errc, 13> kProtocolErrorKinds = {
-    errc::truncated,      errc::bad_magic,      errc::unsupported_version, errc::bad_hello,
-    errc::frame_too_large, errc::unknown_frame_type, errc::bad_frame_size, errc::bad_reserved,
-    errc::bad_step_id,    errc::bad_event_kind, errc::bad_string,          errc::bad_ledger_op,
+    errc::truncated,        errc::bad_magic,       errc::unsupported_version,
+    errc::bad_hello,        errc::frame_too_large, errc::unknown_frame_type,
+    errc::bad_frame_size,   errc::bad_reserved,    errc::bad_step_id,
+    errc::bad_event_kind,   errc::bad_string,      errc::bad_ledger_op,
     errc::unregistered_step};
 
 }  // namespace

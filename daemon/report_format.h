@@ -45,7 +45,8 @@ struct Column {
 };
 // One table row: cells padded to their column and joined with " | ", plus '\n'. The
 // last cell is not padded on the right (no trailing blanks).
-std::string table_row(std::span<const Column> columns, std::initializer_list<std::string_view> cells);
+std::string table_row(std::span<const Column> columns,
+                      std::initializer_list<std::string_view> cells);
 
 // ---- Prometheus text exposition ---------------------------------------------------
 // Label values escape backslash, double quote and line feed.

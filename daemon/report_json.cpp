@@ -137,8 +137,8 @@ nlohmann::json Collector::ledger_json() const {
 
 nlohmann::json Collector::stats_json() const {
   const State& state = *state_;
-  std::size_t state_bytes = sizeof(State) + state.slots.capacity() * sizeof(state.slots[0]) +
-                            state.by_key.size() * 64;
+  std::size_t state_bytes =
+      sizeof(State) + state.slots.capacity() * sizeof(state.slots[0]) + state.by_key.size() * 64;
   std::uint64_t live = 0, connected = 0, custom_steps = 0;
   for (const auto& slot : state.slots) {
     if (!slot) continue;
@@ -147,26 +147,29 @@ nlohmann::json Collector::stats_json() const {
     connected += slot->connections > 0 ? 1 : 0;
     custom_steps += slot->custom_ids.size();
   }
-  for (const auto& [name, hist] : state.retired) state_bytes += name.capacity() + hist.memory_bytes() + 48;
+  for (const auto& [name, hist] : state.retired)
+    state_bytes += name.capacity() + hist.memory_bytes() + 48;
   nlohmann::json protocol_errors = counters_.protocol_errors;
   return {{"events_received", counters_.events_received},
           {"frames_received", counters_.frames_received},
           {"bytes_received", counters_.bytes_received},
           {"events_dropped_by_clients", counters_.events_dropped_by_clients},
-          {"protocol_errors", {{"total", counters_.protocol_errors_total()},
-                               {"by_kind", std::move(protocol_errors)}}},
-          {"connections", {{"now", counters_.connections_now},
-                           {"total", counters_.connections_total},
-                           {"rejected", counters_.connections_rejected}}},
+          {"protocol_errors",
+           {{"total", counters_.protocol_errors_total()}, {"by_kind", std::move(protocol_errors)}}},
+          {"connections",
+           {{"now", counters_.connections_now},
+            {"total", counters_.connections_total},
+            {"rejected", counters_.connections_rejected}}},
           {"commands_served", counters_.commands_served},
-          {"processes", {{"tracked", state.by_key.size()},
-                         {"live", live},
-                         {"exited", state.exited},
-                         {"connected", connected}}},
+          {"processes",
+           {{"tracked", state.by_key.size()},
+            {"live", live},
+            {"exited", state.exited},
+            {"connected", connected}}},
           {"custom_steps", custom_steps},
           {"limits_hit", counters_.limits_hit},
-          {"snapshots", {{"written", counters_.snapshots_written},
-                         {"errors", counters_.snapshot_errors}}},
+          {"snapshots",
+           {{"written", counters_.snapshots_written}, {"errors", counters_.snapshot_errors}}},
           {"memory", {{"rss_bytes", rss_bytes()}, {"state_bytes_estimate", state_bytes}}},
           {"uptime_s", uptime_s(counters_)},
           {"ledger_anomalies", state.ledger.anomalies_json()}};

@@ -44,7 +44,8 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
     name_width = std::max(name_width, report::display_width(t.name));
     // Built-in names are unique; a custom step can not take a built-in's name slot.
     if (t.name == proto::kBuiltinStepNames[kMatmul]) compute += h.sum();
-    if (t.name == proto::kBuiltinStepNames[kTranspose] || t.name == proto::kBuiltinStepNames[kAlloc]) {
+    if (t.name == proto::kBuiltinStepNames[kTranspose] ||
+        t.name == proto::kBuiltinStepNames[kAlloc]) {
       overhead += h.sum();
     }
   }
@@ -55,24 +56,23 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
   }
   std::stable_sort(rows.begin(), rows.end(),
                    [](const Row& a, const Row& b) { return a.total_ns > b.total_ns; });
-  const std::array<Column, 6> columns = {Column{name_width}, Column{8}, Column{15},
+  const std::array<Column, 6> columns = {Column{name_width},       Column{8},  Column{15},
                                          Column{8, Align::kRight}, Column{15}, Column{15}};
   std::string out = "Total Measured Time: " + format_duration(total_time) + "\n";
   out += report::rule();
   // Headers are left-aligned like the reference's `{:<8}`; the values under % Time are
   // right-aligned like its `{:>7.2}%`.
-  const std::array<Column, 6> header = {Column{name_width}, Column{8}, Column{15}, Column{8},
-                                        Column{15}, Column{15}};
+  const std::array<Column, 6> header = {Column{name_width}, Column{8},  Column{15},
+                                        Column{8},          Column{15}, Column{15}};
   out += report::table_row(header, {"Step", "Count", "Duration", "% Time", "p50", "p99"});
   out += report::rule();
   for (const Row& row : rows) {
-    const double pct = total_time > 0 ? static_cast<double>(row.total_ns) /
-                                            static_cast<double>(total_time) * 100.0
-                                      : 0.0;
-    out += report::table_row(
-        columns, {row.name, std::to_string(row.count), format_duration(row.total_ns),
-                  report::format_percent(pct), format_duration(row.p50_ns),
-                  format_duration(row.p99_ns)});
+    const double pct =
+        total_time > 0 ? static_cast<double>(row.total_ns) / static_cast<double>(total_time) * 100.0
+                       : 0.0;
+    out += report::table_row(columns, {row.name, std::to_string(row.count),
+                                       format_duration(row.total_ns), report::format_percent(pct),
+                                       format_duration(row.p50_ns), format_duration(row.p99_ns)});
   }
   out += report::rule();
   // Dr. Popper: compute (Matmul) against CPU overhead (Transpose + Alloc), 50% rule.
@@ -103,7 +103,8 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now) {
   if (rec.alive) {
     state = rec.connections > 0 ? "alive" : "alive (disconnected)";
   } else {
-    state = "exited " + format_duration(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) + " ago";
+    state =
+        "exited " + format_duration(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) + " ago";
   }
   return "── Process " + std::to_string(rec.key().pid) + " (" +
          (rec.peer.comm.empty() ? std::string("?") : rec.peer.comm) + ") · " + state +
@@ -128,8 +129,9 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::string& ou
 std::string Collector::report_text(std::optional<std::int32_t> pid) const {
   const std::uint64_t now = env_.monotonic_now_ns();
   const auto processes = select_processes(*state_, pid);
-  std::string out = "\n" + report::boxed_title(pid ? "STEPTRACE REPORT (pid " + std::to_string(*pid) + ")"
-                                                   : std::string("STEPTRACE REPORT"));
+  std::string out =
+      "\n" + report::boxed_title(pid ? "STEPTRACE REPORT (pid " + std::to_string(*pid) + ")"
+                                     : std::string("STEPTRACE REPORT"));
   if (processes.empty()) {
     out += pid ? "No process with pid " + std::to_string(*pid) + " is tracked.\n"
                : "No process has connected yet. Run a trainer linked with libsteptrace "
@@ -147,7 +149,9 @@ std::string Collector::report_text(std::optional<std::int32_t> pid) const {
   return out;
 }
 
-std::string Collector::ledger_text() const { return state_->ledger.to_text(env_.monotonic_now_ns()); }
+std::string Collector::ledger_text() const {
+  return state_->ledger.to_text(env_.monotonic_now_ns());
+}
 
 std::string Collector::stats_text() const {
   std::string out;

@@ -6,11 +6,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <spdlog/spdlog.h>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
-#include <spdlog/spdlog.h>
 #include <vector>
 
 #include "daemon/snapshot.h"
@@ -20,7 +20,7 @@ namespace steptrace::daemon {
 namespace {
 
 namespace fs = std::filesystem;
-using stream_protocol = boost::asio::local::stream_protocol;
+using StreamProtocol = boost::asio::local::stream_protocol;
 
 // How long shutdown spends applying what clients already sent.
 constexpr std::chrono::seconds kDrainBudget{2};
@@ -60,7 +60,11 @@ Server::Server(const Config& config, Collector& collector)
       accept_retry_timer_(io_),
       liveness_timer_(io_),
       snapshot_timer_(io_),
-      shared_{collector, config, commands_, log_, Environment::system(),
+      shared_{collector,
+              config,
+              commands_,
+              log_,
+              Environment::system(),
               static_cast<std::uint32_t>(::geteuid())} {}
 
 Server::~Server() {
@@ -78,8 +82,8 @@ std::optional<std::string> Server::start() {
     std::error_code ec;
     fs::create_directories(config_.state_dir, ec);
     if (ec || !fs::is_directory(config_.state_dir)) {
-      return "state directory " + config_.state_dir + " cannot be used: " +
-             (ec ? ec.message() : "not a directory");
+      return "state directory " + config_.state_dir +
+             " cannot be used: " + (ec ? ec.message() : "not a directory");
     }
     restore_snapshot();
   }
@@ -103,7 +107,7 @@ std::optional<std::string> Server::open_socket() {
     const ActivationSocket activation = systemd_activation_socket();
     if (!activation.error.empty()) return activation.error;
     if (activation.fd >= 0) {
-      acceptor_.assign(stream_protocol(), activation.fd, ec);
+      acceptor_.assign(StreamProtocol(), activation.fd, ec);
       if (ec) return "cannot adopt the socket systemd passed: " + ec.message();
       socket_adopted_ = true;
       socket_path_ = acceptor_.local_endpoint(ec).path();
@@ -136,13 +140,14 @@ std::optional<std::string> Server::open_socket() {
           return "cannot remove stale socket " + socket_path_ + ": " + std::strerror(errno);
         }
         break;
-      case Probe::kGone: break;
+      case Probe::kGone:
+        break;
       case Probe::kError:
         return "cannot check the existing socket " + socket_path_ + ": " + std::strerror(error);
     }
   }
 
-  const stream_protocol::endpoint endpoint(socket_path_);
+  const StreamProtocol::endpoint endpoint(socket_path_);
   acceptor_.open(endpoint.protocol(), ec);
   if (!ec) acceptor_.bind(endpoint, ec);
   if (ec) {
@@ -194,16 +199,16 @@ void Server::restore_snapshot() {
       spdlog::error("snapshot unusable: {}{}; starting empty", loaded.error,
                     loaded.moved_to.empty() ? "" : "; moved to " + loaded.moved_to.string());
       return;
-    case LoadedSnapshot::Status::kLoaded: break;
+    case LoadedSnapshot::Status::kLoaded:
+      break;
   }
   if (const auto ec = collector_.restore(loaded.doc)) {
     ++collector_.counters().snapshot_errors;
     std::error_code move_ec;
     const fs::path moved = move_snapshot_aside(config_.state_dir, move_ec);
-    spdlog::error("snapshot in {} rejected ({}); {}; starting empty", config_.state_dir,
-                  ec.message(),
-                  move_ec ? "moving it aside failed: " + move_ec.message()
-                          : "moved to " + moved.string());
+    spdlog::error(
+        "snapshot in {} rejected ({}); {}; starting empty", config_.state_dir, ec.message(),
+        move_ec ? "moving it aside failed: " + move_ec.message() : "moved to " + moved.string());
     return;
   }
   spdlog::info("restored snapshot from {}", config_.state_dir);
@@ -239,12 +244,12 @@ void Server::run() {
 
 void Server::accept() {
   acceptor_.async_accept(
-      [this](const boost::system::error_code& ec, stream_protocol::socket socket) {
+      [this](const boost::system::error_code& ec, StreamProtocol::socket socket) {
         on_accept(ec, std::move(socket));
       });
 }
 
-void Server::on_accept(const boost::system::error_code& ec, stream_protocol::socket socket) {
+void Server::on_accept(const boost::system::error_code& ec, StreamProtocol::socket socket) {
   if (stopping_ || ec == boost::asio::error::operation_aborted) return;
   if (ec) {
     // EMFILE and friends: back off briefly instead of spinning on the error.
@@ -259,7 +264,7 @@ void Server::on_accept(const boost::system::error_code& ec, stream_protocol::soc
   accept();
 }
 
-void Server::admit(stream_protocol::socket socket) {
+void Server::admit(StreamProtocol::socket socket) {
   auto& counters = collector_.counters();
   ++counters.connections_total;
   const bool reject = counters.connections_now >= config_.server_limits.max_connections;
@@ -323,7 +328,7 @@ void Server::shutdown(int signal_number) {
   acceptor_.cancel(ec);
   acceptor_.non_blocking(true, ec);
   for (std::size_t i = 0; !ec && i < config_.server_limits.max_connections; ++i) {
-    stream_protocol::socket socket(io_);
+    StreamProtocol::socket socket(io_);
     acceptor_.accept(socket, ec);
     if (!ec) admit(std::move(socket));
   }

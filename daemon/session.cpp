@@ -2,8 +2,8 @@
 
 #include <sys/socket.h>
 
-#include <boost/asio/write.hpp>
 #include <spdlog/spdlog.h>
+#include <boost/asio/write.hpp>
 
 namespace steptrace::daemon {
 namespace {
@@ -165,8 +165,8 @@ void Session::on_eof() {
   if (mode_ == Mode::kBinary) {
     if (const auto ec = decoder_.finish(); ec && !decoder_.failed()) {
       ++shared_.collector.counters().protocol_errors[error_name(ec)];
-      shared_.log.warn(error_name(ec), "client " + describe_peer() + ": " + ec.message() +
-                                           " (" + std::to_string(decoder_.buffered()) +
+      shared_.log.warn(error_name(ec), "client " + describe_peer() + ": " + ec.message() + " (" +
+                                           std::to_string(decoder_.buffered()) +
                                            " bytes left); connection closed");
     }
     frame_deadline_.reset();
@@ -230,9 +230,7 @@ std::error_code Session::apply(const proto::Message& message) {
           },
           // The daemon-side decoder never yields these.
           [&](const proto::FlushAck&) -> std::error_code { return errc::unknown_frame_type; },
-          [&](const proto::ErrorReport&) -> std::error_code {
-            return errc::unknown_frame_type;
-          },
+          [&](const proto::ErrorReport&) -> std::error_code { return errc::unknown_frame_type; },
       },
       message);
 }
@@ -276,8 +274,8 @@ void Session::process_text() {
     line_buf_.erase(0, nl + 1);
     answer_line(line);
   }
-  if (!finishing_ && (line_too_long_ || (line_buf_.find('\n') == std::string::npos &&
-                                         line_buf_.size() > max_line))) {
+  if (!finishing_ && (line_too_long_ ||
+                      (line_buf_.find('\n') == std::string::npos && line_buf_.size() > max_line))) {
     ++shared_.collector.counters().protocol_errors["line_too_long"];
     shared_.log.warn("line_too_long", "client " + describe_peer() + ": command line longer than " +
                                           std::to_string(max_line) + " bytes; connection closed");
@@ -324,33 +322,32 @@ void Session::write_next() {
   write_deadline_ = Clock::now() + std::chrono::seconds(shared_.config.timeouts.frame_s);
   update_timer();
   auto self = shared_from_this();
-  boost::asio::async_write(
-      socket_, boost::asio::buffer(write_queue_.front()),
-      [self](const boost::system::error_code& ec, std::size_t) {
-        self->writing_ = false;
-        if (self->closed_) return;
-        self->pending_write_bytes_ -= self->write_queue_.front().size();
-        self->write_queue_.pop_front();
-        if (ec) {
-          self->close();
-          return;
-        }
-        if (!self->write_queue_.empty()) {
-          self->write_next();
-          return;
-        }
-        self->write_deadline_.reset();
-        self->update_timer();
-        if (self->finishing_) {
-          self->close();
-          return;
-        }
-        if (self->mode_ == Mode::kText) {
-          self->process_text();
-          self->maybe_finish();
-        }
-        self->read_more();
-      });
+  boost::asio::async_write(socket_, boost::asio::buffer(write_queue_.front()),
+                           [self](const boost::system::error_code& ec, std::size_t) {
+                             self->writing_ = false;
+                             if (self->closed_) return;
+                             self->pending_write_bytes_ -= self->write_queue_.front().size();
+                             self->write_queue_.pop_front();
+                             if (ec) {
+                               self->close();
+                               return;
+                             }
+                             if (!self->write_queue_.empty()) {
+                               self->write_next();
+                               return;
+                             }
+                             self->write_deadline_.reset();
+                             self->update_timer();
+                             if (self->finishing_) {
+                               self->close();
+                               return;
+                             }
+                             if (self->mode_ == Mode::kText) {
+                               self->process_text();
+                               self->maybe_finish();
+                             }
+                             self->read_more();
+                           });
 }
 
 void Session::close_after_writes() {
@@ -394,9 +391,9 @@ void Session::on_timeout() {
     return;
   }
   if (write_deadline_ && *write_deadline_ <= now) {
-    shared_.log.warn("write_timeout", "client " + describe_peer() + " did not read a reply within " +
-                                          std::to_string(timeouts.frame_s) +
-                                          " s; connection closed");
+    shared_.log.warn("write_timeout",
+                     "client " + describe_peer() + " did not read a reply within " +
+                         std::to_string(timeouts.frame_s) + " s; connection closed");
     close();
     return;
   }
@@ -407,8 +404,8 @@ void Session::on_timeout() {
     shared_.log.warn("timed_out", "client " + describe_peer() + ": a " + what +
                                       " was not completed within " +
                                       std::to_string(timeouts.frame_s) + " s; connection closed");
-    const std::string message = what + " not completed within " +
-                                std::to_string(timeouts.frame_s) + " s";
+    const std::string message =
+        what + " not completed within " + std::to_string(timeouts.frame_s) + " s";
     queue_write(mode_ == Mode::kBinary ? error_frame(proto::ErrorCode::kProtocol, message)
                                        : "error: " + message + "\n");
     close_after_writes();

@@ -10,8 +10,8 @@ namespace steptrace::daemon {
 
 // What systemd passed us.
 struct ActivationSocket {
-  int fd = -1;            // set when exactly one AF_UNIX stream socket was passed
-  std::string error;      // set when sockets were passed but not the one we can use
+  int fd = -1;        // set when exactly one AF_UNIX stream socket was passed
+  std::string error;  // set when sockets were passed but not the one we can use
 };
 
 // Checks LISTEN_FDS (and unsets it so children do not inherit it). Empty result (fd -1,

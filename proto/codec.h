@@ -115,9 +115,7 @@ class Encoder {
   bool ledger(const LedgerRecord& record) { return frame(FrameType::kLedger, record); }
   bool dropped(std::uint64_t total) { return frame(FrameType::kDropped, DroppedReport{total}); }
   bool flush(std::uint64_t sequence) { return frame(FrameType::kFlush, FlushRequest{sequence}); }
-  bool flush_ack(std::uint64_t sequence) {
-    return frame(FrameType::kFlushAck, FlushAck{sequence});
-  }
+  bool flush_ack(std::uint64_t sequence) { return frame(FrameType::kFlushAck, FlushAck{sequence}); }
   bool error(ErrorCode code, std::string_view message) {
     ErrorReport r{};
     r.code = static_cast<std::uint32_t>(code);
@@ -271,9 +269,11 @@ class Decoder {
       case FrameType::kRegisterStep:
       case FrameType::kLedger:
       case FrameType::kDropped:
-      case FrameType::kFlush: return side_ == Side::kDaemon;
+      case FrameType::kFlush:
+        return side_ == Side::kDaemon;
       case FrameType::kFlushAck:
-      case FrameType::kError: return side_ == Side::kClient;
+      case FrameType::kError:
+        return side_ == Side::kClient;
     }
     return false;
   }
@@ -327,9 +327,12 @@ class Decoder {
         }
         return {{}, Message{r}};
       }
-      case FrameType::kDropped: return {{}, Message{load<DroppedReport>(p)}};
-      case FrameType::kFlush: return {{}, Message{load<FlushRequest>(p)}};
-      case FrameType::kFlushAck: return {{}, Message{load<FlushAck>(p)}};
+      case FrameType::kDropped:
+        return {{}, Message{load<DroppedReport>(p)}};
+      case FrameType::kFlush:
+        return {{}, Message{load<FlushRequest>(p)}};
+      case FrameType::kFlushAck:
+        return {{}, Message{load<FlushAck>(p)}};
       case FrameType::kError: {
         const auto r = load<ErrorReport>(p);
         if (r.reserved != 0) return fail(errc::bad_reserved);

@@ -24,8 +24,8 @@ enum class errc {
   bad_string,           // unterminated, non-printable, empty where required, or nonzero after NUL
   bad_ledger_op,        // LedgerRecord.op unknown
   // Beyond framing.
-  unregistered_step,    // an event names a custom step the process never registered
-  limit_reached,        // a configured bound (connections, steps, processes, depth)
+  unregistered_step,  // an event names a custom step the process never registered
+  limit_reached,      // a configured bound (connections, steps, processes, depth)
   permission_denied,
   daemon_unreachable,
   timed_out,
@@ -43,25 +43,44 @@ inline std::error_code make_error_code(errc e) noexcept {
 // A short stable name per code ("bad_step_id"), used as a metrics/stats label.
 inline const char* errc_name(errc e) noexcept {
   switch (e) {
-    case errc::truncated: return "truncated";
-    case errc::bad_magic: return "bad_magic";
-    case errc::unsupported_version: return "unsupported_version";
-    case errc::bad_hello: return "bad_hello";
-    case errc::frame_too_large: return "frame_too_large";
-    case errc::unknown_frame_type: return "unknown_frame_type";
-    case errc::bad_frame_size: return "bad_frame_size";
-    case errc::bad_reserved: return "bad_reserved";
-    case errc::bad_step_id: return "bad_step_id";
-    case errc::bad_event_kind: return "bad_event_kind";
-    case errc::bad_string: return "bad_string";
-    case errc::bad_ledger_op: return "bad_ledger_op";
-    case errc::unregistered_step: return "unregistered_step";
-    case errc::limit_reached: return "limit_reached";
-    case errc::permission_denied: return "permission_denied";
-    case errc::daemon_unreachable: return "daemon_unreachable";
-    case errc::timed_out: return "timed_out";
-    case errc::bad_config: return "bad_config";
-    case errc::bad_command: return "bad_command";
+    case errc::truncated:
+      return "truncated";
+    case errc::bad_magic:
+      return "bad_magic";
+    case errc::unsupported_version:
+      return "unsupported_version";
+    case errc::bad_hello:
+      return "bad_hello";
+    case errc::frame_too_large:
+      return "frame_too_large";
+    case errc::unknown_frame_type:
+      return "unknown_frame_type";
+    case errc::bad_frame_size:
+      return "bad_frame_size";
+    case errc::bad_reserved:
+      return "bad_reserved";
+    case errc::bad_step_id:
+      return "bad_step_id";
+    case errc::bad_event_kind:
+      return "bad_event_kind";
+    case errc::bad_string:
+      return "bad_string";
+    case errc::bad_ledger_op:
+      return "bad_ledger_op";
+    case errc::unregistered_step:
+      return "unregistered_step";
+    case errc::limit_reached:
+      return "limit_reached";
+    case errc::permission_denied:
+      return "permission_denied";
+    case errc::daemon_unreachable:
+      return "daemon_unreachable";
+    case errc::timed_out:
+      return "timed_out";
+    case errc::bad_config:
+      return "bad_config";
+    case errc::bad_command:
+      return "bad_command";
   }
   return "unknown";
 }
@@ -72,25 +91,44 @@ class SteptraceCategory final : public std::error_category {
   const char* name() const noexcept override { return "steptrace"; }
   std::string message(int value) const override {
     switch (static_cast<errc>(value)) {
-      case errc::truncated: return "stream ended inside a hello or frame";
-      case errc::bad_magic: return "binary stream does not start with the steptrace magic";
-      case errc::unsupported_version: return "unsupported protocol version";
-      case errc::bad_hello: return "malformed hello";
-      case errc::frame_too_large: return "frame larger than the frame-size cap";
-      case errc::unknown_frame_type: return "unknown frame type";
-      case errc::bad_frame_size: return "frame size does not match its type";
-      case errc::bad_reserved: return "reserved field is not zero";
-      case errc::bad_step_id: return "step id out of range";
-      case errc::bad_event_kind: return "event kind is neither start nor end";
-      case errc::bad_string: return "malformed string field";
-      case errc::bad_ledger_op: return "unknown ledger operation";
-      case errc::unregistered_step: return "event for a custom step that was never registered";
-      case errc::limit_reached: return "configured limit reached";
-      case errc::permission_denied: return "permission denied";
-      case errc::daemon_unreachable: return "steptraced cannot be reached";
-      case errc::timed_out: return "timed out";
-      case errc::bad_config: return "bad configuration";
-      case errc::bad_command: return "bad command";
+      case errc::truncated:
+        return "stream ended inside a hello or frame";
+      case errc::bad_magic:
+        return "binary stream does not start with the steptrace magic";
+      case errc::unsupported_version:
+        return "unsupported protocol version";
+      case errc::bad_hello:
+        return "malformed hello";
+      case errc::frame_too_large:
+        return "frame larger than the frame-size cap";
+      case errc::unknown_frame_type:
+        return "unknown frame type";
+      case errc::bad_frame_size:
+        return "frame size does not match its type";
+      case errc::bad_reserved:
+        return "reserved field is not zero";
+      case errc::bad_step_id:
+        return "step id out of range";
+      case errc::bad_event_kind:
+        return "event kind is neither start nor end";
+      case errc::bad_string:
+        return "malformed string field";
+      case errc::bad_ledger_op:
+        return "unknown ledger operation";
+      case errc::unregistered_step:
+        return "event for a custom step that was never registered";
+      case errc::limit_reached:
+        return "configured limit reached";
+      case errc::permission_denied:
+        return "permission denied";
+      case errc::daemon_unreachable:
+        return "steptraced cannot be reached";
+      case errc::timed_out:
+        return "timed out";
+      case errc::bad_config:
+        return "bad configuration";
+      case errc::bad_command:
+        return "bad command";
     }
     return "unknown steptrace error";
   }

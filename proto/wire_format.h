@@ -36,8 +36,8 @@ inline constexpr std::uint32_t kFirstCustomStep = 256;
 inline constexpr std::uint32_t kMaxCustomSteps = 1024;
 
 inline constexpr std::string_view kBuiltinStepNames[kBuiltinStepCount] = {
-    "Forward",       "Backward",      "Matmul",    "Attention", "Transpose", "Alloc",
-    "Transfer",      "LedgerReserve", "LedgerCleanup", "VramQuery", "WaitPoll", "LedgerRelease"};
+    "Forward",  "Backward",      "Matmul",        "Attention", "Transpose", "Alloc",
+    "Transfer", "LedgerReserve", "LedgerCleanup", "VramQuery", "WaitPoll",  "LedgerRelease"};
 
 constexpr bool is_builtin_step(std::uint32_t step) { return step < kBuiltinStepCount; }
 constexpr bool is_custom_step(std::uint32_t step) {
@@ -71,8 +71,8 @@ enum class FrameType : std::uint16_t {
 };
 
 struct FrameHeader {
-  std::uint32_t size;  // payload bytes, <= kMaxFramePayload
-  std::uint16_t type;  // FrameType
+  std::uint32_t size;      // payload bytes, <= kMaxFramePayload
+  std::uint16_t type;      // FrameType
   std::uint16_t reserved;  // must be 0
 };
 static_assert(sizeof(FrameHeader) == 8);
@@ -119,9 +119,9 @@ struct LedgerRecord {
   std::uint64_t total_bytes;
   std::uint32_t thread_id;
   std::uint32_t holder_pid;
-  std::uint8_t op;     // LedgerOp
-  std::uint8_t flags;  // LedgerFlag bits; others must be 0
-  std::uint8_t reserved[6];  // must be 0
+  std::uint8_t op;            // LedgerOp
+  std::uint8_t flags;         // LedgerFlag bits; others must be 0
+  std::uint8_t reserved[6];   // must be 0
   char gpu_uuid[kNameField];  // 1..63 printable chars
   char task[kNameField];      // 0..63 printable chars
 };
@@ -143,9 +143,9 @@ struct FlushAck {
 static_assert(sizeof(FlushAck) == 8);
 
 enum class ErrorCode : std::uint32_t {
-  kProtocol = 1,        // a malformed frame; message says which rule
+  kProtocol = 1,  // a malformed frame; message says which rule
   kUnsupportedVersion = 2,
-  kLimit = 3,           // a configured limit was hit (connections, custom steps, ...)
+  kLimit = 3,  // a configured limit was hit (connections, custom steps, ...)
 };
 
 struct ErrorReport {
@@ -158,13 +158,20 @@ static_assert(sizeof(ErrorReport) == 128);
 // Fixed payload size of each non-event frame type; 0 for kEvents and unknown types.
 constexpr std::uint32_t fixed_payload_size(FrameType type) {
   switch (type) {
-    case FrameType::kRegisterStep: return sizeof(RegisterStep);
-    case FrameType::kLedger: return sizeof(LedgerRecord);
-    case FrameType::kDropped: return sizeof(DroppedReport);
-    case FrameType::kFlush: return sizeof(FlushRequest);
-    case FrameType::kFlushAck: return sizeof(FlushAck);
-    case FrameType::kError: return sizeof(ErrorReport);
-    case FrameType::kEvents: return 0;
+    case FrameType::kRegisterStep:
+      return sizeof(RegisterStep);
+    case FrameType::kLedger:
+      return sizeof(LedgerRecord);
+    case FrameType::kDropped:
+      return sizeof(DroppedReport);
+    case FrameType::kFlush:
+      return sizeof(FlushRequest);
+    case FrameType::kFlushAck:
+      return sizeof(FlushAck);
+    case FrameType::kError:
+      return sizeof(ErrorReport);
+    case FrameType::kEvents:
+      return 0;
   }
   return 0;
 }

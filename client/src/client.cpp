@@ -86,21 +86,20 @@ void count_drop() noexcept {
 // ---- Client ------------------------------------------------------------------------
 
 Client& Client::get() {
-  static Client* const instance = [] {
+  static Client* const kInstance = [] {
     auto* client = new Client();  // never destroyed: usable from static destructors
     ::pthread_atfork(fork_prepare_hook, fork_parent_hook, fork_child_hook);
     std::atexit(at_exit_hook);
     return client;
   }();
-  return *instance;
+  return *kInstance;
 }
 
 Client::Client() {
   env_disabled_ = env_true("STEPTRACE_DISABLE");
   g_block_when_full.store(env_true("STEPTRACE_BLOCK_WHEN_FULL"), std::memory_order_relaxed);
-  s_.clock_source =
-      choose_clock_source(std::getenv("STEPTRACE_CLOCK"), cpu_has_invariant_tsc(),
-                          current_clocksource());
+  s_.clock_source = choose_clock_source(std::getenv("STEPTRACE_CLOCK"), cpu_has_invariant_tsc(),
+                                        current_clocksource());
   g_use_tsc = s_.clock_source == ClockSource::kTsc;
   if (g_use_tsc) s_.converter.start(take_clock_sample());
   s_.wake_fd.store(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), std::memory_order_relaxed);

@@ -65,7 +65,8 @@ inline void record(std::uint32_t step, proto::EventKind kind) noexcept {
   }
   const std::uint64_t meta = event_meta(ring->thread_id(), step, kind);
   const std::uint64_t ticks = read_clock();
-  if (!ring->try_push(ticks, meta)) [[unlikely]] ring_full(ring, ticks, meta);
+  if (!ring->try_push(ticks, meta)) [[unlikely]]
+    ring_full(ring, ticks, meta);
 }
 
 class Client {

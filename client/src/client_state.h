@@ -27,7 +27,7 @@ inline constexpr std::size_t kMaxOrphanRings = 64;
 
 struct RingRegistry {
   std::mutex mu;
-  std::vector<EventRing*> rings;  // owned; freed by the flusher once orphaned and drained
+  std::vector<EventRing*> rings;      // owned; freed by the flusher once orphaned and drained
   std::uint64_t retired_dropped = 0;  // drops of rings already freed
 
   // Requires mu. Frees `ring` (orphaned), counting what it never delivered.
@@ -48,8 +48,8 @@ struct FlushWaiter {
 struct FlushSync {
   std::mutex mu;
   std::condition_variable cv;
-  std::uint64_t requested = 0;          // last sequence handed out
-  std::vector<FlushWaiter*> waiters;    // pending calls
+  std::uint64_t requested = 0;        // last sequence handed out
+  std::vector<FlushWaiter*> waiters;  // pending calls
 
   // Require mu.
   void resolve_acked_locked(std::uint64_t sequence) {

@@ -81,7 +81,7 @@ class EventRing {
   }
   // The records [from, to) (consumed() <= from <= to <= a published() value).
   std::pair<std::span<const Slot>, std::span<const Slot>> range(std::uint64_t from,
-                                                                 std::uint64_t to) const {
+                                                                std::uint64_t to) const {
     const std::size_t n = static_cast<std::size_t>(to - from);
     const std::size_t first = static_cast<std::size_t>(from & (kRingCapacity - 1));
     const std::size_t run = std::min(n, kRingCapacity - first);
@@ -92,9 +92,7 @@ class EventRing {
   void release(std::uint64_t new_tail) noexcept {
     tail_.store(new_tail, std::memory_order_release);
   }
-  std::size_t fill() const noexcept {
-    return static_cast<std::size_t>(published() - consumed());
-  }
+  std::size_t fill() const noexcept { return static_cast<std::size_t>(published() - consumed()); }
 
   // ---- ownership -------------------------------------------------------------------
   // The owning thread exited: the flusher drains the ring and then frees it.

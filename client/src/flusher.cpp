@@ -64,7 +64,9 @@ Flusher::~Flusher() {
   if (fd_ >= 0) close_connection();
 }
 
-void Flusher::start() { thread_ = std::thread([this] { run(); }); }
+void Flusher::start() {
+  thread_ = std::thread([this] { run(); });
+}
 
 void Flusher::stop() {
   stop_.store(true);
@@ -229,9 +231,10 @@ bool Flusher::build_batch() {
     for (const auto run : {runs.first, runs.second}) {
       std::size_t done = 0;
       while (done < run.size() && !leftovers) {
-        const std::size_t room = enc.remaining() > ledger_reserved + sizeof(proto::FrameHeader)
-                                     ? enc.remaining() - ledger_reserved - sizeof(proto::FrameHeader)
-                                     : 0;
+        const std::size_t room =
+            enc.remaining() > ledger_reserved + sizeof(proto::FrameHeader)
+                ? enc.remaining() - ledger_reserved - sizeof(proto::FrameHeader)
+                : 0;
         const std::size_t fit = std::min(run.size() - done, room / sizeof(proto::EventRecord));
         const std::size_t start = enc.size() + sizeof(proto::FrameHeader);
         const auto* records = reinterpret_cast<const proto::EventRecord*>(run.data() + done);

@@ -19,8 +19,7 @@ bool fill_field(char (&field)[N], const char* text) {
 }  // namespace
 
 std::optional<proto::LedgerRecord> make_ledger_record(proto::LedgerOp op, const char* gpu_uuid,
-                                                      const char* task,
-                                                      std::uint64_t timestamp_ns,
+                                                      const char* task, std::uint64_t timestamp_ns,
                                                       std::uint32_t thread_id) {
   if (gpu_uuid == nullptr || gpu_uuid[0] == '\0') return std::nullopt;
   proto::LedgerRecord r{};

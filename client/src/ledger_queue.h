@@ -2,9 +2,9 @@
 //
 // steptrace_ledger_* / steptrace_vram_sample build a proto::LedgerRecord (timestamp read
 // from the same clock as the events, in raw ticks until the flusher converts it to
-// CLOCK_MONOTONIC ns with the events' conversion; kernel thread id, strings cut to 63 characters with the kLedger*Truncated
-// flags set and unprintable bytes replaced by '?') and push it into this bounded,
-// mutex-guarded queue; when it is full the record is dropped and counted. The flusher
+// CLOCK_MONOTONIC ns with the events' conversion; kernel thread id, strings cut to 63 characters
+// with the kLedger*Truncated flags set and unprintable bytes replaced by '?') and push it into this
+// bounded, mutex-guarded queue; when it is full the record is dropped and counted. The flusher
 // reads a clock cutoff, then the rings' published heads, then takes the records stamped
 // before the cutoff, and sends each one between its own thread's events in recording
 // order: an annotation reaches the daemon after the start and before the end event
@@ -26,8 +26,7 @@ inline constexpr std::size_t kLedgerQueueCapacity = 1024;
 // Builds a record; nullopt when gpu_uuid is null or empty (the caller counts a drop).
 // A null task is empty.
 std::optional<proto::LedgerRecord> make_ledger_record(proto::LedgerOp op, const char* gpu_uuid,
-                                                      const char* task,
-                                                      std::uint64_t timestamp_ns,
+                                                      const char* task, std::uint64_t timestamp_ns,
                                                       std::uint32_t thread_id);
 
 class LedgerQueue {

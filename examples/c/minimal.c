@@ -27,7 +27,7 @@ static void matmul(void) {
 }
 
 int main(void) {
-  const char *gpu = "GPU-00000000-minimal-c-0000-000000000000";
+  const char* gpu = "GPU-00000000-minimal-c-0000-000000000000";
   const uint64_t reservation = (uint64_t)getpid();
   int rc = steptrace_connect(NULL); /* $STEPTRACE_SOCKET, else the default path */
   if (rc != 0) {

@@ -38,9 +38,10 @@ std::error_code parse_ledger(const std::string& text, LedgerContents& out, std::
     LedgerEntry e;
     std::istringstream entry(line);
     long long pid = 0;
-    if (!(entry >> e.id >> pid >> e.bytes >> e.task) || (entry >> rest) || e.id == 0 ||
-        pid <= 0 || e.bytes == 0) {
-      error = "line " + std::to_string(number) + ": expected `id pid bytes task`, got `" + line + "`";
+    if (!(entry >> e.id >> pid >> e.bytes >> e.task) || (entry >> rest) || e.id == 0 || pid <= 0 ||
+        e.bytes == 0) {
+      error =
+          "line " + std::to_string(number) + ": expected `id pid bytes task`, got `" + line + "`";
       return std::make_error_code(std::errc::invalid_argument);
     }
     e.pid = static_cast<pid_t>(pid);
@@ -105,8 +106,8 @@ std::error_code LockedLedger::write() {
   if (::ftruncate(fd_, 0) != 0) return {errno, std::system_category()};
   std::size_t done = 0;
   while (done < text.size()) {
-    const ssize_t n = ::pwrite(fd_, text.data() + done, text.size() - done,
-                               static_cast<off_t>(done));
+    const ssize_t n =
+        ::pwrite(fd_, text.data() + done, text.size() - done, static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return {errno, std::system_category()};
     if (n == 0) return std::make_error_code(std::errc::io_error);

@@ -17,10 +17,10 @@
 // nothing is held.
 #include <poll.h>
 #include <signal.h>
-#include <steptrace/steptrace.hpp>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <steptrace/steptrace.hpp>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -113,8 +113,8 @@ std::error_code clean_dead_entries(sim::LockedLedger& ledger, const Config& conf
 }
 
 // Waits until the reservation fits and takes it; returns its id, or an exit code.
-std::optional<std::uint64_t> acquire(const Config& config, int index, int report_fd,
-                                     int& polls, int& exit_code) {
+std::optional<std::uint64_t> acquire(const Config& config, int index, int report_fd, int& polls,
+                                     int& exit_code) {
   const std::string who = std::to_string(index);
   const auto deadline = Clock::now() + std::chrono::milliseconds(config.max_wait_ms);
   for (;;) {
@@ -212,8 +212,8 @@ int run_worker(const Config& config, int index, int report_fd, bool victim) {
     send_message(report_fd, "error " + who + " was never killed");
     return kExitNotKilled;
   }
-  send_message(report_fd, "reserved " + who + " " + std::to_string(*id) + " " +
-                              std::to_string(polls) + " 0");
+  send_message(report_fd,
+               "reserved " + who + " " + std::to_string(*id) + " " + std::to_string(polls) + " 0");
   for (int s = 0; s < config.steps; ++s) model.step();
 
   std::string error;
@@ -528,18 +528,21 @@ int Parent::run() {
     auto& list = out["workers"] = nlohmann::json::array();
     for (const auto& w : workers_) {
       nlohmann::json cleaned = nlohmann::json::array();
-      for (const auto& [id, holder] : w.cleaned) cleaned.push_back({{"id", id}, {"holder_pid", holder}});
-      list.push_back({{"index", w.index},
-                      {"pid", w.pid},
-                      {"killed", w.victim},
-                      {"status", w.status.value_or(-1)},
-                      {"reservation", w.reservation ? nlohmann::json(*w.reservation) : nlohmann::json()},
-                      {"wait_polls", w.polls},
-                      {"steps", w.steps},
-                      {"cleaned", std::move(cleaned)}});
+      for (const auto& [id, holder] : w.cleaned)
+        cleaned.push_back({{"id", id}, {"holder_pid", holder}});
+      list.push_back(
+          {{"index", w.index},
+           {"pid", w.pid},
+           {"killed", w.victim},
+           {"status", w.status.value_or(-1)},
+           {"reservation", w.reservation ? nlohmann::json(*w.reservation) : nlohmann::json()},
+           {"wait_polls", w.polls},
+           {"steps", w.steps},
+           {"cleaned", std::move(cleaned)}});
     }
     nlohmann::json cleaned = nlohmann::json::array();
-    for (const auto& [id, holder] : janitor_cleaned) cleaned.push_back({{"id", id}, {"holder_pid", holder}});
+    for (const auto& [id, holder] : janitor_cleaned)
+      cleaned.push_back({{"id", id}, {"holder_pid", holder}});
     out["janitor_cleaned"] = std::move(cleaned);
     out["problems"] = problems;
     std::printf("%s\n", out.dump().c_str());
@@ -558,19 +561,21 @@ int Parent::run() {
                     w.reservation ? std::to_string(*w.reservation).c_str() : "(none)", w.polls);
       }
       for (const auto& [id, holder] : w.cleaned) {
-        std::printf(", cleaned up reservation %" PRIu64 " of dead pid %d", id, static_cast<int>(holder));
+        std::printf(", cleaned up reservation %" PRIu64 " of dead pid %d", id,
+                    static_cast<int>(holder));
       }
       std::printf("\n");
     }
     std::printf("  janitor pid %d: ", static_cast<int>(::getpid()));
     if (janitor_cleaned.empty()) std::printf("nothing left to clean");
     for (const auto& [id, holder] : janitor_cleaned) {
-      std::printf("cleaned up reservation %" PRIu64 " of dead pid %d; ", id, static_cast<int>(holder));
+      std::printf("cleaned up reservation %" PRIu64 " of dead pid %d; ", id,
+                  static_cast<int>(holder));
     }
     std::printf("\n");
     for (const auto& p : problems) std::printf("  problem: %s\n", p.c_str());
-    std::printf("sim_trainer: %s\n", ok ? "ok, every reservation released or cleaned up"
-                                          : "FAILED");
+    std::printf("sim_trainer: %s\n",
+                ok ? "ok, every reservation released or cleaned up" : "FAILED");
   }
   std::fflush(stdout);
   return ok ? kExitOk : kExitFailed;
@@ -590,8 +595,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", config.steps, "Training steps per worker")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000000000));
-  app.add_option("--ledger", config.ledger, "Shared ledger file (created if missing)")
-      ->required();
+  app.add_option("--ledger", config.ledger, "Shared ledger file (created if missing)")->required();
   app.add_option("--gpu", config.gpu, "GPU UUID to report")->capture_default_str();
   app.add_option("--vram-total", config.vram_total, "Simulated VRAM of the GPU, bytes")
       ->capture_default_str()
@@ -623,13 +627,15 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
   if (config.gpu.empty() || config.gpu.size() > 63 ||
-      !std::all_of(config.gpu.begin(), config.gpu.end(), [](char c) { return c > ' ' && c < 0x7f; })) {
+      !std::all_of(config.gpu.begin(), config.gpu.end(),
+                   [](char c) { return c > ' ' && c < 0x7f; })) {
     std::fprintf(stderr, "sim_trainer: --gpu must be 1..63 printable characters without spaces\n");
     return kExitUsage;
   }
   if (config.reserve > config.vram_total) {
-    std::fprintf(stderr, "sim_trainer: --reserve (%" PRIu64 ") exceeds --vram-total (%" PRIu64
-                         "); no worker could ever fit\n",
+    std::fprintf(stderr,
+                 "sim_trainer: --reserve (%" PRIu64 ") exceeds --vram-total (%" PRIu64
+                 "); no worker could ever fit\n",
                  config.reserve, config.vram_total);
     return kExitUsage;
   }

@@ -109,7 +109,8 @@ TEST(CliNoDaemon, UnreachableSocketExitsOneNamingThePath) {
 TEST(CliNoDaemon, SocketPathComesFromTheEnvironmentWithoutFlag) {
   TempDir dir;
   const std::string socket = dir.file("from-env.sock");
-  const Output r = run(dir, {STEPTRACE_CLI_BIN, "report", "--json"}, {"STEPTRACE_SOCKET=" + socket});
+  const Output r =
+      run(dir, {STEPTRACE_CLI_BIN, "report", "--json"}, {"STEPTRACE_SOCKET=" + socket});
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.err, HasSubstr(socket));
   EXPECT_THAT(r.err, HasSubstr("STEPTRACE_SOCKET"));
@@ -150,7 +151,8 @@ TEST(CliNoDaemon, HelpDescribesEverySubcommand) {
   const Output r = run(dir, {STEPTRACE_CLI_BIN, "--help"});
   EXPECT_EQ(r.status, 0);
   EXPECT_THAT(r.out, HasSubstr("steptraced"));
-  for (const char* sub : {"ping", "report", "ledger", "stats", "metrics", "reset", "version", "top"}) {
+  for (const char* sub :
+       {"ping", "report", "ledger", "stats", "metrics", "reset", "version", "top"}) {
     EXPECT_THAT(r.out, HasSubstr(std::string("  ") + sub + " ")) << sub;
   }
   EXPECT_THAT(r.out, HasSubstr("STEPTRACE_SOCKET"));
@@ -161,9 +163,7 @@ TEST(CliNoDaemon, HelpDescribesEverySubcommand) {
 
 class CliLive : public ::testing::Test {
  protected:
-  void SetUp() override {
-    ASSERT_TRUE(daemon_.start()) << daemon_.log();
-  }
+  void SetUp() override { ASSERT_TRUE(daemon_.start()) << daemon_.log(); }
 
   Output cli(std::vector<std::string> args) {
     std::vector<std::string> argv{STEPTRACE_CLI_BIN, "--socket", daemon_.socket()};
@@ -296,9 +296,9 @@ struct Reaper {
 TEST_F(CliLive, TopShowsLiveProcessesAndWhoWaitsForVram) {
   // Two workers, room for one: the second waits for VRAM the whole time the first trains.
   const pid_t trainer = steptrace::testing::spawn_process(
-      {SIM_TRAINER_BIN, "--workers", "2", "--steps", "1000000000", "--ledger",
-       dir_.file("ledger"), "--vram-total", std::to_string(8 * kGiB), "--reserve",
-       std::to_string(5 * kGiB), "--poll-ms", "50", "--max-wait-ms", "60000"},
+      {SIM_TRAINER_BIN, "--workers", "2", "--steps", "1000000000", "--ledger", dir_.file("ledger"),
+       "--vram-total", std::to_string(8 * kGiB), "--reserve", std::to_string(5 * kGiB), "--poll-ms",
+       "50", "--max-wait-ms", "60000"},
       {"STEPTRACE_SOCKET=" + daemon_.socket()});
   ASSERT_GT(trainer, 0);
   Reaper reaper{{trainer}};
@@ -347,13 +347,28 @@ TEST_F(CliLive, TopIterationsRefreshesThatManyTimes) {
 TEST_F(CliLive, SimTrainerKillOneLeaksThenIsCleanedUpByAnother) {
   constexpr int kSteps = 12;
   const std::string summary_path = dir_.file("summary.json");
-  const pid_t trainer = steptrace::testing::spawn_process(
-      {"/bin/sh", "-c",
-       std::string("exec \"$0\" \"$@\" > ") + summary_path, SIM_TRAINER_BIN, "--workers", "3",
-       "--steps", std::to_string(kSteps), "--dim", "16", "--kill-one", "--json", "--ledger",
-       dir_.file("ledger"), "--vram-total", std::to_string(8 * kGiB), "--reserve",
-       std::to_string(5 * kGiB), "--pause-after-kill-ms", "1500"},
-      {"STEPTRACE_SOCKET=" + daemon_.socket()});
+  const pid_t trainer =
+      steptrace::testing::spawn_process({"/bin/sh",
+                                         "-c",
+                                         std::string("exec \"$0\" \"$@\" > ") + summary_path,
+                                         SIM_TRAINER_BIN,
+                                         "--workers",
+                                         "3",
+                                         "--steps",
+                                         std::to_string(kSteps),
+                                         "--dim",
+                                         "16",
+                                         "--kill-one",
+                                         "--json",
+                                         "--ledger",
+                                         dir_.file("ledger"),
+                                         "--vram-total",
+                                         std::to_string(8 * kGiB),
+                                         "--reserve",
+                                         std::to_string(5 * kGiB),
+                                         "--pause-after-kill-ms",
+                                         "1500"},
+                                        {"STEPTRACE_SOCKET=" + daemon_.socket()});
   ASSERT_GT(trainer, 0);
   Reaper reaper{{trainer}};
 
@@ -391,7 +406,8 @@ TEST_F(CliLive, SimTrainerKillOneLeaksThenIsCleanedUpByAnother) {
     }
     if (!w["cleaned"].empty()) cleaners.insert(w.value("pid", std::int64_t{0}));
   }
-  if (!summary["janitor_cleaned"].empty()) cleaners.insert(summary.value("janitor_pid", std::int64_t{0}));
+  if (!summary["janitor_cleaned"].empty())
+    cleaners.insert(summary.value("janitor_pid", std::int64_t{0}));
   EXPECT_EQ(*leaked_pid, killed_pid);
   EXPECT_EQ(survivors.size(), 2u);
   ASSERT_EQ(cleaners.size(), 1u) << summary.dump();

@@ -14,15 +14,13 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 json process(int pid, const char* comm, bool alive, json current, json steps) {
-  return {{"pid", pid},     {"start_time", 1},          {"uid", 1000},
-          {"comm", comm},   {"alive", alive},           {"dropped", 0},
-          {"steps", steps}, {"current", current}};
+  return {{"pid", pid},     {"start_time", 1}, {"uid", 1000},    {"comm", comm},
+          {"alive", alive}, {"dropped", 0},    {"steps", steps}, {"current", current}};
 }
 
 json step(const char* name, std::uint64_t count, std::uint64_t total_ns) {
-  return {{"step", name},         {"count", count},       {"total_ns", total_ns},
-          {"min_ns", 1},          {"max_ns", total_ns},   {"p50_ns", 1},
-          {"p99_ns", total_ns},   {"open", 0}};
+  return {{"step", name},       {"count", count}, {"total_ns", total_ns}, {"min_ns", 1},
+          {"max_ns", total_ns}, {"p50_ns", 1},    {"p99_ns", total_ns},   {"open", 0}};
 }
 
 json report(json processes, json gpus) {
@@ -40,14 +38,18 @@ json report(json processes, json gpus) {
 
 TEST(TopView, MarksAThreadInWaitPollAsWaitingForVram) {
   const json doc = report(
-      json::array({process(101, "sim-worker-1", true,
-                           json::array({{{"thread", 101}, {"step", "WaitPoll"},
-                                         {"open_for_ns", 1500000000ULL}, {"depth", 1}}}),
-                           json::array()),
-                   process(102, "sim-worker-2", true,
-                           json::array({{{"thread", 102}, {"step", "Matmul"},
-                                         {"open_for_ns", 2000000}, {"depth", 2}}}),
-                           json::array())}),
+      json::array(
+          {process(101, "sim-worker-1", true,
+                   json::array({{{"thread", 101},
+                                 {"step", "WaitPoll"},
+                                 {"open_for_ns", 1500000000ULL},
+                                 {"depth", 1}}}),
+                   json::array()),
+           process(
+               102, "sim-worker-2", true,
+               json::array(
+                   {{{"thread", 102}, {"step", "Matmul"}, {"open_for_ns", 2000000}, {"depth", 2}}}),
+               json::array())}),
       json::array());
   const std::string out = render_top(doc, {});
   // The marker sits on the waiting thread's line, not on the busy one's.
@@ -62,9 +64,10 @@ TEST(TopView, MarksAThreadInWaitPollAsWaitingForVram) {
 }
 
 TEST(TopView, ShowsOnlyLiveProcessesAndCountsTheExitedOnes) {
-  const json doc = report(json::array({process(201, "alive-one", true, json::array(), json::array()),
-                                       process(202, "gone-one", false, json::array(), json::array())}),
-                          json::array());
+  const json doc =
+      report(json::array({process(201, "alive-one", true, json::array(), json::array()),
+                          process(202, "gone-one", false, json::array(), json::array())}),
+             json::array());
   const std::string out = render_top(doc, {});
   EXPECT_THAT(out, HasSubstr("alive-one"));
   EXPECT_THAT(out, Not(HasSubstr("gone-one")));
@@ -74,8 +77,9 @@ TEST(TopView, ShowsOnlyLiveProcessesAndCountsTheExitedOnes) {
 
 TEST(TopView, StepSharesAreOfTheProcessTotalAndSortedByTime) {
   const json doc = report(
-      json::array({process(301, "trainer", true, json::array(),
-                           json::array({step("Backward", 4, 1000000), step("Forward", 4, 3000000)}))}),
+      json::array(
+          {process(301, "trainer", true, json::array(),
+                   json::array({step("Backward", 4, 1000000), step("Forward", 4, 3000000)}))}),
       json::array());
   const std::string out = render_top(doc, {});
   const auto forward = out.find("Forward");
@@ -92,11 +96,16 @@ TEST(TopView, LedgerShowsReservationsAndMarksLeakedOnes) {
                     {"total_bytes", 8ULL << 30},
                     {"free_bytes", 2ULL << 30},
                     {"reserved_bytes", 6ULL << 30},
-                    {"reservations",
-                     json::array({{{"id", 7}, {"pid", 401}, {"bytes", 3ULL << 30},
-                                   {"task", "ok-task"}, {"holder_alive", true}},
-                                  {{"id", 8}, {"pid", 402}, {"bytes", 3ULL << 30},
-                                   {"task", "dead-task"}, {"holder_alive", false}}})}};
+                    {"reservations", json::array({{{"id", 7},
+                                                   {"pid", 401},
+                                                   {"bytes", 3ULL << 30},
+                                                   {"task", "ok-task"},
+                                                   {"holder_alive", true}},
+                                                  {{"id", 8},
+                                                   {"pid", 402},
+                                                   {"bytes", 3ULL << 30},
+                                                   {"task", "dead-task"},
+                                                   {"holder_alive", false}}})}};
   const std::string out = render_top(report(json::array(), json::array({gpu})), {});
   EXPECT_THAT(out, HasSubstr("GPU GPU-test: reserved 6.00 GiB of 8.00 GiB, free 2.00 GiB"));
   const auto ok_line = out.substr(out.find("ok-task"));
@@ -118,10 +127,10 @@ TEST(TopView, UnknownTotalWhenTheGpuWasNeverSampled) {
 
 TEST(TopView, ColorOnlyWhenAsked) {
   const json doc = report(
-      json::array({process(501, "w", true,
-                           json::array({{{"thread", 501}, {"step", "WaitPoll"},
-                                         {"open_for_ns", 1}, {"depth", 1}}}),
-                           json::array())}),
+      json::array({process(
+          501, "w", true,
+          json::array({{{"thread", 501}, {"step", "WaitPoll"}, {"open_for_ns", 1}, {"depth", 1}}}),
+          json::array())}),
       json::array());
   EXPECT_THAT(render_top(doc, {.color = false, .note = ""}), Not(HasSubstr("\x1b[")));
   EXPECT_THAT(render_top(doc, {.color = true, .note = ""}), HasSubstr("\x1b[1;97;41m"));

@@ -6,16 +6,16 @@
 #include <stdio.h>
 #include <unistd.h>
 
-static int check(int ok, const char *what) {
+static int check(int ok, const char* what) {
   if (!ok) fprintf(stderr, "c_abi_test: %s failed\n", what);
   return ok ? 0 : 1;
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   int failures = 0;
   int i;
   uint32_t custom;
-  FILE *out;
+  FILE* out;
   if (argc < 3) {
     fprintf(stderr, "usage: %s SOCKET OUTFILE\n", argv[0]);
     return 64;

@@ -30,14 +30,14 @@ TEST(TickConverter, ExactOnSyntheticClocks) {
   c.start({1'000'000, 7'000'000'000});
   EXPECT_FALSE(c.ready());
   EXPECT_FALSE(c.anchor({1'000'000 + 2'500'000, 7'001'000'000}));  // 1 ms: too short
-  ASSERT_TRUE(c.anchor({1'000'000 + 25'000'000, 7'010'000'000}));   // 10 ms
+  ASSERT_TRUE(c.anchor({1'000'000 + 25'000'000, 7'010'000'000}));  // 10 ms
   EXPECT_NEAR(c.ns_per_tick(), 0.4, 1e-9);
   EXPECT_EQ(c.to_ns(1'000'000 + 25'000'000), 7'010'000'000u);
   // 1 s after the anchor and 1 ms before it.
   EXPECT_NEAR(static_cast<double>(c.to_ns(1'000'000 + 25'000'000 + 2'500'000'000)),
               7'010'000'000.0 + 1e9, 2.0);
-  EXPECT_NEAR(static_cast<double>(c.to_ns(1'000'000 + 25'000'000 - 2'500'000)),
-              7'009'000'000.0, 2.0);
+  EXPECT_NEAR(static_cast<double>(c.to_ns(1'000'000 + 25'000'000 - 2'500'000)), 7'009'000'000.0,
+              2.0);
   // Re-anchoring moves the anchor and keeps the rate.
   ASSERT_TRUE(c.anchor({1'000'000 + 250'000'000, 7'100'000'000}));
   EXPECT_NEAR(c.ns_per_tick(), 0.4, 1e-9);

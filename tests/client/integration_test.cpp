@@ -101,8 +101,8 @@ TEST_P(ClientIntegration, ProcessesTimesSpansArriveExactly) {
   constexpr int kSpans = 3000;
   std::vector<pid_t> pids;
   for (int p = 0; p < kProcesses; ++p) {
-    pids.push_back(trainer({"basic", socket(), out("p" + std::to_string(p)),
-                            std::to_string(kSpans)}));
+    pids.push_back(
+        trainer({"basic", socket(), out("p" + std::to_string(p)), std::to_string(kSpans)}));
   }
   for (pid_t pid : pids) EXPECT_EQ(wait_process(pid, 60000), 0);
   for (int p = 0; p < kProcesses; ++p) {
@@ -188,7 +188,7 @@ TEST_P(ClientIntegration, DaemonKilledAndRestartedIsSurvived) {
             << "\n";
   const auto proc = process_report(socket(), v.at("pid"));
   const long long delivered = 2 * step_count(proc, "Transfer");
-  EXPECT_GT(delivered, 0);  // reconnected and kept sending
+  EXPECT_GT(delivered, 0);                       // reconnected and kept sending
   EXPECT_EQ(dropped_of(proc), v.at("dropped"));  // its drop count reached the new daemon
   EXPECT_TRUE(v.at("dropped") > 0 || delivered == v.at("recorded_events"));
   EXPECT_LE(delivered + v.at("dropped"), v.at("recorded_events"));
@@ -247,7 +247,8 @@ TEST_P(ClientIntegration, CProgramRoundTrip) {
   EXPECT_EQ(attributed, 1) << *ledger;
 }
 
-INSTANTIATE_TEST_SUITE_P(Clocks, ClientIntegration, ::testing::Values("default", "monotonic", "tsc"));
+INSTANTIATE_TEST_SUITE_P(Clocks, ClientIntegration,
+                         ::testing::Values("default", "monotonic", "tsc"));
 
 }  // namespace
 }  // namespace steptrace::testing

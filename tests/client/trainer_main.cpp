@@ -6,10 +6,10 @@
 // Writes "key value" lines to OUTFILE (pid, recorded events, dropped, ...), and exits
 // 0 when everything it could check itself held (connect/flush results, drop counts).
 #include <steptrace/steptrace.h>
-#include <steptrace/steptrace.hpp>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <steptrace/steptrace.hpp>
 
 #include <cerrno>
 #include <chrono>
@@ -145,8 +145,8 @@ int main(int argc, char** argv) {
     out.set("connect_rc", rc);
     for (int i = 0; i < before; ++i) steptrace::Span span(steptrace::Step::kForward);
     steptrace_ledger_reserve("GPU-late", 1, 4096, "late-task");
-    out.set("phase1_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
-                             Clock::now() - t0).count());
+    out.set("phase1_ms",
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
     out.set("dropped_phase1", static_cast<long long>(steptrace_dropped()));
     out.write(outfile + ".phase1");
     if (!flush_until(20000)) fail("never reconnected");
@@ -184,8 +184,8 @@ int main(int argc, char** argv) {
       });
     }
     for (auto& t : pool) t.join();
-    out.set("record_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
-                             Clock::now() - t0).count());
+    out.set("record_ms",
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
     const int flush_rc = steptrace_flush(100);
     out.set("flush_rc", flush_rc);
     out.set("rss_before_kib", rss_before);

@@ -14,11 +14,11 @@
 namespace steptrace::daemon {
 namespace {
 
+using nlohmann::json;
 using test::Connection;
 using test::end;
 using test::FakeWorld;
 using test::start;
-using nlohmann::json;
 
 constexpr std::uint32_t kForward = 0;
 constexpr std::uint32_t kMatmul = 2;
@@ -49,21 +49,20 @@ json total_of(const json& report, std::string_view name) {
 
 class CollectorTest : public ::testing::Test {
  protected:
-  FakeWorld world;
-  Limits limits;
-  std::unique_ptr<Collector> collector;
+  FakeWorld world_;
+  Limits limits_;
+  std::unique_ptr<Collector> collector_;
   void SetUp() override { make(); }
-  void make() { collector = std::make_unique<Collector>(limits, world.env()); }
+  void make() { collector_ = std::make_unique<Collector>(limits_, world_.env()); }
 };
 
 TEST_F(CollectorTest, CountsTotalsMinMaxAreExact) {
-  Connection c(*collector, world.spawn(100, 5, "trainer"));
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.attach_error());
-  ASSERT_FALSE(c.events({start(1, kForward, 1000), end(1, kForward, 1100),
-                         start(1, kForward, 2000), end(1, kForward, 2300),
-                         start(1, kForward, 3000), end(1, kForward, 3200),
+  ASSERT_FALSE(c.events({start(1, kForward, 1000), end(1, kForward, 1100), start(1, kForward, 2000),
+                         end(1, kForward, 2300), start(1, kForward, 3000), end(1, kForward, 3200),
                          start(1, kMatmul, 4000), end(1, kMatmul, 9000)}));
-  const json r = collector->report_json(std::nullopt);
+  const json r = collector_->report_json(std::nullopt);
   const json f = step_of(r, 100, "Forward");
   ASSERT_FALSE(f.is_null());
   EXPECT_EQ(f["count"], 3);
@@ -74,14 +73,14 @@ TEST_F(CollectorTest, CountsTotalsMinMaxAreExact) {
   EXPECT_EQ(f["open"], 0);
   EXPECT_EQ(step_of(r, 100, "Matmul")["total_ns"], 5000);
   EXPECT_TRUE(step_of(r, 100, "Backward").is_null());  // no data: not listed
-  EXPECT_EQ(collector->counters().events_received, 8u);
+  EXPECT_EQ(collector_->counters().events_received, 8u);
 }
 
 TEST_F(CollectorTest, NestedSpansOfOneStepMatchAsAStack) {
-  Connection c(*collector, world.spawn(100, 5, "trainer"));
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kForward, 10), end(1, kForward, 30),
                          end(1, kForward, 100)}));
-  const json f = step_of(collector->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
   EXPECT_EQ(f["count"], 2);
   EXPECT_EQ(f["min_ns"], 20);   // inner
   EXPECT_EQ(f["max_ns"], 100);  // outer
@@ -89,10 +88,10 @@ TEST_F(CollectorTest, NestedSpansOfOneStepMatchAsAStack) {
 }
 
 TEST_F(CollectorTest, ThreadsHaveTheirOwnStacks) {
-  Connection c(*collector, world.spawn(100, 5, "trainer"));
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(2, kForward, 5), end(1, kForward, 10),
                          start(3, kForward, 20), end(2, kForward, 50), end(3, kForward, 21)}));
-  const json f = step_of(collector->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
   EXPECT_EQ(f["count"], 3);
   EXPECT_EQ(f["total_ns"], 10 + 45 + 1);
   EXPECT_EQ(f["min_ns"], 1);
@@ -100,26 +99,26 @@ TEST_F(CollectorTest, ThreadsHaveTheirOwnStacks) {
 }
 
 TEST_F(CollectorTest, EndWithoutStartIsUnmatched) {
-  Connection c(*collector, world.spawn(100, 5, "trainer"));
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.events({end(1, kForward, 10), start(2, kForward, 0), end(1, kForward, 20)}));
-  const json f = step_of(collector->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
   EXPECT_EQ(f["unmatched_ends"], 2);  // thread 1 never started one
   EXPECT_EQ(f["count"], 0);
   EXPECT_EQ(f["open"], 1);  // thread 2's start
 }
 
 TEST_F(CollectorTest, OpenSpansAreAbandonedWhenTheLastConnectionCloses) {
-  const PeerIdentity peer = world.spawn(100, 5, "trainer");
-  Connection a(*collector, peer);
-  Connection b(*collector, peer);
+  const PeerIdentity peer = world_.spawn(100, 5, "trainer");
+  Connection a(*collector_, peer);
+  Connection b(*collector_, peer);
   ASSERT_EQ(a.handle(), b.handle());  // one process record for both
   ASSERT_FALSE(a.events({start(1, kForward, 0), start(1, kWaitPoll, 5)}));
   a.close();
-  json f = step_of(collector->report_json(std::nullopt), 100, "Forward");
+  json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
   EXPECT_EQ(f["open"], 1);  // b still connected
   EXPECT_EQ(f["abandoned"], 0);
   b.close();
-  const json r = collector->report_json(std::nullopt);
+  const json r = collector_->report_json(std::nullopt);
   f = step_of(r, 100, "Forward");
   EXPECT_EQ(f["open"], 0);
   EXPECT_EQ(f["abandoned"], 1);
@@ -129,14 +128,14 @@ TEST_F(CollectorTest, OpenSpansAreAbandonedWhenTheLastConnectionCloses) {
 }
 
 TEST_F(CollectorTest, CustomStepsMergeByNameAcrossProcesses) {
-  Connection p1(*collector, world.spawn(100, 5, "a"));
-  Connection p2(*collector, world.spawn(200, 6, "b"));
+  Connection p1(*collector_, world_.spawn(100, 5, "a"));
+  Connection p2(*collector_, world_.spawn(200, 6, "b"));
   ASSERT_FALSE(p1.register_step(256, "Tokenize"));
   ASSERT_FALSE(p2.register_step(300, "Tokenize"));
   ASSERT_FALSE(p2.register_step(301, "Shuffle"));
   ASSERT_FALSE(p1.events({start(1, 256, 0), end(1, 256, 100)}));
   ASSERT_FALSE(p2.events({start(7, 300, 0), end(7, 300, 300), start(7, 301, 0), end(7, 301, 1)}));
-  const json r = collector->report_json(std::nullopt);
+  const json r = collector_->report_json(std::nullopt);
   EXPECT_EQ(step_of(r, 100, "Tokenize")["count"], 1);
   EXPECT_EQ(step_of(r, 200, "Tokenize")["count"], 1);
   const json t = total_of(r, "Tokenize");
@@ -150,104 +149,104 @@ TEST_F(CollectorTest, CustomStepsMergeByNameAcrossProcesses) {
 }
 
 TEST_F(CollectorTest, RegisteringAgainWithAnotherNameFails) {
-  Connection c(*collector, world.spawn(100, 5, "a"));
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
   EXPECT_FALSE(c.register_step(256, "Tokenize"));
   EXPECT_FALSE(c.register_step(256, "Tokenize"));  // same name again: fine
   EXPECT_EQ(c.register_step(256, "Other"), make_error_code(errc::bad_string));
 }
 
 TEST_F(CollectorTest, EventForUnregisteredCustomStepFailsAndKeepsEarlierEvents) {
-  Connection c(*collector, world.spawn(100, 5, "a"));
-  EXPECT_EQ(c.events({start(1, kForward, 0), end(1, kForward, 50), start(1, 257, 60),
-                      end(1, 257, 70)}),
-            make_error_code(errc::unregistered_step));
-  const json r = collector->report_json(std::nullopt);
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  EXPECT_EQ(
+      c.events({start(1, kForward, 0), end(1, kForward, 50), start(1, 257, 60), end(1, 257, 70)}),
+      make_error_code(errc::unregistered_step));
+  const json r = collector_->report_json(std::nullopt);
   EXPECT_EQ(step_of(r, 100, "Forward")["count"], 1);
   EXPECT_EQ(process_of(r, 100)["steps"].size(), 1u);
 }
 
 TEST_F(CollectorTest, CustomStepLimitIsCounted) {
-  limits.max_custom_steps = 2;
+  limits_.max_custom_steps = 2;
   make();
-  Connection c(*collector, world.spawn(100, 5, "a"));
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
   EXPECT_FALSE(c.register_step(256, "s1"));
   EXPECT_FALSE(c.register_step(257, "s2"));
   EXPECT_EQ(c.register_step(258, "s3"), make_error_code(errc::limit_reached));
-  EXPECT_EQ(collector->counters().limits_hit.at("max_custom_steps"), 1u);
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_custom_steps"), 1u);
   EXPECT_FALSE(c.register_step(257, "s2"));  // known ids still fine
 }
 
 TEST_F(CollectorTest, OpenDepthLimitDropsTheStartAndCountsIt) {
-  limits.max_open_depth = 2;
+  limits_.max_open_depth = 2;
   make();
-  Connection c(*collector, world.spawn(100, 5, "a"));
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kForward, 1), start(1, kForward, 2),
                          end(1, kForward, 10), end(1, kForward, 20), end(1, kForward, 30)}));
-  const json f = step_of(collector->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
   EXPECT_EQ(f["count"], 2);
   EXPECT_EQ(f["depth_dropped"], 1);
   EXPECT_EQ(f["unmatched_ends"], 1);  // the end of the dropped start
-  EXPECT_EQ(collector->counters().limits_hit.at("max_open_depth"), 1u);
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_open_depth"), 1u);
 }
 
 TEST_F(CollectorTest, ProcessLimitRefusesWhenFullOfLiveProcesses) {
-  limits.max_processes = 2;
+  limits_.max_processes = 2;
   make();
-  auto a = std::make_unique<Connection>(*collector, world.spawn(1, 1, "a"));
-  Connection b(*collector, world.spawn(2, 1, "b"));
+  auto a = std::make_unique<Connection>(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
   ASSERT_FALSE(a->attach_error());
   ASSERT_FALSE(b.attach_error());
   {
-    Connection c(*collector, world.spawn(3, 1, "c"));
+    Connection c(*collector_, world_.spawn(3, 1, "c"));
     EXPECT_EQ(c.attach_error(), make_error_code(errc::limit_reached));
   }
-  EXPECT_EQ(collector->counters().limits_hit.at("max_processes"), 1u);
-  world.kill(1);
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_processes"), 1u);
+  world_.kill(1);
   a.reset();  // detach: process 1 is gone, so it is exited and can make room
-  Connection d(*collector, world.spawn(4, 1, "d"));
+  Connection d(*collector_, world_.spawn(4, 1, "d"));
   EXPECT_FALSE(d.attach_error());
-  const json r = collector->report_json(std::nullopt);
+  const json r = collector_->report_json(std::nullopt);
   EXPECT_TRUE(process_of(r, 1).is_null());
   EXPECT_FALSE(process_of(r, 4).is_null());
 }
 
 TEST_F(CollectorTest, ThreadLimitIsCounted) {
-  limits.max_threads_per_process = 2;
+  limits_.max_threads_per_process = 2;
   make();
-  Connection c(*collector, world.spawn(100, 5, "a"));
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(2, kForward, 0), start(3, kForward, 0)}));
-  EXPECT_EQ(collector->counters().limits_hit.at("max_threads_per_process"), 1u);
-  EXPECT_EQ(step_of(collector->report_json(std::nullopt), 100, "Forward")["open"], 2);
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_threads_per_process"), 1u);
+  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 100, "Forward")["open"], 2);
   // Threads with nothing open make room.
   ASSERT_FALSE(c.events({end(1, kForward, 5), start(4, kForward, 6), end(4, kForward, 9)}));
-  EXPECT_EQ(step_of(collector->report_json(std::nullopt), 100, "Forward")["count"], 2);
+  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 100, "Forward")["count"], 2);
 }
 
 TEST_F(CollectorTest, DroppedKeepsTheMaximumAndCountersSumProcesses) {
-  Connection a(*collector, world.spawn(1, 1, "a"));
-  Connection b(*collector, world.spawn(2, 1, "b"));
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
   a.dropped(10);
   a.dropped(5);  // a late, smaller cumulative report
   a.dropped(12);
   b.dropped(3);
-  const json r = collector->report_json(std::nullopt);
+  const json r = collector_->report_json(std::nullopt);
   EXPECT_EQ(process_of(r, 1)["dropped"], 12);
   EXPECT_EQ(process_of(r, 2)["dropped"], 3);
-  EXPECT_EQ(collector->counters().events_dropped_by_clients, 15u);
+  EXPECT_EQ(collector_->counters().events_dropped_by_clients, 15u);
   EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 15);
 }
 
 TEST_F(CollectorTest, ExitedProcessesAreKeptUpToTheLimitOldestFirstOut) {
-  limits.max_exited_processes = 2;
+  limits_.max_exited_processes = 2;
   make();
   for (std::int32_t pid = 1; pid <= 3; ++pid) {
-    Connection c(*collector, world.spawn(pid, 7, "p" + std::to_string(pid)));
+    Connection c(*collector_, world_.spawn(pid, 7, "p" + std::to_string(pid)));
     ASSERT_FALSE(c.events({start(1, kForward, 0), end(1, kForward, 10)}));
-    world.kill(pid);
-    world.now_ns += 1000;
+    world_.kill(pid);
+    world_.now_ns += 1000;
     c.close();
   }
-  const json r = collector->report_json(std::nullopt);
+  const json r = collector_->report_json(std::nullopt);
   ASSERT_EQ(r["processes"].size(), 2u);
   EXPECT_TRUE(process_of(r, 1).is_null());  // exited first, evicted first
   EXPECT_EQ(process_of(r, 2)["alive"], false);
@@ -255,46 +254,46 @@ TEST_F(CollectorTest, ExitedProcessesAreKeptUpToTheLimitOldestFirstOut) {
 }
 
 TEST_F(CollectorTest, LivenessFollowsProcThroughTheInjectedProbe) {
-  Connection a(*collector, world.spawn(1, 1, "a"));
-  Connection b(*collector, world.spawn(2, 1, "b"));
-  Connection c(*collector, world.spawn(3, 1, "c"));
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  Connection c(*collector_, world_.spawn(3, 1, "c"));
   a.close();
   b.close();
   c.close();
-  json r = collector->report_json(std::nullopt);
+  json r = collector_->report_json(std::nullopt);
   for (int pid = 1; pid <= 3; ++pid) EXPECT_EQ(process_of(r, pid)["alive"], true) << pid;
 
-  world.now_ns = 5'000'000'000'000;
-  world.zombify(1);                   // zombie: dead
-  world.procs[2].start_time = 99;     // pid reused by another process: dead
-  collector->refresh_liveness();
-  r = collector->report_json(std::nullopt);
+  world_.now_ns = 5'000'000'000'000;
+  world_.zombify(1);                // zombie: dead
+  world_.procs[2].start_time = 99;  // pid reused by another process: dead
+  collector_->refresh_liveness();
+  r = collector_->report_json(std::nullopt);
   EXPECT_EQ(process_of(r, 1)["alive"], false);
   EXPECT_EQ(process_of(r, 1)["exited_at_ns"], 5'000'000'000'000u);
   EXPECT_EQ(process_of(r, 2)["alive"], false);
   EXPECT_EQ(process_of(r, 3)["alive"], true);  // still running, just disconnected
-  world.kill(3);
-  collector->refresh_liveness();
-  EXPECT_EQ(process_of(collector->report_json(std::nullopt), 3)["alive"], false);
+  world_.kill(3);
+  collector_->refresh_liveness();
+  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 3)["alive"], false);
 }
 
 TEST_F(CollectorTest, ProcessWithAConnectionIsAliveWhateverProcSays) {
-  Connection a(*collector, world.spawn(1, 1, "a"));
-  world.kill(1);
-  collector->refresh_liveness();
-  EXPECT_EQ(process_of(collector->report_json(std::nullopt), 1)["alive"], true);
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  world_.kill(1);
+  collector_->refresh_liveness();
+  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 1)["alive"], true);
   a.close();
-  EXPECT_EQ(process_of(collector->report_json(std::nullopt), 1)["alive"], false);
+  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 1)["alive"], false);
 }
 
 TEST_F(CollectorTest, RecycledPidIsANewProcess) {
   {
-    Connection a(*collector, world.spawn(100, 1, "old"));
+    Connection a(*collector_, world_.spawn(100, 1, "old"));
     ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
   }
-  Connection b(*collector, world.spawn(100, 2, "new"));
+  Connection b(*collector_, world_.spawn(100, 2, "new"));
   ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 30)}));
-  const json r = collector->report_json(100);
+  const json r = collector_->report_json(100);
   ASSERT_EQ(r["processes"].size(), 2u);
   EXPECT_EQ(r["processes"][0]["start_time"], 1);
   EXPECT_EQ(r["processes"][0]["alive"], false);
@@ -304,30 +303,30 @@ TEST_F(CollectorTest, RecycledPidIsANewProcess) {
 }
 
 TEST_F(CollectorTest, ResetClearsAllOrOnePid) {
-  Connection a(*collector, world.spawn(1, 1, "a"));
-  Connection b(*collector, world.spawn(2, 1, "b"));
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
   ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10), start(1, kMatmul, 20)}));
   ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 10)}));
-  collector->reset(1);
-  json r = collector->report_json(std::nullopt);
+  collector_->reset(1);
+  json r = collector_->report_json(std::nullopt);
   EXPECT_TRUE(step_of(r, 1, "Forward").is_null());
   EXPECT_EQ(step_of(r, 1, "Matmul")["open"], 1);  // open spans are not aggregates
   EXPECT_EQ(step_of(r, 2, "Forward")["count"], 1);
-  EXPECT_EQ(collector->counters().events_received, 5u);  // counters stay
+  EXPECT_EQ(collector_->counters().events_received, 5u);  // counters stay
   ASSERT_FALSE(a.events({end(1, kMatmul, 70)}));
-  EXPECT_EQ(step_of(collector->report_json(std::nullopt), 1, "Matmul")["total_ns"], 50);
-  collector->reset(std::nullopt);
-  r = collector->report_json(std::nullopt);
+  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 1, "Matmul")["total_ns"], 50);
+  collector_->reset(std::nullopt);
+  r = collector_->report_json(std::nullopt);
   EXPECT_TRUE(r["totals"].empty());
   EXPECT_EQ(r["processes"].size(), 2u);
 }
 
 TEST_F(CollectorTest, LedgerStepSpansAndAnnotationsReachTheLedgerView) {
-  Connection c(*collector, world.spawn(100, 5, "trainer"));
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.events({start(1, 7 /*LedgerReserve*/, 100)}));
   c.ledger(test::reserve_record("GPU-abc", 1, 4096, "qlora", 1, 150));
   ASSERT_FALSE(c.events({end(1, 7, 200)}));
-  const json ledger = collector->ledger_json();
+  const json ledger = collector_->ledger_json();
   ASSERT_EQ(ledger["gpus"].size(), 1u);
   EXPECT_EQ(ledger["gpus"][0]["gpu"], "GPU-abc");
   EXPECT_EQ(ledger["gpus"][0]["reserved_bytes"], 4096);
@@ -335,9 +334,9 @@ TEST_F(CollectorTest, LedgerStepSpansAndAnnotationsReachTheLedgerView) {
   EXPECT_EQ(ledger["gpus"][0]["reservations"][0]["pid"], 100);
   EXPECT_EQ(ledger["gpus"][0]["reservations"][0]["holder_alive"], true);
   // The holder dies without releasing: flagged.
-  world.kill(100);
+  world_.kill(100);
   c.close();
-  EXPECT_EQ(collector->ledger_json()["gpus"][0]["reservations"][0]["holder_alive"], false);
+  EXPECT_EQ(collector_->ledger_json()["gpus"][0]["reservations"][0]["holder_alive"], false);
 }
 
 TEST(ProcStatTest, ParsesAfterTheLastParenthesis) {
@@ -353,7 +352,7 @@ TEST(ProcStatTest, ParsesAfterTheLastParenthesis) {
   EXPECT_TRUE(probe->zombie);
   EXPECT_EQ(probe->start_time, 5u);
   EXPECT_TRUE(parse_proc_stat("1 (x) X" + fields + " 5")->zombie);
-  EXPECT_FALSE(parse_proc_stat("1 (x) S 4 5"));           // too short
+  EXPECT_FALSE(parse_proc_stat("1 (x) S 4 5"));            // too short
   EXPECT_FALSE(parse_proc_stat("1 x S" + fields + " 5"));  // no parenthesis
   EXPECT_FALSE(parse_proc_stat("1 (x) S" + fields + " 5x"));
 }

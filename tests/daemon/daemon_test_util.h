@@ -81,7 +81,8 @@ class Connection {
   }
 
   std::error_code events(const std::vector<proto::EventRecord>& records) {
-    std::vector<std::byte> buf(sizeof(proto::FrameHeader) + records.size() * sizeof(proto::EventRecord));
+    std::vector<std::byte> buf(sizeof(proto::FrameHeader) +
+                               records.size() * sizeof(proto::EventRecord));
     proto::Encoder enc(buf);
     EXPECT_EQ(enc.events(records), records.size());
     return deliver(enc.bytes());
@@ -117,9 +118,11 @@ class Connection {
       std::error_code ec;
       if (auto* h = std::get_if<proto::Hello>(&*r.message)) collector_.hello(handle_, *h);
       if (auto* e = std::get_if<proto::EventSpan>(&*r.message)) ec = collector_.events(handle_, *e);
-      if (auto* s = std::get_if<proto::RegisterStep>(&*r.message)) ec = collector_.register_step(handle_, *s);
+      if (auto* s = std::get_if<proto::RegisterStep>(&*r.message))
+        ec = collector_.register_step(handle_, *s);
       if (auto* l = std::get_if<proto::LedgerRecord>(&*r.message)) collector_.ledger(handle_, *l);
-      if (auto* d = std::get_if<proto::DroppedReport>(&*r.message)) collector_.dropped(handle_, d->total_dropped);
+      if (auto* d = std::get_if<proto::DroppedReport>(&*r.message))
+        collector_.dropped(handle_, d->total_dropped);
       if (ec && !first) first = ec;
     }
     return first;

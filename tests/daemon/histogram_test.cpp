@@ -47,7 +47,8 @@ TEST(HistogramTest, PercentilesWithinTwoPercentOnRandomData) {
     uniform.push_back(u(rng));
     lognormal.push_back(static_cast<std::uint64_t>(ln(rng)) + 1);
     exponential.push_back(static_cast<std::uint64_t>(ex(rng)) + 1);
-    bimodal.push_back(static_cast<std::uint64_t>(std::max(1.0, pick_slow(rng) ? slow(rng) : fast(rng))));
+    bimodal.push_back(
+        static_cast<std::uint64_t>(std::max(1.0, pick_slow(rng) ? slow(rng) : fast(rng))));
     tiny.push_back(small(rng));
   }
   expect_accurate(uniform, "uniform");
@@ -84,10 +85,25 @@ TEST(HistogramTest, EmptyHistogramReportsZeros) {
 }
 
 TEST(HistogramTest, PrometheusBucketsAreExact) {
-  std::vector<std::uint64_t> values = {0,          1,          999,          1'000,        1'001,
-                                       9'999,      10'000,     10'001,       999'999,      1'000'000,
-                                       5'000'000,  99'999'999, 100'000'000,  999'999'999,  1'000'000'000,
-                                       9'999'999'999, 10'000'000'000, 10'000'000'001, ~std::uint64_t{0}};
+  std::vector<std::uint64_t> values = {0,
+                                       1,
+                                       999,
+                                       1'000,
+                                       1'001,
+                                       9'999,
+                                       10'000,
+                                       10'001,
+                                       999'999,
+                                       1'000'000,
+                                       5'000'000,
+                                       99'999'999,
+                                       100'000'000,
+                                       999'999'999,
+                                       1'000'000'000,
+                                       9'999'999'999,
+                                       10'000'000'000,
+                                       10'000'000'001,
+                                       ~std::uint64_t{0}};
   std::mt19937_64 rng(99);
   for (int i = 0; i < 20'000; ++i) values.push_back(rng() >> (rng() % 64));
   Histogram h;
@@ -139,8 +155,11 @@ TEST(HistogramTest, BucketsCountPastTwoToTheThirtyTwo) {
   // Recording 2^32 spans takes too long for a unit test; a snapshot can carry such counts.
   const std::uint64_t big = 5'000'000'000;  // > 2^32
   const unsigned index = Histogram::bucket_index(1000);
-  nlohmann::json j = {{"count", big + 1}, {"sum_ns", big * 1000 + 7}, {"min_ns", 7},
-                      {"max_ns", 1000}, {"buckets", {{7, 1}, {index, big}}},
+  nlohmann::json j = {{"count", big + 1},
+                      {"sum_ns", big * 1000 + 7},
+                      {"min_ns", 7},
+                      {"max_ns", 1000},
+                      {"buckets", {{7, 1}, {index, big}}},
                       {"prom", {big + 1, 0, 0, 0, 0, 0, 0, 0, 0}}};
   std::string error;
   auto h = Histogram::from_json(j, error);

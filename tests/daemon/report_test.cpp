@@ -41,22 +41,22 @@ TEST(ReportFormatTest, DurationsPrintLikeRustDebugWithTwoDecimals) {
 
 class ReportTest : public ::testing::Test {
  protected:
-  FakeWorld world;
-  Collector collector{Limits{}, world.env()};
+  FakeWorld world_;
+  Collector collector_{Limits{}, world_.env()};
 };
 
 TEST_F(ReportTest, JsonReportHasEveryFieldOfTheSchemaWithRealValues) {
-  Connection a(collector, world.spawn(4242, 123456, "python3", 1000));
-  Connection b(collector, world.spawn(5000, 777, "trainer", 1001));
+  Connection a(collector_, world_.spawn(4242, 123456, "python3", 1000));
+  Connection b(collector_, world_.spawn(5000, 777, "trainer", 1001));
   ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 1000), start(1, kForward, 2000),
                          end(1, kForward, 5000), start(1, kWaitPoll, 9000)}));
   ASSERT_FALSE(b.events({start(9, kForward, 0), end(9, kForward, 500)}));
   a.dropped(7);
-  collector.counters().connections_now = 2;
-  collector.counters().protocol_errors["bad_magic"] = 3;
-  world.now_ns = 9000 + 250;
+  collector_.counters().connections_now = 2;
+  collector_.counters().protocol_errors["bad_magic"] = 3;
+  world_.now_ns = 9000 + 250;
 
-  const json r = collector.report_json(std::nullopt);
+  const json r = collector_.report_json(std::nullopt);
   EXPECT_EQ(r["schema"], "steptrace.report/v1");
   ASSERT_EQ(r["processes"].size(), 2u);
   const json& p = r["processes"][0];
@@ -111,28 +111,28 @@ TEST_F(ReportTest, JsonReportHasEveryFieldOfTheSchemaWithRealValues) {
   EXPECT_TRUE(d["uptime_s"].is_number_unsigned());
 
   // pid filter: only that pid's processes, totals over them.
-  const json only = collector.report_json(5000);
+  const json only = collector_.report_json(5000);
   ASSERT_EQ(only["processes"].size(), 1u);
   EXPECT_EQ(only["processes"][0]["pid"], 5000);
   ASSERT_EQ(only["totals"].size(), 1u);
   EXPECT_EQ(only["totals"][0]["count"], 1);
   EXPECT_EQ(only["totals"][0]["processes"], 1);
-  EXPECT_TRUE(collector.report_json(1)["processes"].empty());
+  EXPECT_TRUE(collector_.report_json(1)["processes"].empty());
 }
 
 TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
-  Connection a(collector, world.spawn(4242, 1, "python3"));
-  Connection b(collector, world.spawn(5000, 1, "trainer"));
+  Connection a(collector_, world_.spawn(4242, 1, "python3"));
+  Connection b(collector_, world_.spawn(5000, 1, "trainer"));
   // Matmul 50ms, Transpose 10ms: overhead 16.67% -> corroborated.
-  ASSERT_FALSE(a.events({start(1, kMatmul, 0), end(1, kMatmul, 50'000'000),
-                         start(1, kTranspose, 0), end(1, kTranspose, 10'000'000),
-                         start(1, kForward, 0), end(1, kForward, 1'500'000)}));
+  ASSERT_FALSE(a.events({start(1, kMatmul, 0), end(1, kMatmul, 50'000'000), start(1, kTranspose, 0),
+                         end(1, kTranspose, 10'000'000), start(1, kForward, 0),
+                         end(1, kForward, 1'500'000)}));
   // The other process: Alloc dominates -> falsification in its own section.
-  ASSERT_FALSE(b.events({start(2, kMatmul, 0), end(2, kMatmul, 1'000'000),
-                         start(2, kAlloc, 0), end(2, kAlloc, 3'000'000),
-                         start(2, kBackward, 0), end(2, kBackward, 850)}));
+  ASSERT_FALSE(
+      b.events({start(2, kMatmul, 0), end(2, kMatmul, 1'000'000), start(2, kAlloc, 0),
+                end(2, kAlloc, 3'000'000), start(2, kBackward, 0), end(2, kBackward, 850)}));
   b.dropped(4);
-  const std::string text = collector.report_text(std::nullopt);
+  const std::string text = collector_.report_text(std::nullopt);
 
   EXPECT_NE(text.find("╔══════════════════════════════════════════════════════════════╗\n"
                       "║       STEPTRACE REPORT"),
@@ -142,7 +142,10 @@ TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
                       "Processes: 2\nTotal Measured Time: 65.50ms\n"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("Step            | Count    | Duration        | % Time   | p50             | p99\n"), std::string::npos)
+  EXPECT_NE(
+      text.find(
+          "Step            | Count    | Duration        | % Time   | p50             | p99\n"),
+      std::string::npos)
       << text;
   // All processes: Matmul 51ms > Transpose 10ms > Alloc 3ms > Forward 1.5ms > Backward.
   const auto pos = [&](const std::string& s, std::size_t from = 0) { return text.find(s, from); };
@@ -162,38 +165,42 @@ TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
   EXPECT_LT(forward, backward);
 
   // Overall: compute 51ms, overhead 13ms -> 20.31%, corroborated.
-  const std::size_t popper = pos("\n[Dr. Popper Analysis]\nCUDA Compute:   51.00ms\n"
-                                 "CPU Overhead:   13.00ms (20.31%)\n\n"
-                                 "🟢 CORROBORATED: Compute dominates. Current approach viable.\n");
+  const std::size_t popper =
+      pos("\n[Dr. Popper Analysis]\nCUDA Compute:   51.00ms\n"
+          "CPU Overhead:   13.00ms (20.31%)\n\n"
+          "🟢 CORROBORATED: Compute dominates. Current approach viable.\n");
   ASSERT_NE(popper, std::string::npos) << text;
   // Per process sections, in pid order, each with its own analysis.
-  const std::size_t p1 = pos("── Process 4242 (python3) · alive · dropped 0 · unmatched ends 0 · abandoned 0");
-  const std::size_t p2 = pos("── Process 5000 (trainer) · alive · dropped 4 · unmatched ends 0 · abandoned 0");
+  const std::size_t p1 =
+      pos("── Process 4242 (python3) · alive · dropped 0 · unmatched ends 0 · abandoned 0");
+  const std::size_t p2 =
+      pos("── Process 5000 (trainer) · alive · dropped 4 · unmatched ends 0 · abandoned 0");
   ASSERT_NE(p1, std::string::npos) << text;
   ASSERT_NE(p2, std::string::npos) << text;
   EXPECT_LT(popper, p1);
   EXPECT_LT(p1, p2);
   EXPECT_NE(pos("CPU Overhead:   10.00ms (16.67%)\n\n🟢 CORROBORATED", p1), std::string::npos);
   EXPECT_NE(pos("CUDA Compute:   1.00ms\nCPU Overhead:   3.00ms (75.00%)\n\n"
-                "🔴 FALSIFICATION: Overhead > 50%. Kernel fusion required.\n", p2),
+                "🔴 FALSIFICATION: Overhead > 50%. Kernel fusion required.\n",
+                p2),
             std::string::npos)
       << text;
   EXPECT_NE(pos("[VRAM Ledger]", p2), std::string::npos);
 }
 
 TEST_F(ReportTest, TextReportWithoutComputeHasNoAnalysisAndEmptySaysHowToRecord) {
-  std::string text = collector.report_text(std::nullopt);
+  std::string text = collector_.report_text(std::nullopt);
   EXPECT_NE(text.find("STEPTRACE REPORT"), std::string::npos);
   EXPECT_NE(text.find("No process has connected yet"), std::string::npos) << text;
-  Connection a(collector, world.spawn(1, 1, "a"));
-  text = collector.report_text(std::nullopt);
+  Connection a(collector_, world_.spawn(1, 1, "a"));
+  text = collector_.report_text(std::nullopt);
   EXPECT_NE(text.find("No measurements recorded."), std::string::npos) << text;
   EXPECT_NE(text.find("steptrace_start"), std::string::npos) << text;
   ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
-  text = collector.report_text(std::nullopt);
+  text = collector_.report_text(std::nullopt);
   EXPECT_EQ(text.find("No measurements recorded."), std::string::npos) << text;
   EXPECT_EQ(text.find("Dr. Popper"), std::string::npos) << text;
-  EXPECT_NE(collector.report_text(77).find("No process with pid 77"), std::string::npos);
+  EXPECT_NE(collector_.report_text(77).find("No process with pid 77"), std::string::npos);
 }
 
 // ---- Prometheus ----------------------------------------------------------------------
@@ -213,7 +220,8 @@ struct Exposition {
 
   explicit Exposition(const std::string& text) {
     static const std::regex kHelp(R"(# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) (.*))");
-    static const std::regex kType(R"(# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge|histogram|summary|untyped))");
+    static const std::regex kType(
+        R"(# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge|histogram|summary|untyped))");
     static const std::regex kSample(R"(([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+))");
     static const std::regex kLabel(R"(([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)\",?)");
     if (text.empty() || text.back() != '\n') errors.push_back("must end with a newline");
@@ -230,7 +238,8 @@ struct Exposition {
       } else if (std::regex_match(line, m, kSample)) {
         Sample s{m[1], {}, m[4]};
         std::string labels = m[3];
-        for (std::sregex_iterator it(labels.begin(), labels.end(), kLabel), stop; it != stop; ++it) {
+        for (std::sregex_iterator it(labels.begin(), labels.end(), kLabel), stop; it != stop;
+             ++it) {
           s.labels[(*it)[1]] = (*it)[2];
         }
         samples.push_back(std::move(s));
@@ -260,19 +269,19 @@ struct Exposition {
 };
 
 TEST_F(ReportTest, MetricsAreWellFormedPrometheusText) {
-  Connection a(collector, world.spawn(4242, 1, "py\"th\\on"));
-  Connection b(collector, world.spawn(5000, 1, "trainer"));
+  Connection a(collector_, world_.spawn(4242, 1, "py\"th\\on"));
+  Connection b(collector_, world_.spawn(5000, 1, "trainer"));
   ASSERT_FALSE(a.register_step(256, "Tokenize"));
-  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 500),          // <= 1us
-                         start(1, kForward, 0), end(1, kForward, 2'000'000),    // <= 10ms
-                         start(1, 256, 0), end(1, 256, 1000),                   // == 1us
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 500),        // <= 1us
+                         start(1, kForward, 0), end(1, kForward, 2'000'000),  // <= 10ms
+                         start(1, 256, 0), end(1, 256, 1000),                 // == 1us
                          start(1, kMatmul, 0)}));
   ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 20'000'000'000)}));  // +Inf
-  world.kill(5000);
+  world_.kill(5000);
   b.close();  // exited: no per-process series, still in the per-step histogram
-  collector.counters().protocol_errors["bad_magic"] = 2;
+  collector_.counters().protocol_errors["bad_magic"] = 2;
 
-  const std::string text = collector.metrics_text();
+  const std::string text = collector_.metrics_text();
   const Exposition e(text);
   EXPECT_TRUE(e.errors.empty()) << e.errors.front() << "\n" << text;
   for (const auto& s : e.samples) {
@@ -339,14 +348,14 @@ TEST_F(ReportTest, MetricsAreWellFormedPrometheusText) {
 }
 
 TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
-  Connection a(collector, world.spawn(1, 1, "a"));
+  Connection a(collector_, world_.spawn(1, 1, "a"));
   ASSERT_FALSE(a.register_step(256, "Tokenize"));
   ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
-  collector.counters().protocol_errors["bad_step_id"] = 2;
-  collector.counters().protocol_errors["truncated"] = 1;
-  collector.counters().limits_hit["max_open_depth"] = 4;
-  collector.counters().connections_total = 5;
-  const json s = collector.stats_json();
+  collector_.counters().protocol_errors["bad_step_id"] = 2;
+  collector_.counters().protocol_errors["truncated"] = 1;
+  collector_.counters().limits_hit["max_open_depth"] = 4;
+  collector_.counters().connections_total = 5;
+  const json s = collector_.stats_json();
   EXPECT_EQ(s["events_received"], 2);
   EXPECT_EQ(s["protocol_errors"]["total"], 3);
   EXPECT_EQ(s["protocol_errors"]["by_kind"]["bad_step_id"], 2);
@@ -360,7 +369,7 @@ TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   EXPECT_GT(s["memory"]["state_bytes_estimate"].get<std::uint64_t>(), 0u);
   EXPECT_TRUE(s.contains("ledger_anomalies"));
   EXPECT_TRUE(s.contains("snapshots"));
-  const std::string text = collector.stats_text();
+  const std::string text = collector_.stats_text();
   EXPECT_NE(text.find("events_received: 2\n"), std::string::npos) << text;
   EXPECT_NE(text.find("protocol_errors.total: 3\n"), std::string::npos) << text;
 }

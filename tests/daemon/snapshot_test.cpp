@@ -46,7 +46,7 @@ void populate(Collector& c, FakeWorld& world) {
     ASSERT_FALSE(b.events({start(3, 300, 0), end(3, 300, 7), start(3, 1, 0)}));
     world.kill(5000);
     world.now_ns += 10;
-  }  // exited, with an abandoned Backward span
+  }           // exited, with an abandoned Backward span
   a.close();  // still running: alive without a connection
 }
 
@@ -220,7 +220,9 @@ void expect_moved_aside(const std::string& content) {
   EXPECT_FALSE(loaded.error.empty());
   ASSERT_FALSE(loaded.moved_to.empty()) << loaded.error;
   EXPECT_EQ(loaded.moved_to.parent_path(), std::filesystem::path(dir.path()));
-  EXPECT_EQ(loaded.moved_to.filename().string().rfind(std::string(kSnapshotFileName) + ".corrupt-", 0), 0u)
+  EXPECT_EQ(
+      loaded.moved_to.filename().string().rfind(std::string(kSnapshotFileName) + ".corrupt-", 0),
+      0u)
       << loaded.moved_to;
   EXPECT_FALSE(std::filesystem::exists(dir.file(kSnapshotFileName)));
   EXPECT_EQ(read(loaded.moved_to), content);  // kept for a human to look at

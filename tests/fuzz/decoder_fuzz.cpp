@@ -24,12 +24,12 @@ namespace {
 using namespace steptrace;
 using namespace steptrace::proto;
 
-#define FUZZ_CHECK(cond)                                                         \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
+#define FUZZ_CHECK(cond)                                                                \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
       std::fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                              \
-    }                                                                            \
+      std::abort();                                                                     \
+    }                                                                                   \
   } while (0)
 
 volatile std::uint64_t g_sink;  // keeps field reads from being optimised away
@@ -104,7 +104,8 @@ class Harness {
   void on_error(std::error_code e) {
     FUZZ_CHECK(&e.category() == &steptrace_category());
     const int v = e.value();
-    FUZZ_CHECK(v >= static_cast<int>(errc::bad_magic) && v <= static_cast<int>(errc::bad_ledger_op));
+    FUZZ_CHECK(v >= static_cast<int>(errc::bad_magic) &&
+               v <= static_cast<int>(errc::bad_ledger_op));
     if (error_) FUZZ_CHECK(e == error_);
     error_ = e;
     FUZZ_CHECK(decoder_.failed());
@@ -212,11 +213,21 @@ class Chunker {
     state_ ^= state_ << 17;
     std::size_t n;
     switch (state_ % 8) {
-      case 0: n = 0; break;
-      case 1: n = 1; break;
-      case 2: n = left; break;
-      case 3: n = 1 + (state_ >> 8) % 4096; break;
-      default: n = 1 + (state_ >> 8) % 64; break;
+      case 0:
+        n = 0;
+        break;
+      case 1:
+        n = 1;
+        break;
+      case 2:
+        n = left;
+        break;
+      case 3:
+        n = 1 + (state_ >> 8) % 4096;
+        break;
+      default:
+        n = 1 + (state_ >> 8) % 64;
+        break;
     }
     return n < left ? n : left;
   }

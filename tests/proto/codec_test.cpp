@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <array>
-#include <functional>
 #include <cstring>
+#include <functional>
 #include <string>
 
 #include "proto/codec.h"
@@ -23,8 +23,8 @@ using testing::event_bytes;
 using testing::frame_bytes;
 using testing::header_bytes;
 using testing::hello_bytes;
-using testing::LedgerFields;
 using testing::ledger_payload;
+using testing::LedgerFields;
 using testing::Owned;
 using testing::register_payload;
 
@@ -47,9 +47,9 @@ Bytes encode(F&& f, std::size_t capacity = 1 << 20) {
   return to_bytes(encoder.bytes());
 }
 
-LedgerRecord make_ledger(LedgerOp op, std::uint64_t id, std::uint64_t bytes,
-                         std::uint64_t total, std::uint32_t holder, std::string_view gpu,
-                         std::string_view task, std::uint8_t flags = 0) {
+LedgerRecord make_ledger(LedgerOp op, std::uint64_t id, std::uint64_t bytes, std::uint64_t total,
+                         std::uint32_t holder, std::string_view gpu, std::string_view task,
+                         std::uint8_t flags = 0) {
   LedgerRecord r{};
   r.timestamp_ns = 1000 + id;
   r.reservation_id = id;
@@ -88,13 +88,13 @@ Bytes daemon_stream(const std::vector<EventRecord>& events) {
     ASSERT_TRUE(e.hello("1.2.3", "trainer-7"));
     ASSERT_TRUE(e.register_step(300, "my_custom_step"));
     ASSERT_EQ(e.events(events), events.size());
-    ASSERT_TRUE(e.ledger(make_ledger(LedgerOp::kReserve, 42, 8ull << 30, 0, 0,
-                                     "GPU-aaaa", "qlora-7b")));
+    ASSERT_TRUE(
+        e.ledger(make_ledger(LedgerOp::kReserve, 42, 8ull << 30, 0, 0, "GPU-aaaa", "qlora-7b")));
     ASSERT_TRUE(e.ledger(make_ledger(LedgerOp::kRelease, 42, 0, 0, 0, "GPU-aaaa", "")));
     ASSERT_TRUE(e.ledger(make_ledger(LedgerOp::kCleanup, 41, 0, 0, 31337, "GPU-bbbb", "",
                                      kLedgerGpuUuidTruncated | kLedgerTaskTruncated)));
-    ASSERT_TRUE(e.ledger(make_ledger(LedgerOp::kVramSample, 0, 20ull << 30, 24ull << 30, 0,
-                                     "GPU-aaaa", "")));
+    ASSERT_TRUE(e.ledger(
+        make_ledger(LedgerOp::kVramSample, 0, 20ull << 30, 24ull << 30, 0, "GPU-aaaa", "")));
     ASSERT_TRUE(e.dropped(12345));
     ASSERT_TRUE(e.flush(99));
   });
@@ -198,8 +198,7 @@ TEST(ProtoRoundTrip, DaemonSideEveryChunkSizeThroughPrepareCommit) {
   const Bytes stream = daemon_stream(events);
   for (std::size_t chunk = 1; chunk <= 200; ++chunk) {
     SCOPED_TRACE("chunk " + std::to_string(chunk));
-    check_daemon_messages(decode_all(Side::kDaemon, stream, chunk, /*use_prepare=*/true),
-                          events);
+    check_daemon_messages(decode_all(Side::kDaemon, stream, chunk, /*use_prepare=*/true), events);
   }
 }
 
@@ -246,8 +245,8 @@ TEST(ProtoRoundTrip, PrepareCommitReadsStraightIntoTheBuffer) {
   while (pos < stream.size()) {
     auto dst = decoder.prepare(64);
     ASSERT_GE(dst.size(), 64u);
-    const std::size_t n = std::min<std::size_t>(std::min<std::size_t>(dst.size(), 61),
-                                                stream.size() - pos);
+    const std::size_t n =
+        std::min<std::size_t>(std::min<std::size_t>(dst.size(), 61), stream.size() - pos);
     std::memcpy(dst.data(), stream.data() + pos, n);
     decoder.commit(n);
     pos += n;
@@ -463,8 +462,8 @@ TEST(ProtoMalformed, BadHello) {
   expect_rejected(Side::kDaemon, hello_bytes(1, 0, ""), errc::bad_hello, 0);  // required
   expect_rejected(Side::kDaemon, hello_bytes(1, 0, std::string(16, 'v')), errc::bad_hello, 0);
   expect_rejected(Side::kDaemon, hello_bytes(1, 0, "0.1\t0"), errc::bad_hello, 0);
-  expect_rejected(Side::kDaemon, hello_bytes(1, 0, "0.1.0", std::string(24, 'p')),
-                  errc::bad_hello, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(1, 0, "0.1.0", std::string(24, 'p')), errc::bad_hello,
+                  0);
   expect_rejected(Side::kDaemon, hello_bytes(1, 0, "0.1.0", "caf\xc3\xa9"), errc::bad_hello, 0);
   Bytes after_nul = hello_bytes(1, 0, "0.1.0", "proc");
   after_nul[24 + 10] = std::byte{'z'};  // process_name byte after its NUL
@@ -531,12 +530,11 @@ TEST(ProtoMalformed, BadFrameSize) {
     }
   }
   for (std::uint32_t wrong : {0u, 7u, 9u, 16u}) {
-    expect_rejected(Side::kClient, frame_bytes(kFlushAckType, Bytes(wrong)),
-                    errc::bad_frame_size, 0);
+    expect_rejected(Side::kClient, frame_bytes(kFlushAckType, Bytes(wrong)), errc::bad_frame_size,
+                    0);
   }
   for (std::uint32_t wrong : {0u, 127u, 129u, 136u}) {
-    expect_rejected(Side::kClient, frame_bytes(kErrorType, Bytes(wrong)), errc::bad_frame_size,
-                    0);
+    expect_rejected(Side::kClient, frame_bytes(kErrorType, Bytes(wrong)), errc::bad_frame_size, 0);
   }
 }
 
@@ -550,13 +548,12 @@ TEST(ProtoMalformed, NonzeroReserved) {
       errc::bad_reserved);
   expect_daemon_frame_rejected(frame_bytes(kRegisterType, register_payload(256, "s", 1)),
                                errc::bad_reserved);
-  expect_daemon_frame_rejected(
-      frame_bytes(kRegisterType, register_payload(256, "s", 0x80000000u)), errc::bad_reserved);
+  expect_daemon_frame_rejected(frame_bytes(kRegisterType, register_payload(256, "s", 0x80000000u)),
+                               errc::bad_reserved);
   for (std::size_t i = 0; i < 6; ++i) {
     LedgerFields f;
     f.reserved[i] = 0x40;
-    expect_daemon_frame_rejected(frame_bytes(kLedgerType, ledger_payload(f)),
-                                 errc::bad_reserved);
+    expect_daemon_frame_rejected(frame_bytes(kLedgerType, ledger_payload(f)), errc::bad_reserved);
   }
   expect_rejected(Side::kClient, frame_bytes(kErrorType, testing::error_payload(1, "m", 1)),
                   errc::bad_reserved, 0);
@@ -622,11 +619,10 @@ TEST(ProtoMalformed, BadStrings) {
   // Ledger: gpu_uuid is required, task may be empty but must be well formed.
   expect_daemon_frame_rejected(frame_bytes(kLedgerType, ledger_payload({.gpu_uuid = ""})),
                                errc::bad_string);
+  expect_daemon_frame_rejected(frame_bytes(kLedgerType, ledger_payload({.gpu_uuid = "GPU\x7f"})),
+                               errc::bad_string);
   expect_daemon_frame_rejected(
-      frame_bytes(kLedgerType, ledger_payload({.gpu_uuid = "GPU\x7f"})), errc::bad_string);
-  expect_daemon_frame_rejected(
-      frame_bytes(kLedgerType, ledger_payload({.task = std::string(64, 't')})),
-      errc::bad_string);
+      frame_bytes(kLedgerType, ledger_payload({.task = std::string(64, 't')})), errc::bad_string);
   {
     Bytes p = ledger_payload({.task = ""});
     p[112 + 63] = std::byte{1};  // last byte of the task
@@ -681,16 +677,14 @@ TEST(ProtoMalformed, FirstFailingCheckWins) {
 }
 
 TEST(ProtoMalformed, ErrorComesAfterTheGoodFramesBeforeIt) {
-  const Bytes stream = concat({hello_bytes(), frame_bytes(kFlushType, Bytes(8)),
-                               frame_bytes(kDroppedType, Bytes(8)),
-                               frame_bytes(kEventsType, event_bytes(1, 1, 12, 1)),
-                               frame_bytes(kFlushType, Bytes(8))});
+  const Bytes stream = concat(
+      {hello_bytes(), frame_bytes(kFlushType, Bytes(8)), frame_bytes(kDroppedType, Bytes(8)),
+       frame_bytes(kEventsType, event_bytes(1, 1, 12, 1)), frame_bytes(kFlushType, Bytes(8))});
   expect_rejected(Side::kDaemon, stream, errc::bad_step_id, 3);
 }
 
 TEST(ProtoMalformed, ErrorsHaveStableNamesAndMessages) {
-  for (int e = static_cast<int>(errc::truncated); e <= static_cast<int>(errc::bad_ledger_op);
-       ++e) {
+  for (int e = static_cast<int>(errc::truncated); e <= static_cast<int>(errc::bad_ledger_op); ++e) {
     const auto code = make_error_code(static_cast<errc>(e));
     EXPECT_STRNE(errc_name(static_cast<errc>(e)), "unknown");
     EXPECT_NE(code.message(), "unknown steptrace error");
@@ -729,7 +723,10 @@ TEST(ProtoEncoder, EveryCallWritesNothingWhenOutOfRoom) {
   };
   const Case cases[] = {
       {"hello", 48, [](Encoder& e) { return e.hello("0.1.0", "p"); }},
-      {"events", 24, [&](Encoder& e) { return e.events({&event, 1}) == 1; }},
+      {"events", 24,
+       [&](Encoder& e) {
+         return e.events({&event, 1}) == 1;
+       }},
       {"register_step", 80, [](Encoder& e) { return e.register_step(256, "s"); }},
       {"ledger", 184, [&](Encoder& e) { return e.ledger(ledger); }},
       {"dropped", 16, [](Encoder& e) { return e.dropped(1); }},
@@ -777,24 +774,21 @@ TEST(ProtoEncoder, RegisterStepRejectsBadNamesAndWritesNothing) {
     EXPECT_FALSE(write_with_room(1024, [&](Encoder& e) { return e.register_step(256, name); }))
         << name;
   }
-  EXPECT_TRUE(write_with_room(1024, [](Encoder& e) {
-    return e.register_step(256, std::string(63, 'n'));
-  }));
+  EXPECT_TRUE(
+      write_with_room(1024, [](Encoder& e) { return e.register_step(256, std::string(63, 'n')); }));
 }
 
 TEST(ProtoEncoder, LossyStringsInHelloAndErrorAreCutAndCleaned) {
-  const Bytes stream = encode([](Encoder& e) {
-    ASSERT_TRUE(e.hello(std::string(40, 'v'), "proc\x01name"));
-  });
+  const Bytes stream =
+      encode([](Encoder& e) { ASSERT_TRUE(e.hello(std::string(40, 'v'), "proc\x01name")); });
   const DecodeAll d = decode_all(Side::kDaemon, stream);
   ASSERT_FALSE(d.error) << d.error.message();
   const auto& hello = std::get<Hello>(d.messages.at(0));
   EXPECT_EQ(field_view(hello.library_version), std::string(15, 'v'));
   EXPECT_EQ(field_view(hello.process_name), "proc?name");
 
-  const Bytes error = encode([](Encoder& e) {
-    ASSERT_TRUE(e.error(ErrorCode::kProtocol, std::string(200, 'e') + "\n"));
-  });
+  const Bytes error = encode(
+      [](Encoder& e) { ASSERT_TRUE(e.error(ErrorCode::kProtocol, std::string(200, 'e') + "\n")); });
   const DecodeAll c = decode_all(Side::kClient, error);
   ASSERT_FALSE(c.error);
   EXPECT_EQ(field_view(std::get<ErrorReport>(c.messages.at(0)).message), std::string(119, 'e'));
@@ -810,7 +804,7 @@ TEST(ProtoStrings, SetFieldRejectsOverlongAndNonPrintable) {
 
   std::memset(field, 'x', sizeof field);
   EXPECT_FALSE(set_field(field, "12345678"));  // no room for the NUL
-  for (char c : field) EXPECT_EQ(c, 0);       // zeroed, not half written
+  for (char c : field) EXPECT_EQ(c, 0);        // zeroed, not half written
 
   std::memset(field, 'x', sizeof field);
   EXPECT_FALSE(set_field(field, "a\x7f"));
@@ -838,7 +832,7 @@ TEST(ProtoStrings, SetFieldLossyCutsAndReplaces) {
 TEST(ProtoStrings, ValidFieldRules) {
   char field[4] = {'a', 'b', 'c', 'd'};
   EXPECT_FALSE(valid_field(field, true));  // unterminated
-  EXPECT_EQ(field_view(field), "abcd");   // the view stops at the field's end
+  EXPECT_EQ(field_view(field), "abcd");    // the view stops at the field's end
   const char after_nul[4] = {'a', 0, 'b', 0};
   EXPECT_FALSE(valid_field(after_nul, true));
   const char control[4] = {'a', '\x1f', 0, 0};

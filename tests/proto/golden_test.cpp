@@ -77,8 +77,8 @@ void expect_golden(const std::string& name, const Bytes& encoded, std::size_t ex
 
 // Decodes one frame of `golden` on `side` (after a hello for the daemon side).
 testing::Owned decode_one(Side side, const Bytes& frame) {
-  const Bytes stream = side == Side::kDaemon ? testing::concat({read_hex("hello.hex"), frame})
-                                             : frame;
+  const Bytes stream =
+      side == Side::kDaemon ? testing::concat({read_hex("hello.hex"), frame}) : frame;
   const DecodeAll d = decode_all(side, stream);
   EXPECT_FALSE(d.error) << d.error.message();
   EXPECT_FALSE(d.finish) << d.finish.message();
@@ -115,10 +115,9 @@ TEST(ProtoGolden, Events) {
       {1000000500, 4242, 0, static_cast<std::uint8_t>(EventKind::kEnd), 0},
       {0x0102030405060708, 7, 256, static_cast<std::uint8_t>(EventKind::kStart), 0},
   };
-  expect_golden("events.hex", encode([&](Encoder& e) { ASSERT_EQ(e.events(events), 3u); }),
-                8 + 48);
-  const auto got = std::get<std::vector<EventRecord>>(
-      decode_one(Side::kDaemon, read_hex("events.hex")));
+  expect_golden("events.hex", encode([&](Encoder& e) { ASSERT_EQ(e.events(events), 3u); }), 8 + 48);
+  const auto got =
+      std::get<std::vector<EventRecord>>(decode_one(Side::kDaemon, read_hex("events.hex")));
   ASSERT_EQ(got.size(), 3u);
   for (std::size_t i = 0; i < 3; ++i) {
     SCOPED_TRACE(i);
@@ -179,8 +178,8 @@ void check_ledger(const LedgerCase& c) {
 }
 
 TEST(ProtoGolden, LedgerReserve) {
-  check_ledger({"ledger_reserve.hex", 123456789, 42, 8ull << 30, 0, 4242, 0, LedgerOp::kReserve,
-                0, kGpu, "qlora-7b"});
+  check_ledger({"ledger_reserve.hex", 123456789, 42, 8ull << 30, 0, 4242, 0, LedgerOp::kReserve, 0,
+                kGpu, "qlora-7b"});
 }
 
 TEST(ProtoGolden, LedgerRelease) {
@@ -201,21 +200,19 @@ TEST(ProtoGolden, VramSample) {
 
 TEST(ProtoGolden, Dropped) {
   expect_golden("dropped.hex", encode([](Encoder& e) { ASSERT_TRUE(e.dropped(1234567)); }), 16);
-  EXPECT_EQ(std::get<DroppedReport>(decode_one(Side::kDaemon, read_hex("dropped.hex")))
-                .total_dropped,
-            1234567u);
+  EXPECT_EQ(
+      std::get<DroppedReport>(decode_one(Side::kDaemon, read_hex("dropped.hex"))).total_dropped,
+      1234567u);
 }
 
 TEST(ProtoGolden, Flush) {
   expect_golden("flush.hex", encode([](Encoder& e) { ASSERT_TRUE(e.flush(7)); }), 16);
-  EXPECT_EQ(std::get<FlushRequest>(decode_one(Side::kDaemon, read_hex("flush.hex"))).sequence,
-            7u);
+  EXPECT_EQ(std::get<FlushRequest>(decode_one(Side::kDaemon, read_hex("flush.hex"))).sequence, 7u);
 }
 
 TEST(ProtoGolden, FlushAck) {
   expect_golden("flush_ack.hex", encode([](Encoder& e) { ASSERT_TRUE(e.flush_ack(7)); }), 16);
-  EXPECT_EQ(std::get<FlushAck>(decode_one(Side::kClient, read_hex("flush_ack.hex"))).sequence,
-            7u);
+  EXPECT_EQ(std::get<FlushAck>(decode_one(Side::kClient, read_hex("flush_ack.hex"))).sequence, 7u);
   // The daemon does not accept its own frame type.
   const DecodeAll d = decode_all(
       Side::kDaemon, testing::concat({read_hex("hello.hex"), read_hex("flush_ack.hex")}));
@@ -223,10 +220,11 @@ TEST(ProtoGolden, FlushAck) {
 }
 
 TEST(ProtoGolden, Error) {
-  expect_golden("error.hex", encode([](Encoder& e) {
-                  ASSERT_TRUE(e.error(ErrorCode::kUnsupportedVersion, "unsupported protocol version"));
-                }),
-                8 + 128);
+  expect_golden(
+      "error.hex", encode([](Encoder& e) {
+        ASSERT_TRUE(e.error(ErrorCode::kUnsupportedVersion, "unsupported protocol version"));
+      }),
+      8 + 128);
   const auto r = std::get<ErrorReport>(decode_one(Side::kClient, read_hex("error.hex")));
   EXPECT_EQ(r.code, 2u);
   EXPECT_EQ(r.reserved, 0u);
@@ -237,9 +235,9 @@ TEST(ProtoGolden, Error) {
 // also decodes when cut into single bytes.
 TEST(ProtoGolden, AllClientFramesFormOneStream) {
   Bytes stream = read_hex("hello.hex");
-  for (const char* f : {"register_step.hex", "events.hex", "ledger_reserve.hex",
-                        "ledger_release.hex", "ledger_cleanup.hex", "vram_sample.hex",
-                        "dropped.hex", "flush.hex"}) {
+  for (const char* f :
+       {"register_step.hex", "events.hex", "ledger_reserve.hex", "ledger_release.hex",
+        "ledger_cleanup.hex", "vram_sample.hex", "dropped.hex", "flush.hex"}) {
     stream = testing::concat({stream, read_hex(f)});
   }
   const DecodeAll d = decode_all(Side::kDaemon, stream, 1);

@@ -68,8 +68,8 @@ inline Bytes header_bytes(std::uint32_t size, std::uint16_t type, std::uint16_t 
   return w.take();
 }
 
-inline Bytes event_bytes(std::uint64_t ts, std::uint32_t tid, std::uint16_t step,
-                         std::uint8_t kind, std::uint8_t reserved = 0) {
+inline Bytes event_bytes(std::uint64_t ts, std::uint32_t tid, std::uint16_t step, std::uint8_t kind,
+                         std::uint8_t reserved = 0) {
   ByteWriter w;
   w.u64(ts).u32(tid).u16(step).u8(kind).u8(reserved);
   return w.take();

@@ -15,7 +15,9 @@ Environment test_env() {
   Environment env;
   env.monotonic_now_ns = [] { return std::uint64_t{5'000'000'000}; };
   // Every pid looks alive and unchanged, so nothing is marked exited behind our back.
-  env.probe = [](std::int32_t) { return std::optional<ProcessProbe>(ProcessProbe{77, false, "t"}); };
+  env.probe = [](std::int32_t) {
+    return std::optional<ProcessProbe>(ProcessProbe{77, false, "t"});
+  };
   return env;
 }
 
@@ -115,8 +117,8 @@ TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {
 
 TEST_F(CommandsTest, JsonRepliesAreOneLine) {
   ingest(4242, 3);
-  for (const char* line : {"report --json", "ledger --json", "stats --json", "version",
-                           "report --json --pid 4242"}) {
+  for (const char* line :
+       {"report --json", "ledger --json", "stats --json", "version", "report --json --pid 4242"}) {
     const auto reply = run(line);
     ASSERT_FALSE(reply.empty());
     EXPECT_EQ(reply.find('\n'), reply.size() - 1) << line;

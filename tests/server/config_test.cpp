@@ -196,9 +196,9 @@ TEST(Config, HelpAndVersionExitZero) {
   auto cl = parse_command_line({"steptraced", "--help"});
   EXPECT_FALSE(cl.config.has_value());
   EXPECT_EQ(cl.exit_code, 0);
-  for (const char* needle : {"--socket", "--config", "--state-dir", "--metrics-listen",
-                             "--log-level", "--version", "/run/steptrace/steptraced.sock",
-                             "STEPTRACE_SOCKET", "LISTEN_FDS", "steptraced.json"}) {
+  for (const char* needle :
+       {"--socket", "--config", "--state-dir", "--metrics-listen", "--log-level", "--version",
+        "/run/steptrace/steptraced.sock", "STEPTRACE_SOCKET", "LISTEN_FDS", "steptraced.json"}) {
     EXPECT_NE(cl.output.find(needle), std::string::npos) << needle;
   }
   cl = parse_command_line({"steptraced", "--version"});

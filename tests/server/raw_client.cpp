@@ -162,10 +162,10 @@ int run_good(int fd, const GoodOptions& o) {
       }
       events.push_back(event(ts + o.dur, tid, 0, proto::EventKind::kEnd));
       if (!o.custom.empty()) {
-        events.push_back(event(ts + o.dur + 5, tid, proto::kFirstCustomStep,
-                               proto::EventKind::kStart));
-        events.push_back(event(ts + o.dur + 5 + o.dur, tid, proto::kFirstCustomStep,
-                               proto::EventKind::kEnd));
+        events.push_back(
+            event(ts + o.dur + 5, tid, proto::kFirstCustomStep, proto::EventKind::kStart));
+        events.push_back(
+            event(ts + o.dur + 5 + o.dur, tid, proto::kFirstCustomStep, proto::EventKind::kEnd));
       }
       ts += 3 * o.dur + 100;
     }
@@ -230,15 +230,24 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--threads") o.threads = std::atoi(value());
-    else if (a == "--pairs") o.pairs = std::atoi(value());
-    else if (a == "--dur") o.dur = std::strtoull(value(), nullptr, 10);
-    else if (a == "--nest") o.nest = true;
-    else if (a == "--custom") o.custom = value();
-    else if (a == "--ledger") o.ledger = true;
-    else if (a == "--dropped") o.dropped = std::atoll(value());
-    else if (a == "--hold-ms") o.hold_ms = std::atoi(value());
-    else if (a == "--interval-ms") o.interval_ms = std::atoi(value());
+    if (a == "--threads")
+      o.threads = std::atoi(value());
+    else if (a == "--pairs")
+      o.pairs = std::atoi(value());
+    else if (a == "--dur")
+      o.dur = std::strtoull(value(), nullptr, 10);
+    else if (a == "--nest")
+      o.nest = true;
+    else if (a == "--custom")
+      o.custom = value();
+    else if (a == "--ledger")
+      o.ledger = true;
+    else if (a == "--dropped")
+      o.dropped = std::atoll(value());
+    else if (a == "--hold-ms")
+      o.hold_ms = std::atoi(value());
+    else if (a == "--interval-ms")
+      o.interval_ms = std::atoi(value());
     else {
       std::fprintf(stderr, "raw_client: unknown option %s\n", a.c_str());
       return 1;
@@ -259,15 +268,15 @@ int main(int argc, char** argv) {
              : fail("send");
   } else if (mode == "badversion") {
     const auto hello = hello_bytes(99);
-    rc = send_bytes(fd, hello) ? expect_error_and_close(
-                                     fd, static_cast<std::uint32_t>(
-                                             proto::ErrorCode::kUnsupportedVersion))
-                               : fail("send");
+    rc = send_bytes(fd, hello)
+             ? expect_error_and_close(
+                   fd, static_cast<std::uint32_t>(proto::ErrorCode::kUnsupportedVersion))
+             : fail("send");
   } else if (mode == "oversize" || mode == "badstep") {
     auto bytes = hello_bytes();
     if (mode == "oversize") {
-      const proto::FrameHeader header{1u << 30, static_cast<std::uint16_t>(proto::FrameType::kEvents),
-                                      0};
+      const proto::FrameHeader header{1u << 30,
+                                      static_cast<std::uint16_t>(proto::FrameType::kEvents), 0};
       const auto* p = reinterpret_cast<const std::byte*>(&header);
       bytes.insert(bytes.end(), p, p + sizeof header);
     } else {

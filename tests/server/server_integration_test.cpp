@@ -96,9 +96,9 @@ TEST_F(DaemonTest, CountsFromSeveralProcessesAndThreadsAreExact) {
   ASSERT_TRUE(daemon.start()) << daemon.log();
   std::vector<pid_t> pids;
   for (int i = 0; i < 3; ++i) {
-    pids.push_back(spawn_raw(socket(), {"good", "--threads", "4", "--pairs", "50", "--dur",
-                                        "1000", "--nest", "--custom", "my_step", "--ledger",
-                                        "--dropped", "5"}));
+    pids.push_back(
+        spawn_raw(socket(), {"good", "--threads", "4", "--pairs", "50", "--dur", "1000", "--nest",
+                             "--custom", "my_step", "--ledger", "--dropped", "5"}));
   }
   for (pid_t pid : pids) ASSERT_EQ(wait_process(pid, 30000), 0) << daemon.log();
 
@@ -164,8 +164,8 @@ TEST_F(DaemonTest, CountsFromSeveralProcessesAndThreadsAreExact) {
 TEST_F(DaemonTest, BadAndSlowClientsDoNotDisturbAGoodOne) {
   DaemonProcess daemon(socket(), {"--config", write_config(kFastTimeouts)});
   ASSERT_TRUE(daemon.start()) << daemon.log();
-  const pid_t good = spawn_raw(socket(), {"good", "--threads", "3", "--pairs", "3000", "--dur",
-                                          "2000", "--hold-ms", "300"});
+  const pid_t good = spawn_raw(
+      socket(), {"good", "--threads", "3", "--pairs", "3000", "--dur", "2000", "--hold-ms", "300"});
   std::vector<std::pair<std::string, pid_t>> bad;
   for (const char* mode : {"garbage", "oversize", "badversion", "badstep", "truncated", "silent"}) {
     bad.emplace_back(mode, spawn_raw(socket(), {mode}));
@@ -222,10 +222,10 @@ TEST_F(DaemonTest, SocatPingAndTextCommands) {
   EXPECT_EQ(out, "pong\n");
   // Several commands on one connection, answered in order; an unknown one gets an
   // error line and the connection stays usable.
-  ASSERT_EQ(run_shell("printf 'ping\\nfrobnicate\\nping\\nversion\\n' | socat - UNIX-CONNECT:" +
-                          socket(),
-                      out, dir_),
-            0);
+  ASSERT_EQ(
+      run_shell("printf 'ping\\nfrobnicate\\nping\\nversion\\n' | socat - UNIX-CONNECT:" + socket(),
+                out, dir_),
+      0);
   std::istringstream lines(out);
   std::string line;
   std::vector<std::string> got;
@@ -334,9 +334,9 @@ TEST_F(DaemonTest, SocketModeAndCleanExit) {
 
 TEST_F(DaemonTest, MissingSocketDirectoryIsAClearError) {
   std::string out;
-  EXPECT_EQ(run_shell(std::string(STEPTRACED_BIN) + " --socket " + dir_.file("nope/d.sock"), out,
-                      dir_),
-            1);
+  EXPECT_EQ(
+      run_shell(std::string(STEPTRACED_BIN) + " --socket " + dir_.file("nope/d.sock"), out, dir_),
+      1);
   EXPECT_NE(out.find("does not exist"), std::string::npos) << out;
 }
 
@@ -503,8 +503,10 @@ TEST_F(DaemonTest, HttpMetricsEndpoint) {
   EXPECT_EQ(reply.rfind("HTTP/1.1 405", 0), 0u) << reply;
   EXPECT_NE(reply.find("Allow: GET, HEAD"), std::string::npos) << reply;
 
-  reply = http_exchange(port, "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
-                              "Connection: close\r\n\r\n" + std::string(100000, 'a'));
+  reply = http_exchange(port,
+                        "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+                        "Connection: close\r\n\r\n" +
+                            std::string(100000, 'a'));
   EXPECT_EQ(reply.rfind("HTTP/1.1 413", 0), 0u) << reply;
 
   // Ingest still works after all that.

@@ -152,7 +152,8 @@ std::optional<std::string> command(const std::string& socket, const std::string&
   char buf[65536];
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
       ::close(fd);
       return std::nullopt;

@@ -61,8 +61,7 @@ std::optional<std::string> command(const std::string& socket, const std::string&
 int run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env = {},
                 int timeout_ms = 120000);
 // Like run_process but does not wait; returns the child's pid.
-pid_t spawn_process(const std::vector<std::string>& argv,
-                    const std::vector<std::string>& env = {});
+pid_t spawn_process(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
 // Waits for a child from spawn_process; exit status (128+signal), -1 on timeout.
 int wait_process(pid_t pid, int timeout_ms = 120000);
 

@@ -53,24 +53,24 @@ enum steptrace_step {
 /* Connects to the daemon (NULL: $STEPTRACE_SOCKET, then the default path) and starts the
  * flusher thread. 0 on success, -errno when the daemon cannot be reached now; recording
  * works either way and the flusher keeps reconnecting with backoff. */
-STEPTRACE_EXPORT int steptrace_connect(const char *socket_path);
+STEPTRACE_EXPORT int steptrace_connect(const char* socket_path);
 
 /* A custom step id for `name` (1..63 printable ASCII characters), stable per name within
  * the process. Returns UINT32_MAX when the name is invalid or the per-process limit of
  * custom steps is reached. */
-STEPTRACE_EXPORT uint32_t steptrace_register_step(const char *name);
+STEPTRACE_EXPORT uint32_t steptrace_register_step(const char* name);
 
 STEPTRACE_EXPORT void steptrace_start(uint32_t step);
 STEPTRACE_EXPORT void steptrace_end(uint32_t step);
 
 /* VRAM-ledger annotations (timing comes from the spans around them). Strings longer
  * than 63 characters are cut. */
-STEPTRACE_EXPORT void steptrace_ledger_reserve(const char *gpu_uuid, uint64_t reservation_id,
-                                               uint64_t bytes, const char *task);
-STEPTRACE_EXPORT void steptrace_ledger_release(const char *gpu_uuid, uint64_t reservation_id);
-STEPTRACE_EXPORT void steptrace_ledger_cleanup(const char *gpu_uuid, uint64_t reservation_id,
+STEPTRACE_EXPORT void steptrace_ledger_reserve(const char* gpu_uuid, uint64_t reservation_id,
+                                               uint64_t bytes, const char* task);
+STEPTRACE_EXPORT void steptrace_ledger_release(const char* gpu_uuid, uint64_t reservation_id);
+STEPTRACE_EXPORT void steptrace_ledger_cleanup(const char* gpu_uuid, uint64_t reservation_id,
                                                uint32_t holder_pid);
-STEPTRACE_EXPORT void steptrace_vram_sample(const char *gpu_uuid, uint64_t free_bytes,
+STEPTRACE_EXPORT void steptrace_vram_sample(const char* gpu_uuid, uint64_t free_bytes,
                                             uint64_t total_bytes);
 
 /* 0 once the daemon has applied every event recorded before the call; -ETIMEDOUT, or

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   const int n = argc > 1 ? atoi(argv[1]) : 10;
   const int rc = steptrace_connect(NULL); /* $STEPTRACE_SOCKET */
   if (rc != 0) {
