@@ -138,6 +138,29 @@ json steps_json(const std::map<std::uint32_t, StepTime>& steps) {
   return out;
 }
 
+// Per-process ledger rows of one GPU, as both the report and the snapshot write them.
+json processes_json(const Gpu& gpu) {
+  json processes = json::array();
+  for (const auto& [key, row] : gpu.processes) {
+    processes.push_back({{"pid", key.pid},
+                         {"start_time", key.start_time},
+                         {"comm", row.comm},
+                         {"reserves", row.reserves},
+                         {"releases", row.releases},
+                         {"cleanups", row.cleanups},
+                         {"steps", steps_json(row.steps)}});
+  }
+  return processes;
+}
+
+json operations_json(const Gpu& gpu) {
+  json operations = json::object();
+  for (std::size_t op = 0; op < kOpCount; ++op) {
+    operations[std::string(kOpNames[op])] = gpu.operations[op];
+  }
+  return operations;
+}
+
 bool valid_text(std::string_view text, bool allow_empty) {
   if (text.size() > proto::kMaxNameLength) return false;
   if (text.empty() && !allow_empty) return false;
@@ -475,20 +498,8 @@ nlohmann::json LedgerView::to_json(std::uint64_t now_ns) const {
                               {"holder_alive", r.holder_alive},
                               {"age_s", seconds_between(r.reserved_ns, now_ns)}});
     }
-    json processes = json::array();
-    for (const auto& [key, row] : gpu.processes) {
-      processes.push_back({{"pid", key.pid},
-                           {"start_time", key.start_time},
-                           {"comm", row.comm},
-                           {"reserves", row.reserves},
-                           {"releases", row.releases},
-                           {"cleanups", row.cleanups},
-                           {"steps", steps_json(row.steps)}});
-    }
-    json operations = json::object();
-    for (std::size_t op = 0; op < kOpCount; ++op) {
-      operations[std::string(kOpNames[op])] = gpu.operations[op];
-    }
+    json processes = processes_json(gpu);
+    json operations = operations_json(gpu);
     // Without a sample, total/free/available are unknown: null rather than a false 0.
     json g = {{"gpu", uuid},
               {"total_bytes", nullptr},
@@ -692,20 +703,8 @@ nlohmann::json LedgerView::snapshot() const {
                               {"reserved_ns", r.reserved_ns},
                               {"holder_alive", r.holder_alive}});
     }
-    json processes = json::array();
-    for (const auto& [key, row] : gpu.processes) {
-      processes.push_back({{"pid", key.pid},
-                           {"start_time", key.start_time},
-                           {"comm", row.comm},
-                           {"reserves", row.reserves},
-                           {"releases", row.releases},
-                           {"cleanups", row.cleanups},
-                           {"steps", steps_json(row.steps)}});
-    }
-    json operations = json::object();
-    for (std::size_t op = 0; op < kOpCount; ++op) {
-      operations[std::string(kOpNames[op])] = gpu.operations[op];
-    }
+    json processes = processes_json(gpu);
+    json operations = operations_json(gpu);
     json sample = nullptr;
     if (gpu.sample) {
       sample = {{"free_bytes", gpu.sample->free_bytes},

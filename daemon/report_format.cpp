@@ -114,44 +114,29 @@ std::string table_row(std::span<const Column> columns,
   return out;
 }
 
-std::string escape_label_value(std::string_view value) {
+namespace {
+// Prometheus text format escaping: backslash and newline always, '"' in label values.
+std::string prometheus_escape(std::string_view text, bool quote) {
   std::string out;
-  out.reserve(value.size());
-  for (const char c : value) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '"':
-        out += "\\\"";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
+  out.reserve(text.size());
+  for (const char c : text) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '"' && quote) {
+      out += "\\\"";
+    } else {
+      out += c;
     }
   }
   return out;
 }
+}  // namespace
 
-std::string escape_help(std::string_view help) {
-  std::string out;
-  out.reserve(help.size());
-  for (const char c : help) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
+std::string escape_label_value(std::string_view value) { return prometheus_escape(value, true); }
+
+std::string escape_help(std::string_view help) { return prometheus_escape(help, false); }
 
 std::string format_double(double value) {
   if (std::isnan(value)) return "NaN";
