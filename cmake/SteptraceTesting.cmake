@@ -15,3 +15,11 @@ function(steptrace_add_test)
     DISCOVERY_TIMEOUT 60
     PROPERTIES LABELS "${labels}" TIMEOUT 300)
 endfunction()
+
+# An uninstrumented interpreter (python3) that loads the ASan-built libsteptrace needs
+# the ASan runtime preloaded; empty when the build is not sanitized.
+set(STEPTRACE_LIBASAN "")
+if(STEPTRACE_SANITIZE MATCHES "address")
+  execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libasan.so
+    OUTPUT_VARIABLE STEPTRACE_LIBASAN OUTPUT_STRIP_TRAILING_WHITESPACE)
+endif()

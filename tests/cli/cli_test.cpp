@@ -18,6 +18,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -262,9 +263,13 @@ TEST_F(CliLive, ReportOfOneProcessAfterTheCExample) {
 
 #ifdef PYTHON3_BIN
 TEST_F(CliLive, ReportOfThePythonExample) {
-  const Output py = run(dir_, {PYTHON3_BIN, MINIMAL_PY},
-                        {"STEPTRACE_SOCKET=" + daemon_.socket(),
-                         std::string("STEPTRACE_LIBRARY=") + STEPTRACE_LIBRARY_FILE});
+  std::vector<std::string> env = {"STEPTRACE_SOCKET=" + daemon_.socket(),
+                                  std::string("STEPTRACE_LIBRARY=") + STEPTRACE_LIBRARY_FILE};
+  if (std::string_view(STEPTRACE_LIBASAN).size() > 0) {
+    env.push_back(std::string("LD_PRELOAD=") + STEPTRACE_LIBASAN);
+    env.push_back("ASAN_OPTIONS=detect_leaks=0");  // the interpreter's own allocations
+  }
+  const Output py = run(dir_, {PYTHON3_BIN, MINIMAL_PY}, env);
   ASSERT_EQ(py.status, 0) << py.out << py.err;
   const auto pos = py.out.find("pid ");
   ASSERT_NE(pos, std::string::npos) << py.out;
