@@ -178,8 +178,7 @@ TEST_F(LedgerViewTest, ReleaseClearsTheReservationAndKeepsHighWater) {
 
 TEST_F(LedgerViewTest, CleanupByAnotherProcessRemovesEntryAndCreditsTheCleaner) {
   view_.apply(a_, reserve("GPU-A", 5, kGiB, "t", kSecond), kNow);
-  view_.apply(c_, cleanup("GPU-A", 5, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond),
-              kNow);
+  view_.apply(c_, cleanup("GPU-A", 5, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond), kNow);
   const json j = ledger();
   const json* gpu = find_gpu(j, "GPU-A");
   ASSERT_NE(gpu, nullptr);
@@ -213,8 +212,7 @@ TEST_F(LedgerViewTest, DeadHolderIsFlaggedLeakedUntilACleanup) {
   view_.check_holders([&](const ProcessKey& key) { return key != a_.key; });
   EXPECT_EQ((*find_reservation(*find_gpu(ledger(), "GPU-A"), 1))["holder_alive"], false);
 
-  view_.apply(c_, cleanup("GPU-A", 1, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond),
-              kNow);
+  view_.apply(c_, cleanup("GPU-A", 1, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond), kNow);
   gpu = *find_gpu(ledger(), "GPU-A");
   EXPECT_EQ(find_reservation(gpu, 1), nullptr);
   EXPECT_EQ(gpu["leaked_reservations"], 0);
@@ -475,7 +473,9 @@ TEST_F(LedgerViewTest, RestoreRejectsMalformedSnapshotsAndKeepsState) {
       {"duplicate gpu", [](json& d) { d["gpus"][1]["gpu"] = d["gpus"][0]["gpu"]; }},
       {"unknown gpu key", [](json& d) { d["gpus"][0]["x"] = 0; }},
       {"duplicate reservation id",
-       [](json& d) { d["gpus"][0]["reservations"][1]["id"] = d["gpus"][0]["reservations"][0]["id"]; }},
+       [](json& d) {
+         d["gpus"][0]["reservations"][1]["id"] = d["gpus"][0]["reservations"][0]["id"];
+       }},
       {"zero bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 0; }},
       {"negative bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = -1; }},
       {"fractional bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 1.5; }},
@@ -487,9 +487,7 @@ TEST_F(LedgerViewTest, RestoreRejectsMalformedSnapshotsAndKeepsState) {
       {"overlong task",
        [](json& d) { d["gpus"][0]["reservations"][0]["task"] = std::string(80, 't'); }},
       {"reservations overflow u64",
-       [](json& d) {
-         d["gpus"][0]["reservations"][0]["bytes"] = ~std::uint64_t{0};
-       }},
+       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = ~std::uint64_t{0}; }},
       {"high water below reserved", [](json& d) { d["gpus"][0]["high_water_bytes"] = 1; }},
       {"sample free above total",
        [](json& d) { d["gpus"][0]["sample"]["free_bytes"] = 100 * kGiB; }},

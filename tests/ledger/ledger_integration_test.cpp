@@ -1,0 +1,609 @@
+// The VRAM ledger view end to end: the real steptraced on a temporary socket and state
+// directory, fed by real ledger_worker processes (fork/exec, libsteptrace's C ABI), read
+// back with `ledger --json`, `report --json` and `stats --json`. Holders that must stay
+// alive ("hold") talk to the test over pipes: they print "ready" only after
+// steptrace_flush returned 0, so every reservation they made is applied by then.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support/daemon_process.h"
+
+extern char** environ;
+
+namespace steptrace::testing {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr std::uint64_t kMiB = 1024ull * 1024;
+constexpr std::uint64_t kGiB = 1024 * kMiB;
+constexpr int kReadyTimeoutMs = 30000;
+
+const std::string kGpuA = "GPU-8f2c1a3e-0000-4e5b-9a7d-aaaaaaaaaaaa";
+const std::string kGpuB = "GPU-3b9d7c21-1111-4c2a-8e6f-bbbbbbbbbbbb";
+
+// A ledger_worker with its stdin and stdout on pipes, SIGKILLed and reaped by the
+// destructor if it still runs.
+class Worker {
+ public:
+  Worker(const std::string& socket, std::vector<std::string> args) {
+    args.insert(args.begin(), {STEPTRACE_LEDGER_WORKER, socket});
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int to_child[2];
+    int from_child[2];
+    if (::pipe2(to_child, O_CLOEXEC) != 0) return;
+    if (::pipe2(from_child, O_CLOEXEC) != 0) {
+      ::close(to_child[0]);
+      ::close(to_child[1]);
+      return;
+    }
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(to_child[0], STDIN_FILENO);  // dup2 clears close-on-exec on the copies
+      ::dup2(from_child[1], STDOUT_FILENO);
+      ::execve(argv[0], argv.data(), environ);
+      ::_exit(127);
+    }
+    ::close(to_child[0]);
+    ::close(from_child[1]);
+    in_ = to_child[1];
+    out_ = from_child[0];
+    if (pid_ < 0) close_pipes();
+  }
+  ~Worker() {
+    if (pid_ > 0) kill_and_reap();
+    close_pipes();
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  pid_t pid() const { return pid_; }
+
+  // The next line the worker printed; nullopt on EOF (it exited) or timeout.
+  std::optional<std::string> read_line(int timeout_ms) {
+    const auto deadline = Clock::now() + milliseconds(timeout_ms);
+    for (;;) {
+      if (const auto nl = buffer_.find('\n'); nl != std::string::npos) {
+        std::string line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        return line;
+      }
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      if (out_ < 0 || left.count() <= 0) return std::nullopt;
+      pollfd p{out_, POLLIN, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(left.count()));
+      if (r < 0 && errno != EINTR) return std::nullopt;
+      if (r <= 0) continue;
+      char buf[256];
+      const ssize_t n = ::read(out_, buf, sizeof buf);
+      if (n == 0) return std::nullopt;
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return std::nullopt;
+      }
+      buffer_.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+
+  // Waits for the line `want`; on anything else says what the worker did instead.
+  ::testing::AssertionResult expect_line(const std::string& want) {
+    const auto line = read_line(kReadyTimeoutMs);
+    if (line == want) return ::testing::AssertionSuccess();
+    auto failure = ::testing::AssertionFailure()
+                   << "worker " << pid_ << ": wanted \"" << want << "\", got ";
+    if (line) return failure << '"' << *line << '"';
+    return failure << "nothing; exit status " << wait_exit(5000);
+  }
+
+  // Asks a holder to release one of its reservations and waits until it has flushed.
+  ::testing::AssertionResult release(const std::string& gpu, std::uint64_t id) {
+    const std::string line = "release " + gpu + " " + std::to_string(id) + "\n";
+    // A worker that died must fail the test, not kill it with SIGPIPE.
+    struct sigaction ignore {};
+    struct sigaction old {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ignore, &old);
+    const bool sent = ::write(in_, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+    ::sigaction(SIGPIPE, &old, nullptr);
+    if (!sent) return ::testing::AssertionFailure() << "worker " << pid_ << " gone";
+    return expect_line("released");
+  }
+
+  // Closes its stdin (a holder then exits 0) and returns the exit status.
+  int finish(int timeout_ms = 30000) {
+    if (in_ >= 0) ::close(in_);
+    in_ = -1;
+    return wait_exit(timeout_ms);
+  }
+
+  void kill_and_reap() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  int wait_exit(int timeout_ms) {
+    if (pid_ <= 0) return -1;
+    const int status = wait_process(pid_, timeout_ms);
+    if (status >= 0) pid_ = -1;
+    return status;
+  }
+  void close_pipes() {
+    if (in_ >= 0) ::close(in_);
+    if (out_ >= 0) ::close(out_);
+    in_ = out_ = -1;
+  }
+
+  pid_t pid_ = -1;
+  int in_ = -1;
+  int out_ = -1;
+  std::string buffer_;
+};
+
+json command_json(const std::string& socket, const std::string& line) {
+  const auto reply = command(socket, line);
+  EXPECT_TRUE(reply.has_value()) << line;
+  if (!reply) return json();
+  const json doc = json::parse(*reply, nullptr, false);
+  EXPECT_FALSE(doc.is_discarded()) << line << ": " << *reply;
+  return doc.is_discarded() ? json() : doc;
+}
+
+const json* find_gpu(const json& ledger, const std::string& uuid) {
+  if (!ledger.contains("gpus")) return nullptr;
+  for (const auto& g : ledger["gpus"]) {
+    if (g["gpu"] == uuid) return &g;
+  }
+  return nullptr;
+}
+
+const json* find_reservation(const json& gpu, std::uint64_t id) {
+  for (const auto& r : gpu["reservations"]) {
+    if (r["id"] == id) return &r;
+  }
+  return nullptr;
+}
+
+// The GPU's row of per-process ledger activity (reserves, releases, cleanups).
+const json* find_row(const json& gpu, pid_t pid) {
+  for (const auto& p : gpu["processes"]) {
+    if (p["pid"] == pid) return &p;
+  }
+  return nullptr;
+}
+
+std::uint64_t reservation_sum(const json& gpu) {
+  std::uint64_t sum = 0;
+  for (const auto& r : gpu["reservations"]) sum += r["bytes"].get<std::uint64_t>();
+  return sum;
+}
+
+// A GPU's view without what changes by itself as time passes (ages).
+json stable_gpu(json gpu) {
+  gpu.erase("sample_age_s");
+  for (auto& r : gpu["reservations"]) r.erase("age_s");
+  return gpu;
+}
+
+json stable_view(json ledger) {
+  for (auto& g : ledger["gpus"]) g = stable_gpu(std::move(g));
+  return ledger;
+}
+
+// What `want` expects of one reservation: holder, size, task, liveness.
+struct Held {
+  std::uint64_t id;
+  pid_t pid;
+  std::uint64_t bytes;
+  std::string task;
+  bool alive;
+};
+
+void expect_reservations(const json& gpu, const std::vector<Held>& want) {
+  ASSERT_EQ(gpu["reservations"].size(), want.size()) << gpu.dump();
+  std::uint64_t sum = 0;
+  for (const Held& h : want) {
+    const json* r = find_reservation(gpu, h.id);
+    ASSERT_NE(r, nullptr) << "reservation " << h.id << " missing: " << gpu.dump();
+    EXPECT_EQ((*r)["pid"], h.pid) << r->dump();
+    EXPECT_EQ((*r)["bytes"], h.bytes) << r->dump();
+    EXPECT_EQ((*r)["task"], h.task) << r->dump();
+    EXPECT_EQ((*r)["holder_alive"], h.alive) << r->dump();
+    EXPECT_EQ((*r)["comm"], "ledger_worker") << r->dump();
+    sum += h.bytes;
+  }
+  EXPECT_EQ(gpu["reserved_bytes"], sum) << gpu.dump();
+  EXPECT_EQ(gpu["reserved_bytes"], reservation_sum(gpu)) << gpu.dump();  // consistent
+  std::uint64_t leaked = 0;
+  for (const Held& h : want) leaked += h.alive ? 0 : 1;
+  EXPECT_EQ(gpu["leaked_reservations"], leaked) << gpu.dump();
+}
+
+// (reserves, releases, cleanups) of one process on one GPU.
+struct Ops {
+  std::uint64_t reserves;
+  std::uint64_t releases;
+  std::uint64_t cleanups;
+};
+
+void expect_row(const json& gpu, pid_t pid, Ops want) {
+  const json* row = find_row(gpu, pid);
+  ASSERT_NE(row, nullptr) << "no row for pid " << pid << ": " << gpu.dump();
+  EXPECT_EQ((*row)["reserves"], want.reserves) << row->dump();
+  EXPECT_EQ((*row)["releases"], want.releases) << row->dump();
+  EXPECT_EQ((*row)["cleanups"], want.cleanups) << row->dump();
+  EXPECT_EQ((*row)["comm"], "ledger_worker") << row->dump();
+}
+
+class LedgerIntegration : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(start_daemon()); }
+
+  void start_daemon() {
+    daemon_ = std::make_unique<DaemonProcess>(socket(),
+                                              std::vector<std::string>{"--state-dir", state_dir()});
+    ASSERT_TRUE(daemon_->start()) << daemon_->log();
+  }
+
+  std::string socket() const { return dir_.file("d.sock"); }
+  std::string state_dir() const { return dir_.file("state"); }
+
+  // `hold GPU ID BYTES TASK ...` (one reservation per four words); wait with
+  // ASSERT_TRUE(worker->expect_line("ready")).
+  std::unique_ptr<Worker> hold(std::vector<std::string> reservations) const {
+    reservations.insert(reservations.begin(), "hold");
+    return std::make_unique<Worker>(socket(), std::move(reservations));
+  }
+
+  // A one-shot worker (reserve, release, cleanup, sample, anomalies): its exit status.
+  int run(std::vector<std::string> args) const {
+    args.insert(args.begin(), {STEPTRACE_LEDGER_WORKER, socket()});
+    return run_process(args, {}, 60000);
+  }
+  // Like run, also returning the pid the daemon saw.
+  int run(std::vector<std::string> args, pid_t& pid) const {
+    args.insert(args.begin(), {STEPTRACE_LEDGER_WORKER, socket()});
+    pid = spawn_process(args);
+    const int status = wait_process(pid, 60000);
+    if (status < 0 && pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    return status;
+  }
+
+  json ledger() const { return command_json(socket(), "ledger --json"); }
+  json anomalies() const { return command_json(socket(), "stats --json")["ledger_anomalies"]; }
+
+  // Polls `ledger --json` until `done` holds or `timeout_ms` passes; returns the last
+  // view and, in `seen`, when the matching view was read.
+  json poll_ledger(const std::function<bool(const json&)>& done, int timeout_ms,
+                   Clock::time_point* seen = nullptr) const {
+    const auto deadline = Clock::now() + milliseconds(timeout_ms);
+    json view = ledger();
+    while (!done(view) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(10));
+      view = ledger();
+    }
+    if (seen != nullptr) *seen = Clock::now();
+    return view;
+  }
+
+  static std::function<bool(const json&)> holder_dead(const std::string& uuid, std::uint64_t id) {
+    return [uuid, id](const json& view) {
+      const json* gpu = find_gpu(view, uuid);
+      const json* r = gpu ? find_reservation(*gpu, id) : nullptr;
+      return r != nullptr && (*r)["holder_alive"] == false;
+    };
+  }
+
+  TempDir dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(LedgerIntegration, ReservedBytesPerGpuAreExactAcrossProcesses) {
+  // Sizes past 32 bits and odd, so a narrowed or rounded sum shows.
+  auto h1 = hold({kGpuA, "101", std::to_string(3 * kGiB + 1), "qlora-7b", kGpuA, "102",
+                  std::to_string(512 * kMiB + 3), "qlora-7b-kv"});
+  auto h2 = hold({kGpuA, "201", std::to_string(7 * kGiB + 5), "lora-13b"});
+  auto h3 = hold({kGpuA, "301", "123456789", "eval"});
+  auto h4 = hold({kGpuB, "401", std::to_string(11 * kGiB + 7), "full-ft"});
+  for (auto* h : {h1.get(), h2.get(), h3.get(), h4.get()}) ASSERT_TRUE(h->expect_line("ready"));
+  ASSERT_EQ(run({"sample", kGpuA, std::to_string(40 * kGiB), std::to_string(80 * kGiB)}), 0);
+
+  const json view = ledger();
+  ASSERT_EQ(view["gpus"].size(), 2u) << view.dump();
+  const json* a = find_gpu(view, kGpuA);
+  const json* b = find_gpu(view, kGpuB);
+  ASSERT_TRUE(a && b) << view.dump();
+
+  const std::uint64_t sum_a = 3 * kGiB + 1 + 512 * kMiB + 3 + 7 * kGiB + 5 + 123456789;
+  EXPECT_EQ((*a)["reserved_bytes"], sum_a);
+  EXPECT_EQ((*a)["high_water_bytes"], sum_a);
+  ASSERT_NO_FATAL_FAILURE(
+      expect_reservations(*a, {{101, h1->pid(), 3 * kGiB + 1, "qlora-7b", true},
+                               {102, h1->pid(), 512 * kMiB + 3, "qlora-7b-kv", true},
+                               {201, h2->pid(), 7 * kGiB + 5, "lora-13b", true},
+                               {301, h3->pid(), 123456789, "eval", true}}));
+  EXPECT_EQ((*a)["total_bytes"], 80 * kGiB);
+  EXPECT_EQ((*a)["free_bytes"], 40 * kGiB);
+  EXPECT_EQ((*a)["available_bytes"], 80 * kGiB - sum_a);
+  EXPECT_EQ((*a)["overcommitted"], false);
+  EXPECT_EQ((*a)["operations"]["reserve"], 4);
+  expect_row(*a, h1->pid(), {2, 0, 0});
+  expect_row(*a, h2->pid(), {1, 0, 0});
+  expect_row(*a, h3->pid(), {1, 0, 0});
+  EXPECT_EQ(find_row(*a, h4->pid()), nullptr) << a->dump();
+
+  EXPECT_EQ((*b)["reserved_bytes"], 11 * kGiB + 7);
+  ASSERT_NO_FATAL_FAILURE(
+      expect_reservations(*b, {{401, h4->pid(), 11 * kGiB + 7, "full-ft", true}}));
+  EXPECT_TRUE((*b)["total_bytes"].is_null()) << b->dump();  // never sampled
+  EXPECT_TRUE((*b)["available_bytes"].is_null()) << b->dump();
+  expect_row(*b, h4->pid(), {1, 0, 0});
+
+  // `report --json` carries the same ledger object.
+  const json report = command_json(socket(), "report --json");
+  EXPECT_EQ(stable_view(report["ledger"]), stable_view(view));
+
+  for (auto* h : {h1.get(), h2.get(), h3.get(), h4.get()}) EXPECT_EQ(h->finish(), 0);
+}
+
+TEST_F(LedgerIntegration, KilledHolderIsLeakedWithinASecondAndCleanupIsCreditedToTheCleaner) {
+  auto victim = hold({kGpuA, "7", std::to_string(2 * kGiB + 9), "doomed"});
+  auto survivor = hold({kGpuA, "8", std::to_string(1 * kGiB), "survivor"});
+  auto other = hold({kGpuB, "9", std::to_string(4 * kGiB), "elsewhere"});
+  for (auto* h : {victim.get(), survivor.get(), other.get()}) {
+    ASSERT_TRUE(h->expect_line("ready"));  // its reservation is applied: flushed
+  }
+  const pid_t victim_pid = victim->pid();
+  {
+    const json view = ledger();
+    const json* a = find_gpu(view, kGpuA);
+    ASSERT_NE(a, nullptr) << view.dump();
+    ASSERT_NO_FATAL_FAILURE(
+        expect_reservations(*a, {{7, victim_pid, 2 * kGiB + 9, "doomed", true},
+                                 {8, survivor->pid(), 1 * kGiB, "survivor", true}}));
+  }
+
+  const auto killed_at = Clock::now();
+  victim->kill_and_reap();
+  Clock::time_point seen;
+  const json leaked = poll_ledger(holder_dead(kGpuA, 7), 5000, &seen);
+  const auto latency = std::chrono::duration_cast<milliseconds>(seen - killed_at);
+  std::cerr << "leak seen " << latency.count() << " ms after SIGKILL\n";
+  const json* a = find_gpu(leaked, kGpuA);
+  ASSERT_NE(a, nullptr) << leaked.dump();
+  ASSERT_NO_FATAL_FAILURE(
+      expect_reservations(*a, {{7, victim_pid, 2 * kGiB + 9, "doomed", false},
+                               {8, survivor->pid(), 1 * kGiB, "survivor", true}}));
+  EXPECT_LE(latency.count(), 1500) << "the leak showed " << latency.count() << " ms after the kill";
+  const json* b = find_gpu(leaked, kGpuB);
+  ASSERT_NE(b, nullptr) << leaked.dump();
+  ASSERT_NO_FATAL_FAILURE(
+      expect_reservations(*b, {{9, other->pid(), 4 * kGiB, "elsewhere", true}}));
+  // The text view says so too.
+  const auto text = command(socket(), "ledger");
+  ASSERT_TRUE(text.has_value());
+  EXPECT_NE(text->find("LEAKED"), std::string::npos) << *text;
+
+  // Another process cleans the dead holder's entry up: it is gone and the cleaner, not
+  // the dead holder, gets the credit.
+  pid_t cleaner = -1;
+  ASSERT_EQ(run({"cleanup", kGpuA, "7", std::to_string(victim_pid)}, cleaner), 0);
+  const json cleaned = ledger();
+  a = find_gpu(cleaned, kGpuA);
+  ASSERT_NE(a, nullptr) << cleaned.dump();
+  ASSERT_NO_FATAL_FAILURE(
+      expect_reservations(*a, {{8, survivor->pid(), 1 * kGiB, "survivor", true}}));
+  EXPECT_EQ((*a)["high_water_bytes"], 3 * kGiB + 9);
+  EXPECT_EQ((*a)["operations"]["cleanup"], 1);
+  expect_row(*a, cleaner, {0, 0, 1});
+  expect_row(*a, victim_pid, {1, 0, 0});
+  expect_row(*a, survivor->pid(), {1, 0, 0});
+  const json* b_now = find_gpu(cleaned, kGpuB);
+  ASSERT_NE(b_now, nullptr) << cleaned.dump();
+  EXPECT_EQ(stable_gpu(*b_now), stable_gpu(*b));  // untouched
+  const json counts = anomalies();
+  EXPECT_EQ(counts["cleanup_holder_mismatch"], 0) << counts.dump();
+  EXPECT_EQ(counts["unknown_cleanup"], 0) << counts.dump();
+
+  EXPECT_EQ(survivor->finish(), 0);
+  EXPECT_EQ(other->finish(), 0);
+}
+
+TEST_F(LedgerIntegration, ReleasesClearReservations) {
+  auto h1 = hold({kGpuA, "1", std::to_string(6 * kGiB + 1), "train", kGpuA, "2",
+                  std::to_string(2 * kGiB + 2), "kv-cache"});
+  auto h2 = hold({kGpuB, "3", std::to_string(5 * kGiB + 3), "eval"});
+  ASSERT_TRUE(h1->expect_line("ready"));
+  ASSERT_TRUE(h2->expect_line("ready"));
+  // A holder that exits without releasing: leaked until someone releases it.
+  pid_t quitter = -1;
+  ASSERT_EQ(run({"reserve", kGpuA, "4", std::to_string(kGiB + 4), "quit"}, quitter), 0);
+  poll_ledger(holder_dead(kGpuA, 4), 5000);
+
+  // The holder releases its own reservations one at a time.
+  ASSERT_TRUE(h1->release(kGpuA, 1));
+  json view = ledger();
+  const json* a = find_gpu(view, kGpuA);
+  ASSERT_NE(a, nullptr) << view.dump();
+  ASSERT_NO_FATAL_FAILURE(expect_reservations(
+      *a, {{2, h1->pid(), 2 * kGiB + 2, "kv-cache", true}, {4, quitter, kGiB + 4, "quit", false}}));
+  expect_row(*a, h1->pid(), {2, 1, 0});
+
+  ASSERT_TRUE(h1->release(kGpuA, 2));
+  // The leaked one is cleared by a release from another process too.
+  pid_t releaser = -1;
+  ASSERT_EQ(run({"release", kGpuA, "4"}, releaser), 0);
+  view = ledger();
+  a = find_gpu(view, kGpuA);
+  ASSERT_NE(a, nullptr) << view.dump();
+  ASSERT_NO_FATAL_FAILURE(expect_reservations(*a, {}));
+  EXPECT_EQ((*a)["reserved_bytes"], 0);
+  EXPECT_EQ((*a)["high_water_bytes"], 6 * kGiB + 1 + 2 * kGiB + 2 + kGiB + 4);
+  EXPECT_EQ((*a)["operations"]["release"], 3);
+  expect_row(*a, h1->pid(), {2, 2, 0});
+  expect_row(*a, releaser, {0, 1, 0});
+  expect_row(*a, quitter, {1, 0, 0});
+
+  // The other GPU did not move.
+  const json* b = find_gpu(view, kGpuB);
+  ASSERT_NE(b, nullptr) << view.dump();
+  ASSERT_NO_FATAL_FAILURE(expect_reservations(*b, {{3, h2->pid(), 5 * kGiB + 3, "eval", true}}));
+  ASSERT_TRUE(h2->release(kGpuB, 3));
+  view = ledger();
+  b = find_gpu(view, kGpuB);
+  ASSERT_NE(b, nullptr) << view.dump();
+  ASSERT_NO_FATAL_FAILURE(expect_reservations(*b, {}));
+
+  // Nothing left to leak when the holders exit.
+  EXPECT_EQ(h1->finish(), 0);
+  EXPECT_EQ(h2->finish(), 0);
+  const json counts = anomalies();
+  EXPECT_EQ(counts["unknown_release"], 0) << counts.dump();
+}
+
+TEST_F(LedgerIntegration, AnomaliesAreCountedAndChangeNothingElse) {
+  auto holder = hold({kGpuA, "42", std::to_string(3 * kGiB), "held"});
+  ASSERT_TRUE(holder->expect_line("ready"));
+  auto other = hold({kGpuB, "43", std::to_string(kGiB), "other"});
+  ASSERT_TRUE(other->expect_line("ready"));
+  ASSERT_EQ(run({"sample", kGpuA, std::to_string(10 * kGiB), std::to_string(16 * kGiB)}), 0);
+  const json view_before = stable_view(ledger());
+  const json counts_before = anomalies();
+  ASSERT_TRUE(counts_before.is_object()) << counts_before.dump();
+
+  pid_t culprit = -1;
+  ASSERT_EQ(run({"anomalies", kGpuA, "42"}, culprit), 0);
+
+  const std::map<std::string, std::uint64_t> expected = {
+      {"unknown_release", 2},   {"unknown_cleanup", 1},    {"duplicate_reservation", 2},
+      {"zero_byte_reserve", 1}, {"gpu_uuid_truncated", 1}, {"task_truncated", 1},
+  };
+  const json counts_after = anomalies();
+  for (const auto& [kind, want] : expected) {
+    EXPECT_TRUE(counts_after.contains(kind)) << kind << " not in " << counts_after.dump();
+  }
+  for (const auto& [kind, value] : counts_after.items()) {
+    const auto it = expected.find(kind);
+    const std::uint64_t want = it == expected.end() ? 0 : it->second;
+    EXPECT_EQ(value.get<std::uint64_t>() - counts_before.value(kind, std::uint64_t{0}), want)
+        << kind;
+  }
+  // The text form of stats shows them too.
+  const auto text = command(socket(), "stats");
+  ASSERT_TRUE(text.has_value());
+  EXPECT_NE(text->find("duplicate_reservation"), std::string::npos) << *text;
+
+  // Nothing else moved: same GPUs, reservations, sums, operation counts, rows; no row
+  // for the culprit, whose every record was refused.
+  const json view_after = stable_view(ledger());
+  EXPECT_EQ(view_after, view_before)
+      << "before: " << view_before.dump() << "\nafter: " << view_after.dump();
+  const json* a = find_gpu(view_after, kGpuA);
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(find_row(*a, culprit), nullptr) << a->dump();
+  ASSERT_NO_FATAL_FAILURE(expect_reservations(*a, {{42, holder->pid(), 3 * kGiB, "held", true}}));
+
+  EXPECT_EQ(holder->finish(), 0);
+  EXPECT_EQ(other->finish(), 0);
+}
+
+TEST_F(LedgerIntegration, OverLongStringsAreCountedAndAppliedCut) {
+  // On an otherwise valid record the cut string is applied (PROTOCOL.md, 4.6).
+  const std::string long_task(70, 't');
+  const std::string long_gpu = "GPU-" + std::string(76, 'f');
+  auto holder = hold({kGpuA, "1", "4096", long_task, long_gpu, "2", "8192", "fits"});
+  ASSERT_TRUE(holder->expect_line("ready"));
+  const json view = ledger();
+  ASSERT_EQ(view["gpus"].size(), 2u) << view.dump();
+  const json* a = find_gpu(view, kGpuA);
+  const json* cut = find_gpu(view, long_gpu.substr(0, 63));
+  ASSERT_TRUE(a && cut) << view.dump();
+  ASSERT_NO_FATAL_FAILURE(
+      expect_reservations(*a, {{1, holder->pid(), 4096, long_task.substr(0, 63), true}}));
+  ASSERT_NO_FATAL_FAILURE(expect_reservations(*cut, {{2, holder->pid(), 8192, "fits", true}}));
+  const json counts = anomalies();
+  EXPECT_EQ(counts["task_truncated"], 1) << counts.dump();
+  EXPECT_EQ(counts["gpu_uuid_truncated"], 1) << counts.dump();
+  EXPECT_EQ(holder->finish(), 0);
+}
+
+TEST_F(LedgerIntegration, RestartWithTheSameStateDirKeepsTheView) {
+  auto h1 = hold({kGpuA, "1", std::to_string(kGiB + 1), "one"});
+  auto h2 = hold({kGpuA, "2", std::to_string(2 * kGiB + 2), "two"});
+  auto h3 = hold({kGpuB, "3", std::to_string(3 * kGiB + 3), "three"});
+  for (auto* h : {h1.get(), h2.get(), h3.get()}) ASSERT_TRUE(h->expect_line("ready"));
+  // A leak that stays leaked, a leak cleaned up (so a cleaner's credit), some anomalies.
+  pid_t leaker = -1;
+  pid_t cleaned = -1;
+  pid_t cleaner = -1;
+  ASSERT_EQ(run({"reserve", kGpuB, "4", std::to_string(4 * kGiB + 4), "leak"}, leaker), 0);
+  ASSERT_EQ(run({"reserve", kGpuA, "5", std::to_string(5 * kGiB + 5), "gone"}, cleaned), 0);
+  ASSERT_EQ(run({"cleanup", kGpuA, "5", std::to_string(cleaned)}, cleaner), 0);
+  ASSERT_EQ(run({"anomalies", kGpuA, "1"}), 0);
+  ASSERT_EQ(run({"sample", kGpuA, std::to_string(30 * kGiB), std::to_string(48 * kGiB)}), 0);
+  const json before = stable_view(poll_ledger(holder_dead(kGpuB, 4), 5000));
+  const json counts_before = anomalies();
+  {
+    const json* a = find_gpu(before, kGpuA);
+    const json* b = find_gpu(before, kGpuB);
+    ASSERT_TRUE(a && b) << before.dump();
+    ASSERT_NO_FATAL_FAILURE(expect_reservations(
+        *a, {{1, h1->pid(), kGiB + 1, "one", true}, {2, h2->pid(), 2 * kGiB + 2, "two", true}}));
+    ASSERT_NO_FATAL_FAILURE(expect_reservations(*b, {{3, h3->pid(), 3 * kGiB + 3, "three", true},
+                                                     {4, leaker, 4 * kGiB + 4, "leak", false}}));
+    expect_row(*a, cleaner, {0, 0, 1});
+  }
+
+  ASSERT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+  EXPECT_TRUE(std::filesystem::exists(state_dir() + "/steptraced.snapshot.json"));
+  ASSERT_NO_FATAL_FAILURE(start_daemon());
+
+  // Same reservations, holders (re-checked against /proc: live ones alive, the leak
+  // still leaked), sums, high-water marks, samples, operation counts and per-process
+  // credits; same anomaly counts.
+  const json after = stable_view(ledger());
+  EXPECT_EQ(after, before) << "before: " << before.dump() << "\nafter: " << after.dump();
+  EXPECT_EQ(anomalies(), counts_before);
+
+  // The restored view is live: a holder, reconnected, releases into it.
+  ASSERT_TRUE(h1->release(kGpuA, 1));
+  const json released = ledger();
+  const json* a = find_gpu(released, kGpuA);
+  ASSERT_NE(a, nullptr) << released.dump();
+  ASSERT_NO_FATAL_FAILURE(expect_reservations(*a, {{2, h2->pid(), 2 * kGiB + 2, "two", true}}));
+  expect_row(*a, h1->pid(), {1, 1, 0});
+  expect_row(*a, cleaner, {0, 0, 1});
+
+  for (auto* h : {h1.get(), h2.get(), h3.get()}) EXPECT_EQ(h->finish(), 0);
+}
+
+}  // namespace
+}  // namespace steptrace::testing

@@ -1,0 +1,139 @@
+// A ledger worker: a real process using libsteptrace's VRAM-ledger annotations, its
+// behaviour chosen by argv. Used by ledger_integration_test.
+//
+//   ledger_worker SOCKET reserve GPU ID BYTES TASK     reserve, exit holding it (a leak)
+//   ledger_worker SOCKET hold GPU ID BYTES TASK [GPU ID BYTES TASK]...
+//       reserve them all, print "ready", then serve stdin until EOF (or a kill):
+//       "release GPU ID" releases and prints "released"
+//   ledger_worker SOCKET release GPU ID
+//   ledger_worker SOCKET cleanup GPU ID HOLDER_PID
+//   ledger_worker SOCKET sample GPU FREE_BYTES TOTAL_BYTES
+//   ledger_worker SOCKET anomalies GPU HELD_ID         the fixed set of anomalies below
+//
+// Every command ends with steptrace_flush, so when the process has printed its line or
+// exited 0 the daemon has applied everything it recorded. Exit status: 0 success, 2 no
+// daemon or a flush failed, 3 something was dropped, 64 usage.
+#include <steptrace/steptrace.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Longer than the 63 characters the ABI keeps, so the client cuts it and flags the cut.
+const std::string kOverLong(80, 'x');
+
+[[noreturn]] void fail(const std::string& what, int status) {
+  std::fprintf(stderr, "ledger_worker %d: %s\n", static_cast<int>(getpid()), what.c_str());
+  std::exit(status);
+}
+
+[[noreturn]] void usage() {
+  fail("usage: ledger_worker SOCKET reserve|hold|release|cleanup|sample|anomalies ARGS...", 64);
+}
+
+std::uint64_t number(std::string_view text) {
+  std::uint64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size()) usage();
+  return value;
+}
+
+// After a daemon restart the flusher reconnects with backoff and a flush fails with
+// -ENOTCONN meanwhile: retry until the deadline, then give up loudly.
+void flush_or_die() {
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  int rc = steptrace_flush(5000);
+  while (rc != 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    rc = steptrace_flush(5000);
+  }
+  if (rc != 0) fail("steptrace_flush failed: " + std::to_string(rc), 2);
+  if (steptrace_dropped() != 0) {
+    fail("dropped " + std::to_string(steptrace_dropped()) + " events", 3);
+  }
+}
+
+// One line on stdout, unbuffered: the test reads it through a pipe.
+void say(const std::string& line) {
+  const std::string out = line + "\n";
+  std::size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::write(STDOUT_FILENO, out.data() + done, out.size() - done);
+    if (n <= 0) fail("cannot write to stdout", 2);
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) usage();
+  const std::string_view command = argv[2];
+  const int nargs = argc - 3;
+  char** args = argv + 3;
+  if (const int rc = steptrace_connect(argv[1]); rc != 0) {
+    fail("steptrace_connect: " + std::to_string(rc), 2);
+  }
+
+  if (command == "reserve" && nargs == 4) {
+    steptrace_ledger_reserve(args[0], number(args[1]), number(args[2]), args[3]);
+    flush_or_die();
+  } else if (command == "hold" && nargs > 0 && nargs % 4 == 0) {
+    for (int i = 0; i < nargs; i += 4) {
+      steptrace_ledger_reserve(args[i], number(args[i + 1]), number(args[i + 2]), args[i + 3]);
+    }
+    flush_or_die();
+    say("ready");
+    std::string line;
+    while (std::getline(std::cin, line)) {
+      std::istringstream in(line);
+      std::string verb;
+      std::string gpu;
+      std::string id;
+      if (!(in >> verb >> gpu >> id) || verb != "release") fail("bad request: " + line, 64);
+      steptrace_ledger_release(gpu.c_str(), number(id));
+      flush_or_die();
+      say("released");
+    }
+  } else if (command == "release" && nargs == 2) {
+    steptrace_ledger_release(args[0], number(args[1]));
+    flush_or_die();
+  } else if (command == "cleanup" && nargs == 3) {
+    steptrace_ledger_cleanup(args[0], number(args[1]), static_cast<std::uint32_t>(number(args[2])));
+    flush_or_die();
+  } else if (command == "sample" && nargs == 3) {
+    steptrace_vram_sample(args[0], number(args[1]), number(args[2]));
+    flush_or_die();
+  } else if (command == "anomalies" && nargs == 2) {
+    // Each record is an anomaly that must change nothing in the view but its counts:
+    //   unknown_release, unknown_cleanup, duplicate_reservation, zero_byte_reserve,
+    //   gpu_uuid_truncated + unknown_release, task_truncated + duplicate_reservation.
+    // The over-long strings ride on records that are refused anyway, because a cut
+    // string on an otherwise valid record is applied as cut (PROTOCOL.md, 4.6).
+    const char* gpu = args[0];
+    const std::uint64_t held = number(args[1]);
+    constexpr std::uint64_t kUnknown = 0xdead0000beefULL;
+    steptrace_ledger_release(gpu, kUnknown);
+    steptrace_ledger_cleanup(gpu, kUnknown + 1, 1);
+    steptrace_ledger_reserve(gpu, held, 4096, "duplicate");
+    steptrace_ledger_reserve(gpu, kUnknown + 2, 0, "zero");
+    steptrace_ledger_release(kOverLong.c_str(), kUnknown + 3);
+    steptrace_ledger_reserve(gpu, held, 4096, kOverLong.c_str());
+    flush_or_die();
+  } else {
+    usage();
+  }
+  return 0;  // the atexit hook flushes (bounded) and stops the flusher
+}
