@@ -19,10 +19,10 @@ run() {
 }
 
 run hot_path "$bin/hot_path_bench" --benchmark_repetitions=5
-run hot_path_tsc env STEPTRACE_CLOCK=tsc "$bin/hot_path_bench" --benchmark_repetitions=5
+run hot_path_monotonic env STEPTRACE_CLOCK=monotonic "$bin/hot_path_bench" --benchmark_repetitions=5
 run ingest "$bin/ingest_bench" --benchmark_repetitions=5
 run e2e "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
-run e2e_tsc env STEPTRACE_CLOCK=tsc "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
+run e2e_monotonic env STEPTRACE_CLOCK=monotonic "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
 run memory "$bin/memory_bench" --spans-per-thread 20000000 --threads 4 --processes 1000 \
   --spans-per-step 100
 echo "outputs in $out_dir"
