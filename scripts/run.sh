@@ -6,14 +6,14 @@
 # exit, whatever happens. Any failure exits non-zero with a message saying what failed.
 #
 # Environment: BUILD_DIR (default build), RUN_DIR (default ./run: socket, state, logs),
-# WORKERS (default 4), STEPS (default 40); SKIP_SETUP=1 / SKIP_BUILD=1 reuse what is there.
+# WORKERS (default 4), STEPS (default 150); SKIP_SETUP=1 / SKIP_BUILD=1 reuse what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build_dir=${BUILD_DIR:-build}
 run_dir=${RUN_DIR:-$PWD/run}
 workers=${WORKERS:-4}
-steps=${STEPS:-40}
+steps=${STEPS:-150}
 gib=$((1024 * 1024 * 1024))
 
 say() { printf '\n==> %s\n' "$*"; }
@@ -115,6 +115,22 @@ for _ in $(seq 100); do
   kill -0 "$trainer_pid" 2>/dev/null || break
   sleep 0.05
 done
+
+# Two 3 GiB reservations fill the 8 GiB GPU: a third worker polls for VRAM, and `top`
+# shows it at a glance.
+waiting_seen=""
+for _ in $(seq 200); do
+  kill -0 "$trainer_pid" 2>/dev/null || break
+  top_now=$("$steptrace" top --iterations 1 2>&1) || die "steptrace top failed: $top_now"
+  if grep -q "WAITING FOR VRAM" <<<"$top_now"; then
+    waiting_seen=1
+    say "steptrace top while a worker waits for VRAM"
+    echo "$top_now"
+    break
+  fi
+  sleep 0.02
+done
+[[ -n $waiting_seen ]] || echo "(no worker was caught waiting for VRAM by steptrace top this time)"
 
 trainer_status=0
 wait "$trainer_pid" || trainer_status=$?
