@@ -117,7 +117,7 @@ class UnitsTest(TempDirTestCase):
         exec_start = [v for s, k, v in directives(dropin) if k == "ExecStart"]
         self.assertEqual(exec_start[0], "")
         self.assertIn(f"{self.prefix}/bin/steptraced ", exec_start[1])
-        self.assertIn("--metrics-listen 0.0.0.0:9464", exec_start[1])
+        self.assertIn("--metrics-listen 127.0.0.1:9464", exec_start[1])  # loopback as shipped
 
     def test_sysusers_and_tmpfiles_create_user_and_state_dir(self):
         root = os.path.join(self.tmp, "root")
