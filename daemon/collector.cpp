@@ -137,8 +137,11 @@ bool evict_oldest_exited(CollectorState& state) {
   return true;
 }
 
-void enforce_exited_limit(CollectorState& state, const Limits& limits) {
+// Past max_exited_processes the oldest exited process leaves the reports; each one is
+// counted as a hit of that limit.
+void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCounters& counters) {
   while (state.exited > limits.max_exited_processes && evict_oldest_exited(state)) {
+    ++counters.limits_hit["max_exited_processes"];
   }
 }
 
@@ -214,7 +217,7 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
     ProcessRecord& old = *state.slots[it->second];
     if (old.connections == 0) mark_exited(state, old, now);
   }
-  enforce_exited_limit(state, limits_);
+  enforce_exited_limit(state, limits_, counters_);
   if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
     refresh_liveness();  // a disconnected process may have died since the last check
     if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
@@ -364,7 +367,7 @@ void Collector::detach(ProcessHandle process) {
   abandon_open_spans(rec);
   if (!probe_alive(env_, rec.key())) mark_exited(state, rec, env_.monotonic_now_ns());
   check_ledger_holders(state, env_);
-  enforce_exited_limit(state, limits_);
+  enforce_exited_limit(state, limits_, counters_);
 }
 
 void Collector::refresh_liveness() {
@@ -374,7 +377,7 @@ void Collector::refresh_liveness() {
     if (!probe_alive(env_, slot->key())) mark_exited(state, *slot, env_.monotonic_now_ns());
   }
   check_ledger_holders(state, env_);
-  enforce_exited_limit(state, limits_);
+  enforce_exited_limit(state, limits_, counters_);
 }
 
 void Collector::reset(std::optional<std::int32_t> pid) {

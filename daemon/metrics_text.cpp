@@ -28,12 +28,18 @@ double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
 
 // Protocol error kinds always exported (zero until seen), so rate() works from the
 // start; any other kind the server counts is exported as well.
-constexpr std::array<errc, 13> kProtocolErrorKinds = {
-    errc::truncated,        errc::bad_magic,       errc::unsupported_version,
-    errc::bad_hello,        errc::frame_too_large, errc::unknown_frame_type,
-    errc::bad_frame_size,   errc::bad_reserved,    errc::bad_step_id,
-    errc::bad_event_kind,   errc::bad_string,      errc::bad_ledger_op,
-    errc::unregistered_step};
+constexpr std::array<errc, 14> kProtocolErrorKinds = {
+    errc::truncated,         errc::bad_magic,       errc::unsupported_version,
+    errc::bad_hello,         errc::frame_too_large, errc::unknown_frame_type,
+    errc::bad_frame_size,    errc::bad_reserved,    errc::bad_step_id,
+    errc::bad_event_kind,    errc::bad_string,      errc::bad_ledger_op,
+    errc::unregistered_step, errc::timed_out};
+// Counted by the text side of a session, not an errc.
+constexpr std::string_view kLineTooLong = "line_too_long";
+// Limits always exported, for the same reason.
+constexpr std::array<std::string_view, 6> kLimitNames = {
+    "max_connections",  "max_processes",  "max_exited_processes",
+    "max_custom_steps", "max_open_depth", "max_threads_per_process"};
 
 }  // namespace
 
@@ -126,6 +132,7 @@ std::string Collector::metrics_text() const {
   {
     std::map<std::string, std::uint64_t> errors;
     for (const errc e : kProtocolErrorKinds) errors[errc_name(e)] = 0;
+    errors[std::string(kLineTooLong)] = 0;
     for (const auto& [kind, n] : c.protocol_errors) errors[kind] = n;
     MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
                    "Connections closed for a protocol error, by kind.");
@@ -149,10 +156,8 @@ std::string Collector::metrics_text() const {
     f.sample({{"state", "exited"}}, static_cast<std::uint64_t>(state.exited));
   }
   {
-    std::map<std::string, std::uint64_t> limits = {{"max_processes", 0},
-                                                   {"max_custom_steps", 0},
-                                                   {"max_open_depth", 0},
-                                                   {"max_threads_per_process", 0}};
+    std::map<std::string, std::uint64_t> limits;
+    for (const std::string_view name : kLimitNames) limits[std::string(name)] = 0;
     for (const auto& [name, n] : c.limits_hit) limits[name] = n;
     MetricFamily f(out, "steptrace_limit_hits_total", "counter",
                    "Times a configured limit refused or dropped something, by limit.");

@@ -251,6 +251,10 @@ TEST_F(CollectorTest, ExitedProcessesAreKeptUpToTheLimitOldestFirstOut) {
   EXPECT_TRUE(process_of(r, 1).is_null());  // exited first, evicted first
   EXPECT_EQ(process_of(r, 2)["alive"], false);
   EXPECT_EQ(process_of(r, 3)["alive"], false);
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_exited_processes"), 1u);
+  EXPECT_NE(collector_->metrics_text().find(
+                "steptrace_limit_hits_total{limit=\"max_exited_processes\"} 1\n"),
+            std::string::npos);
 }
 
 TEST_F(CollectorTest, LivenessFollowsProcThroughTheInjectedProbe) {
