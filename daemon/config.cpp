@@ -342,8 +342,8 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
                          ->type_name("PATH");
   auto* config_opt =
       app.add_option("--config", config_file,
-                     "JSON config file; keys and defaults are listed in config/steptraced.json "
-                     "and documented in the README")
+                     "JSON config file; every key with its default, range and meaning: "
+                     "config/README.md (flags below win over the file)")
           ->type_name("FILE");
   auto* state_opt = app.add_option("--state-dir", state_dir,
                                    "directory for snapshots of the aggregates (default: none)")
