@@ -340,11 +340,11 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
                                                 "\"socket\", else ") +
                                         kDefaultSocketPath + ")")
                          ->type_name("PATH");
-  auto* config_opt =
-      app.add_option("--config", config_file,
-                     "JSON config file; every key with its default, range and meaning: "
-                     "config/README.md (flags below win over the file)")
-          ->type_name("FILE");
+  auto* config_opt = app.add_option("--config", config_file,
+                                    "JSON config file (example with every key at its default: "
+                                    "config/steptraced.json; each key's meaning and range: "
+                                    "config/README.md); flags below win over the file")
+                         ->type_name("FILE");
   auto* state_opt = app.add_option("--state-dir", state_dir,
                                    "directory for snapshots of the aggregates (default: none)")
                         ->type_name("DIR");

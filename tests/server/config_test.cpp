@@ -198,7 +198,8 @@ TEST(Config, HelpAndVersionExitZero) {
   EXPECT_EQ(cl.exit_code, 0);
   for (const char* needle :
        {"--socket", "--config", "--state-dir", "--metrics-listen", "--log-level", "--version",
-        "/run/steptrace/steptraced.sock", "STEPTRACE_SOCKET", "LISTEN_FDS", "steptraced.json"}) {
+        "/run/steptrace/steptraced.sock", "STEPTRACE_SOCKET", "LISTEN_FDS", "steptraced.json",
+        "config/README.md"}) {
     EXPECT_NE(cl.output.find(needle), std::string::npos) << needle;
   }
   cl = parse_command_line({"steptraced", "--version"});
