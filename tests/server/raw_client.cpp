@@ -3,12 +3,13 @@
 // timestamp, and can misbehave on purpose.
 //
 //   raw_client SOCKET good [--threads T] [--pairs N] [--dur NS] [--nest] [--custom NAME]
-//                          [--ledger] [--dropped K] [--hold-ms MS]
+//                          [--ledger] [--dropped K] [--hold-ms MS] [--sent-file PATH]
 //       hello; register NAME as step 256 (with --custom); per thread id 1..T: N pairs of
 //       Forward start/end lasting NS ns (with --nest a Matmul pair inside each Forward,
 //       lasting NS/2; with --custom a pair of the custom step); --ledger: reserve 1000
 //       bytes on GPU-raw (reservation id = own pid, task "raw-task"); --dropped: report K
 //       dropped; then Flush and wait for its FlushAck (exit 0), then stay connected MS ms.
+//       --sent-file PATH: create PATH once every frame has been written to the socket.
 //   raw_client SOCKET garbage|oversize|badversion|badstep
 //       send a bad stream; exit 0 when the daemon answers with an Error frame and closes.
 //   raw_client SOCKET truncated   hello plus half a frame, then close (exit 0).
@@ -141,6 +142,7 @@ struct GoodOptions {
   long long dropped = -1;
   int hold_ms = 0;
   int interval_ms = 2000;
+  std::string sent_file;  // created once every frame is written to the socket
 };
 
 int run_good(int fd, const GoodOptions& o) {
@@ -194,6 +196,10 @@ int run_good(int fd, const GoodOptions& o) {
   if (o.dropped >= 0) encoder.dropped(static_cast<std::uint64_t>(o.dropped));
   encoder.flush(42);
   if (!send_bytes(fd, encoder.bytes())) return fail("send frames");
+  if (!o.sent_file.empty()) {
+    std::FILE* f = std::fopen(o.sent_file.c_str(), "w");
+    if (f == nullptr || std::fclose(f) != 0) return fail("create the --sent-file");
+  }
   proto::Decoder decoder(proto::Side::kClient);
   std::uint64_t seq = 0;
   const Reply r = read_reply(fd, decoder, 10000, &seq);
@@ -248,6 +254,8 @@ int main(int argc, char** argv) {
       o.hold_ms = std::atoi(value());
     else if (a == "--interval-ms")
       o.interval_ms = std::atoi(value());
+    else if (a == "--sent-file")
+      o.sent_file = value();
     else {
       std::fprintf(stderr, "raw_client: unknown option %s\n", a.c_str());
       return 1;

@@ -374,8 +374,14 @@ TEST_F(DaemonTest, SigtermAppliesWhatClientsAlreadySent) {
   // While the daemon is stopped the client connects (backlog) and sends everything; the
   // bytes wait in the socket. SIGTERM must apply them before the snapshot.
   daemon.signal(SIGSTOP);
-  const pid_t client = spawn_raw(socket(), {"good", "--threads", "2", "--pairs", "100"});
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const std::string sent = dir_.file("client-sent");
+  const pid_t client =
+      spawn_raw(socket(), {"good", "--threads", "2", "--pairs", "100", "--sent-file", sent});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!fs::exists(sent) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(fs::exists(sent)) << "the client never finished writing its frames";
   ASSERT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
   wait_process(client, 30000);  // it may or may not have seen its FlushAck
 
