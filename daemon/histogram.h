@@ -32,9 +32,32 @@
 namespace steptrace::daemon {
 
 namespace histogram_detail {
-// Upper bounds (inclusive, "le") of the exact Prometheus buckets; a +Inf bucket follows.
-inline constexpr std::array<std::uint64_t, 8> kPromBoundsNs = {
-    1'000, 10'000, 100'000, 1'000'000, 10'000'000, 100'000'000, 1'000'000'000, 10'000'000'000};
+// Upper bounds (inclusive, "le") of the exact Prometheus buckets, 1-2.5-5 per decade
+// from 1 us to 10 s (fine enough for histogram_quantile() across nodes to land within
+// a bucket of a factor 2-2.5); a +Inf bucket follows.
+constexpr std::array<std::uint64_t, 22> make_prom_bounds() {
+  std::array<std::uint64_t, 22> bounds{};
+  std::uint64_t decade = 1'000;
+  for (std::size_t i = 0; i + 1 < bounds.size(); i += 3, decade *= 10) {
+    bounds[i] = decade;
+    bounds[i + 1] = decade * 5 / 2;
+    bounds[i + 2] = decade * 5;
+  }
+  bounds.back() = decade;  // 10 s
+  return bounds;
+}
+inline constexpr std::array<std::uint64_t, 22> kPromBoundsNs = make_prom_bounds();
+
+// record() finds the bucket with one comparison because at most one bound lies in any
+// power of two: consecutive bounds are at least a factor 2 apart.
+constexpr bool bounds_at_least_doubling() {
+  for (std::size_t i = 1; i < kPromBoundsNs.size(); ++i) {
+    if (kPromBoundsNs[i] < 2 * kPromBoundsNs[i - 1]) return false;
+  }
+  return true;
+}
+static_assert(bounds_at_least_doubling());
+static_assert(kPromBoundsNs.back() == 10'000'000'000);
 
 // For a value whose highest set bit is e (values below 64 share e = 5): how many bounds
 // lie strictly below 2^e, i.e. below every such value.
@@ -51,10 +74,13 @@ constexpr std::array<std::uint8_t, 64> make_prom_below() {
 }
 inline constexpr std::array<std::uint8_t, 64> kPromBelow = make_prom_below();
 // kPromBoundsNs plus a sentinel no value exceeds.
-inline constexpr std::array<std::uint64_t, 9> kPromUpper = {
-    kPromBoundsNs[0], kPromBoundsNs[1], kPromBoundsNs[2],
-    kPromBoundsNs[3], kPromBoundsNs[4], kPromBoundsNs[5],
-    kPromBoundsNs[6], kPromBoundsNs[7], std::numeric_limits<std::uint64_t>::max()};
+constexpr std::array<std::uint64_t, kPromBoundsNs.size() + 1> make_prom_upper() {
+  std::array<std::uint64_t, kPromBoundsNs.size() + 1> upper{};
+  for (std::size_t i = 0; i < kPromBoundsNs.size(); ++i) upper[i] = kPromBoundsNs[i];
+  upper.back() = std::numeric_limits<std::uint64_t>::max();
+  return upper;
+}
+inline constexpr auto kPromUpper = make_prom_upper();
 }  // namespace histogram_detail
 
 class Histogram {
@@ -64,7 +90,7 @@ class Histogram {
   static constexpr unsigned kChunks = 64 - kSubBits + 1;   // chunk 0: [0,32), 1: [32,64), ...
   static constexpr unsigned kBuckets = kChunks * kSubBuckets;
 
-  static constexpr std::array<std::uint64_t, 8> kPromBoundsNs = histogram_detail::kPromBoundsNs;
+  static constexpr auto kPromBoundsNs = histogram_detail::kPromBoundsNs;
   static constexpr std::size_t kPromBuckets = kPromBoundsNs.size() + 1;
 
   void record(std::uint64_t v) {

@@ -21,8 +21,19 @@ namespace {
 
 using report::MetricFamily;
 
-constexpr std::array<const char*, Histogram::kPromBuckets> kLe = {
-    "1e-06", "1e-05", "0.0001", "0.001", "0.01", "0.1", "1", "10", "+Inf"};
+// The "le" label of each bucket: the bound in seconds, shortest round-trip form
+// ("2.5e-06", "0.001"), then "+Inf".
+const std::array<std::string, Histogram::kPromBuckets>& le_labels() {
+  static const auto kLabels = [] {
+    std::array<std::string, Histogram::kPromBuckets> labels;
+    for (std::size_t i = 0; i < Histogram::kPromBoundsNs.size(); ++i) {
+      labels[i] = report::format_double(static_cast<double>(Histogram::kPromBoundsNs[i]) / 1e9);
+    }
+    labels.back() = "+Inf";
+    return labels;
+  }();
+  return kLabels;
+}
 
 double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
 
@@ -73,9 +84,10 @@ std::string Collector::metrics_text() const {
                    "Duration of ended spans per step, summed over all processes of this node.");
     for (const auto& [name, h] : by_step) {
       std::uint64_t cumulative = 0;
+      const auto& le = le_labels();
       for (std::size_t b = 0; b < Histogram::kPromBuckets; ++b) {
         cumulative += h.prom_buckets()[b];
-        f.sample({{"step", name}, {"le", kLe[b]}}, cumulative, "_bucket");
+        f.sample({{"step", name}, {"le", le[b]}}, cumulative, "_bucket");
       }
       f.sample({{"step", name}}, seconds(h.sum()), "_sum");
       f.sample({{"step", name}}, h.count(), "_count");

@@ -155,12 +155,11 @@ TEST(HistogramTest, BucketsCountPastTwoToTheThirtyTwo) {
   // Recording 2^32 spans takes too long for a unit test; a snapshot can carry such counts.
   const std::uint64_t big = 5'000'000'000;  // > 2^32
   const unsigned index = Histogram::bucket_index(1000);
-  nlohmann::json j = {{"count", big + 1},
-                      {"sum_ns", big * 1000 + 7},
-                      {"min_ns", 7},
-                      {"max_ns", 1000},
-                      {"buckets", {{7, 1}, {index, big}}},
-                      {"prom", {big + 1, 0, 0, 0, 0, 0, 0, 0, 0}}};
+  // Every value is <= 1 us, the first Prometheus bound.
+  std::vector<std::uint64_t> prom(Histogram::kPromBuckets, 0);
+  prom[0] = big + 1;
+  nlohmann::json j = {{"count", big + 1}, {"sum_ns", big * 1000 + 7},          {"min_ns", 7},
+                      {"max_ns", 1000},   {"buckets", {{7, 1}, {index, big}}}, {"prom", prom}};
   std::string error;
   auto h = Histogram::from_json(j, error);
   ASSERT_TRUE(h) << error;
