@@ -380,13 +380,16 @@ void Collector::refresh_liveness() {
   enforce_exited_limit(state, limits_, counters_);
 }
 
-void Collector::reset(std::optional<std::int32_t> pid) {
+std::size_t Collector::reset(std::optional<std::int32_t> pid) {
   State& state = *state_;
+  std::size_t cleared = 0;
   for (auto& slot : state.slots) {
     if (!slot || (pid && slot->key().pid != *pid)) continue;
     for (auto& step : slot->steps) step.clear();
+    ++cleared;
   }
   if (!pid) state.retired.clear();
+  return cleared;
 }
 
 // ---- selection shared by the reports ---------------------------------------------------

@@ -118,7 +118,8 @@ class Collector {
 
   // ---- control ----------------------------------------------------------------------
   // Clears aggregates (all, or one pid's); the ledger view and counters stay.
-  void reset(std::optional<std::int32_t> pid);
+  // Returns how many processes were cleared (with `pid`: 0 when it is not tracked).
+  std::size_t reset(std::optional<std::int32_t> pid);
 
   // ---- reports (see DESIGN.md for the JSON schema) -----------------------------------
   // Each process object also carries "current": per thread the innermost open span and

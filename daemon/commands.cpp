@@ -40,10 +40,12 @@ Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args ar
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string_view word = args[i];
     if (spec.json && word == "--json") {
+      if (options.json) return CommandError{std::string(command) + ": --json given twice"};
       options.json = true;
       continue;
     }
     if (spec.pid && (word == "--pid" || word.starts_with("--pid="))) {
+      if (options.pid) return CommandError{std::string(command) + ": --pid given twice"};
       std::string_view value;
       if (word == "--pid") {
         if (i + 1 >= args.size()) {
@@ -186,7 +188,9 @@ CommandTable::CommandTable() {
                       if (!may_reset(c.peer_uid, c.daemon_euid)) {
                         return std::string("error: permission denied\n");
                       }
-                      c.collector.reset(r.pid);
+                      if (c.collector.reset(r.pid) == 0 && r.pid) {
+                        return "error: no process with pid " + std::to_string(*r.pid) + "\n";
+                      }
                       return std::string("ok\n");
                     });
   add<VersionRequest>(

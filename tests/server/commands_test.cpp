@@ -88,9 +88,10 @@ TEST_F(CommandsTest, UnknownCommandIsOneErrorLineNamingIt) {
 }
 
 TEST_F(CommandsTest, BadArgumentsAreNamed) {
-  for (const char* line : {"report --pid", "report --pid abc", "report --pid 0", "report --pid -4",
-                           "report --pid 99999999999", "report --pdi 3", "ledger --pid 3",
-                           "stats extra", "ping now", "reset --json"}) {
+  for (const char* line :
+       {"report --pid", "report --pid abc", "report --pid 0", "report --pid -4",
+        "report --pid 99999999999", "report --pdi 3", "ledger --pid 3", "stats extra", "ping now",
+        "reset --json", "report --json --json", "report --pid 3 --pid 4"}) {
     const auto reply = run(line);
     EXPECT_TRUE(is_error_line(reply)) << line << " -> " << reply;
   }
@@ -143,6 +144,7 @@ TEST_F(CommandsTest, ResetNeedsRootOrTheDaemonsUid) {
   EXPECT_EQ(forward_count(json::parse(run("report --json")), 4242), 5u);
   EXPECT_EQ(run("reset --pid 4242", /*uid=*/1000), "ok\n");
   EXPECT_EQ(forward_count(json::parse(run("report --json")), 4242), 0u);
+  EXPECT_EQ(run("reset --pid 777", /*uid=*/1000), "error: no process with pid 777\n");
   ingest(4243, 2);
   EXPECT_EQ(run("reset", /*uid=*/0), "ok\n");
   EXPECT_EQ(forward_count(json::parse(run("report --json")), 4243), 0u);
