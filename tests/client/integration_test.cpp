@@ -71,6 +71,45 @@ long long dropped_of(const nlohmann::json& process) {
   return process.is_object() ? process.at("dropped").get<long long>() : -1;
 }
 
+// Span events the daemon has applied, from all its clients.
+long long events_received(const std::string& socket) {
+  const auto reply = command(socket, "report --json");
+  EXPECT_TRUE(reply.has_value());
+  if (!reply) return -1;
+  const auto doc = nlohmann::json::parse(*reply, nullptr, false);
+  EXPECT_FALSE(doc.is_discarded()) << *reply;
+  if (doc.is_discarded()) return -1;
+  return doc.at("daemon").at("events_received").get<long long>();
+}
+
+// wait_process, but a child still running at the deadline is killed (and -1 returned).
+int wait_or_kill(pid_t pid, int timeout_ms) {
+  const int status = wait_process(pid, timeout_ms);
+  if (status < 0) {
+    ::kill(pid, SIGKILL);
+    wait_process(pid, 10000);
+  }
+  return status;
+}
+
+// ASan's allocator, shadow memory, per-thread caches and fake stacks add RSS that has
+// nothing to do with the library's buffers: RSS bounds get more slack under it.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+// The documented memory bound (client/src/event_ring.h): one ring of 8192 16-byte
+// records per recording thread.
+constexpr long long kRingKib = 8192 * 16 / 1024;
+
 class ClientIntegration : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -212,6 +251,78 @@ TEST_P(ClientIntegration, StoppedDaemonNeverBlocksAndMemoryStaysBounded) {
   EXPECT_GT(v.at("dropped"), 0);
   EXPECT_LE(v.at("dropped"), v.at("recorded_events"));
   EXPECT_LT(v.at("rss_after_kib") - v.at("rss_before_kib"), 32 * 1024);
+}
+
+// The default mode (no blocking) against a SIGSTOPped daemon: the connection waits in
+// the listen backlog, the socket buffer, the flusher's batch and then every ring fill up,
+// and from then on each steptrace_start/end returns at once and counts a drop. After
+// SIGCONT the daemon gets every recorded event, either delivered or in the drop report.
+TEST_P(ClientIntegration, StoppedDaemonDefaultModeDropsAndNeverBlocks) {
+  constexpr int kThreads = 3;
+  constexpr int kSpans = 1'000'000;  // per thread: 6 M events, far past every buffer
+  daemon_->signal(SIGSTOP);
+  const pid_t pid = trainer(
+      {"nonblocking", socket(), out("nb"), std::to_string(kThreads), std::to_string(kSpans)});
+  const Values rec = wait_values(out("nb.phase1"), 60000);  // (a) recording finished
+  daemon_->signal(SIGCONT);
+  const int status = wait_or_kill(pid, 60000);
+  ASSERT_TRUE(rec.contains("max_call_ns")) << "the trainer never finished recording";
+  std::cerr << "default mode, daemon stopped: recorded " << rec.at("recorded_events") << " dropped "
+            << rec.at("dropped_phase1") << " in " << rec.at("record_ms") << " ms; longest call "
+            << rec.at("max_call_ns") << " ns (" << rec.at("max_call_unqueued_ns")
+            << " ns not waiting for a CPU), " << rec.at("calls_over_1ms")
+            << " calls over 1 ms; rss " << rec.at("rss_before_kib") << " -> "
+            << rec.at("rss_after_kib") << " KiB\n";
+  EXPECT_EQ(rec.at("connect_rc"), 0);  // connected: the flusher really is stuck on the socket
+  // (b) No call waited for the flusher. A call that blocks would take 100 ms (the opt-in
+  // mode's bounded wait) or forever. Preemption alone makes single calls take tens of ms
+  // on a loaded 2-core machine, so the bound is on each call's time minus what its
+  // thread spent waiting for a CPU (the raw figure when the kernel does not report that).
+  EXPECT_LT(rec.at("max_call_unqueued_ns"), 50'000'000);
+  // (c) What did not fit was counted.
+  EXPECT_GT(rec.at("dropped_phase1"), 0);
+  EXPECT_LT(rec.at("dropped_phase1"), rec.at("recorded_events"));
+  // (d) Memory: one ring per recording thread, plus slack for thread stacks and the
+  // allocator's per-thread arenas (4 MiB; 16 MiB under ASan, see kAddressSanitizer).
+  const long long slack_kib = kAddressSanitizer ? 16 * 1024 : 4 * 1024;
+  EXPECT_LT(rec.at("rss_after_kib") - rec.at("rss_before_kib"), kThreads * kRingKib + slack_kib);
+  // (e) After SIGCONT the flush went through (the trainer exits 0 only then) and the
+  // daemon holds the trainer's final drop count; nothing was lost on the way: every
+  // recorded event was either applied by the daemon or counted as dropped.
+  ASSERT_EQ(status, 0);
+  const Values v = wait_values(out("nb"));
+  EXPECT_EQ(v.at("dropped"), rec.at("dropped_phase1"));
+  const auto proc = process_report(socket(), v.at("pid"));
+  EXPECT_EQ(dropped_of(proc), v.at("dropped"));
+  EXPECT_EQ(events_received(socket()) + v.at("dropped"), v.at("recorded_events"));
+}
+
+// Exit while the daemon is SIGSTOPped. main returns without a flush, with a thread still
+// recording; the at-exit hook (Client::at_exit) then flushes for at most 500 ms and stops
+// the flusher. The trainer is connected (the kernel queued the connection) and has more
+// than the socket can take, so that flush is really attempted and can only time out.
+TEST_P(ClientIntegration, StoppedDaemonExitIsBounded) {
+  daemon_->signal(SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  const pid_t pid = trainer({"exit", socket(), out("x"), "2", "200000", "1"});
+  const int status = wait_or_kill(pid, 30000);
+  const auto exited = std::chrono::steady_clock::now();
+  daemon_->signal(SIGCONT);
+  ASSERT_EQ(status, 0);
+  const Values v = wait_values(out("x"));
+  // steady_clock is CLOCK_MONOTONIC, the clock the trainer stamped main's return with.
+  const std::chrono::nanoseconds exit_path(
+      std::chrono::nanoseconds(exited.time_since_epoch()).count() - v.at("main_return_ns"));
+  std::cerr << "exit with the daemon stopped: spawn to exit "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(exited - t0).count()
+            << " ms, main's return to exit "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(exit_path).count()
+            << " ms, dropped " << v.at("dropped") << "\n";
+  EXPECT_EQ(v.at("connect_rc"), 0);
+  EXPECT_GT(v.at("dropped"), 0);
+  // The library's bound is 500 ms; the rest is headroom for a loaded machine.
+  EXPECT_LT(exited - t0, std::chrono::seconds(3));
+  EXPECT_LT(exit_path, std::chrono::seconds(3));
 }
 
 TEST_P(ClientIntegration, CProgramRoundTrip) {

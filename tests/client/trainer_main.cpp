@@ -5,12 +5,16 @@
 //
 // Writes "key value" lines to OUTFILE (pid, recorded events, dropped, ...), and exits
 // 0 when everything it could check itself held (connect/flush results, drop counts).
+#include <fcntl.h>
 #include <steptrace/steptrace.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <steptrace/steptrace.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -57,6 +61,64 @@ void paced_spans(std::uint32_t step, int n) {
     steptrace::Span span(step);
     if ((i + 1) % 1000 == 0 && steptrace_flush(10000) != 0) fail("periodic flush failed");
   }
+}
+
+long long monotonic_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1'000'000'000LL + ts.tv_nsec;
+}
+
+// Time this thread has spent runnable but waiting for a CPU, in ns; -1 when the kernel
+// does not say (/proc/thread-self/schedstat needs CONFIG_SCHED_INFO).
+long long run_queue_wait_ns() {
+  const int fd = ::open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[128];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  unsigned long long on_cpu = 0, waiting = 0;
+  if (std::sscanf(buf, "%llu %llu", &on_cpu, &waiting) != 2) return -1;
+  return static_cast<long long>(waiting);
+}
+
+// N spans of `step`, each steptrace_start/steptrace_end call timed on its own.
+// longest_ns is the longest call. On a loaded machine that is mostly preemption, so
+// longest_unqueued_ns takes off what the thread spent waiting for a CPU meanwhile (read
+// for slow calls only, counted from the start of their batch of 1024 spans): what is
+// left is time the call itself ran or slept.
+struct CallTimes {
+  long long longest_ns = 0;
+  long long longest_unqueued_ns = 0;
+  long long over_1ms = 0;
+};
+CallTimes timed_spans(std::uint32_t step, int n) {
+  constexpr long long kSlowNs = 1'000'000;
+  CallTimes times;
+  long long batch_wait = -1;
+  auto note = [&](long long ns) {
+    times.longest_ns = std::max(times.longest_ns, ns);
+    long long unqueued = ns;
+    if (ns > kSlowNs) {
+      ++times.over_1ms;
+      const long long wait = batch_wait < 0 ? -1 : run_queue_wait_ns();
+      if (wait >= 0) unqueued = ns - (wait - batch_wait);
+    }
+    times.longest_unqueued_ns = std::max(times.longest_unqueued_ns, unqueued);
+  };
+  for (int i = 0; i < n; ++i) {
+    if (i % 1024 == 0) batch_wait = run_queue_wait_ns();
+    const long long t0 = monotonic_ns();
+    steptrace_start(step);
+    const long long t1 = monotonic_ns();
+    steptrace_end(step);
+    const long long t2 = monotonic_ns();
+    note(t1 - t0);
+    note(t2 - t1);
+  }
+  return times;
 }
 
 long long vm_rss_kib() {
@@ -192,6 +254,64 @@ int main(int argc, char** argv) {
     out.set("rss_after_kib", vm_rss_kib());
     out.set("recorded_events", 4LL * n);
     out.set("dropped", static_cast<long long>(steptrace_dropped()));
+  } else if (mode == "nonblocking") {  // the default mode against a SIGSTOPped daemon
+    // ARGS: THREADS SPANS_PER_THREAD [BLOCK_WHEN_FULL]. Writes OUTFILE.phase1 once the
+    // recording is done (the test then sends SIGCONT), then flushes until the daemon
+    // has everything, including the final drop count.
+    const int threads = arg(4, 3);
+    const int n = arg(5, 1000000);
+    out.set("connect_rc", steptrace_connect(socket.c_str()));
+    steptrace_set_block_when_full(arg(6, 0));
+    std::vector<CallTimes> times(static_cast<std::size_t>(threads));
+    std::vector<std::thread> pool;
+    pool.reserve(times.size());
+    const long long rss_before = vm_rss_kib();
+    const auto t0 = Clock::now();
+    for (auto& t : times) pool.emplace_back([&t, n] { t = timed_spans(STEPTRACE_FORWARD, n); });
+    for (auto& t : pool) t.join();
+    out.set("record_ms",
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
+    out.set("rss_before_kib", rss_before);
+    out.set("rss_after_kib", vm_rss_kib());
+    long long longest = 0, longest_unqueued = 0, over_1ms = 0;
+    for (const auto& t : times) {
+      longest = std::max(longest, t.longest_ns);
+      longest_unqueued = std::max(longest_unqueued, t.longest_unqueued_ns);
+      over_1ms += t.over_1ms;
+    }
+    out.set("max_call_ns", longest);
+    out.set("max_call_unqueued_ns", longest_unqueued);
+    out.set("calls_over_1ms", over_1ms);
+    out.set("recorded_events", 2LL * threads * n);
+    out.set("dropped_phase1", static_cast<long long>(steptrace_dropped()));
+    out.write(outfile + ".phase1");
+    if (!flush_until(30000)) fail("no flush acknowledged after SIGCONT");
+    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+  } else if (mode == "exit") {  // returns from main, no flush, with the daemon SIGSTOPped
+    // ARGS: THREADS SPANS_PER_THREAD [LIVE]: LIVE=1 leaves a thread recording through
+    // exit. Everything after main returns is the library's at-exit path.
+    const int threads = arg(4, 2);
+    const int n = arg(5, 200000);
+    out.set("connect_rc", steptrace_connect(socket.c_str()));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([n] {
+        for (int i = 0; i < n; ++i) steptrace::Span span(steptrace::Step::kForward);
+      });
+    }
+    for (auto& t : pool) t.join();
+    if (arg(6, 0) != 0) {
+      static std::atomic<bool> live_started{false};
+      std::thread([] {
+        for (;;) {
+          steptrace::Span span(steptrace::Step::kBackward);
+          live_started.store(true, std::memory_order_relaxed);
+        }
+      }).detach();
+      while (!live_started.load(std::memory_order_relaxed)) std::this_thread::yield();
+    }
+    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    out.set("main_return_ns", monotonic_ns());  // the file is written just after
   } else {
     fail("unknown mode");
   }
