@@ -124,6 +124,17 @@ class Daemon:
             time.sleep(0.05)
         return False
 
+    def wait_exit(self, timeout=20.0):
+        """Waits (without signalling) for the daemon to exit and returns its status; a
+        daemon still running at the timeout is killed (and the status says so)."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
     def stop(self, sig=signal.SIGTERM, timeout=20.0):
         """Signals the daemon and returns its exit status (negative: killed by signal)."""
         if self.proc.poll() is None:
