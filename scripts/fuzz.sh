@@ -18,7 +18,7 @@ build=$(cd "$build" && pwd)
 
 echo "fuzz.sh: building $build/decoder_fuzz"
 "$cxx" -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-  -fno-omit-frame-pointer -I"$repo" \
+  -fno-omit-frame-pointer -Wall -Wextra -Werror -I"$repo" \
   "$repo/tests/fuzz/decoder_fuzz.cpp" -o "$build/decoder_fuzz"
 
 # Work on a copy: libFuzzer adds what it finds to the corpus directory it is given.

@@ -9,6 +9,14 @@ mapfile -t files < <(git ls-files '*.h' '*.hpp' '*.cpp' '*.c' | grep -v '^tests/
 echo "lint: clang-format on ${#files[@]} files"
 clang-format --dry-run --Werror "${files[@]}"
 
+# STYLE.md: file names are snake_case.
+bad_names=$(printf '%s\n' "${files[@]}" | grep -vE '(^|/)[a-z0-9_]+\.(h|hpp|cpp|c)$' || true)
+if [[ -n $bad_names ]]; then
+  echo "lint: file names that are not snake_case:" >&2
+  echo "$bad_names" >&2
+  exit 1
+fi
+
 mapfile -t sources < <(git ls-files '*.cpp' | grep -v '^tests/fuzz/')
 echo "lint: clang-tidy naming on ${#sources[@]} translation units"
 run-clang-tidy -quiet -p "$build_dir" -j "$(nproc)" "${sources[@]/#/$PWD/}" > "$build_dir/clang-tidy.log" 2>&1 || {

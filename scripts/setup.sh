@@ -9,7 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev clang-format clang-tidy
   socat python3 systemd
-  dpkg-dev prometheus
+  dpkg-dev file prometheus
 )
 
 missing=()
@@ -25,8 +25,11 @@ if ((${#missing[@]} == 0)); then
 fi
 
 echo "setup: installing ${missing[*]}"
-sudo=""
-if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# sudo resets the environment, so DEBIAN_FRONTEND goes through env; under CI=true sudo
+# must not ask for a password (-n fails at once instead of waiting at a prompt).
+as_root=(env DEBIAN_FRONTEND=noninteractive)
+if [[ $(id -u) -ne 0 ]]; then
+  if [[ ${CI:-} == true ]]; then as_root=(sudo -n "${as_root[@]}"); else as_root=(sudo "${as_root[@]}"); fi
+fi
+"${as_root[@]}" apt-get update -qq
+"${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
