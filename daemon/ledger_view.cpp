@@ -5,9 +5,9 @@
 // plus per (process, thread) the GPU and timestamp of the last annotation, which
 // attribute_span() uses to credit a ledger-step span to a GPU. Every record is credited
 // to the actor (the process of the connection that sent it). Records that break a rule
-// are counted per anomaly kind and change nothing else; the only exceptions, as the
-// protocol says, are truncated strings (applied as cut) and a cleanup naming another
-// holder (still removes the entry).
+// are counted per anomaly kind and change nothing else, over-long (client-truncated)
+// strings included; the one exception, as the protocol says, is a cleanup naming another
+// holder (the ledger removed the entry, so the view does too).
 #include "daemon/ledger_view.h"
 
 #include <algorithm>
@@ -326,9 +326,13 @@ LedgerView::~LedgerView() = default;
 void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& record,
                        std::uint64_t now_ns) {
   State& s = *state_;
-  // Truncation was done by the client; the cut value is applied like any other.
-  if ((record.flags & proto::kLedgerGpuUuidTruncated) != 0) s.count(kGpuUuidTruncated);
-  if ((record.flags & proto::kLedgerTaskTruncated) != 0) s.count(kTaskTruncated);
+  // The client cut an over-long string: the cut value is not what the caller meant (two
+  // long UUIDs could merge into one GPU), so the record is counted and refused.
+  const bool uuid_cut = (record.flags & proto::kLedgerGpuUuidTruncated) != 0;
+  const bool task_cut = (record.flags & proto::kLedgerTaskTruncated) != 0;
+  if (uuid_cut) s.count(kGpuUuidTruncated);
+  if (task_cut) s.count(kTaskTruncated);
+  if (uuid_cut || task_cut) return;
 
   // The decoder has validated the record already; the view is keyed by these strings,
   // so it refuses bad ones itself too rather than trusting every caller.

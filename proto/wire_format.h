@@ -105,7 +105,7 @@ enum class LedgerOp : std::uint8_t {
 };
 
 // Set by the client when it had to cut a string to fit its field (an anomaly the
-// daemon counts; the cut value is still applied).
+// daemon counts; it refuses the record).
 enum LedgerFlag : std::uint8_t {
   kLedgerGpuUuidTruncated = 1,
   kLedgerTaskTruncated = 2,

@@ -271,23 +271,26 @@ TEST_F(LedgerViewTest, EveryRejectedAnomalyIsCountedAndChangesNothingElse) {
   EXPECT_TRUE(counters_.limits_hit.empty());
 }
 
-TEST_F(LedgerViewTest, TruncatedStringsAreCountedAndStillApplied) {
-  auto r = reserve("GPU-cut", 1, kGiB, "task-cut", kSecond);
-  r.flags = proto::kLedgerGpuUuidTruncated | proto::kLedgerTaskTruncated;
-  view_.apply(a_, r, kNow);
-  EXPECT_EQ(anomaly("gpu_uuid_truncated"), 1u);
-  EXPECT_EQ(anomaly("task_truncated"), 1u);
-  const json j = ledger();
-  const json* gpu = find_gpu(j, "GPU-cut");
-  ASSERT_NE(gpu, nullptr);
-  EXPECT_EQ((*find_reservation(*gpu, 1))["task"], "task-cut");
+TEST_F(LedgerViewTest, TruncatedStringsAreCountedAndRefused) {
+  view_.apply(a_, reserve("GPU-cut", 1, kGiB, "whole", kSecond), kNow);
+  const json before = ledger();
 
+  auto r = reserve("GPU-cut", 2, kGiB, "task-cut", kSecond);
+  r.flags = proto::kLedgerTaskTruncated;
+  view_.apply(a_, r, kNow);
+  auto u = reserve("GPU-other-cut", 3, kGiB, "t", kSecond);
+  u.flags = proto::kLedgerGpuUuidTruncated;
+  view_.apply(a_, u, kNow);
   auto s = sample("GPU-cut", kGiB, 2 * kGiB, kSecond);
-  s.flags = proto::kLedgerGpuUuidTruncated;
+  s.flags = proto::kLedgerGpuUuidTruncated | proto::kLedgerTaskTruncated;
   view_.apply(a_, s, kNow);
-  EXPECT_EQ(anomaly("gpu_uuid_truncated"), 2u);
-  EXPECT_EQ(anomaly("task_truncated"), 1u);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-cut"))["total_bytes"], 2 * kGiB);
+  auto rel = release("GPU-cut", 1, kSecond);
+  rel.flags = proto::kLedgerGpuUuidTruncated;
+  view_.apply(a_, rel, kNow);
+
+  EXPECT_EQ(anomaly("gpu_uuid_truncated"), 3u);
+  EXPECT_EQ(anomaly("task_truncated"), 2u);
+  EXPECT_EQ(ledger(), before);  // no reservation, GPU, sample or release applied
 }
 
 TEST_F(LedgerViewTest, CleanupNamingAnotherHolderIsCountedAndStillRemoves) {

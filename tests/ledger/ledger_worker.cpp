@@ -119,9 +119,8 @@ int main(int argc, char** argv) {
   } else if (command == "anomalies" && nargs == 2) {
     // Each record is an anomaly that must change nothing in the view but its counts:
     //   unknown_release, unknown_cleanup, duplicate_reservation, zero_byte_reserve,
-    //   gpu_uuid_truncated + unknown_release, task_truncated + duplicate_reservation.
-    // The over-long strings ride on records that are refused anyway, because a cut
-    // string on an otherwise valid record is applied as cut (PROTOCOL.md, 4.6).
+    //   gpu_uuid_truncated, task_truncated: each on a reserve that would otherwise be
+    //   valid (a new id, nonzero bytes), so only the over-long string refuses it.
     const char* gpu = args[0];
     const std::uint64_t held = number(args[1]);
     constexpr std::uint64_t kUnknown = 0xdead0000beefULL;
@@ -129,8 +128,8 @@ int main(int argc, char** argv) {
     steptrace_ledger_cleanup(gpu, kUnknown + 1, 1);
     steptrace_ledger_reserve(gpu, held, 4096, "duplicate");
     steptrace_ledger_reserve(gpu, kUnknown + 2, 0, "zero");
-    steptrace_ledger_release(kOverLong.c_str(), kUnknown + 3);
-    steptrace_ledger_reserve(gpu, held, 4096, kOverLong.c_str());
+    steptrace_ledger_reserve(kOverLong.c_str(), kUnknown + 3, 4096, "long-gpu");
+    steptrace_ledger_reserve(gpu, kUnknown + 4, 4096, kOverLong.c_str());
     flush_or_die();
   } else {
     usage();

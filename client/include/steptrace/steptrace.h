@@ -63,8 +63,9 @@ STEPTRACE_EXPORT uint32_t steptrace_register_step(const char* name);
 STEPTRACE_EXPORT void steptrace_start(uint32_t step);
 STEPTRACE_EXPORT void steptrace_end(uint32_t step);
 
-/* VRAM-ledger annotations (timing comes from the spans around them). Strings longer
- * than 63 characters are cut. */
+/* VRAM-ledger annotations (timing comes from the spans around them). A GPU UUID or task
+ * longer than 63 characters is cut and flagged; the daemon counts such a record as an
+ * anomaly and refuses it. */
 STEPTRACE_EXPORT void steptrace_ledger_reserve(const char* gpu_uuid, uint64_t reservation_id,
                                                uint64_t bytes, const char* task);
 STEPTRACE_EXPORT void steptrace_ledger_release(const char* gpu_uuid, uint64_t reservation_id);
