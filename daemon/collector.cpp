@@ -283,7 +283,9 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       thread->stacks.resize(rec->steps.size());
     std::vector<std::uint64_t>& stack = thread->stacks[slot];
     if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
-      if (stack.size() >= max_depth) [[unlikely]] {
+      // Bounded per thread over all its steps, so a thread's open spans cost at most
+      // max_open_depth timestamps however many steps it nests.
+      if (thread->open >= max_depth) [[unlikely]] {
         ++rec->steps[slot].depth_dropped;
         ++depth_hits;
         continue;

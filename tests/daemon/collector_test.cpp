@@ -21,6 +21,7 @@ using test::FakeWorld;
 using test::start;
 
 constexpr std::uint32_t kForward = 0;
+constexpr std::uint32_t kBackward = 1;
 constexpr std::uint32_t kMatmul = 2;
 constexpr std::uint32_t kWaitPoll = 10;
 
@@ -186,6 +187,25 @@ TEST_F(CollectorTest, OpenDepthLimitDropsTheStartAndCountsIt) {
   EXPECT_EQ(f["count"], 2);
   EXPECT_EQ(f["depth_dropped"], 1);
   EXPECT_EQ(f["unmatched_ends"], 1);  // the end of the dropped start
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_open_depth"), 1u);
+}
+
+TEST_F(CollectorTest, OpenDepthLimitCountsEveryStepOfTheThread) {
+  limits_.max_open_depth = 2;
+  make();
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  // Two open spans of different steps fill thread 1; a third step's start is dropped.
+  // Thread 2 has its own budget.
+  ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kBackward, 1), start(1, kMatmul, 2),
+                         start(2, kMatmul, 3), end(1, kMatmul, 10), end(1, kBackward, 20),
+                         end(1, kForward, 30), end(2, kMatmul, 40)}));
+  const json report = collector_->report_json(std::nullopt);
+  EXPECT_EQ(step_of(report, 100, "Forward")["count"], 1);
+  EXPECT_EQ(step_of(report, 100, "Backward")["count"], 1);
+  const json m = step_of(report, 100, "Matmul");
+  EXPECT_EQ(m["count"], 1);  // thread 2's
+  EXPECT_EQ(m["depth_dropped"], 1);
+  EXPECT_EQ(m["unmatched_ends"], 1);  // thread 1's end of the dropped start
   EXPECT_EQ(collector_->counters().limits_hit.at("max_open_depth"), 1u);
 }
 
