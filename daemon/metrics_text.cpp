@@ -45,8 +45,14 @@ constexpr std::array<errc, 14> kProtocolErrorKinds = {
     errc::bad_frame_size,    errc::bad_reserved,    errc::bad_step_id,
     errc::bad_event_kind,    errc::bad_string,      errc::bad_ledger_op,
     errc::unregistered_step, errc::timed_out};
-// Counted by the text side of a session, not an errc.
+// Counted by a session, not errcs: a command line over the limit, and a client that did
+// not read its replies in time.
 constexpr std::string_view kLineTooLong = "line_too_long";
+constexpr std::string_view kWriteTimeout = "write_timeout";
+// Step names with a series of their own in steptrace_step_duration_seconds (built-in
+// steps included); the others share the "(other)" series.
+constexpr std::size_t kMaxStepSeries = 4096;
+constexpr std::string_view kOtherStep = "(other)";
 // Limits always exported, for the same reason.
 constexpr std::array<std::string_view, 6> kLimitNames = {
     "max_connections",  "max_processes",  "max_exited_processes",
@@ -64,21 +70,24 @@ std::string Collector::metrics_text() const {
   for (std::uint32_t i = 0; i < proto::kBuiltinStepCount; ++i) {
     by_step.try_emplace(std::string(proto::kBuiltinStepNames[i]));
   }
+  // Custom step names are chosen by clients: past kMaxStepSeries names, the rest are
+  // merged into "(other)", so the family's cardinality stays bounded whatever they send.
+  auto merge_into = [&by_step](std::string_view name, const Histogram& h) {
+    auto it = by_step.find(name);
+    if (it == by_step.end()) {
+      it = by_step.try_emplace(std::string(by_step.size() < kMaxStepSeries ? name : kOtherStep))
+               .first;
+    }
+    it->second.merge(h);
+  };
   for (const auto& slot : state.slots) {
     if (!slot) continue;
     for (std::size_t s = 0; s < slot->steps.size(); ++s) {
       const Histogram& h = slot->steps[s].hist;
-      if (h.count() == 0) continue;
-      auto it = by_step.find(slot->step_name(s));
-      if (it == by_step.end()) it = by_step.try_emplace(std::string(slot->step_name(s))).first;
-      it->second.merge(h);
+      if (h.count() != 0) merge_into(slot->step_name(s), h);
     }
   }
-  for (const auto& [name, h] : state.retired) {
-    auto it = by_step.find(name);
-    if (it == by_step.end()) it = by_step.try_emplace(name).first;
-    it->second.merge(h);
-  }
+  for (const auto& [name, h] : state.retired) merge_into(name, h);
   {
     MetricFamily f(out, "steptrace_step_duration_seconds", "histogram",
                    "Duration of ended spans per step, summed over all processes of this node.");
@@ -145,6 +154,7 @@ std::string Collector::metrics_text() const {
     std::map<std::string, std::uint64_t> errors;
     for (const errc e : kProtocolErrorKinds) errors[errc_name(e)] = 0;
     errors[std::string(kLineTooLong)] = 0;
+    errors[std::string(kWriteTimeout)] = 0;
     for (const auto& [kind, n] : c.protocol_errors) errors[kind] = n;
     MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
                    "Connections closed for a protocol error, by kind.");

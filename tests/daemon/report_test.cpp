@@ -347,6 +347,37 @@ TEST_F(ReportTest, MetricsAreWellFormedPrometheusText) {
   EXPECT_EQ(e.type.at("steptrace_uptime_seconds"), "gauge");
 }
 
+TEST_F(ReportTest, StepHistogramSeriesAreBoundedWhateverNamesClientsChoose) {
+  // 5 processes x 1000 custom names + 12 built-in = 5012 names; 4096 get a series.
+  std::vector<std::unique_ptr<Connection>> conns;
+  std::uint64_t spans = 0;
+  for (int p = 0; p < 5; ++p) {
+    conns.push_back(std::make_unique<Connection>(collector_, world_.spawn(100 + p, 1, "t")));
+    std::vector<proto::EventRecord> events;
+    for (std::uint32_t i = 0; i < 1000; ++i) {
+      ASSERT_FALSE(conns.back()->register_step(256 + i, "s" + std::to_string(p * 1000 + i)));
+      events.push_back(start(1, 256 + i, 0));
+      events.push_back(end(1, 256 + i, 1000));
+      ++spans;
+    }
+    ASSERT_FALSE(conns.back()->events(events));
+  }
+  const Exposition e(collector_.metrics_text());
+  ASSERT_TRUE(e.errors.empty()) << e.errors.front();
+  std::set<std::string> steps;
+  std::uint64_t counted = 0;
+  std::string other_count;
+  for (const auto& s : e.of("steptrace_step_duration_seconds_count")) {
+    steps.insert(s.labels.at("step"));
+    counted += std::stoull(s.value);
+    if (s.labels.at("step") == "(other)") other_count = s.value;
+  }
+  EXPECT_EQ(steps.size(), 4097u);  // 4096 names and "(other)"
+  EXPECT_TRUE(steps.count("Forward"));
+  EXPECT_EQ(other_count, std::to_string(5000 + 12 - 4096));  // one span per merged name
+  EXPECT_EQ(counted, spans);                                 // nothing lost in the merge
+}
+
 TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   Connection a(collector_, world_.spawn(1, 1, "a"));
   ASSERT_FALSE(a.register_step(256, "Tokenize"));
