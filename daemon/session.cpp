@@ -391,6 +391,7 @@ void Session::on_timeout() {
     return;
   }
   if (write_deadline_ && *write_deadline_ <= now) {
+    ++shared_.collector.counters().protocol_errors["write_timeout"];
     shared_.log.warn("write_timeout",
                      "client " + describe_peer() + " did not read a reply within " +
                          std::to_string(timeouts.frame_s) + " s; connection closed");
@@ -406,8 +407,11 @@ void Session::on_timeout() {
                                       std::to_string(timeouts.frame_s) + " s; connection closed");
     const std::string message =
         what + " not completed within " + std::to_string(timeouts.frame_s) + " s";
-    queue_write(mode_ == Mode::kBinary ? error_frame(proto::ErrorCode::kProtocol, message)
-                                       : "error: " + message + "\n");
+    // Error frames name the rule first (`<errc name>: ...`, PROTOCOL.md 4.9).
+    queue_write(mode_ == Mode::kBinary
+                    ? error_frame(proto::ErrorCode::kProtocol,
+                                  std::string(errc_name(errc::timed_out)) + ": " + message)
+                    : "error: " + message + "\n");
     close_after_writes();
     return;
   }
