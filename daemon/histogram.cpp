@@ -156,7 +156,8 @@ std::optional<Histogram> Histogram::from_json(const nlohmann::json& j, std::stri
   const auto prom = j.find("prom");
   if (buckets == j.end() || !buckets->is_array() || prom == j.end() || !prom->is_array() ||
       prom->size() != kPromBuckets) {
-    error = "histogram: \"buckets\" and \"prom\" (9 counts) are required arrays";
+    error = "histogram: \"buckets\" and \"prom\" (" + std::to_string(kPromBuckets) +
+            " counts) are required arrays";
     return std::nullopt;
   }
   std::uint64_t bucket_total = 0;

@@ -351,8 +351,8 @@ void Server::finish_shutdown() {
   }
   const auto deadline = std::chrono::steady_clock::now() + kDrainBudget;
   for (auto& s : live) s->drain(deadline);
-  // Snapshot before the sessions detach, so spans still open stay open across the
-  // restart instead of being counted as abandoned.
+  // Snapshot with everything drained applied. Spans still open are saved as abandoned
+  // (Collector::snapshot): after a restart no connection could end them.
   save_snapshot_now();
   for (auto& s : live) s->close();
   remove_socket_file();

@@ -1,17 +1,19 @@
 // The flusher: libsteptrace's one background thread, which moves events from the
 // per-thread rings and the ledger queue to steptraced.
 //
-// Each round (every 1-2 ms, at once when a ring is past its high-water mark or a flush
-// is requested): read a clock cutoff, then every ring's published head (acquire), then
-// the custom steps registered since the last round, then take the ledger records
-// stamped before the cutoff; encode hello (on a new connection), RegisterStep frames,
-// then the events up to the heads read with each ledger record placed among its own
-// thread's events in recording order (so an annotation always reaches the daemon before
-// the end event recorded after it, and after the events recorded before it), timestamps
-// converted to CLOCK_MONOTONIC ns here; then Dropped and, when a flush is pending,
-// Flush(seq); and ship the batch with one non-blocking send (MSG_NOSIGNAL). A partial
-// write is finished in later rounds before anything new is drained, so while the daemon
-// is slow, stopped or absent the rings simply fill and trainers drop and count.
+// Each round (every 1-2 ms; at once when a flush is requested, or when the last round
+// left a ring past its high-water mark: the hot path makes no syscall to wake the
+// flusher, so high water is noticed by polling, and a busy flusher does not sleep):
+// read a clock cutoff, then every ring's published head (acquire), then the custom
+// steps registered since the last round, then take the ledger records stamped before
+// the cutoff; encode hello (on a new connection), RegisterStep frames, then the events
+// up to the heads read with each ledger record placed among its own thread's events in
+// recording order (so an annotation always reaches the daemon before the end event
+// recorded after it, and after the events recorded before it), timestamps converted to
+// CLOCK_MONOTONIC ns here; then Dropped and, when a flush is pending, Flush(seq); and
+// ship the batch with one non-blocking send (MSG_NOSIGNAL). A partial write is finished
+// in later rounds before anything new is drained, so while the daemon is slow, stopped
+// or absent the rings simply fill and trainers drop and count.
 //
 // Connection: a non-blocking SOCK_STREAM Unix socket; on failure or loss it reconnects
 // with exponential backoff (10 ms .. 1 s). Events in frames not fully written when a
