@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# README command (1): set up, build, start steptraced on a local socket (no root), run the
-# simulated multi-process trainer against it (4 workers sharing one GPU, one of them
-# SIGKILLed while it holds VRAM), and print what the daemon saw: the leaked reservation,
-# then the per-step report and the VRAM ledger. The daemon is stopped with SIGTERM on
-# exit, whatever happens. Any failure exits non-zero with a message saying what failed.
+# README command (1): set up, build, start steptraced on a local socket (no root), and walk
+# through what it sees of the simulated trainer (examples/sim_trainer): six worker
+# processes sharing two 8 GiB GPUs through a VRAM ledger file, 3 GiB per reservation.
+#  - Worker 0 (GPU 0) is SIGKILLed while it holds its reservation: the daemon shows it LEAKED.
+#  - Workers 1-3 on GPU 0 and worker 5 on GPU 1 then hold their reservations at once: the
+#    ledger sums them per GPU. Worker 1 cleaned up the dead entry (credited to it) and sends
+#    three bad annotations; worker 3 reserves without waiting for room, so GPU 0 is
+#    over-committed (9 GiB reserved, 8 GiB total). `steptrace stats` counts the anomalies.
+#  - steptraced is restarted (SIGTERM writes a snapshot to the state dir; the new daemon
+#    restores it and re-checks the holders against /proc): the view is the same.
+#  - Worker 4 starts late and waits for VRAM (`steptrace top`); the others train, release.
+#  - Then the per-step report, the ledger and the stats.
+# sim_trainer pauses at checkpoints (--checkpoints) until this script has looked. The
+# daemon is stopped with SIGTERM on exit, whatever happens. Any failure exits non-zero with
+# a message saying what failed.
 #
 # Environment: BUILD_DIR (default build), RUN_DIR (default ./run: socket, state, logs),
-# WORKERS (default 4), STEPS (default 150); SKIP_SETUP=1 / SKIP_BUILD=1 reuse what is there.
+# STEPS (default 150); SKIP_SETUP=1 / SKIP_BUILD=1 reuse what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build_dir=${BUILD_DIR:-build}
 run_dir=${RUN_DIR:-$PWD/run}
-workers=${WORKERS:-4}
 steps=${STEPS:-150}
 gib=$((1024 * 1024 * 1024))
+gpu0=GPU-00000000-sim0-0000-0000-000000000000
+gpu1=GPU-00000000-sim1-0000-0000-000000000000
 
-say() { printf '\n==> %s\n' "$*"; }
+# A header, then any further arguments as indented explanation lines.
+say() {
+  printf '\n==> %s\n' "$1"
+  shift
+  (($# == 0)) || printf '    %s\n' "$@"
+}
 die() {
   printf 'run.sh: %s\n' "$*" >&2
   exit 1
@@ -24,10 +40,16 @@ die() {
 
 daemon_pid=""
 trainer_pid=""
+trainer_out=""
 cleanup() {
   local status=$?
   if [[ -n $trainer_pid ]] && kill -0 "$trainer_pid" 2>/dev/null; then
-    kill -KILL "$trainer_pid" 2>/dev/null || true
+    kill -KILL "$trainer_pid" 2>/dev/null || true # its workers die with it (PDEATHSIG)
+    wait "$trainer_pid" 2>/dev/null || true
+  fi
+  if ((status != 0)) && [[ -n $trainer_out && -s $trainer_out ]]; then
+    printf 'run.sh: sim_trainer printed:\n' >&2
+    cat "$trainer_out" >&2
   fi
   if [[ -n $daemon_pid ]] && kill -0 "$daemon_pid" 2>/dev/null; then
     kill -TERM "$daemon_pid" 2>/dev/null || true
@@ -72,82 +94,163 @@ fi
 state_dir=$run_dir/state
 log=$run_dir/steptraced.log
 ledger_file=$run_dir/vram-ledger.txt
+checkpoints=$run_dir/checkpoints
+trainer_out_file=$run_dir/sim_trainer.out
 export STEPTRACE_SOCKET=$socket
 
 if "$steptrace" --timeout 2 ping >/dev/null 2>&1; then
   die "a steptraced already answers on $socket; stop it first (or set RUN_DIR elsewhere)"
 fi
 # A fresh run: no aggregates restored from an earlier one, an empty ledger file.
-rm -rf "$state_dir" "$ledger_file"
-mkdir -p "$state_dir"
+rm -rf "$state_dir" "$ledger_file" "$checkpoints" "$log" "$trainer_out_file"
+mkdir -p "$state_dir" "$checkpoints"
+
+start_daemon() {
+  "$steptraced" --config config/steptraced.json --socket "$socket" --state-dir "$state_dir" \
+    2>>"$log" &
+  daemon_pid=$!
+  for _ in $(seq 100); do
+    if ! kill -0 "$daemon_pid" 2>/dev/null; then
+      cat "$log" >&2
+      die "steptraced exited during start-up (its log is above)"
+    fi
+    if "$steptrace" --timeout 1 ping >/dev/null 2>&1; then break; fi
+    sleep 0.1
+  done
+  "$steptrace" --timeout 2 ping >/dev/null ||
+    die "steptraced (pid $daemon_pid) did not answer ping within 10 s; see $log"
+  echo "steptraced pid $daemon_pid answers ping"
+}
+
+stop_daemon() {
+  kill -TERM "$daemon_pid"
+  for _ in $(seq 100); do
+    kill -0 "$daemon_pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  kill -0 "$daemon_pid" 2>/dev/null && die "steptraced (pid $daemon_pid) still runs 5 s after SIGTERM"
+  local status=0
+  wait "$daemon_pid" || status=$?
+  daemon_pid=""
+  ((status == 0)) || die "steptraced exited with status $status on SIGTERM; see $log"
+}
+
+# Waits (bounded) until sim_trainer reaches checkpoint $1.
+reach() {
+  for _ in $(seq 600); do
+    [[ -e $checkpoints/$1.reached ]] && return 0
+    kill -0 "$trainer_pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  [[ -e $checkpoints/$1.reached ]] ||
+    die "sim_trainer did not reach its '$1' checkpoint (exited, or 30 s passed)"
+}
+# Lets sim_trainer go on from checkpoint $1.
+go_on() { touch "$checkpoints/$1.go"; }
+
+ledger() { "$steptrace" ledger || die "steptrace ledger failed"; }
+# The non-zero ledger anomaly counters of `steptrace stats`.
+anomalies() {
+  local stats
+  stats=$("$steptrace" stats) || die "steptrace stats failed"
+  awk -F': ' '/^ledger_anomalies\./ && $2 != "0"' <<<"$stats"
+}
+# The reservation rows of a ledger text, without the Age column.
+reservation_rows() {
+  awk -F' *[|] *' 'NF == 7 && ($7 == "alive" || $7 == "LEAKED") { print $1, $2, $3, $4, $5, $7 }'
+}
+expect() { # TEXT PATTERN WHAT
+  grep -qE -- "$2" <<<"$1" || die "expected $3 (no match for '$2')"
+}
 
 say "Starting steptraced on $socket (state in $state_dir, log in $log)"
-"$steptraced" --config config/steptraced.json --socket "$socket" --state-dir "$state_dir" \
-  2>"$log" &
-daemon_pid=$!
-for _ in $(seq 100); do
-  if ! kill -0 "$daemon_pid" 2>/dev/null; then
-    cat "$log" >&2
-    die "steptraced exited during start-up (its log is above)"
-  fi
-  if "$steptrace" --timeout 1 ping >/dev/null 2>&1; then break; fi
-  sleep 0.1
-done
-"$steptrace" --timeout 2 ping >/dev/null ||
-  die "steptraced (pid $daemon_pid) did not answer ping within 10 s; see $log"
-echo "steptraced pid $daemon_pid answers ping"
+start_daemon
 
-say "Running sim_trainer: $workers workers x $steps steps sharing one 8 GiB GPU, 3 GiB each; worker 0 is SIGKILLed while it holds its reservation"
-"$sim_trainer" --workers "$workers" --steps "$steps" --kill-one --ledger "$ledger_file" \
-  --vram-total $((8 * gib)) --reserve $((3 * gib)) --pause-after-kill-ms 1500 &
+say "Running sim_trainer: 6 workers x $steps steps, two 8 GiB GPUs, 3 GiB per reservation" \
+  "GPU 0 $gpu0: workers 0-4" "GPU 1 $gpu1: worker 5"
+"$sim_trainer" --gpu "$gpu0" --workers 5 --gpu "$gpu1" --workers 1 --steps "$steps" \
+  --vram-total $((8 * gib)) --reserve $((3 * gib)) --kill-one --anomalies --overcommit \
+  --late-workers 1 --ledger "$ledger_file" --checkpoints "$checkpoints" >"$trainer_out_file" &
 trainer_pid=$!
+trainer_out=$trainer_out_file
 
-# While the others wait to start, the daemon shows the dead worker's reservation leaked.
-leak_seen=""
-for _ in $(seq 100); do
-  ledger_now=$("$steptrace" ledger 2>&1) || die "steptrace ledger failed: $ledger_now"
-  if grep -q LEAKED <<<"$ledger_now"; then
-    leak_seen=1
-    say "The daemon's VRAM ledger right after the kill (the reservation is LEAKED)"
-    echo "$ledger_now"
-    break
-  fi
-  kill -0 "$trainer_pid" 2>/dev/null || break
-  sleep 0.05
+reach killed
+say "steptrace ledger: worker 0 was SIGKILLed holding 3 GiB on GPU 0, its reservation is LEAKED"
+ledger_now=$(ledger)
+echo "$ledger_now"
+expect "$ledger_now" 'LEAKED' "the killed worker's reservation shown as LEAKED"
+go_on killed
+
+reach holding
+say "steptrace ledger: workers 1-3 hold 3 GiB each on GPU 0, worker 5 holds 3 GiB on GPU 1" \
+  "Reserved bytes are summed per GPU; \`steptrace report\` ends with this same view." \
+  "Worker 1 removed the dead worker's entry: the cleanup is credited to it (Cleanups 1)." \
+  "Worker 3 reserved without waiting for room: 9 GiB reserved > 8 GiB total, OVERCOMMITTED."
+held=$(ledger)
+echo "$held"
+expect "$held" 'OVERCOMMITTED' "GPU 0 over-committed"
+expect "$held" 'Reservations: 3$' "three reservations on GPU 0"
+expect "$held" 'Reservations: 1$' "one reservation on GPU 1"
+[[ $(reservation_rows <<<"$held" | grep -c ' alive$') == 4 ]] || die "expected 4 live holders"
+
+say "steptrace stats: the ledger anomalies counted so far (kinds not listed are 0)" \
+  "Worker 1 sent its reservation id again, a 0-byte reserve and a release of an id nobody" \
+  "holds: each refused and counted. Going over-committed counts once."
+counts=$(anomalies)
+echo "$counts"
+for kind in duplicate_reservation zero_byte_reserve unknown_release overcommitted; do
+  expect "$counts" "^ledger_anomalies\\.$kind: [1-9]" "a non-zero $kind count"
 done
 
-# Two 3 GiB reservations fill the 8 GiB GPU: a third worker polls for VRAM, and `top`
-# shows it at a glance.
+say "Restarting steptraced while they hold: SIGTERM (it writes its snapshot), then start it" \
+  "again on the same state dir"
+stop_daemon
+snapshot=$state_dir/steptraced.snapshot.json
+[[ -s $snapshot ]] || die "steptraced wrote no snapshot $snapshot on SIGTERM"
+echo "snapshot written: $snapshot ($(stat -c %s "$snapshot") bytes)"
+start_daemon
+grep 'restored snapshot' "$log" || true # its log line, when it says so
+say "steptrace ledger after the restart: the same view, restored from the snapshot" \
+  "Each holder was re-checked against /proc (pid and start time): all four still alive."
+restored=$(ledger)
+echo "$restored"
+[[ $(reservation_rows <<<"$restored") == "$(reservation_rows <<<"$held")" ]] ||
+  die "the restarted daemon's reservations differ from those before the restart"
+expect "$restored" 'OVERCOMMITTED' "GPU 0 still over-committed after the restart"
+go_on holding
+
+reach waiting
+# Worker 4 polls for VRAM while the others still hold it; `top` shows it at a glance.
 waiting_seen=""
-for _ in $(seq 200); do
-  kill -0 "$trainer_pid" 2>/dev/null || break
+for _ in $(seq 100); do
   top_now=$("$steptrace" top --iterations 1 2>&1) || die "steptrace top failed: $top_now"
   if grep -q "WAITING FOR VRAM" <<<"$top_now"; then
     waiting_seen=1
-    say "steptrace top while a worker waits for VRAM"
+    say "steptrace top: worker 4 started late and waits for VRAM on GPU 0"
     echo "$top_now"
     break
   fi
   sleep 0.02
 done
-[[ -n $waiting_seen ]] || echo "(no worker was caught waiting for VRAM by steptrace top this time)"
+go_on waiting
+[[ -n $waiting_seen ]] || die "steptrace top never showed worker 4 WAITING FOR VRAM"
 
+say "sim_trainer's summary (the holders trained and released, then worker 4 got its turn)"
 trainer_status=0
 wait "$trainer_pid" || trainer_status=$?
 trainer_pid=""
+trainer_out=""
+cat "$trainer_out_file"
 
 say "steptrace report"
 "$steptrace" report || die "steptrace report failed"
-say "steptrace ledger (the cleanup is credited to the worker that removed the dead entry)"
-"$steptrace" ledger || die "steptrace ledger failed"
+say "steptrace ledger: everything released (Releases), the cleanup still credited to worker 1"
+ledger
+say "steptrace stats: the ledger anomalies, kept across the restart"
+anomalies
 
 ((trainer_status == 0)) || die "sim_trainer failed with status $trainer_status (its summary is above)"
-[[ -n $leak_seen ]] || die "the daemon never showed the killed worker's reservation as LEAKED"
 
 say "Stopping steptraced (SIGTERM)"
-kill -TERM "$daemon_pid"
-daemon_status=0
-wait "$daemon_pid" || daemon_status=$?
-daemon_pid=""
-((daemon_status == 0)) || die "steptraced exited with status $daemon_status on SIGTERM; see $log"
+stop_daemon
 echo "done: steptraced stopped cleanly; its snapshot is in $state_dir"

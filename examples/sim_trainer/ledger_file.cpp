@@ -10,9 +10,11 @@
 
 namespace sim {
 
-std::uint64_t LedgerContents::reserved_bytes() const {
+std::uint64_t LedgerContents::reserved_bytes(const std::string& gpu) const {
   std::uint64_t sum = 0;
-  for (const auto& e : entries) sum += e.bytes;
+  for (const auto& e : entries) {
+    if (e.gpu == gpu) sum += e.bytes;
+  }
   return sum;
 }
 
@@ -38,10 +40,10 @@ std::error_code parse_ledger(const std::string& text, LedgerContents& out, std::
     LedgerEntry e;
     std::istringstream entry(line);
     long long pid = 0;
-    if (!(entry >> e.id >> pid >> e.bytes >> e.task) || (entry >> rest) || e.id == 0 || pid <= 0 ||
-        e.bytes == 0) {
-      error =
-          "line " + std::to_string(number) + ": expected `id pid bytes task`, got `" + line + "`";
+    if (!(entry >> e.id >> pid >> e.bytes >> e.gpu >> e.task) || (entry >> rest) || e.id == 0 ||
+        pid <= 0 || e.bytes == 0) {
+      error = "line " + std::to_string(number) + ": expected `id pid bytes gpu task`, got `" +
+              line + "`";
       return std::make_error_code(std::errc::invalid_argument);
     }
     e.pid = static_cast<pid_t>(pid);
@@ -53,10 +55,10 @@ std::error_code parse_ledger(const std::string& text, LedgerContents& out, std::
 
 std::string format_ledger(const LedgerContents& contents) {
   std::ostringstream out;
-  out << "# sim_trainer VRAM ledger: one reservation per line: id pid bytes task\n";
+  out << "# sim_trainer VRAM ledger: one reservation per line: id pid bytes gpu task\n";
   out << "next " << contents.next_id << "\n";
   for (const auto& e : contents.entries) {
-    out << e.id << ' ' << e.pid << ' ' << e.bytes << ' ' << e.task << "\n";
+    out << e.id << ' ' << e.pid << ' ' << e.bytes << ' ' << e.gpu << ' ' << e.task << "\n";
   }
   return out.str();
 }

@@ -1,8 +1,9 @@
 // The simulated trainers' shared VRAM ledger: a small text file that every worker reads
 // and rewrites under an exclusive flock(), the way real trainers sharing one GPU
-// coordinate. One reservation per line, `id pid bytes task`, plus a `next ID` line that
-// hands out reservation ids. This is the trainers' own bookkeeping; the steptrace daemon
-// only sees it through the ledger annotations the workers send while they edit it.
+// coordinate. One file serves every GPU of the machine: one reservation per line,
+// `id pid bytes gpu task`, plus a `next ID` line that hands out reservation ids. This is the
+// trainers' own bookkeeping; the steptrace daemon only sees it through the ledger annotations the
+// workers send while they edit it.
 #pragma once
 
 #include <sys/types.h>
@@ -18,6 +19,7 @@ struct LedgerEntry {
   std::uint64_t id = 0;
   pid_t pid = 0;
   std::uint64_t bytes = 0;
+  std::string gpu;   // GPU UUID, one word
   std::string task;  // one word
 };
 
@@ -25,7 +27,8 @@ struct LedgerContents {
   std::uint64_t next_id = 1;
   std::vector<LedgerEntry> entries;
 
-  std::uint64_t reserved_bytes() const;
+  // Bytes reserved on `gpu`.
+  std::uint64_t reserved_bytes(const std::string& gpu) const;
 };
 
 // Parses the file format; on error returns a message naming the bad line.

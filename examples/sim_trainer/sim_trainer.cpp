@@ -1,20 +1,28 @@
-// sim_trainer: several training processes sharing one (simulated) GPU, traced by
-// steptrace. Runs without a GPU.
+// sim_trainer: several training processes sharing (simulated) GPUs, traced by steptrace.
+// Runs without a GPU.
 //
-// The parent forks --workers processes. Each worker names itself sim-worker-K, connects
-// to steptraced, and coordinates VRAM through a shared ledger file (ledger_file.h) the
-// way real trainers do: under the file lock it removes entries of dead processes
-// (LedgerCleanup), computes free VRAM (VramQuery, reported as a VRAM sample), waits
-// while it does not fit (WaitPoll), reserves (LedgerReserve), trains --steps steps of a
-// tiny CPU model (workload.h: Forward/Backward/Matmul/...), releases (LedgerRelease) and
-// flushes. Workers report progress to the parent over a pipe, one line per message.
+// The parent forks the workers, --workers of them on each --gpu. Each worker names itself
+// sim-worker-K, connects to steptraced, and coordinates VRAM through a shared ledger file
+// (ledger_file.h) the way real trainers do: under the file lock it removes entries of
+// dead processes on any GPU (LedgerCleanup), computes its GPU's free VRAM (VramQuery,
+// reported as a VRAM sample), waits while it does not fit (WaitPoll), reserves
+// (LedgerReserve); once every worker started with it holds its reservation (a barrier,
+// like a distributed job's start), it trains --steps steps of a tiny CPU model
+// (workload.h: Forward/Backward/Matmul/...), releases (LedgerRelease) and flushes.
+// Workers start one at a time, in index order, so who reserves first is deterministic.
+// They report progress to the parent over a pipe, one line per message.
 //
 // With --kill-one, worker 0 starts alone; once it holds its reservation (and the daemon
 // has it), the parent SIGKILLs it. Its entry stays in the ledger file (and shows as
 // LEAKED in the daemon's ledger view) until the next worker's LedgerCleanup removes it,
-// which the daemon credits to that worker. At the end the parent, as a janitor connected
-// to steptrace itself, cleans anything still left by dead processes and checks that
-// nothing is held.
+// which the daemon credits to that worker. --overcommit makes one worker reserve
+// without waiting for room (a trainer ignoring the ledger), --anomalies makes one send
+// annotations the daemon refuses and counts, and --late-workers start only once the
+// others hold their reservations, so they wait for VRAM. --checkpoints lets an observer
+// (scripts/run.sh) look at the daemon, or restart it, at fixed points. At the end the
+// parent, as a janitor connected to steptrace itself, cleans anything still left by dead
+// processes and checks that nothing is held.
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -54,23 +62,43 @@ constexpr int kExitLedgerError = 3;
 constexpr int kExitWaitTimeout = 4;
 constexpr int kExitFlushFailed = 5;
 constexpr int kExitNotKilled = 6;
+constexpr int kExitNoStart = 7;
 
 constexpr std::uint64_t kGiB = 1024ULL * 1024 * 1024;
+constexpr const char* kDefaultGpu = "GPU-00000000-sim0-0000-0000-000000000000";
+constexpr int kDefaultWorkers = 3;
+// Bound on the whole run, and so on how long a worker waits at the start barrier.
+constexpr auto kRunBudget = std::chrono::seconds(120);
+
+// What one worker does, fixed by the command line before any process starts.
+struct Role {
+  int index = 0;
+  int gpu = 0;              // index into Config::gpus
+  bool victim = false;      // --kill-one: SIGKILLed while it holds its reservation
+  bool late = false;        // --late-workers: started once the others hold their VRAM
+  bool overcommit = false;  // --overcommit: reserves without waiting for room
+  bool anomalies = false;   // --anomalies: also sends annotations the daemon refuses
+};
 
 struct Config {
-  int workers = 3;
+  std::vector<std::string> gpus;  // empty: kDefaultGpu
+  std::vector<int> workers;       // per GPU; empty: kDefaultWorkers on each
   int steps = 20;
   std::string ledger;
-  std::string gpu = "GPU-00000000-sim0-0000-0000-000000000000";
   std::uint64_t vram_total = 8 * kGiB;
   std::uint64_t reserve = 3 * kGiB;
   bool kill_one = false;
-  std::string socket;  // empty: $STEPTRACE_SOCKET, then the default
+  bool overcommit = false;
+  bool anomalies = false;
+  int late_workers = 0;
+  std::string checkpoints;  // empty: no checkpoints
+  std::string socket;       // empty: $STEPTRACE_SOCKET, then the default
   int dim = 48;
   int poll_ms = 5;
   int max_wait_ms = 30000;
   int pause_after_kill_ms = 0;
   bool json = false;
+  std::vector<Role> plan;  // one per worker, in index order
 };
 
 // ---------------------------------------------------------------------------------
@@ -90,15 +118,16 @@ void send_message(int fd, const std::string& line) {
 
 std::string task_name(int index) { return "sim-train-" + std::to_string(index); }
 
-// Removes entries of dead holders; each removal is announced to steptrace and the parent.
-std::error_code clean_dead_entries(sim::LockedLedger& ledger, const Config& config,
-                                   const std::string& who, int report_fd) {
+// Removes entries of dead holders, on any GPU; each removal is announced to steptrace
+// and the parent.
+std::error_code clean_dead_entries(sim::LockedLedger& ledger, const std::string& who,
+                                   int report_fd) {
   Span span(Step::kLedgerCleanup);
   auto& entries = ledger.contents().entries;
   bool changed = false;
   for (auto it = entries.begin(); it != entries.end();) {
     if (sim::pid_is_dead(it->pid)) {
-      steptrace_ledger_cleanup(config.gpu.c_str(), it->id, static_cast<std::uint32_t>(it->pid));
+      steptrace_ledger_cleanup(it->gpu.c_str(), it->id, static_cast<std::uint32_t>(it->pid));
       if (report_fd >= 0) {
         send_message(report_fd, "cleaned " + who + " " + std::to_string(it->id) + " " +
                                     std::to_string(it->pid));
@@ -112,17 +141,21 @@ std::error_code clean_dead_entries(sim::LockedLedger& ledger, const Config& conf
   return changed ? ledger.write() : std::error_code{};
 }
 
-// Waits until the reservation fits and takes it; returns its id, or an exit code.
-std::optional<std::uint64_t> acquire(const Config& config, int index, int report_fd, int& polls,
-                                     int& exit_code) {
-  const std::string who = std::to_string(index);
+// Waits until the reservation fits (or, for an over-committing worker, does not wait)
+// and takes it; returns its id, or nullopt with an exit code.
+std::optional<std::uint64_t> acquire(const Config& config, const Role& role, int report_fd,
+                                     int& polls, int& exit_code) {
+  const std::string who = std::to_string(role.index);
+  const std::string& gpu = config.gpus[static_cast<std::size_t>(role.gpu)];
+  const std::string task = task_name(role.index);
   const auto deadline = Clock::now() + std::chrono::milliseconds(config.max_wait_ms);
+  bool told_waiting = false;
   for (;;) {
     sim::LockedLedger ledger;
     std::string error;
     std::error_code ec = ledger.lock(config.ledger, error);
     if (!ec) {
-      ec = clean_dead_entries(ledger, config, who, report_fd);
+      ec = clean_dead_entries(ledger, who, report_fd);
       if (ec) error = "cannot rewrite ledger file " + config.ledger + ": " + ec.message();
     }
     if (ec) {
@@ -133,25 +166,38 @@ std::optional<std::uint64_t> acquire(const Config& config, int index, int report
     std::uint64_t free_bytes = 0;
     {
       Span span(Step::kVramQuery);
-      const std::uint64_t reserved = ledger.contents().reserved_bytes();
+      const std::uint64_t reserved = ledger.contents().reserved_bytes(gpu);
       free_bytes = config.vram_total > reserved ? config.vram_total - reserved : 0;
-      steptrace_vram_sample(config.gpu.c_str(), free_bytes, config.vram_total);
+      steptrace_vram_sample(gpu.c_str(), free_bytes, config.vram_total);
     }
-    if (free_bytes >= config.reserve) {
+    if (free_bytes >= config.reserve || role.overcommit) {
       Span span(Step::kLedgerReserve);
       auto& contents = ledger.contents();
       const std::uint64_t id = contents.next_id++;
-      contents.entries.push_back({id, ::getpid(), config.reserve, task_name(index)});
+      // --anomalies: two more ids handed out and never held, for the bad annotations.
+      const std::uint64_t zero_id = role.anomalies ? contents.next_id++ : 0;
+      const std::uint64_t unknown_id = role.anomalies ? contents.next_id++ : 0;
+      contents.entries.push_back({id, ::getpid(), config.reserve, gpu, task});
       if (auto wec = ledger.write()) {
         send_message(report_fd, "error " + who + " cannot write ledger file " + config.ledger +
                                     ": " + wec.message());
         exit_code = kExitLedgerError;
         return std::nullopt;
       }
-      steptrace_ledger_reserve(config.gpu.c_str(), id, config.reserve, task_name(index).c_str());
+      steptrace_ledger_reserve(gpu.c_str(), id, config.reserve, task.c_str());
+      if (role.anomalies) {
+        // Bugs of a careless trainer; the daemon refuses each and counts it in `stats`.
+        steptrace_ledger_reserve(gpu.c_str(), id, config.reserve, task.c_str());  // duplicate
+        steptrace_ledger_reserve(gpu.c_str(), zero_id, 0, task.c_str());          // 0 bytes
+        steptrace_ledger_release(gpu.c_str(), unknown_id);  // an id nobody holds
+      }
       return id;
     }
     ledger.unlock();
+    if (!told_waiting) {
+      send_message(report_fd, "waiting " + who);
+      told_waiting = true;
+    }
     if (Clock::now() >= deadline) {
       send_message(report_fd, "error " + who + " VRAM did not free up within " +
                                   std::to_string(config.max_wait_ms) + " ms");
@@ -164,7 +210,8 @@ std::optional<std::uint64_t> acquire(const Config& config, int index, int report
   }
 }
 
-std::error_code release(const Config& config, std::uint64_t id, std::string& error) {
+std::error_code release(const Config& config, const std::string& gpu, std::uint64_t id,
+                        std::string& error) {
   sim::LockedLedger ledger;
   if (auto ec = ledger.lock(config.ledger, error)) return ec;
   Span span(Step::kLedgerRelease);
@@ -181,63 +228,89 @@ std::error_code release(const Config& config, std::uint64_t id, std::string& err
     error = "cannot write ledger file " + config.ledger + ": " + ec.message();
     return ec;
   }
-  steptrace_ledger_release(config.gpu.c_str(), id);
+  steptrace_ledger_release(gpu.c_str(), id);
   return {};
 }
 
-int run_worker(const Config& config, int index, int report_fd, bool victim) {
-  const std::string name = "sim-worker-" + std::to_string(index);
+// Blocks until the parent closes the start barrier's write end (EOF on `go_fd`).
+bool wait_for_start(int go_fd) {
+  const auto deadline = Clock::now() + kRunBudget;
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{go_fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    if (ready < 0 && errno != EINTR) return false;
+    if (ready <= 0) continue;
+    char byte;
+    const ssize_t n = ::read(go_fd, &byte, 1);
+    if (n == 0) return true;
+    if (n < 0 && errno != EINTR && errno != EAGAIN) return false;
+  }
+}
+
+// `go_fd` < 0: no barrier, train at once.
+int run_worker(const Config& config, const Role& role, int report_fd, int go_fd) {
+  const std::string name = "sim-worker-" + std::to_string(role.index);
   ::prctl(PR_SET_NAME, name.c_str(), 0, 0, 0);
-  const std::string who = std::to_string(index);
+  const std::string who = std::to_string(role.index);
+  const std::string& gpu = config.gpus[static_cast<std::size_t>(role.gpu)];
   if (const int rc = steptrace_connect(config.socket.empty() ? nullptr : config.socket.c_str());
       rc != 0) {
     std::fprintf(stderr, "%s: steptraced not reachable yet (%s); events are kept until it is\n",
                  name.c_str(), std::strerror(-rc));
   }
-  sim::Workload model(static_cast<std::size_t>(config.dim), static_cast<unsigned>(index) + 1);
+  sim::Workload model(static_cast<std::size_t>(config.dim), static_cast<unsigned>(role.index) + 1);
 
   int polls = 0;
   int exit_code = kExitOk;
-  const auto id = acquire(config, index, report_fd, polls, exit_code);
+  const auto id = acquire(config, role, report_fd, polls, exit_code);
   if (!id) return exit_code;
 
-  if (victim) {
-    // The daemon must know the reservation before we die, or it could not show the leak.
-    const int flushed = steptrace_flush(2000);
-    send_message(report_fd, "reserved " + who + " " + std::to_string(*id) + " " +
-                                std::to_string(polls) + " " + std::to_string(flushed));
+  // The daemon must know the reservation before the victim dies, or it could not show
+  // the leak; and an observer at a checkpoint must see everything done so far.
+  const bool flush = role.victim || (!config.checkpoints.empty() && go_fd >= 0);
+  const int flushed = flush ? steptrace_flush(2000) : 0;
+  send_message(report_fd, "reserved " + who + " " + std::to_string(*id) + " " +
+                              std::to_string(polls) + " " + std::to_string(flushed));
+  if (role.victim) {
     // Train until the parent kills us (bounded, in case it never does).
     const auto give_up = Clock::now() + std::chrono::seconds(60);
     while (Clock::now() < give_up) model.step();
     send_message(report_fd, "error " + who + " was never killed");
     return kExitNotKilled;
   }
-  send_message(report_fd,
-               "reserved " + who + " " + std::to_string(*id) + " " + std::to_string(polls) + " 0");
+  // Holding the reservation, idle (no span open), until every worker started with us
+  // holds its own.
+  if (go_fd >= 0 && !wait_for_start(go_fd)) {
+    send_message(report_fd, "error " + who + " was never told to start training");
+    return kExitNoStart;
+  }
   for (int s = 0; s < config.steps; ++s) model.step();
 
   std::string error;
-  if (release(config, *id, error)) {
+  if (release(config, gpu, *id, error)) {
     send_message(report_fd, "error " + who + " " + error);
     return kExitLedgerError;
   }
-  const int flushed = steptrace_flush(2000);
+  const int final_flush = steptrace_flush(2000);
   char checksum[64];
   std::snprintf(checksum, sizeof checksum, "%.6g", model.checksum());
   send_message(report_fd, "done " + who + " " + std::to_string(config.steps) + " " +
-                              std::to_string(flushed) + " " + checksum);
-  return flushed == 0 ? kExitOk : kExitFlushFailed;
+                              std::to_string(final_flush) + " " + checksum);
+  return final_flush == 0 ? kExitOk : kExitFlushFailed;
 }
 
 // ---------------------------------------------------------------------------------
 // Parent side
 
 struct WorkerRecord {
-  int index = 0;
+  Role role;
   pid_t pid = -1;
-  bool victim = false;
   std::optional<int> status;  // exit status, 128+signal when killed
   std::optional<std::uint64_t> reservation;
+  bool waited = false;  // had to wait for VRAM
   int polls = 0;
   int steps = 0;
   int flush_rc = 0;
@@ -259,7 +332,12 @@ class Parent {
   int run();
 
  private:
-  bool spawn(int index, bool victim);
+  bool spawn(const Role& role);
+  // Spawns a worker and waits until it holds VRAM, waits for it, or exits.
+  bool start(const Role& role, Clock::time_point deadline, std::vector<std::string>& problems);
+  // With --checkpoints: creates DIR/NAME.reached, then waits for DIR/NAME.go.
+  bool checkpoint(const std::string& name, Clock::time_point deadline,
+                  std::vector<std::string>& problems);
   // Reads worker messages and reaps workers until `done()` or the deadline; false on timeout.
   template <typename Done>
   bool pump(Clock::time_point deadline, Done done);
@@ -268,16 +346,20 @@ class Parent {
   WorkerRecord* by_index(int index);
   bool janitor(std::vector<std::pair<std::uint64_t, pid_t>>& cleaned, std::string& error);
   void kill_all();
+  void print_summary(bool ok, const std::vector<std::pair<std::uint64_t, pid_t>>& janitor_cleaned,
+                     const std::vector<std::string>& problems) const;
 
   Config config_;
   std::vector<WorkerRecord> workers_;
   int read_fd_ = -1;
   int write_fd_ = -1;
+  int go_read_ = -1;   // start barrier: workers block on it until EOF
+  int go_write_ = -1;  // closed by the parent to let them train
   bool eof_ = false;
   std::string pending_;
 };
 
-bool Parent::spawn(int index, bool victim) {
+bool Parent::spawn(const Role& role) {
   std::fflush(nullptr);  // a child must not inherit (and later flush) our buffered output
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
@@ -290,22 +372,62 @@ bool Parent::spawn(int index, bool victim) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     if (::getppid() != parent) std::_Exit(kExitFailed);  // it died before the prctl
     ::close(read_fd_);
-    const int code = run_worker(config_, index, write_fd_, victim);
+    if (go_write_ >= 0) ::close(go_write_);  // else the barrier could never see EOF
+    // Late workers start after the barrier opened: they do not wait at it.
+    const int go_fd = role.late ? -1 : go_read_;
+    const int code = run_worker(config_, role, write_fd_, go_fd);
     steptrace_shutdown();
     std::fflush(nullptr);
     std::_Exit(code);
   }
   WorkerRecord record;
-  record.index = index;
+  record.role = role;
   record.pid = pid;
-  record.victim = victim;
   workers_.push_back(std::move(record));
+  return true;
+}
+
+bool Parent::start(const Role& role, Clock::time_point deadline,
+                   std::vector<std::string>& problems) {
+  if (!spawn(role)) {
+    problems.push_back("cannot fork worker " + std::to_string(role.index));
+    return false;
+  }
+  const bool settled = pump(deadline, [&] {
+    const WorkerRecord* w = by_index(role.index);
+    return w->reservation.has_value() || w->waited || w->status.has_value();
+  });
+  if (!settled) {
+    problems.push_back("worker " + std::to_string(role.index) +
+                       " neither reserved VRAM nor waited for it in time");
+  }
+  return settled;
+}
+
+bool Parent::checkpoint(const std::string& name, Clock::time_point deadline,
+                        std::vector<std::string>& problems) {
+  if (config_.checkpoints.empty()) return true;
+  const std::string reached = config_.checkpoints + "/" + name + ".reached";
+  const std::string go = config_.checkpoints + "/" + name + ".go";
+  const int fd = ::open(reached.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    problems.push_back("cannot create " + reached + ": " + std::strerror(errno));
+    return false;
+  }
+  ::close(fd);
+  const auto until =
+      std::min(deadline, Clock::now() + std::chrono::milliseconds(config_.max_wait_ms));
+  if (!pump(until, [&] { return ::access(go.c_str(), F_OK) == 0; })) {
+    problems.push_back("checkpoint " + name + ": " + go + " did not appear within " +
+                       std::to_string(config_.max_wait_ms) + " ms");
+    return false;
+  }
   return true;
 }
 
 WorkerRecord* Parent::by_index(int index) {
   for (auto& w : workers_) {
-    if (w.index == index) return &w;
+    if (w.role.index == index) return &w;
   }
   return nullptr;
 }
@@ -326,10 +448,12 @@ void Parent::handle_line(const std::string& line) {
     in >> id >> w->polls >> flushed;
     w->reservation = id;
     if (flushed != 0) {
-      w->errors.push_back("steptrace_flush before the kill failed (" +
+      w->errors.push_back("steptrace_flush after reserving failed (" +
                           std::string(std::strerror(-flushed)) +
                           "): the daemon may not know the reservation");
     }
+  } else if (kind == "waiting") {
+    w->waited = true;
   } else if (kind == "cleaned") {
     std::uint64_t id = 0;
     pid_t holder = 0;
@@ -368,7 +492,7 @@ bool Parent::pump(Clock::time_point deadline, Done done) {
       continue;
     }
     pollfd p{read_fd_, POLLIN, 0};
-    const int ready = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 50)));
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 10)));
     if (ready > 0) {
       const ssize_t n = ::read(read_fd_, buf, sizeof buf);
       if (n == 0) eof_ = true;
@@ -400,7 +524,7 @@ bool Parent::janitor(std::vector<std::pair<std::uint64_t, pid_t>>& cleaned, std:
   const auto before = entries.size();
   for (auto it = entries.begin(); it != entries.end();) {
     if (sim::pid_is_dead(it->pid)) {
-      steptrace_ledger_cleanup(config_.gpu.c_str(), it->id, static_cast<std::uint32_t>(it->pid));
+      steptrace_ledger_cleanup(it->gpu.c_str(), it->id, static_cast<std::uint32_t>(it->pid));
       cleaned.emplace_back(it->id, it->pid);
       it = entries.erase(it);
     } else {
@@ -416,8 +540,8 @@ bool Parent::janitor(std::vector<std::pair<std::uint64_t, pid_t>>& cleaned, std:
   for (const auto& e : entries) {
     for (const auto& w : workers_) {
       if (e.pid == w.pid) {
-        error = "reservation " + std::to_string(e.id) + " of worker " + std::to_string(w.index) +
-                " is still held in " + config_.ledger;
+        error = "reservation " + std::to_string(e.id) + " of worker " +
+                std::to_string(w.role.index) + " is still held in " + config_.ledger;
         return false;
       }
     }
@@ -433,44 +557,69 @@ std::string bytes_text(std::uint64_t bytes) {
 
 int Parent::run() {
   int fds[2];
-  if (::pipe(fds) != 0) {
+  int go[2];
+  if (::pipe(fds) != 0 || ::pipe(go) != 0) {
     std::perror("sim_trainer: pipe");
     return kExitFailed;
   }
   read_fd_ = fds[0];
   write_fd_ = fds[1];
-  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  go_read_ = go[0];
+  go_write_ = go[1];
+  const auto deadline = Clock::now() + kRunBudget;
   bool ok = true;
   std::vector<std::string> problems;
 
-  int first = 0;
-  if (config_.kill_one) {
-    if (!spawn(0, /*victim=*/true)) return kExitFailed;
-    first = 1;
-    WorkerRecord& victim = workers_.front();
-    const bool reserved = pump(deadline, [&] {
-      return workers_.front().reservation.has_value() || workers_.front().status.has_value();
-    });
-    if (!reserved || !victim.reservation) {
-      problems.push_back("worker 0 never reserved VRAM, so it could not be killed holding it");
-      kill_all();
+  // 1. --kill-one: worker 0 alone, SIGKILLed once it holds its reservation.
+  for (const Role& role : config_.plan) {
+    if (!role.victim) continue;
+    if (!spawn(role)) {
+      problems.push_back("cannot fork worker " + std::to_string(role.index));
       ok = false;
-    } else {
-      ::kill(victim.pid, SIGKILL);
-      reap(true);  // reaped now, so the others see its pid gone (kill(pid, 0) == ESRCH)
-      if (config_.pause_after_kill_ms > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(config_.pause_after_kill_ms));
-      }
+      break;
+    }
+    const bool reserved = pump(deadline, [&] {
+      const WorkerRecord* w = by_index(role.index);
+      return w->reservation.has_value() || w->status.has_value();
+    });
+    WorkerRecord& victim = *by_index(role.index);
+    if (!reserved || !victim.reservation) {
+      problems.push_back("worker " + std::to_string(role.index) +
+                         " never reserved VRAM, so it could not be killed holding it");
+      ok = false;
+      break;
+    }
+    ::kill(victim.pid, SIGKILL);
+    reap(true);  // reaped now, so the others see its pid gone (kill(pid, 0) == ESRCH)
+    if (config_.pause_after_kill_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(config_.pause_after_kill_ms));
+    }
+    ok = checkpoint("killed", deadline, problems);
+  }
+  // 2. The others, one at a time; they hold their reservations at the start barrier.
+  for (const Role& role : config_.plan) {
+    if (!ok) break;
+    if (!role.victim && !role.late) ok = start(role, deadline, problems);
+  }
+  if (ok) ok = checkpoint("holding", deadline, problems);
+  // 3. Late workers: the others still hold their VRAM, so these (usually) wait for it.
+  bool any_late = false;
+  for (const Role& role : config_.plan) {
+    if (!ok) break;
+    if (role.late) {
+      any_late = true;
+      ok = start(role, deadline, problems);
     }
   }
-  if (ok) {
-    for (int i = first; i < config_.workers; ++i) {
-      if (!spawn(i, false)) {
-        ok = false;
-        break;
-      }
-    }
-  }
+  if (ok && any_late) ok = checkpoint("waiting", deadline, problems);
+  // 4. Open the barrier: the holders train, release, and the late workers get their turn.
+  // After a failure they are killed first, idle at the barrier rather than halfway through
+  // rewriting the ledger file.
+  if (!ok) kill_all();
+  ::close(go_write_);
+  go_write_ = -1;
+  ::close(go_read_);
+  go_read_ = -1;
   ::close(write_fd_);
   write_fd_ = -1;
   const bool finished = pump(deadline, [&] {
@@ -506,34 +655,50 @@ int Parent::run() {
   steptrace_shutdown();
 
   for (const auto& w : workers_) {
-    const int expected = w.victim ? 128 + SIGKILL : kExitOk;
+    const int expected = w.role.victim ? 128 + SIGKILL : kExitOk;
     if (w.status != expected) {
-      problems.push_back("worker " + std::to_string(w.index) + " (pid " + std::to_string(w.pid) +
-                         ") exited with status " + std::to_string(w.status.value_or(-1)) +
-                         ", expected " + std::to_string(expected));
+      problems.push_back("worker " + std::to_string(w.role.index) + " (pid " +
+                         std::to_string(w.pid) + ") exited with status " +
+                         std::to_string(w.status.value_or(-1)) + ", expected " +
+                         std::to_string(expected));
       ok = false;
     }
     for (const auto& e : w.errors) {
-      problems.push_back("worker " + std::to_string(w.index) + ": " + e);
+      problems.push_back("worker " + std::to_string(w.role.index) + ": " + e);
       ok = false;
     }
   }
+  // Workers were started out of index order (late ones last): list them in order.
+  std::sort(workers_.begin(), workers_.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
+    return a.role.index < b.role.index;
+  });
+  print_summary(ok, janitor_cleaned, problems);
+  return ok ? kExitOk : kExitFailed;
+}
 
+void Parent::print_summary(bool ok,
+                           const std::vector<std::pair<std::uint64_t, pid_t>>& janitor_cleaned,
+                           const std::vector<std::string>& problems) const {
   if (config_.json) {
     nlohmann::json out;
     out["ok"] = ok;
     out["janitor_pid"] = ::getpid();
     out["steps"] = config_.steps;
-    out["gpu"] = config_.gpu;
+    out["gpu"] = config_.gpus.front();
+    out["gpus"] = config_.gpus;
     auto& list = out["workers"] = nlohmann::json::array();
     for (const auto& w : workers_) {
       nlohmann::json cleaned = nlohmann::json::array();
       for (const auto& [id, holder] : w.cleaned)
         cleaned.push_back({{"id", id}, {"holder_pid", holder}});
       list.push_back(
-          {{"index", w.index},
+          {{"index", w.role.index},
            {"pid", w.pid},
-           {"killed", w.victim},
+           {"gpu", config_.gpus[static_cast<std::size_t>(w.role.gpu)]},
+           {"killed", w.role.victim},
+           {"late", w.role.late},
+           {"overcommit", w.role.overcommit},
+           {"anomalies", w.role.anomalies},
            {"status", w.status.value_or(-1)},
            {"reservation", w.reservation ? nlohmann::json(*w.reservation) : nlohmann::json()},
            {"wait_polls", w.polls},
@@ -546,39 +711,122 @@ int Parent::run() {
     out["janitor_cleaned"] = std::move(cleaned);
     out["problems"] = problems;
     std::printf("%s\n", out.dump().c_str());
-  } else {
-    std::printf("sim_trainer: %d workers x %d steps on %s (%s total, %s each), ledger %s\n",
-                config_.workers, config_.steps, config_.gpu.c_str(),
-                bytes_text(config_.vram_total).c_str(), bytes_text(config_.reserve).c_str(),
-                config_.ledger.c_str());
-    for (const auto& w : workers_) {
-      std::printf("  worker %d pid %d: ", w.index, static_cast<int>(w.pid));
-      if (w.victim) {
-        std::printf("SIGKILLed while holding reservation %s",
-                    w.reservation ? std::to_string(*w.reservation).c_str() : "(none)");
-      } else {
-        std::printf("%d steps, reservation %s, waited %d polls for VRAM", w.steps,
-                    w.reservation ? std::to_string(*w.reservation).c_str() : "(none)", w.polls);
-      }
-      for (const auto& [id, holder] : w.cleaned) {
-        std::printf(", cleaned up reservation %" PRIu64 " of dead pid %d", id,
-                    static_cast<int>(holder));
-      }
-      std::printf("\n");
+    std::fflush(stdout);
+    return;
+  }
+  std::printf("sim_trainer: %zu workers x %d steps, %s per GPU, %s per reservation, ledger %s\n",
+              config_.plan.size(), config_.steps, bytes_text(config_.vram_total).c_str(),
+              bytes_text(config_.reserve).c_str(), config_.ledger.c_str());
+  for (std::size_t g = 0; g < config_.gpus.size(); ++g) {
+    std::printf("  gpu %zu %s: worker%s", g, config_.gpus[g].c_str(),
+                config_.workers[g] == 1 ? "" : "s");
+    for (const Role& role : config_.plan) {
+      if (role.gpu == static_cast<int>(g)) std::printf(" %d", role.index);
     }
-    std::printf("  janitor pid %d: ", static_cast<int>(::getpid()));
-    if (janitor_cleaned.empty()) std::printf("nothing left to clean");
-    for (const auto& [id, holder] : janitor_cleaned) {
-      std::printf("cleaned up reservation %" PRIu64 " of dead pid %d; ", id,
+    std::printf("\n");
+  }
+  for (const auto& w : workers_) {
+    std::printf("  worker %d pid %d on gpu %d: ", w.role.index, static_cast<int>(w.pid),
+                w.role.gpu);
+    const std::string reservation = w.reservation ? std::to_string(*w.reservation) : "(none)";
+    if (w.role.victim) {
+      std::printf("SIGKILLed while holding reservation %s", reservation.c_str());
+    } else {
+      std::printf("%s%d steps, reservation %s", w.role.late ? "started late, " : "", w.steps,
+                  reservation.c_str());
+      if (w.role.overcommit) {
+        std::printf(" taken without waiting for room");
+      } else {
+        std::printf(", waited %d polls for VRAM", w.polls);
+      }
+      if (w.role.anomalies) {
+        std::printf(", sent 3 bad annotations (duplicate id, 0 bytes, unknown release)");
+      }
+    }
+    for (const auto& [id, holder] : w.cleaned) {
+      std::printf(", cleaned up reservation %" PRIu64 " of dead pid %d", id,
                   static_cast<int>(holder));
     }
     std::printf("\n");
-    for (const auto& p : problems) std::printf("  problem: %s\n", p.c_str());
-    std::printf("sim_trainer: %s\n",
-                ok ? "ok, every reservation released or cleaned up" : "FAILED");
   }
+  std::printf("  janitor pid %d: ", static_cast<int>(::getpid()));
+  if (janitor_cleaned.empty()) std::printf("nothing left to clean");
+  for (const auto& [id, holder] : janitor_cleaned) {
+    std::printf("cleaned up reservation %" PRIu64 " of dead pid %d; ", id,
+                static_cast<int>(holder));
+  }
+  std::printf("\n");
+  for (const auto& p : problems) std::printf("  problem: %s\n", p.c_str());
+  std::printf("sim_trainer: %s\n", ok ? "ok, every reservation released or cleaned up" : "FAILED");
   std::fflush(stdout);
-  return ok ? kExitOk : kExitFailed;
+}
+
+bool valid_gpu(const std::string& gpu) {
+  return !gpu.empty() && gpu.size() <= 63 &&
+         std::all_of(gpu.begin(), gpu.end(), [](char c) { return c > ' ' && c < 0x7f; });
+}
+
+// Fills config.gpus/workers defaults and config.plan; false with a message on a bad
+// combination of options.
+bool make_plan(Config& config, std::string& error) {
+  if (config.gpus.empty()) config.gpus.push_back(kDefaultGpu);
+  if (config.workers.empty()) config.workers.push_back(kDefaultWorkers);
+  if (config.workers.size() == 1) config.workers.resize(config.gpus.size(), config.workers[0]);
+  if (config.workers.size() != config.gpus.size()) {
+    error = "give one --workers for every --gpu (or a single one for all)";
+    return false;
+  }
+  for (const auto& gpu : config.gpus) {
+    if (!valid_gpu(gpu)) {
+      error = "--gpu must be 1..63 printable characters without spaces";
+      return false;
+    }
+    if (std::count(config.gpus.begin(), config.gpus.end(), gpu) > 1) {
+      error = "--gpu " + gpu + " is given twice";
+      return false;
+    }
+  }
+  int total = 0;
+  for (const int n : config.workers) total += n;
+  if (total > 64) {
+    error = "at most 64 workers in all";
+    return false;
+  }
+  if (config.kill_one && total < 2) {
+    error = "--kill-one needs 2 workers or more";
+    return false;
+  }
+  // Roles on the first GPU: [victim] [anomalies ... overcommit] [late ...]
+  const int first = config.workers[0];
+  const int victims = config.kill_one ? 1 : 0;
+  const int initial = first - victims - config.late_workers;
+  if (initial < 0) {
+    error = "--late-workers " + std::to_string(config.late_workers) +
+            " leaves no room on the first GPU's " + std::to_string(first) + " workers";
+    return false;
+  }
+  if ((config.overcommit || config.anomalies) && initial < 1) {
+    error =
+        "--overcommit and --anomalies need a worker on the first GPU that is neither killed "
+        "nor late";
+    return false;
+  }
+  int index = 0;
+  for (std::size_t g = 0; g < config.gpus.size(); ++g) {
+    for (int k = 0; k < config.workers[g]; ++k) {
+      Role role;
+      role.index = index++;
+      role.gpu = static_cast<int>(g);
+      if (g == 0) {
+        role.victim = k < victims;
+        role.late = k >= first - config.late_workers;
+        role.anomalies = config.anomalies && k == victims;
+        role.overcommit = config.overcommit && k == victims + initial - 1;
+      }
+      config.plan.push_back(role);
+    }
+  }
+  return true;
 }
 
 }  // namespace
@@ -586,25 +834,52 @@ int Parent::run() {
 int main(int argc, char** argv) {
   Config config;
   CLI::App app{
-      "sim_trainer: several training processes sharing one simulated GPU through a VRAM "
-      "ledger file, traced by steptrace (no GPU needed)",
+      "sim_trainer: several training processes sharing simulated GPUs through a VRAM ledger "
+      "file, traced by steptrace (no GPU needed)",
       "sim_trainer"};
-  app.add_option("--workers", config.workers, "Worker processes")
-      ->capture_default_str()
+  app.add_option(
+         "--gpu", config.gpus,
+         "GPU UUID to report; repeat for several GPUs (default: " + std::string(kDefaultGpu) + ")")
+      ->expected(1)
+      ->take_all();
+  app.add_option("--workers", config.workers,
+                 "Worker processes on each --gpu, in order; one value applies to every GPU "
+                 "(default: " +
+                     std::to_string(kDefaultWorkers) + ")")
+      ->expected(1)
+      ->take_all()
       ->check(CLI::Range(1, 64));
   app.add_option("--steps", config.steps, "Training steps per worker")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000000000));
   app.add_option("--ledger", config.ledger, "Shared ledger file (created if missing)")->required();
-  app.add_option("--gpu", config.gpu, "GPU UUID to report")->capture_default_str();
-  app.add_option("--vram-total", config.vram_total, "Simulated VRAM of the GPU, bytes")
+  app.add_option("--vram-total", config.vram_total, "Simulated VRAM of each GPU, bytes")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 50));
   app.add_option("--reserve", config.reserve, "Bytes each worker reserves")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 50));
   app.add_flag("--kill-one", config.kill_one,
-               "SIGKILL worker 0 while it holds its reservation; later workers clean it up");
+               "SIGKILL worker 0 (first GPU) while it holds its reservation; the next worker "
+               "cleans it up");
+  app.add_flag("--overcommit", config.overcommit,
+               "The last first-GPU worker that is neither killed nor late reserves without "
+               "waiting for room, so the GPU can end up over-committed");
+  app.add_flag("--anomalies", config.anomalies,
+               "The first first-GPU worker that is neither killed nor late also sends three "
+               "annotations the daemon refuses and counts: its reservation id again, a 0-byte "
+               "reserve, a release of an id nobody holds");
+  app.add_option("--late-workers", config.late_workers,
+                 "The last N workers of the first GPU start only once the others hold their "
+                 "reservations (so they wait for VRAM), and skip the start barrier")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 64));
+  app.add_option("--checkpoints", config.checkpoints,
+                 "Directory for an observer such as scripts/run.sh: at each checkpoint create "
+                 "DIR/NAME.reached, then wait (up to --max-wait-ms) for DIR/NAME.go. NAME: killed "
+                 "(with --kill-one, after the kill, before the others start), holding (every "
+                 "other worker holds its VRAM or waits for it, all flushed to steptraced, none "
+                 "trains yet), waiting (with --late-workers, once they have started)");
   app.add_option("--socket", config.socket, "steptraced's socket (default: $STEPTRACE_SOCKET)");
   app.add_option("--dim", config.dim, "Model width (work per step grows as dim^3)")
       ->capture_default_str()
@@ -612,7 +887,8 @@ int main(int argc, char** argv) {
   app.add_option("--poll-ms", config.poll_ms, "Sleep between VRAM polls")
       ->capture_default_str()
       ->check(CLI::Range(1, 10000));
-  app.add_option("--max-wait-ms", config.max_wait_ms, "Give up waiting for VRAM after this")
+  app.add_option("--max-wait-ms", config.max_wait_ms,
+                 "Give up waiting for VRAM, or for a checkpoint's .go file, after this")
       ->capture_default_str()
       ->check(CLI::Range(1, 600000));
   app.add_option("--pause-after-kill-ms", config.pause_after_kill_ms,
@@ -626,12 +902,6 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
-  if (config.gpu.empty() || config.gpu.size() > 63 ||
-      !std::all_of(config.gpu.begin(), config.gpu.end(),
-                   [](char c) { return c > ' ' && c < 0x7f; })) {
-    std::fprintf(stderr, "sim_trainer: --gpu must be 1..63 printable characters without spaces\n");
-    return kExitUsage;
-  }
   if (config.reserve > config.vram_total) {
     std::fprintf(stderr,
                  "sim_trainer: --reserve (%" PRIu64 ") exceeds --vram-total (%" PRIu64
@@ -639,8 +909,9 @@ int main(int argc, char** argv) {
                  config.reserve, config.vram_total);
     return kExitUsage;
   }
-  if (config.kill_one && config.workers < 2) {
-    std::fprintf(stderr, "sim_trainer: --kill-one needs --workers 2 or more\n");
+  std::string error;
+  if (!make_plan(config, error)) {
+    std::fprintf(stderr, "sim_trainer: %s\n", error.c_str());
     return kExitUsage;
   }
   return Parent(std::move(config)).run();
