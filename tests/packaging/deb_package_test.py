@@ -9,12 +9,83 @@ import subprocess
 import tempfile
 import unittest
 
-from packaging_util import BUILD_DIR, VERSION, TempDirTestCase, check_run, tool
+from packaging_util import BUILD_DIR, VERSION, TempDirTestCase, check_run, run, tool
 
 CPACK = os.environ["STEPTRACE_CPACK"]
 
 
+# ---- Depends against what the packaged ELF files link -------------------------------------
+
+# Where a soname is looked for when ldconfig does not list it (multiarch dirs included).
+_LIB_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64", "/lib32", "/usr/lib32")
+
+
+def elf_identity(path):
+    """(class, byte order, machine) of an ELF file, None for anything else; a binary can
+    only load a library of the same identity (so a 32-bit libc.so.6 is not the one)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return head[4], head[5], int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+
+
+def library_candidates(soname, ldconfig_cache):
+    """Paths on this machine named `soname`: the ldconfig cache first, then the usual dirs."""
+    paths = re.findall(rf"^\s*{re.escape(soname)} \(.*\) => (\S+)$", ldconfig_cache, re.M)
+    for d in _LIB_DIRS:
+        paths += sorted(glob.glob(os.path.join(d, soname)))
+        paths += sorted(glob.glob(os.path.join(d, "*-linux-gnu*", soname)))
+    return list(dict.fromkeys(p for p in paths if os.path.exists(p)))
+
+
+def path_variants(path):
+    """Spellings dpkg may have recorded a library under: with merged /usr, /lib/x and
+    /usr/lib/x are one file but dpkg knows only the one the package shipped."""
+    out = []
+    for p in (path, os.path.realpath(path)):
+        out += [p, p[len("/usr"):] if p.startswith("/usr/") else "/usr" + p]
+    return list(dict.fromkeys(out))
+
+
+def relation_names(field):
+    """Package names a Depends-style field mentions (alternatives and arch qualifiers
+    included: "a (>= 1), b | c:any" -> {a, b, c})."""
+    names = set()
+    for clause in field.split(","):
+        for alternative in clause.split("|"):
+            name = alternative.strip().split(" ")[0].split("(")[0].split(":")[0]
+            if name:
+                names.add(name)
+    return names
+
+
+def missing_dependencies(needs, depends, provides):
+    """The part of `needs` ({package: reasons}) that `depends` names neither by the package
+    nor by a virtual package it provides (`provides`: {package: names}). Debian's shlibs can
+    point at a virtual name: libspdlog1.10 Provides libspdlog1.10-fmt9, the ABI it was
+    built against, and that is what dpkg-shlibdeps writes into Depends."""
+    present = relation_names(depends)
+    return {pkg: reasons for pkg, reasons in needs.items()
+            if not ({pkg} | provides.get(pkg, set())) & present}
+
+
+def format_missing(missing, depends, provides):
+    lines = []
+    for pkg, reasons in sorted(missing.items()):
+        also = sorted(provides.get(pkg, set()))
+        name = pkg + (f" (or a virtual package it provides: {', '.join(also)})" if also else "")
+        lines.append(f"  {name}: " + "; ".join(sorted(reasons)))
+    return ("Depends lacks the packages that provide libraries the packaged ELF files link:\n"
+            + "\n".join(lines) + f"\nDepends: {depends}")
+
+
 class DebPackageTest(TempDirTestCase):
+    _needs = None  # library_needs(), computed once per run
+
     @classmethod
     def setUpClass(cls):
         # One package for all the checks below (cpack is the slow part).
@@ -75,10 +146,99 @@ class DebPackageTest(TempDirTestCase):
         self.assertRegex(self.field("Maintainer"), r".+ <[^@ ]+@[^@ ]+>")
         self.assertEqual(self.field("Section"), "devel")
         self.assertTrue(self.field("Description").startswith("Out-of-process trace collector"))
-        depends = [d.strip().split(" ")[0] for d in self.field("Depends").split(",")]
-        # dpkg-shlibdeps found the libraries the daemon and library link.
-        for package in ("libc6", "libstdc++6", "libsystemd0"):
-            self.assertIn(package, depends)
+
+    def library_needs(self):
+        """{Debian package: {"usr/bin/x: libfoo.so.1 (/usr/lib/.../libfoo.so.1)", ...}} for
+        every NEEDED soname of every ELF file in the .deb, resolved to the installed package
+        that provides it here; sonames the .deb ships itself are left out. Computed once."""
+        cls = type(self)
+        if cls._needs is not None:
+            return cls._needs
+        root = tempfile.mkdtemp(prefix="stdebx-")
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        check_run(self, [self.dpkg_deb, "-x", self.deb, root])
+        readelf = tool("readelf", "binutils")
+        shipped, elves = set(), {}
+        for dirpath, _, filenames in os.walk(root):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                shipped.add(name)
+                if not os.path.islink(path) and elf_identity(path) is not None:
+                    elves[os.path.relpath(path, root)] = path
+        # Guards against a vacuous pass (nothing recognised as ELF, nothing parsed).
+        self.assertTrue({"usr/bin/steptraced", "usr/bin/steptrace"} <= set(elves), sorted(elves))
+        self.assertTrue(any(re.fullmatch(r"usr/lib/(.+/)?libsteptrace\.so\.\d+\.\d+\.\d+", f)
+                            for f in elves), sorted(elves))
+
+        ldconfig_cache = check_run(self, [tool("ldconfig", "libc-bin"), "-p"]).stdout
+        wanted = {}  # library path on this machine -> reasons
+        unresolved = []
+        for rel, path in sorted(elves.items()):
+            dynamic = check_run(self, [readelf, "-d", "-W", path]).stdout
+            sonames = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
+            self.assertTrue(sonames, f"{rel} has no NEEDED entries:\n{dynamic}")
+            for soname in sonames:
+                if soname in shipped:
+                    continue
+                same_kind = [c for c in library_candidates(soname, ldconfig_cache)
+                             if elf_identity(c) == elf_identity(path)]
+                if not same_kind:
+                    unresolved.append(f"{rel}: {soname} (not found on this machine)")
+                    continue
+                wanted.setdefault(same_kind[0], set()).add(f"{rel}: {soname} ({same_kind[0]})")
+
+        # One dpkg-query for all of them; it exits 1 when some spelling is unknown.
+        variants = {lib: path_variants(lib) for lib in wanted}
+        query = run([tool("dpkg-query", "dpkg"), "-S"] + sorted({v for vs in variants.values()
+                                                                  for v in vs}))
+        owners = {}  # path -> {package}
+        for line in query.stdout.splitlines():
+            if line.startswith("diversion by ") or ": " not in line:
+                continue
+            packages, path = line.split(": ", 1)
+            owners.setdefault(path.strip(), set()).update(
+                p.strip().split(":")[0] for p in packages.split(","))
+        needs = {}
+        for lib, reasons in wanted.items():
+            packages = set().union(*(owners.get(v, set()) for v in variants[lib]))
+            packages.discard("steptrace")  # an installed copy of this very package
+            if not packages:
+                unresolved += sorted(r + " not owned by any installed package" for r in reasons)
+            for pkg in packages:
+                needs.setdefault(pkg, set()).update(reasons)
+        self.assertEqual(unresolved, [], "libraries the packaged ELF files link that no Debian "
+                         "package provides here:\n  " + "\n  ".join(unresolved) +
+                         f"\ndpkg-query -S stderr:\n{query.stderr}")
+        self.assertIn("libc6", needs)
+        provides = {}
+        fields = check_run(self, [tool("dpkg-query", "dpkg"), "-W", "-f",
+                                  "${Package}\t${Provides}\n"] + sorted(needs)).stdout
+        for line in fields.splitlines():
+            pkg, _, provided = line.partition("\t")
+            provides.setdefault(pkg, set()).update(relation_names(provided))
+        cls._needs = needs, provides
+        return cls._needs
+
+    def test_depends_names_the_package_of_every_linked_library(self):
+        # dpkg-shlibdeps should have found each library the daemon, CLI and client
+        # library link; check it against readelf + dpkg-query rather than a fixed list.
+        depends = ", ".join(f for f in (self.field("Pre-Depends"), self.field("Depends")) if f)
+        needs, provides = self.library_needs()
+        missing = missing_dependencies(needs, depends, provides)
+        if missing:
+            self.fail(format_missing(missing, depends, provides))
+
+    def test_depends_check_reports_a_removed_entry(self):
+        # The check above can fail: with any one needed package taken out of the real
+        # Depends, exactly that package is reported.
+        depends = self.field("Depends")
+        needs, provides = self.library_needs()
+        for pkg in needs:
+            names = {pkg} | provides.get(pkg, set())
+            without = ", ".join(c for c in depends.split(",") if not names & relation_names(c))
+            missing = missing_dependencies(needs, without, provides)
+            self.assertEqual(set(missing), {pkg}, without)
+            self.assertIn(f"  {pkg}", format_missing(missing, without, provides))
 
     def test_conffile_and_maintainer_scripts(self):
         control = os.path.join(self.tmp, "control")
