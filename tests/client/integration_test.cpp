@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -122,6 +123,11 @@ class ClientIntegration : public ::testing::TestWithParam<std::string> {
     if (GetParam() == "default") return {};
     return {"STEPTRACE_CLOCK=" + GetParam()};
   }
+  std::vector<std::string> env_with(const std::string& extra) const {
+    auto e = env();
+    e.push_back(extra);
+    return e;
+  }
   pid_t trainer(std::vector<std::string> args) const {
     args.insert(args.begin(), STEPTRACE_TEST_TRAINER);
     return spawn_process(args, env());
@@ -177,6 +183,30 @@ TEST_P(ClientIntegration, NestedSpansAreMatchedAsAStack) {
   EXPECT_GE(step_count(proc, "Forward", "total_ns"), step_count(proc, "Matmul", "total_ns"));
 }
 
+// Forward inside Forward: one step's spans on one thread nest as a stack. Each round is
+// Forward { 40 ms; Forward { 10 ms }; 40 ms }, so the inner span lasts >= 10 ms and the
+// outer >= 90 ms. Matched first-in-first-out instead, both would last >= 50 ms; keyed by
+// step alone (the reference's map), the inner start would overwrite the outer's and half
+// the spans would be lost. Bounds are lower ones, except the minimum's: of 8 inner spans
+// at least one must end within 40 ms of its 10 ms sleep.
+TEST_P(ClientIntegration, SameStepNestedSpansAreMatchedAsAStack) {
+  constexpr int kRounds = 8;
+  constexpr long long kMs = 1'000'000;
+  ASSERT_EQ(
+      run_trainer({"nested_same", socket(), out("ns"), std::to_string(kRounds), "10", "40", "40"}),
+      0);
+  const Values v = wait_values(out("ns"));
+  EXPECT_EQ(v.at("dropped"), 0);
+  const auto proc = process_report(socket(), v.at("pid"));
+  EXPECT_EQ(step_count(proc, "Forward"), 2 * kRounds);
+  EXPECT_EQ(step_count(proc, "Forward", "open"), 0);
+  EXPECT_EQ(proc.at("unmatched_ends").get<long long>(), 0);
+  EXPECT_GE(step_count(proc, "Forward", "min_ns"), 10 * kMs);  // every span holds a sleep
+  EXPECT_LT(step_count(proc, "Forward", "min_ns"), 50 * kMs);  // inner spans stay inner
+  EXPECT_GE(step_count(proc, "Forward", "max_ns"), 90 * kMs);  // outer spans hold it all
+  EXPECT_GE(step_count(proc, "Forward", "total_ns"), kRounds * (10 + 90) * kMs);
+}
+
 TEST_P(ClientIntegration, ForkedChildReportsUnderItsOwnPidAndNothingIsSentTwice) {
   ASSERT_EQ(run_trainer({"fork", socket(), out("f"), "1000"}), 0);
   const Values v = wait_values(out("f"));
@@ -197,6 +227,15 @@ TEST_P(ClientIntegration, DaemonAbsentAtStartThenStarted) {
   EXPECT_NE(phase1.at("connect_rc"), 0);
   // Recording never waited for the absent daemon: what did not fit was counted.
   EXPECT_EQ(phase1.at("dropped_phase1"), 20000 - 8192);
+  std::cerr << "daemon absent: phase 1 took " << phase1.at("phase1_ms") << " ms; connect "
+            << phase1.at("connect_unqueued_ns") << " ns, longest other call "
+            << phase1.at("max_call_ns") << " ns (" << phase1.at("max_call_unqueued_ns")
+            << " ns not waiting for a CPU)\n";
+  // No call waited for the daemon (its reconnect backoff, a connect timeout, a full
+  // ring). As in StoppedDaemonDefaultModeDropsAndNeverBlocks, each call's time minus
+  // its thread's wait for a CPU: preemption alone takes tens of ms on a loaded machine.
+  EXPECT_LT(phase1.at("connect_unqueued_ns"), 50'000'000);
+  EXPECT_LT(phase1.at("max_call_unqueued_ns"), 50'000'000);
   daemon_ = std::make_unique<DaemonProcess>(socket());
   ASSERT_TRUE(daemon_->start()) << daemon_->log();
   ASSERT_EQ(wait_process(pid, 60000), 0);
@@ -323,6 +362,67 @@ TEST_P(ClientIntegration, StoppedDaemonExitIsBounded) {
   // The library's bound is 500 ms; the rest is headroom for a loaded machine.
   EXPECT_LT(exited - t0, std::chrono::seconds(3));
   EXPECT_LT(exit_path, std::chrono::seconds(3));
+}
+
+// STEPTRACE_DISABLE=1: the library records nothing and never connects. The daemon
+// never hears of the process, and nothing counts as dropped (disabled is not lost).
+TEST_P(ClientIntegration, DisableEnvRecordsNothingAndDropsNothing) {
+  ASSERT_EQ(run_process({STEPTRACE_TEST_TRAINER, "burst", socket(), out("d"), "2", "100000"},
+                        env_with("STEPTRACE_DISABLE=1"), 60000),
+            0);
+  const Values v = wait_values(out("d"));
+  EXPECT_EQ(v.at("dropped"), 0);
+  EXPECT_EQ(v.at("flush_rc"), -ENOTCONN);
+  EXPECT_EQ(events_received(socket()), 0);
+  const auto stats = command(socket(), "stats --json");
+  ASSERT_TRUE(stats);
+  const auto doc = nlohmann::json::parse(*stats, nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << *stats;
+  EXPECT_EQ(doc.at("processes").at("tracked").get<long long>(), 0) << *stats;
+  const auto ledger = command(socket(), "ledger --json");
+  ASSERT_TRUE(ledger);
+  EXPECT_EQ(ledger->find("GPU-burst"), std::string::npos) << *ledger;
+}
+
+// STEPTRACE_BLOCK_WHEN_FULL=1 is steptrace_set_block_when_full(1) without the call: an
+// unpaced burst, far faster than the flusher and the daemon drain, waits instead of
+// dropping, and every span arrives. The same burst without the variable drops (the
+// premise: this burst really fills the rings).
+TEST_P(ClientIntegration, BlockWhenFullEnvLosesNothingInABurst) {
+  constexpr int kThreads = 2;
+  constexpr int kSpans = 200'000;
+  constexpr long long kBlockWaitNs = 100'000'000;  // the library's bound (client.cpp)
+  ASSERT_EQ(run_process({STEPTRACE_TEST_TRAINER, "burst", socket(), out("b"),
+                         std::to_string(kThreads), std::to_string(kSpans)},
+                        env_with("STEPTRACE_BLOCK_WHEN_FULL=1"), 60000),
+            0);
+  const Values v = wait_values(out("b"));
+  std::cerr << "burst of " << v.at("recorded_events")
+            << " events with STEPTRACE_BLOCK_WHEN_FULL=1: dropped " << v.at("dropped")
+            << ", longest call " << v.at("max_call_ns") << " ns\n";
+  EXPECT_EQ(v.at("connect_rc"), 0);
+  EXPECT_EQ(v.at("flush_rc"), 0);
+  // Nothing dropped. The wait is bounded, though: a machine loaded enough to stall the
+  // flusher or the daemon for the whole 100 ms makes the library drop (as documented),
+  // and then some call must have waited that long; the default mode drops at once.
+  const auto proc = process_report(socket(), v.at("pid"));
+  if (v.at("dropped") == 0) {
+    EXPECT_EQ(step_count(proc, "Forward"), kThreads * kSpans);
+    EXPECT_EQ(step_count(proc, "Forward", "open"), 0);
+  } else {
+    EXPECT_GE(v.at("max_call_ns"), kBlockWaitNs) << "dropped without waiting";
+  }
+  EXPECT_EQ(dropped_of(proc), v.at("dropped"));
+  EXPECT_EQ(events_received(socket()) + v.at("dropped"), v.at("recorded_events"));
+
+  ASSERT_EQ(
+      run_trainer({"burst", socket(), out("b0"), std::to_string(kThreads), std::to_string(kSpans)}),
+      0);
+  const Values control = wait_values(out("b0"));
+  std::cerr << "the same burst without it: dropped " << control.at("dropped") << ", longest call "
+            << control.at("max_call_ns") << " ns\n";
+  EXPECT_EQ(control.at("flush_rc"), 0);
+  EXPECT_GT(control.at("dropped"), 0);
 }
 
 TEST_P(ClientIntegration, CProgramRoundTrip) {

@@ -121,6 +121,18 @@ CallTimes timed_spans(std::uint32_t step, int n) {
   return times;
 }
 
+// How long f() took, minus what this thread spent waiting for a CPU meanwhile (the raw
+// time when the kernel does not report that).
+template <class F>
+long long unqueued_call_ns(F&& f) {
+  const long long wait0 = run_queue_wait_ns();
+  const long long t0 = monotonic_ns();
+  f();
+  const long long took = monotonic_ns() - t0;
+  const long long wait1 = run_queue_wait_ns();
+  return wait0 < 0 || wait1 < 0 ? took : took - (wait1 - wait0);
+}
+
 long long vm_rss_kib() {
   std::ifstream in("/proc/self/status");
   std::string line;
@@ -179,6 +191,26 @@ int main(int argc, char** argv) {
     }
     if (steptrace_flush(10000) != 0) fail("flush");
     out.set("dropped", static_cast<long long>(steptrace_dropped()));
+  } else if (mode == "nested_same") {  // Forward { BEFORE; Forward { INNER }; AFTER } x N
+    // ARGS: N INNER_MS BEFORE_MS AFTER_MS (sleeps). Matched as a stack, the inner span
+    // lasts INNER and the outer BEFORE + INNER + AFTER; matched first-in-first-out, both
+    // would last at least INNER + min(BEFORE, AFTER).
+    const int n = arg(4, 8);
+    const std::chrono::milliseconds inner_ms(arg(5, 10));
+    const std::chrono::milliseconds before_ms(arg(6, 40));
+    const std::chrono::milliseconds after_ms(arg(7, 40));
+    if (steptrace_connect(socket.c_str()) != 0) fail("connect");
+    for (int i = 0; i < n; ++i) {
+      steptrace::Span outer(steptrace::Step::kForward);
+      std::this_thread::sleep_for(before_ms);
+      {
+        steptrace::Span inner(steptrace::Step::kForward);
+        std::this_thread::sleep_for(inner_ms);
+      }
+      std::this_thread::sleep_for(after_ms);
+    }
+    if (steptrace_flush(10000) != 0) fail("flush");
+    out.set("dropped", static_cast<long long>(steptrace_dropped()));
   } else if (mode == "fork") {  // parent Forward, child Backward; nothing sent twice
     const int n = arg(4, 1000);
     if (steptrace_connect(socket.c_str()) != 0) fail("connect");
@@ -203,12 +235,18 @@ int main(int argc, char** argv) {
     const int before = arg(4, 10000);
     const int after = arg(5, 1000);
     const auto t0 = Clock::now();
-    const int rc = steptrace_connect(socket.c_str());
+    int rc = 0;
+    // Every call is timed on its own: none may wait for the absent daemon.
+    const long long connect_ns = unqueued_call_ns([&] { rc = steptrace_connect(socket.c_str()); });
     out.set("connect_rc", rc);
-    for (int i = 0; i < before; ++i) steptrace::Span span(steptrace::Step::kForward);
-    steptrace_ledger_reserve("GPU-late", 1, 4096, "late-task");
+    const CallTimes spans = timed_spans(STEPTRACE_FORWARD, before);
+    const long long ledger_ns =
+        unqueued_call_ns([] { steptrace_ledger_reserve("GPU-late", 1, 4096, "late-task"); });
     out.set("phase1_ms",
             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
+    out.set("connect_unqueued_ns", connect_ns);
+    out.set("max_call_ns", spans.longest_ns);
+    out.set("max_call_unqueued_ns", std::max(spans.longest_unqueued_ns, ledger_ns));
     out.set("dropped_phase1", static_cast<long long>(steptrace_dropped()));
     out.write(outfile + ".phase1");
     if (!flush_until(20000)) fail("never reconnected");
@@ -286,6 +324,25 @@ int main(int argc, char** argv) {
     out.set("dropped_phase1", static_cast<long long>(steptrace_dropped()));
     out.write(outfile + ".phase1");
     if (!flush_until(30000)) fail("no flush acknowledged after SIGCONT");
+    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+  } else if (mode == "burst") {  // THREADS x SPANS Forward spans in a tight loop, unpaced
+    // No pacing: far faster than the flusher and the daemon drain, so the default mode
+    // drops most of it. Then one ledger annotation and one flush, whatever their results
+    // (the test sets STEPTRACE_DISABLE / STEPTRACE_BLOCK_WHEN_FULL and judges them).
+    // Each call is timed: max_call_ns shows whether a full ring's bounded wait ran out.
+    const int threads = arg(4, 2);
+    const int n = arg(5, 200000);
+    out.set("connect_rc", steptrace_connect(socket.c_str()));
+    std::vector<CallTimes> times(static_cast<std::size_t>(threads));
+    std::vector<std::thread> pool;
+    for (auto& t : times) pool.emplace_back([&t, n] { t = timed_spans(STEPTRACE_FORWARD, n); });
+    for (auto& t : pool) t.join();
+    long long longest = 0;
+    for (const auto& t : times) longest = std::max(longest, t.longest_ns);
+    out.set("max_call_ns", longest);
+    steptrace_ledger_reserve("GPU-burst", 1, 4096, "burst-task");
+    out.set("flush_rc", steptrace_flush(30000));
+    out.set("recorded_events", 2LL * threads * n);
     out.set("dropped", static_cast<long long>(steptrace_dropped()));
   } else if (mode == "exit") {  // returns from main, no flush, with the daemon SIGSTOPped
     // ARGS: THREADS SPANS_PER_THREAD [LIVE]: LIVE=1 leaves a thread recording through
