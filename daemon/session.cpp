@@ -247,7 +247,10 @@ void Session::fail(std::error_code ec) {
 
 void Session::set_frame_deadline(bool frame_finished) {
   const bool partial = mode_ == Mode::kBinary ? decoder_.buffered() > 0 : !line_buf_.empty();
-  if (!partial || finishing_) {
+  // While replies back up, the daemon itself stopped reading: what waits is on the write
+  // deadline (a client that does not read), not on the client's sending.
+  const bool paused = pending_write_bytes_ >= kMaxPendingWrite;
+  if (!partial || finishing_ || paused) {
     frame_deadline_.reset();
   } else if (frame_finished || !frame_deadline_) {
     // A new frame (or line) began in this read: its clock starts now and is not

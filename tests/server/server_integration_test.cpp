@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -292,6 +293,61 @@ TEST_F(DaemonTest, MaxConnectionsRejectsTheExtraOne) {
   const json stats = command_json(socket(), "stats --json");
   EXPECT_GE(stats["connections"]["rejected"].get<std::uint64_t>(), 1u);
   EXPECT_GE(stats["limits_hit"]["max_connections"].get<std::uint64_t>(), 1u);
+}
+
+// A client that sends commands but never reads the replies: once the socket buffers are
+// full the daemon stops reading it, and after timeouts.frame_s the connection is closed
+// and counted as write_timeout. Other clients are served throughout.
+TEST_F(DaemonTest, ClientThatNeverReadsItsRepliesIsClosedAndCounted) {
+  DaemonProcess daemon(socket(), {"--config", write_config(kFastTimeouts)});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket().c_str(), sizeof addr.sun_path - 1);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  // `help` replies are much longer than the command: keep sending until the daemon stops
+  // taking more (our send buffer is full because it stopped reading).
+  const std::string line = "help\n";
+  std::size_t sent = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < give_up) {
+    const ssize_t n = ::send(fd, line.data(), line.size(), MSG_NOSIGNAL);
+    if (n > 0) {
+      sent += static_cast<std::size_t>(n);
+      continue;
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+    FAIL() << "send: " << std::strerror(errno);
+  }
+  EXPECT_GT(sent, line.size() * 100) << "the daemon should have read a good many commands first";
+  // Served meanwhile, and the stalled client is closed within a few frame timeouts.
+  EXPECT_EQ(command(socket(), "ping"), "pong\n");
+  std::uint64_t timeouts = 0;
+  for (int i = 0; i < 100 && timeouts == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    timeouts = protocol_errors(command_json(socket(), "stats --json"), "write_timeout");
+  }
+  EXPECT_EQ(timeouts, 1u) << daemon.log();
+  EXPECT_NE(daemon.log().find("did not read a reply within 1 s"), std::string::npos)
+      << daemon.log();
+  // What it had been sent is still readable, then end of stream: the daemon closed it.
+  char buf[65536];
+  bool eof = false;
+  const auto read_until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!eof && std::chrono::steady_clock::now() < read_until) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n == 0) eof = true;
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNRESET) break;
+    if (n < 0 && errno == ECONNRESET) eof = true;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  ::close(fd);
+  EXPECT_TRUE(eof) << "the daemon did not close the connection";
+  EXPECT_EQ(command(socket(), "ping"), "pong\n");
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
