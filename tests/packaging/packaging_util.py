@@ -139,13 +139,7 @@ class Daemon:
         """Signals the daemon and returns its exit status (negative: killed by signal)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+        return self.wait_exit(timeout)
 
     def log_text(self):
         if not self.log.closed:
