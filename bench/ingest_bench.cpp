@@ -11,6 +11,10 @@
 // 0.5..130 us for every step ("validated_wide_spread": 9 chunks per key, a larger working
 // set). One iteration feeds every process's frame once.
 //
+// Also measured ("render/*"): how long one report, or one Prometheus scrape, takes to
+// render from that state. The daemon renders on its one io thread, so this is how long a
+// request holds ingest back (the sockets buffer meanwhile; nothing is lost).
+//
 // Baseline in the same run ("ingest/lower_bound"): the same bytes copied the same way
 // (the stand-in for the socket read) and folded into a flat array of counters with no
 // validation and no span matching. The ratio shows what validation + aggregation cost.
@@ -248,6 +252,44 @@ void bm_lower_bound(benchmark::State& state) {
                           static_cast<std::int64_t>(frames[0].size()));
 }
 
+// Renders of the state after one frame per process: the metrics text (a scrape), the
+// JSON report (serialised) and the text report.
+enum class Render { kMetrics, kReportJson, kReportText };
+
+template <Render kWhat>
+void bm_render(benchmark::State& state) {
+  IngestFixture fx(shape_for(state.range(0)), Spread::kTypical);
+  if (!fx.error.empty()) {
+    state.SkipWithError(fx.error.c_str());
+    return;
+  }
+  for (std::size_t p = 0; p < fx.frames.size(); ++p) {
+    fx.decoders[p]->feed(fx.frames[p]);
+    for (auto r = fx.decoders[p]->next(); r.message && !r.error; r = fx.decoders[p]->next()) {
+      if (auto* events = std::get_if<proto::EventSpan>(&*r.message)) {
+        if (fx.collector.events(fx.handles[p], *events)) {
+          state.SkipWithError("events failed");
+          return;
+        }
+      }
+    }
+  }
+  std::size_t bytes = 0;
+  for (auto _ : state) {
+    std::string out;
+    if constexpr (kWhat == Render::kMetrics) {
+      out = fx.collector.metrics_text();
+    } else if constexpr (kWhat == Render::kReportJson) {
+      out = fx.collector.report_json(std::nullopt).dump();
+    } else {
+      out = fx.collector.report_text(std::nullopt);
+    }
+    bytes = out.size();
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["output_bytes"] = static_cast<double>(bytes);
+}
+
 constexpr std::int64_t kKeyCounts[] = {10, 1000, 100000};
 
 }  // namespace
@@ -266,6 +308,13 @@ int main(int argc, char** argv) {
         benchmark::RegisterBenchmark("ingest/lower_bound", bm_lower_bound)}) {
     for (auto keys : kKeyCounts) b->Arg(keys);
     b->Unit(benchmark::kMicrosecond);
+  }
+  for (auto* b :
+       {benchmark::RegisterBenchmark("render/metrics_text", bm_render<Render::kMetrics>),
+        benchmark::RegisterBenchmark("render/report_json", bm_render<Render::kReportJson>),
+        benchmark::RegisterBenchmark("render/report_text", bm_render<Render::kReportText>)}) {
+    for (auto keys : kKeyCounts) b->Arg(keys);
+    b->Unit(benchmark::kMillisecond);
   }
   std::printf("machine: %s\n", steptrace::bench::machine_description().c_str());
   steptrace::bench::MedianReporter reporter;
@@ -291,6 +340,24 @@ int main(int argc, char** argv) {
       std::printf("   (target >= 80 M events/s: %s)", rate(ours) >= 80e6 ? "met" : "MISSED");
     }
     std::printf("\n");
+  }
+  std::printf("\n== render summary: one render on the daemon's io thread (median) ==\n");
+  std::printf("  %8s | %24s | %24s | %24s\n", "keys", "metrics (a scrape)", "report --json",
+              "report (text)");
+  for (auto keys : kKeyCounts) {
+    const std::string suffix = "/" + std::to_string(keys) + "@1";
+    auto cell = [&](const char* name) {
+      auto f = reporter.median(std::string(name) + suffix);
+      if (!f) return std::string("-");
+      auto it = f->counters.find("output_bytes");
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%8.3f ms, %6.0f KiB", f->real_time,  // ms: the unit set above
+                    it == f->counters.end() ? 0.0 : it->second / 1024);
+      return std::string(buf);
+    };
+    std::printf("  %8lld | %24s | %24s | %24s\n", static_cast<long long>(keys),
+                cell("render/metrics_text").c_str(), cell("render/report_json").c_str(),
+                cell("render/report_text").c_str());
   }
   benchmark::Shutdown();
   return 0;

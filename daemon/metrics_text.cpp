@@ -104,38 +104,67 @@ std::string Collector::metrics_text() const {
   }
 
   // ---- per live process -------------------------------------------------------------------
+  // One pass per family, straight into `out`: with thousands of (process, step) pairs the
+  // text runs to megabytes, and building it in pieces and concatenating them cost more
+  // than the formatting (a scrape holds the io thread while it renders).
   {
-    std::string step_seconds, step_spans, open_spans, unmatched, abandoned, dropped;
-    MetricFamily f_seconds(step_seconds, "steptrace_process_step_seconds_total", "counter",
-                           "Total time of ended spans per live process and step.");
-    MetricFamily f_spans(step_spans, "steptrace_process_step_spans_total", "counter",
-                         "Ended spans per live process and step.");
-    MetricFamily f_open(open_spans, "steptrace_process_open_spans", "gauge",
-                        "Spans open now per live process and step.");
-    MetricFamily f_unmatched(unmatched, "steptrace_process_unmatched_ends_total", "counter",
-                             "Span ends without a start per live process and step.");
-    MetricFamily f_abandoned(abandoned, "steptrace_process_abandoned_spans_total", "counter",
-                             "Spans left open when the process's connections closed.");
-    MetricFamily f_dropped(dropped, "steptrace_process_dropped_events_total", "counter",
-                           "Events a live process reported it could not deliver.");
+    struct Live {
+      const ProcessRecord* rec;
+      std::string pid;
+      std::vector<std::uint64_t> open;
+    };
+    std::vector<Live> live;
+    std::size_t pairs = 0;
     for (const ProcessRecord* rec : select_processes(state, std::nullopt)) {
       if (!rec->alive) continue;
-      const std::string pid = std::to_string(rec->key().pid);
-      const std::string& comm = rec->peer.comm;
-      f_dropped.sample({{"pid", pid}, {"comm", comm}}, rec->dropped);
-      const auto open = rec->open_per_slot();
-      for (std::size_t s = 0; s < rec->steps.size(); ++s) {
-        const StepAgg& agg = rec->steps[s];
-        if (!agg.has_data() && open[s] == 0) continue;
-        const std::string_view step = rec->step_name(s);
-        f_seconds.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, seconds(agg.hist.sum()));
-        f_spans.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, agg.hist.count());
-        f_open.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, open[s]);
-        f_unmatched.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, agg.unmatched_ends);
-        f_abandoned.sample({{"pid", pid}, {"comm", comm}, {"step", step}}, agg.abandoned);
-      }
+      live.push_back({rec, std::to_string(rec->key().pid), rec->open_per_slot()});
+      pairs += rec->steps.size();
     }
-    out += step_seconds + step_spans + open_spans + unmatched + abandoned + dropped;
+    // About 120 bytes a sample, five families per (process, step).
+    out.reserve(out.size() + pairs * 5 * 120 + live.size() * 120 + 64 * 1024);
+    auto per_step = [&](std::string_view name, std::string_view type, std::string_view help,
+                        auto&& sample) {
+      MetricFamily f(out, name, type, help);
+      for (const Live& l : live) {
+        const ProcessRecord& rec = *l.rec;
+        for (std::size_t s = 0; s < rec.steps.size(); ++s) {
+          const StepAgg& agg = rec.steps[s];
+          if (!agg.has_data() && l.open[s] == 0) continue;
+          sample(f,
+                 MetricFamily::Labels{
+                     {"pid", l.pid}, {"comm", rec.peer.comm}, {"step", rec.step_name(s)}},
+                 agg, l.open[s]);
+        }
+      }
+    };
+    per_step("steptrace_process_step_seconds_total", "counter",
+             "Total time of ended spans per live process and step.",
+             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
+               f.sample(labels, seconds(agg.hist.sum()));
+             });
+    per_step("steptrace_process_step_spans_total", "counter",
+             "Ended spans per live process and step.",
+             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
+               f.sample(labels, agg.hist.count());
+             });
+    per_step("steptrace_process_open_spans", "gauge", "Spans open now per live process and step.",
+             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg&, std::uint64_t open) {
+               f.sample(labels, open);
+             });
+    per_step("steptrace_process_unmatched_ends_total", "counter",
+             "Span ends without a start per live process and step.",
+             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
+               f.sample(labels, agg.unmatched_ends);
+             });
+    per_step("steptrace_process_abandoned_spans_total", "counter",
+             "Spans left open when the process's connections closed.",
+             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
+               f.sample(labels, agg.abandoned);
+             });
+    MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
+                           "Events a live process reported it could not deliver.");
+    for (const Live& l : live)
+      f_dropped.sample({{"pid", l.pid}, {"comm", l.rec->peer.comm}}, l.rec->dropped);
   }
 
   // ---- daemon -----------------------------------------------------------------------------

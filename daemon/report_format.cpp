@@ -116,9 +116,13 @@ std::string table_row(std::span<const Column> columns,
 
 namespace {
 // Prometheus text format escaping: backslash and newline always, '"' in label values.
-std::string prometheus_escape(std::string_view text, bool quote) {
-  std::string out;
-  out.reserve(text.size());
+// Appends to `out` (a scrape writes hundreds of thousands of label values).
+void append_prometheus_escaped(std::string& out, std::string_view text, bool quote) {
+  if (text.find_first_of(quote ? std::string_view("\\\n\"") : std::string_view("\\\n")) ==
+      std::string_view::npos) {
+    out += text;
+    return;
+  }
   for (const char c : text) {
     if (c == '\\') {
       out += "\\\\";
@@ -130,13 +134,20 @@ std::string prometheus_escape(std::string_view text, bool quote) {
       out += c;
     }
   }
-  return out;
 }
 }  // namespace
 
-std::string escape_label_value(std::string_view value) { return prometheus_escape(value, true); }
+std::string escape_label_value(std::string_view value) {
+  std::string out;
+  append_prometheus_escaped(out, value, true);
+  return out;
+}
 
-std::string escape_help(std::string_view help) { return prometheus_escape(help, false); }
+std::string escape_help(std::string_view help) {
+  std::string out;
+  append_prometheus_escaped(out, help, false);
+  return out;
+}
 
 std::string format_double(double value) {
   if (std::isnan(value)) return "NaN";
@@ -172,7 +183,7 @@ void MetricFamily::begin(Labels labels, std::string_view suffix) {
       first = false;
       out_ += key;
       out_ += "=\"";
-      out_ += escape_label_value(value);
+      append_prometheus_escaped(out_, value, true);
       out_ += '"';
     }
     out_ += '}';
@@ -182,7 +193,9 @@ void MetricFamily::begin(Labels labels, std::string_view suffix) {
 
 void MetricFamily::sample(Labels labels, std::uint64_t value, std::string_view suffix) {
   begin(labels, suffix);
-  out_ += std::to_string(value);
+  char buf[24];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, value);
+  out_.append(buf, ec == std::errc{} ? end : buf);
   out_ += '\n';
 }
 
