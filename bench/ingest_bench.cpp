@@ -156,6 +156,24 @@ struct IngestFixture {
   std::string error;
 };
 
+// Feeds every process's frame once through its decoder into the collector; the first
+// error, or empty.
+std::string feed_all(IngestFixture& fx) {
+  for (std::size_t p = 0; p < fx.frames.size(); ++p) {
+    proto::Decoder& dec = *fx.decoders[p];
+    dec.feed(fx.frames[p]);
+    for (;;) {
+      auto r = dec.next();
+      if (r.error) return "decode: " + r.error.message();
+      if (!r.message) break;
+      if (auto* events = std::get_if<proto::EventSpan>(&*r.message)) {
+        if (auto ec = fx.collector.events(fx.handles[p], *events)) return "events: " + ec.message();
+      }
+    }
+  }
+  return {};
+}
+
 template <Spread kSpread>
 void bm_ingest(benchmark::State& state) {
   IngestFixture fx(shape_for(state.range(0)), kSpread);
@@ -163,28 +181,8 @@ void bm_ingest(benchmark::State& state) {
     state.SkipWithError(fx.error.c_str());
     return;
   }
-  std::string error;
   for (auto _ : state) {
-    for (std::size_t p = 0; p < fx.frames.size(); ++p) {
-      proto::Decoder& dec = *fx.decoders[p];
-      dec.feed(fx.frames[p]);
-      for (;;) {
-        auto r = dec.next();
-        if (r.error) {
-          error = "decode: " + r.error.message();
-          break;
-        }
-        if (!r.message) break;
-        if (auto* events = std::get_if<proto::EventSpan>(&*r.message)) {
-          if (auto ec = fx.collector.events(fx.handles[p], *events)) {
-            error = "events: " + ec.message();
-            break;
-          }
-        }
-      }
-      if (!error.empty()) break;
-    }
-    if (!error.empty()) {
+    if (const std::string error = feed_all(fx); !error.empty()) {
       state.SkipWithError(error.c_str());
       break;
     }
@@ -263,16 +261,9 @@ void bm_render(benchmark::State& state) {
     state.SkipWithError(fx.error.c_str());
     return;
   }
-  for (std::size_t p = 0; p < fx.frames.size(); ++p) {
-    fx.decoders[p]->feed(fx.frames[p]);
-    for (auto r = fx.decoders[p]->next(); r.message && !r.error; r = fx.decoders[p]->next()) {
-      if (auto* events = std::get_if<proto::EventSpan>(&*r.message)) {
-        if (fx.collector.events(fx.handles[p], *events)) {
-          state.SkipWithError("events failed");
-          return;
-        }
-      }
-    }
+  if (const std::string error = feed_all(fx); !error.empty()) {
+    state.SkipWithError(error.c_str());
+    return;
   }
   std::size_t bytes = 0;
   for (auto _ : state) {

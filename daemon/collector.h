@@ -67,6 +67,11 @@ struct Limits {
 
 // Counters the server and the collector both add to; shown by stats, metrics and the
 // "daemon" object of report --json.
+// The protocol_errors kinds a session counts that are not errcs: a command line over
+// limits.max_line_bytes, and a client that did not read its replies in time.
+inline constexpr const char* kLineTooLongKind = "line_too_long";
+inline constexpr const char* kWriteTimeoutKind = "write_timeout";
+
 struct DaemonCounters {
   std::uint64_t events_received = 0;
   std::uint64_t frames_received = 0;

@@ -45,10 +45,6 @@ constexpr std::array<errc, 14> kProtocolErrorKinds = {
     errc::bad_frame_size,    errc::bad_reserved,    errc::bad_step_id,
     errc::bad_event_kind,    errc::bad_string,      errc::bad_ledger_op,
     errc::unregistered_step, errc::timed_out};
-// Counted by a session, not errcs: a command line over the limit, and a client that did
-// not read its replies in time.
-constexpr std::string_view kLineTooLong = "line_too_long";
-constexpr std::string_view kWriteTimeout = "write_timeout";
 // Step names with a series of their own in steptrace_step_duration_seconds (built-in
 // steps included); the others share the "(other)" series.
 constexpr std::size_t kMaxStepSeries = 4096;
@@ -122,45 +118,35 @@ std::string Collector::metrics_text() const {
     }
     // About 120 bytes a sample, five families per (process, step).
     out.reserve(out.size() + pairs * 5 * 120 + live.size() * 120 + 64 * 1024);
+    // `value(agg, open)` gives the sample; its type (counts or seconds) picks the format.
     auto per_step = [&](std::string_view name, std::string_view type, std::string_view help,
-                        auto&& sample) {
+                        auto&& value) {
       MetricFamily f(out, name, type, help);
       for (const Live& l : live) {
         const ProcessRecord& rec = *l.rec;
         for (std::size_t s = 0; s < rec.steps.size(); ++s) {
           const StepAgg& agg = rec.steps[s];
           if (!agg.has_data() && l.open[s] == 0) continue;
-          sample(f,
-                 MetricFamily::Labels{
-                     {"pid", l.pid}, {"comm", rec.peer.comm}, {"step", rec.step_name(s)}},
-                 agg, l.open[s]);
+          f.sample({{"pid", l.pid}, {"comm", rec.peer.comm}, {"step", rec.step_name(s)}},
+                   value(agg, l.open[s]));
         }
       }
     };
+    using Open = std::uint64_t;
     per_step("steptrace_process_step_seconds_total", "counter",
              "Total time of ended spans per live process and step.",
-             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
-               f.sample(labels, seconds(agg.hist.sum()));
-             });
+             [](const StepAgg& a, Open) { return seconds(a.hist.sum()); });
     per_step("steptrace_process_step_spans_total", "counter",
              "Ended spans per live process and step.",
-             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
-               f.sample(labels, agg.hist.count());
-             });
+             [](const StepAgg& a, Open) { return a.hist.count(); });
     per_step("steptrace_process_open_spans", "gauge", "Spans open now per live process and step.",
-             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg&, std::uint64_t open) {
-               f.sample(labels, open);
-             });
+             [](const StepAgg&, Open open) { return open; });
     per_step("steptrace_process_unmatched_ends_total", "counter",
              "Span ends without a start per live process and step.",
-             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
-               f.sample(labels, agg.unmatched_ends);
-             });
+             [](const StepAgg& a, Open) { return a.unmatched_ends; });
     per_step("steptrace_process_abandoned_spans_total", "counter",
              "Spans left open when the process's connections closed.",
-             [](MetricFamily& f, MetricFamily::Labels labels, const StepAgg& agg, std::uint64_t) {
-               f.sample(labels, agg.abandoned);
-             });
+             [](const StepAgg& a, Open) { return a.abandoned; });
     MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
                            "Events a live process reported it could not deliver.");
     for (const Live& l : live)
@@ -182,8 +168,8 @@ std::string Collector::metrics_text() const {
   {
     std::map<std::string, std::uint64_t> errors;
     for (const errc e : kProtocolErrorKinds) errors[errc_name(e)] = 0;
-    errors[std::string(kLineTooLong)] = 0;
-    errors[std::string(kWriteTimeout)] = 0;
+    errors[kLineTooLongKind] = 0;  // counted by sessions, not errcs
+    errors[kWriteTimeoutKind] = 0;
     for (const auto& [kind, n] : c.protocol_errors) errors[kind] = n;
     MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
                    "Connections closed for a protocol error, by kind.");

@@ -279,9 +279,9 @@ void Session::process_text() {
   }
   if (!finishing_ && (line_too_long_ ||
                       (line_buf_.find('\n') == std::string::npos && line_buf_.size() > max_line))) {
-    ++shared_.collector.counters().protocol_errors["line_too_long"];
-    shared_.log.warn("line_too_long", "client " + describe_peer() + ": command line longer than " +
-                                          std::to_string(max_line) + " bytes; connection closed");
+    ++shared_.collector.counters().protocol_errors[kLineTooLongKind];
+    shared_.log.warn(kLineTooLongKind, "client " + describe_peer() + ": command line longer than " +
+                                           std::to_string(max_line) + " bytes; connection closed");
     line_buf_.clear();
     queue_write("error: line too long\n");
     frame_deadline_.reset();
@@ -394,8 +394,8 @@ void Session::on_timeout() {
     return;
   }
   if (write_deadline_ && *write_deadline_ <= now) {
-    ++shared_.collector.counters().protocol_errors["write_timeout"];
-    shared_.log.warn("write_timeout",
+    ++shared_.collector.counters().protocol_errors[kWriteTimeoutKind];
+    shared_.log.warn(kWriteTimeoutKind,
                      "client " + describe_peer() + " did not read a reply within " +
                          std::to_string(timeouts.frame_s) + " s; connection closed");
     close();

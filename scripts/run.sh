@@ -41,6 +41,16 @@ die() {
 daemon_pid=""
 trainer_pid=""
 trainer_out=""
+# SIGTERM to the daemon, then up to SECONDS for it to exit; fails if it still runs.
+term_daemon() {
+  local polls=$(($1 * 10))
+  kill -TERM "$daemon_pid" 2>/dev/null || true
+  for _ in $(seq "$polls"); do
+    kill -0 "$daemon_pid" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  ! kill -0 "$daemon_pid" 2>/dev/null
+}
 cleanup() {
   local status=$?
   if [[ -n $trainer_pid ]] && kill -0 "$trainer_pid" 2>/dev/null; then
@@ -52,12 +62,7 @@ cleanup() {
     cat "$trainer_out" >&2
   fi
   if [[ -n $daemon_pid ]] && kill -0 "$daemon_pid" 2>/dev/null; then
-    kill -TERM "$daemon_pid" 2>/dev/null || true
-    for _ in $(seq 100); do
-      kill -0 "$daemon_pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    if kill -0 "$daemon_pid" 2>/dev/null; then
+    if ! term_daemon 10; then
       printf 'run.sh: steptraced (pid %s) ignored SIGTERM for 10 s; killing it\n' "$daemon_pid" >&2
       kill -KILL "$daemon_pid" 2>/dev/null || true
       status=1
@@ -123,12 +128,7 @@ start_daemon() {
 }
 
 stop_daemon() {
-  kill -TERM "$daemon_pid"
-  for _ in $(seq 100); do
-    kill -0 "$daemon_pid" 2>/dev/null || break
-    sleep 0.05
-  done
-  kill -0 "$daemon_pid" 2>/dev/null && die "steptraced (pid $daemon_pid) still runs 5 s after SIGTERM"
+  term_daemon 5 || die "steptraced (pid $daemon_pid) still runs 5 s after SIGTERM"
   local status=0
   wait "$daemon_pid" || status=$?
   daemon_pid=""
