@@ -83,10 +83,11 @@ class Encoder {
   std::span<const std::byte> bytes() const { return out_.first(used_); }
   void clear() { used_ = 0; }
 
-  bool hello(std::string_view library_version, std::string_view process_name) {
+  bool hello(std::string_view library_version, std::string_view process_name,
+             std::uint16_t version = kProtocolVersion) {
     Hello h{};
     std::memcpy(h.magic, kMagic, sizeof kMagic);
-    h.version = kProtocolVersion;
+    h.version = version;
     set_field_lossy(h.library_version, library_version);
     set_field_lossy(h.process_name, process_name);
     return put(&h, sizeof h);
@@ -114,6 +115,9 @@ class Encoder {
   }
   bool ledger(const LedgerRecord& record) { return frame(FrameType::kLedger, record); }
   bool dropped(std::uint64_t total) { return frame(FrameType::kDropped, DroppedReport{total}); }
+  bool dropped_by_cause(const DroppedByCause& causes) {
+    return frame(FrameType::kDroppedByCause, causes);
+  }
   bool flush(std::uint64_t sequence) { return frame(FrameType::kFlush, FlushRequest{sequence}); }
   bool flush_ack(std::uint64_t sequence) { return frame(FrameType::kFlushAck, FlushAck{sequence}); }
   bool error(ErrorCode code, std::string_view message) {
@@ -171,7 +175,7 @@ class EventSpan {
 };
 
 using Message = std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport,
-                             FlushRequest, FlushAck, ErrorReport>;
+                             FlushRequest, FlushAck, ErrorReport, DroppedByCause>;
 
 // Which end of the connection decodes: the daemon expects a hello and client frames;
 // the client expects daemon frames (kFlushAck, kError) and no hello.
@@ -223,13 +227,16 @@ class Decoder {
       Hello h;
       std::memcpy(&h, p, sizeof h);
       if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) return fail(errc::bad_magic);
-      if (h.version != kProtocolVersion) return fail(errc::unsupported_version);
+      if (h.version < kMinProtocolVersion || h.version > kProtocolVersion) {
+        return fail(errc::unsupported_version);
+      }
       if (h.flags != 0 || !valid_field(h.library_version, false) ||
           !valid_field(h.process_name, true)) {
         return fail(errc::bad_hello);
       }
       begin_ += sizeof h;
       expect_hello_ = false;
+      version_ = h.version;
       return {{}, Message{h}};
     }
     if (avail < sizeof(FrameHeader)) return {};
@@ -261,6 +268,9 @@ class Decoder {
   std::size_t buffered() const { return end_ - begin_; }
   bool failed() const { return static_cast<bool>(failed_); }
   bool hello_seen() const { return side_ == Side::kDaemon && !expect_hello_; }
+  // The protocol version of the hello (daemon side, once seen); frames of later versions
+  // are unknown_frame_type on an earlier version's stream.
+  std::uint16_t version() const { return version_; }
 
  private:
   bool accepts(FrameType type) const {
@@ -271,6 +281,8 @@ class Decoder {
       case FrameType::kDropped:
       case FrameType::kFlush:
         return side_ == Side::kDaemon;
+      case FrameType::kDroppedByCause:
+        return side_ == Side::kDaemon && version_ >= 2;
       case FrameType::kFlushAck:
       case FrameType::kError:
         return side_ == Side::kClient;
@@ -331,6 +343,8 @@ class Decoder {
         return {{}, Message{load<DroppedReport>(p)}};
       case FrameType::kFlush:
         return {{}, Message{load<FlushRequest>(p)}};
+      case FrameType::kDroppedByCause:
+        return {{}, Message{load<DroppedByCause>(p)}};
       case FrameType::kFlushAck:
         return {{}, Message{load<FlushAck>(p)}};
       case FrameType::kError: {
@@ -346,6 +360,7 @@ class Decoder {
   Side side_;
   std::uint32_t max_payload_;
   bool expect_hello_;
+  std::uint16_t version_ = kProtocolVersion;
   std::error_code failed_;
   std::vector<std::byte> buffer_;
   std::size_t begin_ = 0;

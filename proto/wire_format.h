@@ -19,7 +19,10 @@ static_assert(std::endian::native == std::endian::little,
               "the wire format is little-endian and records are copied as laid out in memory");
 
 inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
-inline constexpr std::uint16_t kProtocolVersion = 1;
+// The version this code speaks; a daemon also accepts hellos of kMinProtocolVersion..
+// kProtocolVersion (version 2 added the DroppedByCause frame, nothing else).
+inline constexpr std::uint16_t kProtocolVersion = 2;
+inline constexpr std::uint16_t kMinProtocolVersion = 1;
 
 // Hard limits that every decoder enforces.
 inline constexpr std::uint32_t kMaxFramePayload = 256 * 1024;  // bytes after the header
@@ -65,6 +68,7 @@ enum class FrameType : std::uint16_t {
   kLedger = 3,        // payload: LedgerRecord
   kDropped = 4,       // payload: DroppedReport
   kFlush = 5,         // payload: FlushRequest
+  kDroppedByCause = 6,  // payload: DroppedByCause (protocol version 2 and later)
   // daemon -> client
   kFlushAck = 0x81,  // payload: FlushAck
   kError = 0x82,     // payload: ErrorReport; the daemon closes the connection after it
@@ -132,6 +136,23 @@ struct DroppedReport {
 };
 static_assert(sizeof(DroppedReport) == 8);
 
+// Why a client could not deliver events (protocol version 2): each count is cumulative
+// for the process, like DroppedReport; their sum is the process's total.
+enum class DropCause : std::uint8_t {
+  kBufferFull = 0,    // a thread's buffer was full while connected: the daemon fell behind
+  kNotConnected = 1,  // no daemon connection (absent, stopped, restarting, after shutdown)
+  kInFlight = 2,      // written to a connection that broke before the daemon read them
+  kInvalid = 3,       // refused by the library: unknown step id, unusable ledger call
+};
+inline constexpr std::size_t kDropCauseCount = 4;
+inline constexpr std::string_view kDropCauseNames[kDropCauseCount] = {
+    "buffer_full", "not_connected", "in_flight", "invalid"};
+
+struct DroppedByCause {
+  std::uint64_t count[kDropCauseCount];  // indexed by DropCause
+};
+static_assert(sizeof(DroppedByCause) == 32);
+
 struct FlushRequest {
   std::uint64_t sequence;
 };
@@ -166,6 +187,8 @@ constexpr std::uint32_t fixed_payload_size(FrameType type) {
       return sizeof(DroppedReport);
     case FrameType::kFlush:
       return sizeof(FlushRequest);
+    case FrameType::kDroppedByCause:
+      return sizeof(DroppedByCause);
     case FrameType::kFlushAck:
       return sizeof(FlushAck);
     case FrameType::kError:

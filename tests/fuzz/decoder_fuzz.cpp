@@ -125,7 +125,8 @@ class Harness {
       hello_seen_ = true;
       FUZZ_CHECK(decoder_.hello_seen());
       FUZZ_CHECK(std::memcmp(h->magic, kMagic, sizeof kMagic) == 0);
-      FUZZ_CHECK(h->version == kProtocolVersion && h->flags == 0);
+      FUZZ_CHECK(h->version >= kMinProtocolVersion && h->version <= kProtocolVersion &&
+                 h->flags == 0);
       touch_field(h->library_version, false);
       FUZZ_CHECK(!field_view(h->library_version).empty());
       touch_field(h->process_name, true);
@@ -172,6 +173,11 @@ class Harness {
       FUZZ_CHECK(side_ == Side::kDaemon);
       g_sink = g_sink + d->total_dropped;
       return sizeof(FrameHeader) + sizeof *d;
+    }
+    if (const auto* c = std::get_if<DroppedByCause>(&m)) {
+      FUZZ_CHECK(side_ == Side::kDaemon && decoder_.version() >= 2);
+      for (auto n : c->count) g_sink = g_sink + n;
+      return sizeof(FrameHeader) + sizeof *c;
     }
     if (const auto* f = std::get_if<FlushRequest>(&m)) {
       FUZZ_CHECK(side_ == Side::kDaemon);

@@ -448,12 +448,12 @@ TEST(ProtoMalformed, BadMagic) {
 }
 
 TEST(ProtoMalformed, UnsupportedVersion) {
-  for (std::uint16_t version : {0, 2, 0x100, 0xffff}) {
+  for (std::uint16_t version : {0, 3, 0x100, 0xffff}) {
     expect_rejected(Side::kDaemon, hello_bytes(version), errc::unsupported_version, 0);
   }
   // The version is checked before the rest of the hello, so a future hello with other
   // flags still gets "unsupported version".
-  expect_rejected(Side::kDaemon, hello_bytes(2, 0xffff, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(3, 0xffff, ""), errc::unsupported_version, 0);
 }
 
 TEST(ProtoMalformed, BadHello) {
@@ -497,11 +497,17 @@ TEST(ProtoMalformed, ConfiguredSmallerCapIsEnforced) {
 }
 
 TEST(ProtoMalformed, UnknownFrameType) {
-  for (std::uint16_t type : {0, 6, 7, 0x80, 0x83, 0x100, 0xffff}) {
+  for (std::uint16_t type : {0, 7, 0x80, 0x83, 0x100, 0xffff}) {
     SCOPED_TRACE(type);
     expect_daemon_frame_rejected(frame_bytes(type, Bytes(8)), errc::unknown_frame_type);
     expect_rejected(Side::kClient, frame_bytes(type, Bytes(8)), errc::unknown_frame_type, 0);
   }
+  // DroppedByCause (6) exists from protocol version 2 on: unknown on a version-1 stream
+  // and to the client; on version 2 only its size is wrong here.
+  expect_rejected(Side::kDaemon, concat({hello_bytes(1), frame_bytes(6, Bytes(32))}),
+                  errc::unknown_frame_type, 1);
+  expect_rejected(Side::kClient, frame_bytes(6, Bytes(32)), errc::unknown_frame_type, 0);
+  expect_daemon_frame_rejected(frame_bytes(6, Bytes(8)), errc::bad_frame_size);
   // Each direction's types are unknown to the other side.
   expect_daemon_frame_rejected(frame_bytes(kFlushAckType, Bytes(8)), errc::unknown_frame_type);
   expect_daemon_frame_rejected(frame_bytes(kErrorType, testing::error_payload(1, "x")),
@@ -646,7 +652,7 @@ TEST(ProtoMalformed, BadLedgerOp) {
 
 // PROTOCOL.md 9.1: a record breaking several rules gets the first failing check's errc.
 TEST(ProtoMalformed, FirstFailingCheckWins) {
-  expect_rejected(Side::kDaemon, hello_bytes(2, 1, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(3, 1, ""), errc::unsupported_version, 0);
   expect_daemon_frame_rejected(header_bytes(0xffffffffu, 0x77, 1), errc::bad_reserved);
   expect_daemon_frame_rejected(header_bytes(0xffffffffu, 0x77), errc::unknown_frame_type);
   expect_daemon_frame_rejected(header_bytes(0xffffffffu, kFlushType), errc::frame_too_large);

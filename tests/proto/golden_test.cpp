@@ -93,8 +93,8 @@ testing::Owned decode_one(Side side, const Bytes& frame) {
 const std::string kGpu = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789";
 
 TEST(ProtoGolden, Hello) {
-  expect_golden("hello.hex", encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.1.0", "trainer")); }),
-                48);
+  expect_golden("hello.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.1.0", "trainer", 1)); }), 48);
   const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello.hex"));
   ASSERT_FALSE(d.error);
   ASSERT_EQ(d.messages.size(), 1u);
@@ -205,6 +205,32 @@ TEST(ProtoGolden, Dropped) {
       1234567u);
 }
 
+TEST(ProtoGolden, HelloVersion2) {
+  expect_golden("hello_v2.hex", encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.2.0", "trainer")); }),
+                48);
+  const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello_v2.hex"));
+  ASSERT_FALSE(d.error);
+  ASSERT_EQ(d.messages.size(), 1u);
+  EXPECT_EQ(std::get<Hello>(d.messages[0]).version, 2u);
+}
+
+TEST(ProtoGolden, DroppedByCause) {
+  const DroppedByCause causes{{11, 2222, 333333, 4}};
+  expect_golden("dropped_by_cause.hex",
+                encode([&](Encoder& e) { ASSERT_TRUE(e.dropped_by_cause(causes)); }), 40);
+  const DecodeAll d = decode_all(
+      Side::kDaemon,
+      testing::concat({read_hex("hello_v2.hex"), read_hex("dropped_by_cause.hex")}));
+  ASSERT_FALSE(d.error) << d.error.message();
+  ASSERT_EQ(d.messages.size(), 2u);
+  const auto& got = std::get<DroppedByCause>(d.messages[1]);
+  for (std::size_t i = 0; i < kDropCauseCount; ++i) EXPECT_EQ(got.count[i], causes.count[i]);
+  // A version-1 stream does not carry it.
+  const DecodeAll v1 = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello.hex"), read_hex("dropped_by_cause.hex")}));
+  EXPECT_EQ(v1.error, make_error_code(errc::unknown_frame_type));
+}
+
 TEST(ProtoGolden, Flush) {
   expect_golden("flush.hex", encode([](Encoder& e) { ASSERT_TRUE(e.flush(7)); }), 16);
   EXPECT_EQ(std::get<FlushRequest>(decode_one(Side::kDaemon, read_hex("flush.hex"))).sequence, 7u);
@@ -234,16 +260,16 @@ TEST(ProtoGolden, Error) {
 // Every golden frame, concatenated after the hello, is one valid daemon-side stream, and
 // also decodes when cut into single bytes.
 TEST(ProtoGolden, AllClientFramesFormOneStream) {
-  Bytes stream = read_hex("hello.hex");
-  for (const char* f :
-       {"register_step.hex", "events.hex", "ledger_reserve.hex", "ledger_release.hex",
-        "ledger_cleanup.hex", "vram_sample.hex", "dropped.hex", "flush.hex"}) {
+  Bytes stream = read_hex("hello_v2.hex");
+  for (const char* f : {"register_step.hex", "events.hex", "ledger_reserve.hex",
+                        "ledger_release.hex", "ledger_cleanup.hex", "vram_sample.hex",
+                        "dropped.hex", "dropped_by_cause.hex", "flush.hex"}) {
     stream = testing::concat({stream, read_hex(f)});
   }
   const DecodeAll d = decode_all(Side::kDaemon, stream, 1);
   EXPECT_FALSE(d.error);
   EXPECT_FALSE(d.finish);
-  EXPECT_EQ(d.messages.size(), 9u);
+  EXPECT_EQ(d.messages.size(), 10u);
 }
 
 }  // namespace
