@@ -14,6 +14,13 @@
 
 namespace steptrace::daemon {
 
+nlohmann::json drop_causes_json(const DropCounts& counts) {
+  nlohmann::json j = nlohmann::json::object();
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+    j[std::string(proto::kDropCauseNames[i])] = counts[i];
+  return j;
+}
+
 std::uint64_t DaemonCounters::protocol_errors_total() const {
   std::uint64_t total = 0;
   for (const auto& [kind, n] : protocol_errors) total += n;
@@ -37,6 +44,28 @@ std::uint64_t ProcessRecord::open_total() const {
   std::uint64_t n = 0;
   for (const auto& thread : threads) n += thread->open;
   return n;
+}
+
+std::shared_ptr<ProcessRecord> ProcessRecord::clone() const {
+  auto copy = std::make_shared<ProcessRecord>();
+  copy->peer = peer;
+  copy->client_name = client_name;
+  copy->library_version = library_version;
+  copy->alive = alive;
+  copy->connections = connections;
+  copy->attached_at_ns = attached_at_ns;
+  copy->exited_at_ns = exited_at_ns;
+  copy->exit_order = exit_order;
+  copy->dropped = dropped;
+  copy->dropped_by_cause = dropped_by_cause;
+  copy->steps = steps;
+  copy->custom_ids = custom_ids;
+  copy->custom_names = custom_names;
+  if (custom_slot) copy->custom_slot = std::make_unique<decltype(custom_slot)::element_type>(*custom_slot);
+  copy->threads.reserve(threads.size());
+  for (const auto& thread : threads) copy->threads.push_back(std::make_unique<ThreadSpans>(*thread));
+  copy->thread_index = thread_index;
+  return copy;  // last_thread stays null: the next event finds its thread by index
 }
 
 std::size_t ProcessRecord::memory_bytes() const {
@@ -102,17 +131,18 @@ void retire(CollectorState& state, const ProcessRecord& rec) {
     const Histogram& hist = rec.steps[slot].hist;
     if (hist.count() == 0) continue;
     std::string name(rec.step_name(slot));
-    auto it = state.retired.find(name);
-    if (it == state.retired.end()) {
-      if (state.retired.size() >= CollectorState::kMaxRetiredNames) name = "(other)";
-      it = state.retired.try_emplace(name).first;
+    RetiredHistograms& retired = state.write_retired();
+    auto it = retired.find(name);
+    if (it == retired.end()) {
+      if (retired.size() >= CollectorState::kMaxRetiredNames) name = "(other)";
+      it = retired.try_emplace(name).first;
     }
     it->second.merge(hist);
   }
 }
 
 void evict(CollectorState& state, ProcessHandle handle) {
-  ProcessRecord& rec = *state.slots[handle];
+  const ProcessRecord& rec = *state.slots[handle];
   retire(state, rec);
   state.ledger.forget_process(rec.key());
   state.by_key.erase(rec.key());
@@ -202,7 +232,7 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
   State& state = *state_;
   const std::uint64_t now = env_.monotonic_now_ns();
   if (const auto it = state.by_key.find(peer.key); it != state.by_key.end()) {
-    ProcessRecord& rec = *state.slots[it->second];
+    ProcessRecord& rec = state.write(it->second);
     mark_alive(state, rec);
     ++rec.connections;
     rec.peer.uid = peer.uid;
@@ -214,8 +244,9 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
   // An older process with this pid that has no connection is gone: its pid was reused.
   for (auto it = state.by_key.lower_bound(ProcessKey{peer.key.pid, 0});
        it != state.by_key.end() && it->first.pid == peer.key.pid; ++it) {
-    ProcessRecord& old = *state.slots[it->second];
-    if (old.connections == 0) mark_exited(state, old, now);
+    if (state.slots[it->second]->connections == 0) {
+      mark_exited(state, state.write(it->second), now);
+    }
   }
   enforce_exited_limit(state, limits_, counters_);
   if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
@@ -225,7 +256,7 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
       return make_error_code(errc::limit_reached);
     }
   }
-  auto rec = std::make_unique<ProcessRecord>();
+  auto rec = std::make_shared<ProcessRecord>();
   rec->peer = peer;
   rec->connections = 1;
   rec->attached_at_ns = now;
@@ -245,14 +276,16 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
 
 void Collector::hello(ProcessHandle process, const proto::Hello& hello) {
   if (process >= state_->slots.size() || !state_->slots[process]) return;
-  ProcessRecord& rec = *state_->slots[process];
+  ProcessRecord& rec = state_->write(process);
   rec.client_name = proto::field_view(hello.process_name);
   rec.library_version = proto::field_view(hello.library_version);
 }
 
 std::error_code Collector::events(ProcessHandle process, proto::EventSpan events) {
-  ProcessRecord* rec = process < state_->slots.size() ? state_->slots[process].get() : nullptr;
-  if (rec == nullptr) return std::make_error_code(std::errc::invalid_argument);
+  if (process >= state_->slots.size() || !state_->slots[process]) {
+    return std::make_error_code(std::errc::invalid_argument);
+  }
+  ProcessRecord* rec = &state_->write(process);
   counters_.events_received += events.size();
 
   const std::size_t max_depth = limits_.max_open_depth;
@@ -320,7 +353,7 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
   if (process >= state_->slots.size() || !state_->slots[process]) {
     return std::make_error_code(std::errc::invalid_argument);
   }
-  ProcessRecord& rec = *state_->slots[process];
+  ProcessRecord& rec = state_->write(process);
   if (!proto::is_custom_step(step.step)) return make_error_code(errc::bad_step_id);
   if (!proto::valid_field(step.name, false)) return make_error_code(errc::bad_string);
   const std::string_view name = proto::field_view(step.name);
@@ -352,7 +385,7 @@ void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record)
 
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
   if (process >= state_->slots.size() || !state_->slots[process]) return;
-  ProcessRecord& rec = *state_->slots[process];
+  ProcessRecord& rec = state_->write(process);
   // Reports are cumulative and may arrive out of order across reconnects: keep the max.
   if (total_dropped > rec.dropped) {
     counters_.events_dropped_by_clients += total_dropped - rec.dropped;
@@ -360,10 +393,27 @@ void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
   }
 }
 
+void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCause& causes) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+    if (causes.count[i] > rec.dropped_by_cause[i]) {
+      counters_.events_dropped_by_cause[i] += causes.count[i] - rec.dropped_by_cause[i];
+      rec.dropped_by_cause[i] = causes.count[i];
+    }
+    // Saturating: a hostile client's counts must not wrap the total.
+    constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+    total = rec.dropped_by_cause[i] > kMax - total ? kMax
+                                                         : total + rec.dropped_by_cause[i];
+  }
+  dropped(process, total);
+}
+
 void Collector::detach(ProcessHandle process) {
   State& state = *state_;
   if (process >= state.slots.size() || !state.slots[process]) return;
-  ProcessRecord& rec = *state.slots[process];
+  ProcessRecord& rec = state.write(process);
   if (rec.connections > 0) --rec.connections;
   if (rec.connections > 0) return;
   abandon_open_spans(rec);
@@ -374,9 +424,10 @@ void Collector::detach(ProcessHandle process) {
 
 void Collector::refresh_liveness() {
   State& state = *state_;
-  for (auto& slot : state.slots) {
+  for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
+    const ProcessRecord* slot = state.slots[h].get();
     if (!slot || !slot->alive || slot->connections > 0) continue;
-    if (!probe_alive(env_, slot->key())) mark_exited(state, *slot, env_.monotonic_now_ns());
+    if (!probe_alive(env_, slot->key())) mark_exited(state, state.write(h), env_.monotonic_now_ns());
   }
   check_ledger_holders(state, env_);
   enforce_exited_limit(state, limits_, counters_);
@@ -385,14 +436,43 @@ void Collector::refresh_liveness() {
 std::size_t Collector::reset(std::optional<std::int32_t> pid) {
   State& state = *state_;
   std::size_t cleared = 0;
-  for (auto& slot : state.slots) {
+  for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
+    const ProcessRecord* slot = state.slots[h].get();
     if (!slot || (pid && slot->key().pid != *pid)) continue;
-    for (auto& step : slot->steps) step.clear();
+    for (auto& step : state.write(h).steps) step.clear();
     ++cleared;
   }
-  if (!pid) state.retired.clear();
+  if (!pid) state.retired = std::make_shared<RetiredHistograms>();
   return cleared;
 }
+
+// ---- views -----------------------------------------------------------------------------
+
+CollectorView::CollectorView(const CollectorState& state, const DaemonCounters& counters,
+                             std::uint64_t now_ns)
+    : state_(std::make_unique<const CollectorState>(state)),
+      counters_(counters),
+      now_ns_(now_ns) {}
+
+CollectorView::~CollectorView() = default;
+
+std::shared_ptr<const CollectorView> Collector::freeze() const {
+  return std::shared_ptr<const CollectorView>(
+      new CollectorView(*state_, counters_, env_.monotonic_now_ns()));
+}
+
+nlohmann::json Collector::report_json(std::optional<std::int32_t> pid) const {
+  return freeze()->report_json(pid);
+}
+std::string Collector::report_text(std::optional<std::int32_t> pid) const {
+  return freeze()->report_text(pid);
+}
+nlohmann::json Collector::ledger_json() const { return freeze()->ledger_json(); }
+std::string Collector::ledger_text() const { return freeze()->ledger_text(); }
+nlohmann::json Collector::stats_json() const { return freeze()->stats_json(); }
+std::string Collector::stats_text() const { return freeze()->stats_text(); }
+std::string Collector::metrics_text() const { return freeze()->metrics_text(); }
+nlohmann::json Collector::snapshot() const { return freeze()->snapshot(); }
 
 // ---- selection shared by the reports ---------------------------------------------------
 
@@ -457,6 +537,7 @@ nlohmann::json counters_json(const DaemonCounters& c) {
           {"frames_received", c.frames_received},
           {"bytes_received", c.bytes_received},
           {"events_dropped_by_clients", c.events_dropped_by_clients},
+          {"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
           {"connections_total", c.connections_total},
           {"connections_rejected", c.connections_rejected},
           {"commands_served", c.commands_served},
@@ -519,6 +600,22 @@ class Reader {
     if (error_.empty()) error_ = std::move(message);
     return false;
   }
+  // An object of the drop cause names (snapshots before causes existed have none: zeros).
+  bool get_drop_causes(const nlohmann::json& j, const char* key, const char* what,
+                       DropCounts& out) {
+    out = {};
+    if (!j.is_object() || !j.contains(key)) return true;
+    const auto* v = field(j, key, what);
+    if (!v->is_object() || v->size() != proto::kDropCauseCount) {
+      return fail(std::string(what) + ": \"" + key + "\" must be an object of the " +
+                  std::to_string(proto::kDropCauseCount) + " drop causes");
+    }
+    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+      const std::string name(proto::kDropCauseNames[i]);
+      if (!get_unsigned(*v, name.c_str(), key, out[i])) return false;
+    }
+    return true;
+  }
 
  private:
   std::string& error_;
@@ -558,7 +655,8 @@ bool read_process(Reader& r, const nlohmann::json& j, ProcessRecord& rec, std::s
       !r.get_bool(j, "alive", what, rec.alive) ||
       !r.get_unsigned(j, "exited_at_ns", what, rec.exited_at_ns) ||
       !r.get_unsigned(j, "exit_order", what, rec.exit_order) ||
-      !r.get_unsigned(j, "dropped", what, rec.dropped)) {
+      !r.get_unsigned(j, "dropped", what, rec.dropped) ||
+      !r.get_drop_causes(j, "dropped_by_cause", what, rec.dropped_by_cause)) {
     return false;
   }
   const auto* custom = r.array(j, "custom_steps", what);
@@ -609,8 +707,8 @@ bool read_process(Reader& r, const nlohmann::json& j, ProcessRecord& rec, std::s
 
 }  // namespace
 
-nlohmann::json Collector::snapshot() const {
-  const State& state = *state_;
+nlohmann::json CollectorView::snapshot() const {
+  const CollectorState& state = *state_;
   nlohmann::json processes = nlohmann::json::array();
   for (const auto& [key, handle] : state.by_key) {
     const ProcessRecord& rec = *state.slots[handle];
@@ -641,16 +739,17 @@ nlohmann::json Collector::snapshot() const {
                          {"exited_at_ns", rec.exited_at_ns},
                          {"exit_order", rec.exit_order},
                          {"dropped", rec.dropped},
+                         {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
                          {"custom_steps", std::move(custom)},
                          {"steps", std::move(steps)}});
   }
   nlohmann::json retired = nlohmann::json::array();
-  for (const auto& [name, hist] : state.retired) {
+  for (const auto& [name, hist] : *state.retired) {
     retired.push_back({{"step", name}, {"histogram", hist.to_json()}});
   }
   return {{"schema", kSnapshotSchema},
           {"version", kSnapshotVersion},
-          {"written_at_ns", env_.monotonic_now_ns()},
+          {"written_at_ns", now_ns_},
           {"processes", std::move(processes)},
           {"retired", std::move(retired)},
           {"counters", counters_json(counters_)},
@@ -684,9 +783,8 @@ std::error_code Collector::restore(const nlohmann::json& doc) {
   auto next = std::make_unique<State>(limits_, counters_);
   const auto* processes = r.array(doc, "processes", "snapshot");
   if (!processes) return bad();
-  std::vector<std::unique_ptr<ProcessRecord>> records;
   for (const auto& p : *processes) {
-    auto rec = std::make_unique<ProcessRecord>();
+    auto rec = std::make_shared<ProcessRecord>();
     if (!read_process(r, p, *rec, error)) return bad();
     if (next->by_key.count(rec->key())) {
       r.fail("process " + std::to_string(rec->key().pid) + " appears twice");
@@ -705,7 +803,7 @@ std::error_code Collector::restore(const nlohmann::json& doc) {
       std::string hist_error;
       auto h = Histogram::from_json(*hist, hist_error);
       if (!h) r.fail("retired: " + hist_error);
-      if (!h || !next->retired.try_emplace(name, std::move(*h)).second) return bad();
+      if (!h || !next->retired->try_emplace(name, std::move(*h)).second) return bad();
     }
   }
   DaemonCounters restored_counters;
@@ -719,6 +817,7 @@ std::error_code Collector::restore(const nlohmann::json& doc) {
         !r.get_unsigned(*counters, "bytes_received", what, c.bytes_received) ||
         !r.get_unsigned(*counters, "events_dropped_by_clients", what,
                         c.events_dropped_by_clients) ||
+        !r.get_drop_causes(*counters, "events_dropped_by_cause", what, c.events_dropped_by_cause) ||
         !r.get_unsigned(*counters, "connections_total", what, c.connections_total) ||
         !r.get_unsigned(*counters, "connections_rejected", what, c.connections_rejected) ||
         !r.get_unsigned(*counters, "commands_served", what, c.commands_served)) {
@@ -758,6 +857,8 @@ std::error_code Collector::restore(const nlohmann::json& doc) {
   c.frames_received += restored_counters.frames_received;
   c.bytes_received += restored_counters.bytes_received;
   c.events_dropped_by_clients += restored_counters.events_dropped_by_clients;
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+    c.events_dropped_by_cause[i] += restored_counters.events_dropped_by_cause[i];
   c.connections_total += restored_counters.connections_total;
   c.connections_rejected += restored_counters.connections_rejected;
   c.commands_served += restored_counters.commands_served;

@@ -11,6 +11,7 @@
 // process (reconnects, a library reopened) share one process record.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -77,6 +78,9 @@ struct DaemonCounters {
   std::uint64_t frames_received = 0;
   std::uint64_t bytes_received = 0;
   std::uint64_t events_dropped_by_clients = 0;  // sum over processes of their reports
+  // The same by proto::DropCause (version-2 clients; a version-1 client's drops have no
+  // cause and are only in the total).
+  std::array<std::uint64_t, proto::kDropCauseCount> events_dropped_by_cause{};
   std::uint64_t connections_now = 0;
   std::uint64_t connections_total = 0;
   std::uint64_t connections_rejected = 0;  // over max_connections
@@ -92,6 +96,48 @@ struct DaemonCounters {
 
 // An index into the collector's process table, valid while the connection lives.
 using ProcessHandle = std::uint32_t;
+
+struct CollectorState;
+class CollectorView;
+
+// Text rendered from a view, possibly on another thread (daemon/render_worker.h).
+using RenderJob = std::function<std::string(const CollectorView&)>;
+
+// The collector's state at one instant, for rendering: cheap to make (process records,
+// the ledger and the retired histograms are shared copy-on-write, see
+// collector_state.h), immutable, and safe to read on another thread while ingest goes on.
+// Made and destroyed on the io thread only (Collector::freeze, daemon/render_worker.h).
+class CollectorView {
+ public:
+  ~CollectorView();
+  CollectorView(const CollectorView&) = delete;
+  CollectorView& operator=(const CollectorView&) = delete;
+
+  // Each process object also carries "current": per thread the innermost open span and
+  // how long it has been open (what the CLI's `top` shows), plus "unmatched_ends" and
+  // "abandoned" per step. Schema: proto/PROTOCOL.md section 10.4.
+  nlohmann::json report_json(std::optional<std::int32_t> pid) const;
+  std::string report_text(std::optional<std::int32_t> pid) const;
+  nlohmann::json ledger_json() const;
+  std::string ledger_text() const;
+  nlohmann::json stats_json() const;
+  std::string stats_text() const;
+  // Prometheus text exposition format 0.0.4.
+  std::string metrics_text() const;
+  // The persistent state (Collector::restore reads it back).
+  nlohmann::json snapshot() const;
+
+  // CLOCK_MONOTONIC when the view was made: "open for" and "exited ago" count to it.
+  std::uint64_t now_ns() const { return now_ns_; }
+
+ private:
+  friend class Collector;
+  CollectorView(const CollectorState& state, const DaemonCounters& counters, std::uint64_t now_ns);
+
+  std::unique_ptr<const CollectorState> state_;
+  DaemonCounters counters_;
+  std::uint64_t now_ns_;
+};
 
 class Collector {
  public:
@@ -113,6 +159,8 @@ class Collector {
   std::error_code register_step(ProcessHandle process, const proto::RegisterStep& step);
   void ledger(ProcessHandle process, const proto::LedgerRecord& record);
   void dropped(ProcessHandle process, std::uint64_t total_dropped);
+  // Protocol version 2: the same, per cause (each cumulative; the total is their sum).
+  void dropped_by_cause(ProcessHandle process, const proto::DroppedByCause& causes);
   // The connection closed. Spans it left open are counted as abandoned when the process
   // has no other connection; liveness is then checked against /proc.
   void detach(ProcessHandle process);
@@ -126,10 +174,11 @@ class Collector {
   // Returns how many processes were cleared (with `pid`: 0 when it is not tracked).
   std::size_t reset(std::optional<std::int32_t> pid);
 
-  // ---- reports (see DESIGN.md for the JSON schema) -----------------------------------
-  // Each process object also carries "current": per thread the innermost open span and
-  // how long it has been open (what the CLI's `top` shows), plus "unmatched_ends" and
-  // "abandoned" per step.
+  // ---- reports ---------------------------------------------------------------------
+  // The state now, to render (on any thread). The daemon renders every report from a
+  // view on its render thread; the functions below render one on the caller's thread.
+  std::shared_ptr<const CollectorView> freeze() const;
+
   nlohmann::json report_json(std::optional<std::int32_t> pid) const;
   std::string report_text(std::optional<std::int32_t> pid) const;
   nlohmann::json ledger_json() const;

@@ -9,6 +9,13 @@
 // first registration. Open spans live per thread, per step slot, as a stack of start
 // timestamps; the thread is found through a one-entry cache of the last thread, else a
 // hash map. Nothing on that path allocates once a (thread, step) stack has grown.
+//
+// Copy-on-write, so reports render on another thread (daemon/collector_view.h): process
+// records, the ledger view's state and the retired histograms are held by shared_ptr.
+// Collector::freeze() copies the pointers (not the data) into a CollectorView; every
+// mutation goes through CollectorState::write() / write_retired() (and LedgerView's own
+// check), which first clones an object a view still holds. The io thread alone creates
+// and destroys views and mutates, so the use counts it reads are its own.
 #pragma once
 
 #include <array>
@@ -25,7 +32,14 @@
 #include "daemon/histogram.h"
 #include "daemon/ledger_view.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace steptrace::daemon {
+
+using DropCounts = std::array<std::uint64_t, proto::kDropCauseCount>;
+
+// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n}
+nlohmann::json drop_causes_json(const DropCounts& counts);
 
 struct StepAgg {
   Histogram hist;  // count, total, min, max, percentiles, Prometheus buckets
@@ -61,6 +75,7 @@ struct ProcessRecord {
   std::uint64_t exited_at_ns = 0;  // CLOCK_MONOTONIC when the exit was noticed
   std::uint64_t exit_order = 0;    // increasing per exit: oldest exited goes first
   std::uint64_t dropped = 0;       // max of the client's cumulative reports
+  DropCounts dropped_by_cause{};  // max per cause
 
   std::vector<StepAgg> steps;             // by slot; size kBuiltinStepCount + custom_ids.size()
   std::vector<std::uint32_t> custom_ids;  // slot - kBuiltinStepCount -> step id
@@ -73,6 +88,8 @@ struct ProcessRecord {
   ThreadSpans* last_thread = nullptr;
 
   ProcessRecord() : steps(proto::kBuiltinStepCount) {}
+  // A deep copy (threads' open spans included); the thread cache starts empty.
+  std::shared_ptr<ProcessRecord> clone() const;
 
   const ProcessKey& key() const { return peer.key; }
   std::string_view step_name(std::size_t slot) const {
@@ -99,10 +116,26 @@ struct NamedTotals {
   const ProcessRecord* last_process = nullptr;  // so a process counts once
 };
 
-struct CollectorState {
-  CollectorState(const Limits& limits, DaemonCounters& counters) : ledger(limits, counters) {}
+using RetiredHistograms = std::map<std::string, Histogram, std::less<>>;
 
-  std::vector<std::unique_ptr<ProcessRecord>> slots;  // by ProcessHandle
+struct CollectorState {
+  CollectorState(const Limits& limits, DaemonCounters& counters)
+      : ledger(limits, counters), retired(std::make_shared<RetiredHistograms>()) {}
+  // Copies share every record (see above): only a view is made this way.
+  CollectorState(const CollectorState&) = default;
+
+  // The record of `handle`, cloned first when a view still holds it. Requires a record.
+  ProcessRecord& write(ProcessHandle handle) {
+    auto& slot = slots[handle];
+    if (slot.use_count() > 1) slot = slot->clone();
+    return *slot;
+  }
+  RetiredHistograms& write_retired() {
+    if (retired.use_count() > 1) retired = std::make_shared<RetiredHistograms>(*retired);
+    return *retired;
+  }
+
+  std::vector<std::shared_ptr<ProcessRecord>> slots;  // by ProcessHandle
   std::vector<ProcessHandle> free_slots;
   std::map<ProcessKey, ProcessHandle> by_key;
   std::size_t exited = 0;
@@ -111,7 +144,7 @@ struct CollectorState {
 
   // Prometheus step histograms of processes that were evicted, so the exported
   // per-step counters never go backwards when a process leaves the table.
-  std::map<std::string, Histogram, std::less<>> retired;
+  std::shared_ptr<RetiredHistograms> retired;
   static constexpr std::size_t kMaxRetiredNames = 4096;  // beyond: merged into "(other)"
 };
 

@@ -4,6 +4,8 @@
 #include <exception>
 #include <nlohmann/json.hpp>
 
+#include "daemon/render_worker.h"
+
 namespace steptrace::daemon {
 namespace {
 
@@ -146,7 +148,7 @@ bool may_reset(std::uint32_t peer_uid, std::uint32_t daemon_euid) {
 
 template <typename Request, typename Run>
 void CommandTable::add(std::string name, std::string usage, std::string summary, Run run) {
-  Handler handler = [run = std::move(run)](Args args, const CommandContext& context) {
+  Handler handler = [run = std::move(run)](Args args, const CommandContext& context) -> Reply {
     Parsed<Request> parsed = Request::parse(args);
     if (auto* err = std::get_if<CommandError>(&parsed)) return "error: " + err->message + "\n";
     return run(std::get<Request>(parsed), context);
@@ -160,27 +162,28 @@ CommandTable::CommandTable() {
                    [](const PingRequest&, const CommandContext&) { return std::string("pong\n"); });
   add<ReportRequest>("report", "report [--json] [--pid N]",
                      "per-step timing for all processes (or one pid), then the VRAM ledger",
-                     [](const ReportRequest& r, const CommandContext& c) {
-                       c.collector.refresh_liveness();
-                       return r.json ? json_line(c.collector.report_json(r.pid))
-                                     : text_reply(c.collector.report_text(r.pid));
+                     [](const ReportRequest& r, const CommandContext&) -> Reply {
+                       return RenderJob([r](const CollectorView& v) {
+                         return r.json ? json_line(v.report_json(r.pid))
+                                       : text_reply(v.report_text(r.pid));
+                       });
                      });
   add<LedgerRequest>("ledger", "ledger [--json]", "the VRAM ledger view per GPU",
-                     [](const LedgerRequest& r, const CommandContext& c) {
-                       c.collector.refresh_liveness();
-                       return r.json ? json_line(c.collector.ledger_json())
-                                     : text_reply(c.collector.ledger_text());
+                     [](const LedgerRequest& r, const CommandContext&) -> Reply {
+                       return RenderJob([r](const CollectorView& v) {
+                         return r.json ? json_line(v.ledger_json()) : text_reply(v.ledger_text());
+                       });
                      });
   add<StatsRequest>("stats", "stats [--json]", "the daemon's own counters",
-                    [](const StatsRequest& r, const CommandContext& c) {
-                      c.collector.refresh_liveness();
-                      return r.json ? json_line(c.collector.stats_json())
-                                    : text_reply(c.collector.stats_text());
+                    [](const StatsRequest& r, const CommandContext&) -> Reply {
+                      return RenderJob([r](const CollectorView& v) {
+                        return r.json ? json_line(v.stats_json()) : text_reply(v.stats_text());
+                      });
                     });
   add<MetricsRequest>("metrics", "metrics", "Prometheus text exposition (format 0.0.4)",
-                      [](const MetricsRequest&, const CommandContext& c) {
-                        c.collector.refresh_liveness();
-                        return text_reply(c.collector.metrics_text());
+                      [](const MetricsRequest&, const CommandContext&) -> Reply {
+                        return RenderJob(
+                            [](const CollectorView& v) { return text_reply(v.metrics_text()); });
                       });
   add<ResetRequest>("reset", "reset [--pid N]",
                     "clear the aggregates (all, or one pid's); root or the daemon's uid only",
@@ -219,6 +222,13 @@ std::string CommandTable::help_text() const {
 }
 
 std::string CommandTable::execute(std::string_view line, const CommandContext& context) const {
+  Reply reply = dispatch(line, context);
+  if (!reply.render) return std::move(reply.text);
+  context.collector.refresh_liveness();
+  return run_render_job(reply.render, *context.collector.freeze());
+}
+
+Reply CommandTable::dispatch(std::string_view line, const CommandContext& context) const {
   const auto words = split_words(line);
   ++context.collector.counters().commands_served;
   if (words.empty()) return "error: empty command (try help)\n";

@@ -4,7 +4,9 @@
 // Data flow: Session reads a line -> CommandTable::execute(line, context) splits it into
 // words, looks the first word up in a table of handlers registered by name, the handler
 // parses the remaining words into its typed request struct (validated; a bad word is an
-// `error: ...` reply naming it), runs it against the Collector and returns the reply.
+// `error: ...` reply naming it), runs it against the Collector and returns the reply:
+// text at once, or (reports, ledger, stats, metrics) a RenderJob that the session hands
+// to the RenderWorker (daemon/render_worker.h), so rendering never holds the io thread.
 // Every reply is text ending in '\n'; JSON replies are one line. A bad command never
 // closes the connection.
 #pragma once
@@ -37,6 +39,15 @@ struct CommandError {
 
 template <typename Request>
 using Parsed = std::variant<Request, CommandError>;
+
+// A command's answer: `text` now, or, when `render` is set, what to render from a view.
+struct Reply {
+  Reply(std::string t) : text(std::move(t)) {}  // NOLINT(google-explicit-constructor)
+  Reply(const char* t) : text(t) {}              // NOLINT(google-explicit-constructor)
+  Reply(RenderJob job) : render(std::move(job)) {}  // NOLINT(google-explicit-constructor)
+  std::string text;
+  RenderJob render;
+};
 
 using Args = std::span<const std::string_view>;
 
@@ -86,13 +97,15 @@ class CommandTable {
  public:
   CommandTable();  // registers every command
 
-  // Answers one line (without its '\n'); the reply ends with '\n'. Counts
-  // commands_served.
+  // Answers one line (without its '\n'); the reply (text, or the text its job renders)
+  // ends with '\n'. Counts commands_served.
+  Reply dispatch(std::string_view line, const CommandContext& context) const;
+  // dispatch(), with a render job run at once on this thread over a fresh view.
   std::string execute(std::string_view line, const CommandContext& context) const;
   std::vector<std::string> names() const;
 
  private:
-  using Handler = std::function<std::string(Args, const CommandContext&)>;
+  using Handler = std::function<Reply(Args, const CommandContext&)>;
   struct Entry {
     std::string usage;
     std::string summary;

@@ -80,17 +80,24 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
     } else {
       response_.result(http::status::ok);
       response_.set(http::field::content_type, kContentType);
-      std::string body;
-      if (Collector* collector = shared_->collector) {
-        collector->refresh_liveness();
-        body = collector->metrics_text();
-      }
-      if (req.method() == http::verb::head) {
-        response_.content_length(body.size());
-      } else {
-        response_.body() = std::move(body);
-        response_.prepare_payload();
-      }
+      RenderWorker* renderer = shared_->renderer;
+      if (renderer == nullptr) return;  // shutting down
+      const bool head = req.method() == http::verb::head;
+      renderer->submit([](const CollectorView& view) { return view.metrics_text(); },
+                       [self = shared_from_this(), head](std::string body) {
+                         self->respond_metrics(head, std::move(body));
+                       });
+      return;
+    }
+    write(response_.keep_alive());
+  }
+
+  void respond_metrics(bool head, std::string body) {
+    if (head) {
+      response_.content_length(body.size());
+    } else {
+      response_.body() = std::move(body);
+      response_.prepare_payload();
     }
     write(response_.keep_alive());
   }
@@ -128,15 +135,15 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
 
 }  // namespace
 
-HttpMetricsServer::HttpMetricsServer(boost::asio::io_context& io, Collector& collector)
+HttpMetricsServer::HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer)
     : io_(io), acceptor_(io), retry_timer_(io), shared_(std::make_shared<Shared>()) {
-  shared_->collector = &collector;
+  shared_->renderer = &renderer;
 }
 
 HttpMetricsServer::~HttpMetricsServer() {
   close();
   // Connections still queued in the io_context must not reach the collector.
-  shared_->collector = nullptr;
+  shared_->renderer = nullptr;
 }
 
 std::optional<std::string> HttpMetricsServer::listen(const ListenAddress& address) {

@@ -3,8 +3,9 @@
 //
 // Data flow: Server builds it on its io_context when metrics_listen is set -> accept loop
 // -> one HttpConnection per TCP client (keep-alive; header limit 8 KiB, tiny body limit,
-// 10 s per request, at most 64 at once) -> reads the Collector on the same thread. Fully
-// asynchronous, so a slow scraper never stalls ingest.
+// 10 s per request, at most 64 at once) -> the body is rendered by the RenderWorker from
+// a view of the Collector, off the io thread. Fully asynchronous, so neither a slow
+// scraper nor a large table stalls ingest.
 #pragma once
 
 #include <cstddef>
@@ -18,6 +19,7 @@
 
 #include "daemon/collector.h"
 #include "daemon/config.h"
+#include "daemon/render_worker.h"
 
 namespace steptrace::daemon {
 
@@ -28,7 +30,7 @@ class HttpMetricsServer {
   static constexpr std::size_t kBodyLimit = 1024;
   static constexpr int kRequestTimeoutS = 10;
 
-  HttpMetricsServer(boost::asio::io_context& io, Collector& collector);
+  HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer);
   ~HttpMetricsServer();
   HttpMetricsServer(const HttpMetricsServer&) = delete;
   HttpMetricsServer& operator=(const HttpMetricsServer&) = delete;
@@ -40,7 +42,7 @@ class HttpMetricsServer {
 
   // Shared with connections, which may outlive this object inside the io_context.
   struct Shared {
-    Collector* collector = nullptr;
+    RenderWorker* renderer = nullptr;
     std::size_t active = 0;
   };
 

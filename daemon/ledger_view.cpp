@@ -320,12 +320,18 @@ struct LedgerView::State {
 };
 
 LedgerView::LedgerView(const Limits& limits, DaemonCounters& counters)
-    : limits_(limits), counters_(counters), state_(std::make_unique<State>()) {}
+    : limits_(limits), counters_(counters), state_(std::make_shared<State>()) {}
+LedgerView::LedgerView(const LedgerView& other) = default;
 LedgerView::~LedgerView() = default;
+
+LedgerView::State& LedgerView::write_state() {
+  if (state_.use_count() > 1) state_ = std::make_shared<State>(*state_);
+  return *state_;
+}
 
 void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& record,
                        std::uint64_t now_ns) {
-  State& s = *state_;
+  State& s = write_state();
   // The client cut an over-long string: the cut value is not what the caller meant (two
   // long UUIDs could merge into one GPU), so the record is counted and refused.
   const bool uuid_cut = (record.flags & proto::kLedgerGpuUuidTruncated) != 0;
@@ -454,15 +460,20 @@ void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
 void LedgerView::attribute_span(const ProcessKey& process, std::uint32_t thread_id,
                                 std::uint32_t step, std::uint64_t start_ns, std::uint64_t end_ns) {
   if (!proto::is_ledger_step(step) || end_ns < start_ns) return;
-  State& s = *state_;
-  const auto threads = s.marks.find(process);
-  if (threads == s.marks.end()) return;
-  const auto mark = threads->second.find(thread_id);
-  if (mark == threads->second.end()) return;
-  const Mark& m = mark->second;
-  if (m.timestamp_ns < start_ns || m.timestamp_ns > end_ns) return;
+  {
+    // Decide on the shared state first: only a span that changes something clones it.
+    const State& cs = *state_;
+    const auto threads = cs.marks.find(process);
+    if (threads == cs.marks.end()) return;
+    const auto mark = threads->second.find(thread_id);
+    if (mark == threads->second.end()) return;
+    const Mark& m = mark->second;
+    if (m.timestamp_ns < start_ns || m.timestamp_ns > end_ns) return;
+    if (!cs.gpus.contains(m.gpu)) return;
+  }
+  State& s = write_state();
+  const Mark& m = s.marks.find(process)->second.find(thread_id)->second;
   const auto gpu = s.gpus.find(m.gpu);
-  if (gpu == s.gpus.end()) return;
   StepTime& all = gpu->second.steps[step];
   ++all.count;
   all.total_ns += end_ns - start_ns;
@@ -474,18 +485,28 @@ void LedgerView::attribute_span(const ProcessKey& process, std::uint32_t thread_
 }
 
 void LedgerView::check_holders(const std::function<bool(const ProcessKey&)>& alive) {
-  for (auto& [uuid, gpu] : state_->gpus) {
-    for (auto& [id, reservation] : gpu.reservations) {
-      reservation.holder_alive = alive(reservation.holder);
+  // Asks once per reservation, and clones a shared state only when an answer changed.
+  std::vector<bool> answers;
+  bool changed = false;
+  for (const auto& [uuid, gpu] : state_->gpus) {
+    for (const auto& [id, reservation] : gpu.reservations) {
+      answers.push_back(alive(reservation.holder));
+      changed = changed || answers.back() != reservation.holder_alive;
     }
+  }
+  if (!changed) return;
+  std::size_t i = 0;
+  for (auto& [uuid, gpu] : write_state().gpus) {
+    for (auto& [id, reservation] : gpu.reservations) reservation.holder_alive = answers[i++];
   }
 }
 
 void LedgerView::forget_process(const ProcessKey& process) {
   // Its per-GPU rows go too, so memory stays bounded by the collector's process table;
   // reservations it holds stay (they still hold VRAM until a release or cleanup).
-  state_->marks.erase(process);
-  for (auto& [uuid, gpu] : state_->gpus) gpu.processes.erase(process);
+  State& s = write_state();
+  s.marks.erase(process);
+  for (auto& [uuid, gpu] : s.gpus) gpu.processes.erase(process);
 }
 
 nlohmann::json LedgerView::to_json(std::uint64_t now_ns) const {

@@ -31,6 +31,10 @@ struct LedgerActor {
 class LedgerView {
  public:
   LedgerView(const Limits& limits, DaemonCounters& counters);
+  // Shares `other`'s state copy-on-write (for CollectorView): whichever side mutates
+  // first clones it. Renders of a copy read only the state, never the counters.
+  LedgerView(const LedgerView& other);
+  LedgerView& operator=(const LedgerView&) = delete;
   ~LedgerView();
 
   void apply(const LedgerActor& actor, const proto::LedgerRecord& record, std::uint64_t now_ns);
@@ -59,9 +63,11 @@ class LedgerView {
 
  private:
   struct State;
+  State& write_state();  // clones a state a copy still shares
+
   const Limits& limits_;
   DaemonCounters& counters_;
-  std::unique_ptr<State> state_;
+  std::shared_ptr<State> state_;
 };
 
 }  // namespace steptrace::daemon

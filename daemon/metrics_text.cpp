@@ -56,8 +56,8 @@ constexpr std::array<std::string_view, 6> kLimitNames = {
 
 }  // namespace
 
-std::string Collector::metrics_text() const {
-  const State& state = *state_;
+std::string CollectorView::metrics_text() const {
+  const CollectorState& state = *state_;
   std::string out;
   out.reserve(16 * 1024);
 
@@ -83,7 +83,7 @@ std::string Collector::metrics_text() const {
       if (h.count() != 0) merge_into(slot->step_name(s), h);
     }
   }
-  for (const auto& [name, h] : state.retired) merge_into(name, h);
+  for (const auto& [name, h] : *state.retired) merge_into(name, h);
   {
     MetricFamily f(out, "steptrace_step_duration_seconds", "histogram",
                    "Duration of ended spans per step, summed over all processes of this node.");
@@ -151,6 +151,16 @@ std::string Collector::metrics_text() const {
                            "Events a live process reported it could not deliver.");
     for (const Live& l : live)
       f_dropped.sample({{"pid", l.pid}, {"comm", l.rec->peer.comm}}, l.rec->dropped);
+    MetricFamily f_cause(out, "steptrace_process_dropped_events_by_cause_total", "counter",
+                         "Events a live process could not deliver, by cause (clients of "
+                         "protocol version 2; buffer_full means the daemon fell behind).");
+    for (const Live& l : live) {
+      for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+        f_cause.sample({{"pid", l.pid}, {"comm", l.rec->peer.comm},
+                        {"cause", std::string(proto::kDropCauseNames[i])}},
+                       l.rec->dropped_by_cause[i]);
+      }
+    }
   }
 
   // ---- daemon -----------------------------------------------------------------------------
@@ -165,6 +175,12 @@ std::string Collector::metrics_text() const {
   MetricFamily(out, "steptrace_events_dropped_by_clients_total", "counter",
                "Events clients reported they could not deliver (daemon absent or slow).")
       .sample({}, c.events_dropped_by_clients);
+  {
+    MetricFamily f(out, "steptrace_events_dropped_by_clients_by_cause_total", "counter",
+                   "Events clients could not deliver, by cause (protocol version 2 clients).");
+    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+      f.sample({{"cause", std::string(proto::kDropCauseNames[i])}}, c.events_dropped_by_cause[i]);
+  }
   {
     std::map<std::string, std::uint64_t> errors;
     for (const errc e : kProtocolErrorKinds) errors[errc_name(e)] = 0;

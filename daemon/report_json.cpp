@@ -88,6 +88,7 @@ nlohmann::json process_json(const ProcessRecord& rec, std::uint64_t now) {
                       {"alive", rec.alive},
                       {"connections", rec.connections},
                       {"dropped", rec.dropped},
+                      {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
                       {"unmatched_ends", unmatched},
                       {"abandoned", abandoned},
                       {"steps", std::move(steps)},
@@ -108,8 +109,8 @@ std::uint64_t rss_bytes() {
 
 }  // namespace
 
-nlohmann::json Collector::report_json(std::optional<std::int32_t> pid) const {
-  const std::uint64_t now = env_.monotonic_now_ns();
+nlohmann::json CollectorView::report_json(std::optional<std::int32_t> pid) const {
+  const std::uint64_t now = now_ns_;
   const auto processes = select_processes(*state_, pid);
   nlohmann::json procs = nlohmann::json::array();
   for (const ProcessRecord* rec : processes) procs.push_back(process_json(*rec, now));
@@ -126,19 +127,20 @@ nlohmann::json Collector::report_json(std::optional<std::int32_t> pid) const {
           {"daemon",
            {{"events_received", counters_.events_received},
             {"events_dropped_by_clients", counters_.events_dropped_by_clients},
+            {"events_dropped_by_cause", drop_causes_json(counters_.events_dropped_by_cause)},
             {"protocol_errors", counters_.protocol_errors_total()},
             {"clients_connected", counters_.connections_now},
             {"uptime_s", uptime_s(counters_)}}}};
 }
 
-nlohmann::json Collector::ledger_json() const {
-  return state_->ledger.to_json(env_.monotonic_now_ns());
+nlohmann::json CollectorView::ledger_json() const {
+  return state_->ledger.to_json(now_ns_);
 }
 
-nlohmann::json Collector::stats_json() const {
-  const State& state = *state_;
+nlohmann::json CollectorView::stats_json() const {
+  const CollectorState& state = *state_;
   std::size_t state_bytes =
-      sizeof(State) + state.slots.capacity() * sizeof(state.slots[0]) + state.by_key.size() * 64;
+      sizeof(CollectorState) + state.slots.capacity() * sizeof(state.slots[0]) + state.by_key.size() * 64;
   std::uint64_t live = 0, connected = 0, custom_steps = 0;
   for (const auto& slot : state.slots) {
     if (!slot) continue;
@@ -147,13 +149,14 @@ nlohmann::json Collector::stats_json() const {
     connected += slot->connections > 0 ? 1 : 0;
     custom_steps += slot->custom_ids.size();
   }
-  for (const auto& [name, hist] : state.retired)
+  for (const auto& [name, hist] : *state.retired)
     state_bytes += name.capacity() + hist.memory_bytes() + 48;
   nlohmann::json protocol_errors = counters_.protocol_errors;
   return {{"events_received", counters_.events_received},
           {"frames_received", counters_.frames_received},
           {"bytes_received", counters_.bytes_received},
           {"events_dropped_by_clients", counters_.events_dropped_by_clients},
+          {"events_dropped_by_cause", drop_causes_json(counters_.events_dropped_by_cause)},
           {"protocol_errors",
            {{"total", counters_.protocol_errors_total()}, {"by_kind", std::move(protocol_errors)}}},
           {"connections",

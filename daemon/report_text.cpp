@@ -93,6 +93,18 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
   return out;
 }
 
+// " (buffer full N, not connected N, ...)" for the causes that are not 0.
+std::string drop_causes_text(const ProcessRecord& rec) {
+  std::string out;
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+    if (rec.dropped_by_cause[i] == 0) continue;
+    std::string name(proto::kDropCauseNames[i]);
+    std::replace(name.begin(), name.end(), '_', ' ');
+    out += (out.empty() ? " (" : ", ") + name + " " + std::to_string(rec.dropped_by_cause[i]);
+  }
+  return out.empty() ? out : out + ")";
+}
+
 std::string process_header(const ProcessRecord& rec, std::uint64_t now) {
   std::uint64_t unmatched = 0, abandoned = 0;
   for (const StepAgg& s : rec.steps) {
@@ -108,7 +120,7 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now) {
   }
   return "── Process " + std::to_string(rec.key().pid) + " (" +
          (rec.peer.comm.empty() ? std::string("?") : rec.peer.comm) + ") · " + state +
-         " · dropped " + std::to_string(rec.dropped) + " · unmatched ends " +
+         " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) + " · unmatched ends " +
          std::to_string(unmatched) + " · abandoned " + std::to_string(abandoned) + " · open " +
          std::to_string(rec.open_total()) + "\n";
 }
@@ -126,8 +138,8 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::string& ou
 
 }  // namespace
 
-std::string Collector::report_text(std::optional<std::int32_t> pid) const {
-  const std::uint64_t now = env_.monotonic_now_ns();
+std::string CollectorView::report_text(std::optional<std::int32_t> pid) const {
+  const std::uint64_t now = now_ns_;
   const auto processes = select_processes(*state_, pid);
   std::string out =
       "\n" + report::boxed_title(pid ? "STEPTRACE REPORT (pid " + std::to_string(*pid) + ")"
@@ -149,11 +161,11 @@ std::string Collector::report_text(std::optional<std::int32_t> pid) const {
   return out;
 }
 
-std::string Collector::ledger_text() const {
-  return state_->ledger.to_text(env_.monotonic_now_ns());
+std::string CollectorView::ledger_text() const {
+  return state_->ledger.to_text(now_ns_);
 }
 
-std::string Collector::stats_text() const {
+std::string CollectorView::stats_text() const {
   std::string out;
   flatten(stats_json(), "", out);
   return out;

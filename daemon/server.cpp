@@ -60,10 +60,12 @@ Server::Server(const Config& config, Collector& collector)
       accept_retry_timer_(io_),
       liveness_timer_(io_),
       snapshot_timer_(io_),
+      renderer_(io_, collector),
       shared_{collector,
               config,
               commands_,
               log_,
+              &renderer_,
               Environment::system(),
               static_cast<std::uint32_t>(::geteuid())} {}
 
@@ -89,7 +91,7 @@ std::optional<std::string> Server::start() {
   }
   if (auto err = open_socket()) return err;
   if (config_.metrics_address) {
-    http_ = std::make_unique<HttpMetricsServer>(io_, collector_);
+    http_ = std::make_unique<HttpMetricsServer>(io_, renderer_);
     if (auto err = http_->listen(*config_.metrics_address)) {
       boost::system::error_code ec;
       acceptor_.close(ec);
@@ -214,21 +216,42 @@ void Server::restore_snapshot() {
   spdlog::info("restored snapshot from {}", config_.state_dir);
 }
 
-void Server::save_snapshot_now() {
-  if (config_.state_dir.empty()) return;
+namespace {
+// Builds and writes the snapshot of `view`; "" or what went wrong.
+std::string write_snapshot(const std::string& state_dir, const CollectorView& view) {
   std::error_code ec;
   try {
-    ec = save_snapshot(config_.state_dir, collector_.snapshot());
+    ec = save_snapshot(state_dir, view.snapshot());
   } catch (const std::exception& e) {
-    spdlog::error("building the snapshot failed: {}", e.what());
-    ec = std::make_error_code(std::errc::invalid_argument);
+    return std::string("building the snapshot failed: ") + e.what();
   }
-  if (ec) {
+  return ec ? "writing snapshot to " + state_dir + " failed: " + ec.message() : std::string();
+}
+}  // namespace
+
+void Server::snapshot_written(const std::string& error) {
+  if (!error.empty()) {
     ++collector_.counters().snapshot_errors;
-    spdlog::error("writing snapshot to {} failed: {}", config_.state_dir, ec.message());
+    spdlog::error("{}", error);
   } else {
     ++collector_.counters().snapshots_written;
   }
+}
+
+void Server::save_snapshot_now() {
+  if (config_.state_dir.empty()) return;
+  snapshot_written(write_snapshot(config_.state_dir, *collector_.freeze()));
+}
+
+void Server::save_snapshot_later() {
+  if (config_.state_dir.empty() || snapshot_pending_) return;
+  snapshot_pending_ = true;
+  renderer_.submit(
+      [dir = config_.state_dir](const CollectorView& view) { return write_snapshot(dir, view); },
+      [this](std::string error) {
+        snapshot_pending_ = false;
+        snapshot_written(error);
+      });
 }
 
 void Server::run() {
@@ -314,7 +337,7 @@ void Server::schedule_snapshot() {
   snapshot_timer_.expires_after(std::chrono::seconds(config_.snapshot_interval_s));
   snapshot_timer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || stopping_) return;
-    save_snapshot_now();
+    save_snapshot_later();
     schedule_snapshot();
   });
 }
@@ -351,6 +374,8 @@ void Server::finish_shutdown() {
   }
   const auto deadline = std::chrono::steady_clock::now() + kDrainBudget;
   for (auto& s : live) s->drain(deadline);
+  // No render job may still write a snapshot (or read the state) after this.
+  renderer_.stop();
   // Snapshot with everything drained applied. Spans still open are saved as abandoned
   // (Collector::snapshot): after a restart no connection could end them.
   save_snapshot_now();

@@ -8,7 +8,9 @@
 // (each a Session, see session.h; over max_connections a connection is answered with an
 // error and closed) and runs until a signal -> shutdown: stop accepting, apply what
 // binary clients already sent (bounded time), write the snapshot, close, return.
-// Everything runs on one thread, event-driven: no polling loop.
+// Everything runs on one thread, event-driven: no polling loop; except rendering (reports,
+// metrics, periodic snapshots), which the RenderWorker does on a thread of its own from a
+// copy-on-write view, so that ingest never waits for it.
 #pragma once
 
 #include <sys/types.h>
@@ -27,6 +29,7 @@
 #include "daemon/commands.h"
 #include "daemon/config.h"
 #include "daemon/http_metrics.h"
+#include "daemon/render_worker.h"
 #include "daemon/session.h"
 
 namespace steptrace::daemon {
@@ -47,7 +50,9 @@ class Server {
  private:
   std::optional<std::string> open_socket();
   void restore_snapshot();
-  void save_snapshot_now();
+  void save_snapshot_now();    // on this thread (shutdown)
+  void save_snapshot_later();  // on the render thread (the timer)
+  void snapshot_written(const std::string& error);
   void accept();
   void on_accept(const boost::system::error_code& ec,
                  boost::asio::local::stream_protocol::socket socket);
@@ -67,6 +72,8 @@ class Server {
   boost::asio::steady_timer liveness_timer_;
   boost::asio::steady_timer snapshot_timer_;
   RateLimitedLog log_;
+  RenderWorker renderer_;
+  bool snapshot_pending_ = false;  // a snapshot job is queued or writing
   CommandTable commands_;
   SessionShared shared_;
   std::unique_ptr<HttpMetricsServer> http_;

@@ -100,7 +100,10 @@ std::string Session::describe_peer() const {
 // ---- reading -----------------------------------------------------------------------
 
 void Session::read_more() {
-  if (reading_ || closed_ || finishing_ || eof_ || draining_ || shared_.stopping) return;
+  if (reading_ || closed_ || finishing_ || eof_ || draining_ || shared_.stopping ||
+      awaiting_reply_) {
+    return;
+  }
   if (pending_write_bytes_ >= kMaxPendingWrite) return;  // resumed when writes drain
   reading_ = true;
   auto self = shared_from_this();
@@ -221,6 +224,10 @@ std::error_code Session::apply(const proto::Message& message) {
             collector.dropped(handle_, dropped.total_dropped);
             return {};
           },
+          [&](const proto::DroppedByCause& causes) -> std::error_code {
+            collector.dropped_by_cause(handle_, causes);
+            return {};
+          },
           [&](const proto::FlushRequest& flush) -> std::error_code {
             std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::FlushAck)> buf{};
             proto::Encoder encoder(buf);
@@ -249,7 +256,7 @@ void Session::set_frame_deadline(bool frame_finished) {
   const bool partial = mode_ == Mode::kBinary ? decoder_.buffered() > 0 : !line_buf_.empty();
   // While replies back up, the daemon itself stopped reading: what waits is on the write
   // deadline (a client that does not read), not on the client's sending.
-  const bool paused = pending_write_bytes_ >= kMaxPendingWrite;
+  const bool paused = pending_write_bytes_ >= kMaxPendingWrite || awaiting_reply_;
   if (!partial || finishing_ || paused) {
     frame_deadline_.reset();
   } else if (frame_finished || !frame_deadline_) {
@@ -265,7 +272,7 @@ void Session::set_frame_deadline(bool frame_finished) {
 void Session::process_text() {
   bool line_finished = false;
   const std::size_t max_line = shared_.config.server_limits.max_line_bytes;
-  while (!finishing_ && !closed_ && pending_write_bytes_ < kMaxPendingWrite) {
+  while (!finishing_ && !closed_ && !awaiting_reply_ && pending_write_bytes_ < kMaxPendingWrite) {
     const auto nl = line_buf_.find('\n');
     if (nl == std::string::npos) break;
     line_finished = true;
@@ -295,11 +302,27 @@ void Session::answer_line(std::string_view line) {
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
   if (line.find_first_not_of(" \t") == std::string_view::npos) return;  // blank: no reply
   const CommandContext context{shared_.collector, peer_.uid, shared_.daemon_euid};
-  queue_write(shared_.commands.execute(line, context));
+  Reply reply = shared_.commands.dispatch(line, context);
+  if (!reply.render) {
+    queue_write(std::move(reply.text));
+    return;
+  }
+  if (shared_.renderer == nullptr) {
+    shared_.collector.refresh_liveness();
+    queue_write(run_render_job(reply.render, *shared_.collector.freeze()));
+    return;
+  }
+  awaiting_reply_ = true;
+  shared_.renderer->submit(std::move(reply.render), [self = shared_from_this()](std::string text) {
+    self->awaiting_reply_ = false;
+    if (self->closed_) return;
+    // The write's completion goes on with the next line, EOF, or reading.
+    self->queue_write(std::move(text));
+  });
 }
 
 void Session::maybe_finish() {
-  if (!eof_ || mode_ != Mode::kText || finishing_ || closed_) return;
+  if (!eof_ || mode_ != Mode::kText || finishing_ || closed_ || awaiting_reply_) return;
   if (line_buf_.find('\n') != std::string::npos) return;  // more lines wait for the writes
   if (!line_buf_.empty()) {
     // The last line had no '\n' (`printf ping | socat ...`): answer it too.

@@ -10,7 +10,9 @@
 //     an Error frame (best effort), is counted by kind and logged (rate-limited), and
 //     closes only this connection.
 //   anything else -> text: lines go to the CommandTable and replies are written in order;
-//     after the client's EOF and the last reply, the connection closes.
+//     a reply that renders state (report, ledger, stats, metrics) is made by the
+//     RenderWorker off the io thread, and this session reads and answers nothing more
+//     until it is back; after the client's EOF and the last reply, the connection closes.
 // Timeouts (one steady_timer): a connection that sends nothing is closed after
 // handshake_s; a frame or line that has begun must finish within frame_s of its start;
 // a reply the peer does not read within frame_s closes it. Idle binary connections
@@ -35,6 +37,7 @@
 #include "daemon/collector.h"
 #include "daemon/commands.h"
 #include "daemon/config.h"
+#include "daemon/render_worker.h"
 
 namespace steptrace::daemon {
 
@@ -61,6 +64,7 @@ struct SessionShared {
   const Config& config;
   const CommandTable& commands;
   RateLimitedLog& log;
+  RenderWorker* renderer = nullptr;  // null: render jobs run on the io thread (tests)
   Environment env;
   std::uint32_t daemon_euid = 0;
   // Set when shutdown begins: sessions start no new asynchronous read, so every byte
@@ -125,6 +129,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::array<char, 4096> text_buf_{};  // first read and text mode
   std::string line_buf_;
   bool line_too_long_ = false;
+  bool awaiting_reply_ = false;  // a render job of this session's is queued or rendering
 
   ProcessHandle handle_ = 0;
   bool attached_ = false;

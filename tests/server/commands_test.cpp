@@ -156,7 +156,7 @@ TEST_F(CommandsTest, ResetNeedsRootOrTheDaemonsUid) {
 TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
   const auto doc = json::parse(run("version"));
   EXPECT_EQ(doc["version"], STEPTRACE_VERSION);
-  EXPECT_EQ(doc["protocol"], 1);
+  EXPECT_EQ(doc["protocol"], proto::kProtocolVersion);
   const auto names = doc["commands"].get<std::vector<std::string>>();
   EXPECT_EQ(names, table_.names());
   for (const char* c :

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <thread>
 
+#include "proto/wire_format.h"
 #include "tests/support/daemon_process.h"
 
 namespace steptrace::testing {
@@ -240,7 +241,7 @@ TEST_F(DaemonTest, SocatPingAndTextCommands) {
   EXPECT_NE(got[1].find("frobnicate"), std::string::npos);
   EXPECT_EQ(got[2], "pong");
   const json version = json::parse(got[3]);
-  EXPECT_EQ(version["protocol"], 1);
+  EXPECT_EQ(version["protocol"], steptrace::proto::kProtocolVersion);
 
   auto reply = command(socket(), "report --pid abc\nping");
   ASSERT_TRUE(reply);
