@@ -452,7 +452,8 @@ CollectorView::CollectorView(const CollectorState& state, const DaemonCounters& 
                              std::uint64_t now_ns)
     : state_(std::make_unique<const CollectorState>(state)),
       counters_(counters),
-      now_ns_(now_ns) {}
+      now_ns_(now_ns),
+      uptime_(std::chrono::steady_clock::now() - counters.started) {}
 
 CollectorView::~CollectorView() = default;
 

@@ -137,6 +137,7 @@ class CollectorView {
   std::unique_ptr<const CollectorState> state_;
   DaemonCounters counters_;
   std::uint64_t now_ns_;
+  std::chrono::steady_clock::duration uptime_;  // at the view's instant
 };
 
 class Collector {

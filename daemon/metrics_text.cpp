@@ -222,9 +222,8 @@ std::string CollectorView::metrics_text() const {
                "State snapshots that failed to write.")
       .sample({}, c.snapshot_errors);
   {
-    const auto elapsed = std::chrono::steady_clock::now() - c.started;
     MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
-        .sample({}, std::chrono::duration<double>(elapsed).count());
+        .sample({}, std::chrono::duration<double>(uptime_).count());
   }
   state.ledger.append_metrics(out);
   return out;

@@ -14,8 +14,7 @@
 namespace steptrace::daemon {
 namespace {
 
-std::uint64_t uptime_s(const DaemonCounters& counters) {
-  const auto elapsed = std::chrono::steady_clock::now() - counters.started;
+std::uint64_t uptime_s(std::chrono::steady_clock::duration elapsed) {
   return static_cast<std::uint64_t>(
       std::max<std::int64_t>(0, std::chrono::duration_cast<std::chrono::seconds>(elapsed).count()));
 }
@@ -130,7 +129,7 @@ nlohmann::json CollectorView::report_json(std::optional<std::int32_t> pid) const
             {"events_dropped_by_cause", drop_causes_json(counters_.events_dropped_by_cause)},
             {"protocol_errors", counters_.protocol_errors_total()},
             {"clients_connected", counters_.connections_now},
-            {"uptime_s", uptime_s(counters_)}}}};
+            {"uptime_s", uptime_s(uptime_)}}}};
 }
 
 nlohmann::json CollectorView::ledger_json() const {
@@ -174,7 +173,7 @@ nlohmann::json CollectorView::stats_json() const {
           {"snapshots",
            {{"written", counters_.snapshots_written}, {"errors", counters_.snapshot_errors}}},
           {"memory", {{"rss_bytes", rss_bytes()}, {"state_bytes_estimate", state_bytes}}},
-          {"uptime_s", uptime_s(counters_)},
+          {"uptime_s", uptime_s(uptime_)},
           {"ledger_anomalies", state.ledger.anomalies_json()}};
 }
 

@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <thread>
+
 #include <nlohmann/json.hpp>
 
 #include "daemon/collector_state.h"
@@ -254,6 +257,115 @@ TEST_F(CollectorTest, DroppedKeepsTheMaximumAndCountersSumProcesses) {
   EXPECT_EQ(process_of(r, 2)["dropped"], 3);
   EXPECT_EQ(collector_->counters().events_dropped_by_clients, 15u);
   EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 15);
+}
+
+TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  ASSERT_FALSE(a.dropped_by_cause({{5, 0, 1, 0}}));
+  ASSERT_FALSE(a.dropped_by_cause({{3, 7, 1, 2}}));  // buffer_full went "back": kept at 5
+  ASSERT_FALSE(b.dropped_by_cause({{0, 4, 0, 0}}));
+  const json r = collector_->report_json(std::nullopt);
+  const json causes = process_of(r, 1)["dropped_by_cause"];
+  EXPECT_EQ(causes, (json{{"buffer_full", 5}, {"not_connected", 7}, {"in_flight", 1},
+                          {"invalid", 2}}));
+  EXPECT_EQ(process_of(r, 1)["dropped"], 15);
+  EXPECT_EQ(process_of(r, 2)["dropped"], 4);
+  EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 19);
+  EXPECT_EQ(r["daemon"]["events_dropped_by_cause"]["not_connected"], 11);
+  EXPECT_EQ(collector_->stats_json()["events_dropped_by_cause"]["buffer_full"], 5);
+  // Text and Prometheus say it too.
+  EXPECT_NE(collector_->report_text(1).find(
+                "dropped 15 (buffer full 5, not connected 7, in flight 1, invalid 2)"),
+            std::string::npos)
+      << collector_->report_text(1);
+  const std::string metrics = collector_->metrics_text();
+  EXPECT_NE(metrics.find("steptrace_process_dropped_events_by_cause_total{pid=\"1\",comm=\"a\","
+                         "cause=\"not_connected\"} 7"),
+            std::string::npos);
+  EXPECT_NE(metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"buffer_full\"} 5"),
+            std::string::npos);
+  // Counts near 2^64 saturate instead of wrapping the total.
+  ASSERT_FALSE(a.dropped_by_cause({{~0ull, ~0ull, 1, 2}}));
+  EXPECT_EQ(process_of(collector_->report_json(1), 1)["dropped"], ~0ull);
+}
+
+TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  ASSERT_FALSE(a.events({start(1, kMatmul, 0), end(1, kMatmul, 100), start(1, kForward, 100)}));
+  a.ledger(test::reserve_record("GPU-x", 1, 4096, "t", 1, 150));
+  const auto view = collector_->freeze();
+  const json before = view->report_json(std::nullopt);
+  const std::string metrics_before = view->metrics_text();
+  EXPECT_EQ(step_of(before, 1, "Matmul")["count"], 1);
+
+  // Everything a record or the ledger can go through after the view was taken.
+  ASSERT_FALSE(a.events({end(1, kForward, 300), start(2, kMatmul, 0), end(2, kMatmul, 50)}));
+  ASSERT_FALSE(a.register_step(300, "Tokenize"));
+  ASSERT_FALSE(a.dropped_by_cause({{1, 2, 3, 4}}));
+  a.ledger(test::reserve_record("GPU-x", 2, 1024, "t", 1, 400));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  ASSERT_FALSE(b.events({start(1, kBackward, 0), end(1, kBackward, 10)}));
+  collector_->reset(1);
+  world_.kill(2);
+  b.close();
+  world_.now_ns += 5'000'000'000;
+
+  EXPECT_EQ(view->report_json(std::nullopt), before);
+  EXPECT_EQ(view->metrics_text(), metrics_before);
+  // The live state has all of it.
+  const json now = collector_->report_json(std::nullopt);
+  EXPECT_EQ(step_of(now, 1, "Matmul"), nullptr);  // reset
+  EXPECT_EQ(process_of(now, 1)["dropped"], 10);
+  EXPECT_EQ(process_of(now, 2)["alive"], false);
+  EXPECT_EQ(step_of(now, 2, "Backward")["count"], 1);
+  EXPECT_EQ(collector_->ledger_json()["gpus"][0]["reserved_bytes"], 4096 + 1024);
+  EXPECT_EQ(view->ledger_json()["gpus"][0]["reserved_bytes"], 4096);
+}
+
+TEST_F(CollectorTest, ViewsRenderOnAnotherThreadWhileIngestMutates) {
+  // What the daemon does: the ingest thread freezes and releases views, a render thread
+  // reads them. Run under the sanitizers, a record shared without a clone shows here.
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  for (std::uint32_t id = 256; id < 356; ++id) {
+    ASSERT_FALSE(a.register_step(id, "custom" + std::to_string(id)));
+  }
+  std::atomic<const CollectorView*> handed{nullptr};
+  std::atomic<bool> done{false};
+  std::atomic<int> renders{0};
+  std::thread renderer([&] {
+    while (!done.load()) {
+      const CollectorView* v = handed.load();
+      if (v == nullptr) {
+        std::this_thread::yield();
+        continue;
+      }
+      const std::string text = v->metrics_text() + v->report_json(std::nullopt).dump();
+      EXPECT_FALSE(text.empty());
+      renders.fetch_add(1);
+      handed.store(nullptr);
+    }
+  });
+  std::shared_ptr<const CollectorView> held;
+  std::uint64_t ts = 0;
+  constexpr int kBatches = 2000;
+  for (int i = 0; i < kBatches; ++i) {
+    if (handed.load() == nullptr) {
+      held = collector_->freeze();  // the previous one is released here, on this thread
+      handed.store(held.get());
+    }
+    const std::uint32_t step = 256 + static_cast<std::uint32_t>(i % 100);
+    ASSERT_FALSE(a.events({start(1, step, ts), end(1, step, ts + 10), start(1, kMatmul, ts),
+                           end(1, kMatmul, ts + 5)}));
+    ts += 20;
+  }
+  while (handed.load() != nullptr) std::this_thread::yield();
+  done.store(true);
+  renderer.join();
+  held.reset();
+  EXPECT_GT(renders.load(), 0);
+  EXPECT_EQ(step_of(collector_->report_json(1), 1, "Matmul")["count"], kBatches);
+  EXPECT_EQ(step_of(collector_->report_json(1), 1, "custom300")["count"], kBatches / 100);
 }
 
 TEST_F(CollectorTest, ExitedProcessesAreKeptUpToTheLimitOldestFirstOut) {

@@ -99,6 +99,12 @@ class Connection {
     EXPECT_TRUE(enc.dropped(total));
     return deliver(enc.bytes());
   }
+  std::error_code dropped_by_cause(const proto::DroppedByCause& causes) {
+    std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::DroppedByCause)> buf{};
+    proto::Encoder enc(buf);
+    EXPECT_TRUE(enc.dropped_by_cause(causes));
+    return deliver(enc.bytes());
+  }
   std::error_code ledger(const proto::LedgerRecord& record) {
     std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::LedgerRecord)> buf{};
     proto::Encoder enc(buf);
@@ -123,6 +129,8 @@ class Connection {
       if (auto* l = std::get_if<proto::LedgerRecord>(&*r.message)) collector_.ledger(handle_, *l);
       if (auto* d = std::get_if<proto::DroppedReport>(&*r.message))
         collector_.dropped(handle_, d->total_dropped);
+      if (auto* d = std::get_if<proto::DroppedByCause>(&*r.message))
+        collector_.dropped_by_cause(handle_, *d);
       if (ec && !first) first = ec;
     }
     return first;

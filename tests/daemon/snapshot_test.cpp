@@ -40,6 +40,7 @@ void populate(Collector& c, FakeWorld& world) {
   a.ledger(test::reserve_record("GPU-1", 9, 1 << 20, "qlora-7b", 1, 150));
   ASSERT_FALSE(a.events({end(1, 7, 400)}));
   a.dropped(11);
+  a.dropped_by_cause({{3, 9, 1, 2}});  // 15 in all
   {
     Connection b(c, world.spawn(5000, 200, "trainer"));
     ASSERT_FALSE(b.register_step(300, "Tokenize"));
@@ -158,11 +159,35 @@ TEST(SnapshotTest, RestoreRejectsBadDocumentsAndLeavesStateUnchanged) {
   d = good;
   d["counters"]["events_received"] = "many";
   bad.emplace_back("bad counter", d);
+  d = good;
+  d["processes"][0]["dropped_by_cause"]["in_flight"] = -1;
+  bad.emplace_back("negative drop cause", d);
+  d = good;
+  d["processes"][0]["dropped_by_cause"].erase("invalid");
+  bad.emplace_back("a drop cause missing", d);
+  d = good;
+  d["counters"]["events_dropped_by_cause"] = json::array();
+  bad.emplace_back("drop causes not an object", d);
 
   for (const auto& [what, doc] : bad) {
     EXPECT_EQ(target.restore(doc), make_error_code(errc::bad_config)) << what;
     EXPECT_EQ(comparable(target.report_json(std::nullopt)), before) << what;
   }
+}
+
+TEST(SnapshotTest, SnapshotsFromBeforeDropCausesRestoreWithZeros) {
+  FakeWorld world;
+  Collector source(Limits{}, world.env());
+  populate(source, world);
+  json doc = source.snapshot();
+  EXPECT_EQ(doc["processes"][0]["dropped_by_cause"]["not_connected"], 9);
+  for (auto& p : doc["processes"]) p.erase("dropped_by_cause");
+  doc["counters"].erase("events_dropped_by_cause");
+  Collector restored(Limits{}, world.env());
+  ASSERT_FALSE(restored.restore(doc));
+  const json p = restored.report_json(4242)["processes"][0];
+  EXPECT_EQ(p["dropped"], 15);
+  EXPECT_EQ(p["dropped_by_cause"]["not_connected"], 0);
 }
 
 TEST(SnapshotTest, RestoreRefusesWhileConnectionsAreAttached) {

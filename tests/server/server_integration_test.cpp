@@ -253,6 +253,35 @@ TEST_F(DaemonTest, SocatPingAndTextCommands) {
   EXPECT_EQ(*reply, "ok\n");  // we run as the daemon's uid
 }
 
+TEST_F(DaemonTest, RenderedRepliesKeepTheirPlaceAmongOtherReplies) {
+  // report/stats/metrics/ledger render on another thread; lines sent in one write are
+  // still answered one by one, in order, and EOF waits for the last reply.
+  DaemonProcess daemon(socket());
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  const auto reply = command(socket(),
+                             "stats --json\nping\nmetrics\nping\nreport --json\nledger --json\n"
+                             "version\nreport --pid nope\nping");
+  ASSERT_TRUE(reply);
+  std::istringstream lines(*reply);
+  std::vector<std::string> got;
+  std::string line;
+  while (std::getline(lines, line)) {
+    // metrics is many lines: keep only its first, then skip to the next reply.
+    if (!got.empty() && got.back().rfind("# HELP", 0) == 0 && line != "pong") continue;
+    got.push_back(line);
+  }
+  ASSERT_EQ(got.size(), 9u) << *reply;
+  EXPECT_TRUE(json::parse(got[0]).contains("events_received")) << got[0];
+  EXPECT_EQ(got[1], "pong");
+  EXPECT_EQ(got[2].rfind("# HELP", 0), 0u) << got[2];
+  EXPECT_EQ(got[3], "pong");
+  EXPECT_EQ(json::parse(got[4])["schema"], "steptrace.report/v1");
+  EXPECT_TRUE(json::parse(got[5]).contains("gpus")) << got[5];
+  EXPECT_EQ(json::parse(got[6])["protocol"], steptrace::proto::kProtocolVersion);
+  EXPECT_EQ(got[7].rfind("error: ", 0), 0u) << got[7];
+  EXPECT_EQ(got[8], "pong");
+}
+
 TEST_F(DaemonTest, OverlongLineIsRefusedAndClosed) {
   DaemonProcess daemon(socket());
   ASSERT_TRUE(daemon.start()) << daemon.log();
