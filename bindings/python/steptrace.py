@@ -7,6 +7,7 @@
     @steptrace.traced("Tokenize")            # other names are registered as custom steps
     def tokenize(batch): ...
     steptrace.flush(1000)                    # 0 once the daemon has applied everything
+    steptrace.dropped_by_cause()             # {"buffer_full": 0, "not_connected": 0, ...}
 
 The library is found via $STEPTRACE_LIBRARY, else ctypes.util.find_library("steptrace"),
 else next to this module, else in ../../build*/client of a source checkout.
@@ -26,11 +27,14 @@ import threading
 __all__ = [
     "Step", "connect", "register_step", "start", "end", "span", "traced",
     "ledger_reserve", "ledger_release", "ledger_cleanup", "vram_sample",
-    "flush", "dropped", "set_enabled", "set_block_when_full", "shutdown", "step_id",
-    "INVALID_STEP",
+    "flush", "dropped", "dropped_by_cause", "set_buffer_size", "set_enabled",
+    "set_block_when_full", "shutdown", "step_id", "INVALID_STEP", "DROP_CAUSES",
 ]
 
 INVALID_STEP = 0xFFFFFFFF
+
+# The drop causes, in the order of steptrace.h's enum steptrace_drop_cause (0..3).
+DROP_CAUSES = ("buffer_full", "not_connected", "in_flight", "invalid")
 
 
 class Step(enum.IntEnum):
@@ -96,6 +100,8 @@ _ledger_cleanup = _fn("steptrace_ledger_cleanup", None, _c.c_char_p, _c.c_uint64
 _vram_sample = _fn("steptrace_vram_sample", None, _c.c_char_p, _c.c_uint64, _c.c_uint64)
 _flush = _fn("steptrace_flush", _c.c_int, _c.c_int)
 _dropped = _fn("steptrace_dropped", _c.c_uint64)
+_dropped_by_cause = _fn("steptrace_dropped_by_cause", _c.c_uint64, _c.c_int)
+_set_buffer_size = _fn("steptrace_set_buffer_size", _c.c_int, _c.c_uint64, _c.c_uint64)
 _set_enabled = _fn("steptrace_set_enabled", None, _c.c_int)
 _set_block_when_full = _fn("steptrace_set_block_when_full", None, _c.c_int)
 _shutdown = _fn("steptrace_shutdown", None)
@@ -195,8 +201,20 @@ def flush(timeout_ms=1000):
 
 
 def dropped():
-    """Events this process could not deliver."""
+    """Events this process could not deliver (the sum of dropped_by_cause())."""
     return int(_dropped())
+
+
+def dropped_by_cause():
+    """Dropped events per cause: a dict with the keys of DROP_CAUSES (see steptrace.h)."""
+    return {name: int(_dropped_by_cause(i)) for i, name in enumerate(DROP_CAUSES)}
+
+
+def set_buffer_size(per_thread, total=0):
+    """Buffer bytes for threads whose first event comes later: per thread (64 KiB..1 GiB,
+    rounded down to a power of two) and for all of them (64 KiB..1 TiB); 0 keeps a
+    value. 0, or -errno (-EINVAL: out of range, nothing changed)."""
+    return _set_buffer_size(int(per_thread), int(total))
 
 
 def set_enabled(on):

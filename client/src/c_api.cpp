@@ -9,6 +9,13 @@
 using steptrace::client::Client;
 namespace proto = steptrace::proto;
 
+// The C enum is the wire's cause index (PROTOCOL.md 4.7a).
+static_assert(STEPTRACE_DROP_BUFFER_FULL == static_cast<int>(proto::DropCause::kBufferFull));
+static_assert(STEPTRACE_DROP_NOT_CONNECTED == static_cast<int>(proto::DropCause::kNotConnected));
+static_assert(STEPTRACE_DROP_IN_FLIGHT == static_cast<int>(proto::DropCause::kInFlight));
+static_assert(STEPTRACE_DROP_INVALID == static_cast<int>(proto::DropCause::kInvalid));
+static_assert(STEPTRACE_DROP_CAUSE_COUNT == proto::kDropCauseCount);
+
 extern "C" {
 
 STEPTRACE_EXPORT int steptrace_connect(const char* socket_path) {
@@ -87,6 +94,23 @@ STEPTRACE_EXPORT uint64_t steptrace_dropped(void) {
     return Client::get().dropped();
   } catch (...) {
     return 0;
+  }
+}
+
+STEPTRACE_EXPORT uint64_t steptrace_dropped_by_cause(int cause) {
+  if (cause < 0 || cause >= STEPTRACE_DROP_CAUSE_COUNT) return 0;
+  try {
+    return Client::get().dropped_by_cause().count[cause];
+  } catch (...) {
+    return 0;
+  }
+}
+
+STEPTRACE_EXPORT int steptrace_set_buffer_size(uint64_t per_thread_bytes, uint64_t total_bytes) {
+  try {
+    return Client::get().set_buffer_size(per_thread_bytes, total_bytes);
+  } catch (...) {
+    return -ENOMEM;
   }
 }
 

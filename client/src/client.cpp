@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +26,8 @@ constinit thread_local EventRing* t_ring __attribute__((tls_model("initial-exec"
 namespace {
 
 thread_local std::uint32_t t_tid __attribute__((tls_model("initial-exec"))) = 0;
+// Of a thread that got no ring: the budget epoch it was refused at.
+thread_local std::uint64_t t_no_ring_epoch = 0;
 pthread_key_t g_thread_key;
 bool g_thread_key_ok = false;
 
@@ -75,13 +78,17 @@ EventRing* first_event() noexcept {
   }
 }
 
-void ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept {
-  Client::get().ring_full(ring, ticks, meta);
+void push_slow(EventRing* ring, EventRing::Push pushed, std::uint64_t ticks,
+               std::uint64_t meta) noexcept {
+  Client& client = Client::get();
+  if (pushed == EventRing::Push::kPushedWake) {
+    client.state().wake();
+    return;
+  }
+  client.ring_full(ring, ticks, meta);
 }
 
-void count_drop() noexcept {
-  Client::get().state().other_dropped.fetch_add(1, std::memory_order_relaxed);
-}
+void count_drop(proto::DropCause cause) noexcept { Client::get().state().count_drops(cause); }
 
 // ---- Client ------------------------------------------------------------------------
 
@@ -98,6 +105,10 @@ Client& Client::get() {
 Client::Client() {
   env_disabled_ = env_true("STEPTRACE_DISABLE");
   g_block_when_full.store(env_true("STEPTRACE_BLOCK_WHEN_FULL"), std::memory_order_relaxed);
+  const BufferSizes sizes = buffer_sizes_from_env(std::getenv("STEPTRACE_BUFFER_BYTES"),
+                                                  std::getenv("STEPTRACE_BUFFER_TOTAL_BYTES"));
+  s_.registry.per_thread_bytes = sizes.per_thread;
+  s_.registry.total_bytes = sizes.total;
   s_.clock_source = choose_clock_source(std::getenv("STEPTRACE_CLOCK"), cpu_has_invariant_tsc(),
                                         current_clocksource());
   g_use_tsc = s_.clock_source == ClockSource::kTsc;
@@ -117,10 +128,40 @@ void Client::update_mode_locked() {
   g_mode.store(mode, std::memory_order_release);
 }
 
+EventRing* Client::no_ring() noexcept {
+  static EventRing* const kRing = new EventRing(0, 0);  // maps nothing; never destroyed
+  return kRing;
+}
+
 EventRing* Client::create_ring() {
-  auto ring = std::make_unique<EventRing>(current_tid());
-  std::lock_guard lock(s_.registry.mu);
-  s_.registry.rings.push_back(ring.get());
+  const std::uint32_t tid = current_tid();
+  RingRegistry& registry = s_.registry;
+  std::lock_guard lock(registry.mu);
+  auto size = [&] {
+    const std::uint64_t used = std::min(registry.used_bytes, registry.total_bytes);
+    return next_ring_bytes(registry.per_thread_bytes, registry.total_bytes - used);
+  };
+  std::uint64_t bytes = size();
+  if (bytes < registry.per_thread_bytes && !s_.connected.load(std::memory_order_acquire)) {
+    // Nobody drains the rings of exited threads now: a live thread comes first. Their
+    // events are counted under not_connected, oldest ring first.
+    for (std::size_t i = 0; i < registry.rings.size() && bytes < registry.per_thread_bytes;) {
+      if (registry.rings[i]->orphaned()) {
+        registry.free_ring_locked(i);
+        bytes = size();
+      } else {
+        ++i;
+      }
+    }
+  }
+  if (bytes == 0) {
+    t_no_ring_epoch = registry.budget_epoch.load(std::memory_order_relaxed);
+    return no_ring();
+  }
+  registry.rings.reserve(registry.rings.size() + 1);
+  auto ring = std::make_unique<EventRing>(tid, static_cast<std::size_t>(bytes / kRingRecordBytes));
+  registry.rings.push_back(ring.get());
+  registry.used_bytes += bytes;
   if (g_thread_key_ok) ::pthread_setspecific(g_thread_key, ring.get());
   return ring.release();
 }
@@ -144,6 +185,23 @@ void Client::retire_ring(EventRing* ring) noexcept {
 }
 
 void Client::ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept {
+  if (ring->capacity() == 0) {
+    // No ring: try again for one once a freed ring has returned its bytes.
+    if (s_.registry.budget_epoch.load(std::memory_order_acquire) != t_no_ring_epoch) {
+      EventRing* fresh = nullptr;
+      try {
+        fresh = create_ring();
+      } catch (...) {
+      }
+      if (fresh != nullptr && fresh->capacity() != 0) {
+        t_ring = fresh;
+        const std::uint64_t own_meta = (meta & ~std::uint64_t{0xffffffff}) | fresh->thread_id();
+        if (fresh->try_push(ticks, own_meta) != EventRing::Push::kFull) return;
+      }
+    }
+    s_.count_drops(proto::DropCause::kBufferFull);
+    return;
+  }
   if (g_block_when_full.load(std::memory_order_relaxed) &&
       s_.connected.load(std::memory_order_acquire)) {
     if (ring->stalled && ring->consumed() != ring->stalled_tail) ring->stalled = false;
@@ -152,7 +210,7 @@ void Client::ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta)
       const std::uint64_t deadline = monotonic_ns() + kBlockWaitNs;
       const timespec pause{0, 50'000};
       for (;;) {
-        if (ring->try_push(ticks, meta)) return;
+        if (ring->try_push(ticks, meta) != EventRing::Push::kFull) return;
         if (!s_.connected.load(std::memory_order_acquire) || monotonic_ns() >= deadline) break;
         ::nanosleep(&pause, nullptr);
       }
@@ -160,7 +218,11 @@ void Client::ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta)
       ring->stalled_tail = ring->consumed();
     }
   }
-  ring->count_drop();
+  if (s_.connected.load(std::memory_order_relaxed)) {
+    ring->count_buffer_full();
+  } else {
+    ring->count_not_connected();
+  }
 }
 
 int Client::connect(const char* socket_path) {
@@ -214,18 +276,23 @@ void Client::ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t rese
   restart_after_fork_if_needed();
   const std::uint8_t mode = g_mode.load(std::memory_order_relaxed);
   if (mode == kModeOff) return;
-  auto record = mode == kModeRecord
-                    ? make_ledger_record(op, gpu_uuid, task, read_clock(), current_tid())
-                    : std::nullopt;
+  if (mode == kModeDrop) {
+    s_.count_drops(proto::DropCause::kNotConnected);
+    return;
+  }
+  auto record = make_ledger_record(op, gpu_uuid, task, read_clock(), current_tid());
   if (!record) {
-    count_drop();
+    s_.count_drops(proto::DropCause::kInvalid);
     return;
   }
   record->reservation_id = reservation_id;
   record->bytes = bytes;
   record->total_bytes = total_bytes;
   record->holder_pid = holder_pid;
-  if (!s_.ledger.push(*record)) count_drop();
+  if (!s_.ledger.push(*record)) {
+    s_.count_drops(s_.connected.load(std::memory_order_relaxed) ? proto::DropCause::kBufferFull
+                                                                : proto::DropCause::kNotConnected);
+  }
 }
 
 int Client::flush(int timeout_ms) {
@@ -255,6 +322,25 @@ std::uint64_t Client::dropped() {
   return s_.total_dropped_locked();
 }
 
+proto::DroppedByCause Client::dropped_by_cause() {
+  restart_after_fork_if_needed();
+  std::lock_guard lock(s_.registry.mu);
+  return s_.dropped_locked();
+}
+
+int Client::set_buffer_size(std::uint64_t per_thread_bytes, std::uint64_t total_bytes) {
+  if ((per_thread_bytes != 0 && !valid_ring_bytes(per_thread_bytes)) ||
+      (total_bytes != 0 && !valid_total_ring_bytes(total_bytes))) {
+    return -EINVAL;
+  }
+  std::lock_guard lock(s_.registry.mu);
+  if (per_thread_bytes != 0) s_.registry.per_thread_bytes = std::bit_floor(per_thread_bytes);
+  if (total_bytes != 0) s_.registry.total_bytes = total_bytes;
+  // Threads refused a ring may fit now.
+  s_.registry.budget_epoch.fetch_add(1, std::memory_order_release);
+  return 0;
+}
+
 void Client::set_enabled(bool on) {
   restart_after_fork_if_needed();
   std::lock_guard lock(control_mu_);
@@ -279,10 +365,33 @@ void Client::at_exit() noexcept {
     // Never hang exit: give up on the lock if some thread holds it for long.
     std::unique_lock lock(control_mu_, std::defer_lock);
     if (!lock.try_lock_for(std::chrono::milliseconds(kExitFlushMs))) return;
+    const bool was_connected = s_.connected.load(std::memory_order_acquire);
     stop_flusher_locked(kExitFlushMs);
     restart_pending_.store(false, std::memory_order_relaxed);
     lifecycle_ = Lifecycle::kStopped;
     update_mode_locked();
+    // Whatever the final flush did not take is lost now: with the daemon connected it
+    // was on its way (the flush timed out, or it was recorded after), else it had no
+    // daemon to go to.
+    count_unsent_at_exit(was_connected ? proto::DropCause::kInFlight
+                                       : proto::DropCause::kNotConnected);
+  } catch (...) {
+  }
+}
+
+void Client::count_unsent_at_exit(proto::DropCause cause) noexcept {
+  try {
+    std::uint64_t unsent = 0;
+    std::lock_guard lock(s_.registry.mu);
+    for (EventRing* ring : s_.registry.rings) {
+      const std::uint64_t head = ring->published();
+      unsent += head - ring->consumed();
+      ring->release(head);  // the flusher is gone: this thread is the consumer now
+    }
+    std::vector<proto::LedgerRecord> queued;
+    s_.ledger.take(queued);
+    unsent += queued.size();
+    s_.count_drops(cause, unsent);
   } catch (...) {
   }
 }
@@ -324,8 +433,10 @@ void Client::fork_child() noexcept {
   t_ring = nullptr;
   t_tid = 0;
   if (g_thread_key_ok) ::pthread_setspecific(g_thread_key, nullptr);
-  s_.registry.retired_dropped = 0;
-  s_.other_dropped.store(0, std::memory_order_relaxed);
+  s_.registry.retired = {};
+  s_.registry.used_bytes = 0;
+  s_.registry.budget_epoch.fetch_add(1, std::memory_order_relaxed);
+  for (auto& count : s_.other_dropped) count.store(0, std::memory_order_relaxed);
   s_.ledger.clear_after_fork();
   s_.flush.waiters.clear();
   new (&s_.flush.cv) std::condition_variable();  // the parent's waiters do not exist here

@@ -4,9 +4,13 @@
 // Hot path (record()): one relaxed load of the mode (off / record / drop-and-count),
 // a range check of the step id, the thread's ring pointer (an initial-exec TLS slot),
 // one clock read, one 16-byte store and a release store of the ring head. The first
-// event of a thread takes the slow path (first_event): it allocates the thread's ring,
-// registers it under the registry mutex and arms a pthread key whose destructor hands
-// the ring to the flusher when the thread exits (drained, then freed: nothing lost).
+// event of a thread takes the slow path (first_event): it maps the thread's ring (its
+// size from the budget, ring_budget.h), registers it under the registry mutex and arms a
+// pthread key whose destructor hands the ring to the flusher when the thread exits
+// (drained, then freed: nothing lost). A thread the budget has no room for gets
+// no_ring(), a ring of capacity 0 that is always full. Other slow paths (push_slow):
+// the push that reaches the ring's high-water mark wakes the flusher (one eventfd
+// write), and a full ring drops and counts (or, opt-in, waits a bounded time).
 #pragma once
 
 #include <atomic>
@@ -40,33 +44,35 @@ inline std::uint64_t read_clock() noexcept { return g_use_tsc ? tsc_ticks() : mo
 
 // Slow paths, out of line.
 EventRing* first_event() noexcept;
-void ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept;
-void count_drop() noexcept;
+void push_slow(EventRing* ring, EventRing::Push pushed, std::uint64_t ticks,
+               std::uint64_t meta) noexcept;
+void count_drop(proto::DropCause cause) noexcept;
 
 inline void record(std::uint32_t step, proto::EventKind kind) noexcept {
   const std::uint8_t mode = g_mode.load(std::memory_order_relaxed);
   if (mode != kModeRecord) [[unlikely]] {
-    if (mode == kModeDrop) count_drop();
+    if (mode == kModeDrop) count_drop(proto::DropCause::kNotConnected);
     return;
   }
   if (step >= proto::kBuiltinStepCount &&
       step - proto::kFirstCustomStep >= g_custom_steps.load(std::memory_order_relaxed))
       [[unlikely]] {
-    count_drop();  // unknown id: never sent as an invalid frame
+    count_drop(proto::DropCause::kInvalid);  // unknown id: never sent as an invalid frame
     return;
   }
   EventRing* ring = t_ring;
   if (ring == nullptr) [[unlikely]] {
     ring = first_event();
     if (ring == nullptr) {
-      count_drop();
+      count_drop(proto::DropCause::kBufferFull);  // could not map a ring
       return;
     }
   }
   const std::uint64_t meta = event_meta(ring->thread_id(), step, kind);
   const std::uint64_t ticks = read_clock();
-  if (!ring->try_push(ticks, meta)) [[unlikely]]
-    ring_full(ring, ticks, meta);
+  const EventRing::Push pushed = ring->try_push(ticks, meta);
+  if (pushed != EventRing::Push::kPushed) [[unlikely]]
+    push_slow(ring, pushed, ticks, meta);
 }
 
 class Client {
@@ -75,9 +81,12 @@ class Client {
 
   ClientState& state() { return s_; }
 
+  // The calling thread's new ring, or no_ring() when the budget has no room.
   EventRing* create_ring();
   void retire_ring(EventRing* ring) noexcept;
   void ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta) noexcept;
+  // The stand-in ring of threads without one: capacity 0, every push fails.
+  static EventRing* no_ring() noexcept;
 
   int connect(const char* socket_path);
   std::uint32_t register_step(const char* name);
@@ -86,6 +95,9 @@ class Client {
               const char* task);
   int flush(int timeout_ms);
   std::uint64_t dropped();
+  proto::DroppedByCause dropped_by_cause();
+  // 0, or -EINVAL (nothing changed) when a non-zero size is out of range.
+  int set_buffer_size(std::uint64_t per_thread_bytes, std::uint64_t total_bytes);
   void set_enabled(bool on);
   void set_block_when_full(bool on);
   void shutdown(int flush_timeout_ms);
@@ -108,6 +120,8 @@ class Client {
   void stop_flusher_locked(int flush_timeout_ms);
   int flush_impl(int timeout_ms);
   void restart_after_fork() noexcept;
+  // At exit, after the flusher stopped: counts what is still buffered as dropped.
+  void count_unsent_at_exit(proto::DropCause cause) noexcept;
 
   ClientState s_;
   std::timed_mutex control_mu_;  // lifecycle, flusher, socket path

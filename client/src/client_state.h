@@ -1,11 +1,19 @@
 // State shared by the trainer-facing API (client.cpp) and the flusher thread
-// (flusher.cpp): the per-thread rings, the custom steps, the ledger queue, pending
-// flush requests and the drop counters. One instance per process, created on first use
-// and never destroyed (the library stays usable from static destructors).
+// (flusher.cpp): the per-thread rings and their memory budget, the custom steps, the
+// ledger queue, pending flush requests and the drop counters. One instance per process,
+// created on first use and never destroyed (the library stays usable from static
+// destructors).
 //
 // Lock order (also what the fork handlers take, in this order): Client control mutex,
 // FlushSync::mu, RingRegistry::mu, StepRegistry mutex, LedgerQueue mutex. Nothing on
 // the hot path takes any of them.
+//
+// Drops are counted under exactly one proto::DropCause each: by the producer in its
+// ring (buffer_full, not_connected: a full ring), and otherwise in
+// ClientState::other_dropped (unknown step ids, refused ledger calls, a full ledger
+// queue, threads without a ring, recording after shutdown, events lost with a broken
+// connection, events left at exit); RingRegistry::retired keeps the counts of rings
+// already freed.
 #pragma once
 
 #include <atomic>
@@ -17,6 +25,7 @@
 #include "client/src/clock.h"
 #include "client/src/event_ring.h"
 #include "client/src/ledger_queue.h"
+#include "client/src/ring_budget.h"
 #include "client/src/step_registry.h"
 
 namespace steptrace::client {
@@ -25,16 +34,33 @@ namespace steptrace::client {
 // past this the oldest is freed and its events counted as dropped.
 inline constexpr std::size_t kMaxOrphanRings = 64;
 
+constexpr std::size_t cause_index(proto::DropCause cause) {
+  return static_cast<std::size_t>(cause);
+}
+
 struct RingRegistry {
   std::mutex mu;
-  std::vector<EventRing*> rings;      // owned; freed by the flusher once orphaned and drained
-  std::uint64_t retired_dropped = 0;  // drops of rings already freed
+  std::vector<EventRing*> rings;    // owned; freed by the flusher once orphaned and drained
+  proto::DroppedByCause retired{};  // drops of rings already freed
 
-  // Requires mu. Frees `ring` (orphaned), counting what it never delivered.
+  // The memory budget of the rings (ring_budget.h). All require mu.
+  std::uint64_t per_thread_bytes = kDefaultRingBytes;
+  std::uint64_t total_bytes = kDefaultTotalRingBytes;
+  std::uint64_t used_bytes = 0;  // sum of bytes() of the rings in `rings`
+  // Bumped whenever a ring's bytes return to the budget: a thread that got no ring
+  // tries again when it sees a new value.
+  std::atomic<std::uint64_t> budget_epoch{0};
+
+  // Requires mu. Frees `ring` (orphaned, or any ring when nothing will drain it again),
+  // counting what it never delivered under not_connected.
   void free_ring_locked(std::size_t index) {
     EventRing* ring = rings[index];
-    retired_dropped += ring->dropped() + ring->fill();
+    retired.count[cause_index(proto::DropCause::kBufferFull)] += ring->dropped_buffer_full();
+    retired.count[cause_index(proto::DropCause::kNotConnected)] +=
+        ring->dropped_not_connected() + ring->fill();
     rings.erase(rings.begin() + static_cast<std::ptrdiff_t>(index));
+    used_bytes -= ring->bytes();
+    budget_epoch.fetch_add(1, std::memory_order_release);
     delete ring;
   }
 };
@@ -58,9 +84,11 @@ struct FlushSync {
     }
     cv.notify_all();
   }
-  void fail_all_locked(int error) {
+  void fail_all_locked(int error) { fail_upto_locked(UINT64_MAX, error); }
+  // Fails the pending calls whose sequence is at most `sequence`.
+  void fail_upto_locked(std::uint64_t sequence, int error) {
     for (auto* w : waiters) {
-      if (w->result == 1) w->result = error;
+      if (w->result == 1 && w->sequence <= sequence) w->result = error;
     }
     cv.notify_all();
   }
@@ -74,15 +102,35 @@ struct ClientState {
   TickConverter converter;  // used by the flusher thread only
   ClockSource clock_source = ClockSource::kMonotonic;
 
-  std::atomic<std::uint64_t> other_dropped{0};  // unknown steps, after shutdown, ledger, in flight
+  // Drops no ring counts, per proto::DropCause.
+  std::atomic<std::uint64_t> other_dropped[proto::kDropCauseCount] = {};
   std::atomic<bool> connected{false};
   std::atomic<int> wake_fd{-1};  // eventfd the flusher polls
+  // The hello version of the next connection: kProtocolVersion until a daemon answered
+  // one with ErrorCode::kUnsupportedVersion, then 1 for good (PROTOCOL.md section 6).
+  std::atomic<std::uint16_t> protocol_version{proto::kProtocolVersion};
 
   void wake() noexcept;
-  // All drops so far. Requires registry.mu.
+  void count_drops(proto::DropCause cause, std::uint64_t n = 1) noexcept {
+    other_dropped[cause_index(cause)].fetch_add(n, std::memory_order_relaxed);
+  }
+  // All drops so far, per cause. Requires registry.mu.
+  proto::DroppedByCause dropped_locked() const {
+    proto::DroppedByCause d = registry.retired;
+    for (std::size_t c = 0; c < proto::kDropCauseCount; ++c) {
+      d.count[c] += other_dropped[c].load(std::memory_order_relaxed);
+    }
+    for (const EventRing* ring : registry.rings) {
+      d.count[cause_index(proto::DropCause::kBufferFull)] += ring->dropped_buffer_full();
+      d.count[cause_index(proto::DropCause::kNotConnected)] += ring->dropped_not_connected();
+    }
+    return d;
+  }
+  // Their sum. Requires registry.mu.
   std::uint64_t total_dropped_locked() const {
-    std::uint64_t total = registry.retired_dropped + other_dropped.load(std::memory_order_relaxed);
-    for (const EventRing* ring : registry.rings) total += ring->dropped();
+    const proto::DroppedByCause d = dropped_locked();
+    std::uint64_t total = 0;
+    for (const std::uint64_t n : d.count) total += n;
     return total;
   }
 };

@@ -4,22 +4,47 @@
 // Data flow: the owning trainer thread is the only producer (steptrace_start/end write
 // one record and publish it with a release store of head_); the flusher thread is the
 // only consumer (reads head_ with acquire, copies records out, then frees the slots
-// with a release store of tail_). Neither side locks, allocates or makes a system call.
+// with a release store of tail_). Neither side locks or allocates; the producer makes
+// no system call except one eventfd write per high-water episode (below).
 //
-// Bound: kRingCapacity = 8192 records x 16 bytes = 128 KiB per recording thread. When
-// the ring is full the record is dropped and counted in dropped_ (a per-thread counter
-// written only by the producer with relaxed stores), unless the caller chooses to wait.
+// Capacity: a power of two of records chosen when the ring is made (kMinRingRecords ..
+// kMaxRingRecords: 64 KiB .. 1 GiB; the library's default is 4 MiB = 262,144 records,
+// see ring_budget.h). The slots are an anonymous private mapping with MAP_NORESERVE: a
+// page is committed when the producer first writes it, so a ring costs resident memory
+// only as far as its thread has ever filled it, and the whole capacity once the thread
+// has recorded `capacity()` events (the ring wraps over every slot). munmap on free.
+//
+// High water: min(capacity / 8, kMaxHighWater) records. The push that finds that many
+// records unconsumed returns kPushedWake once: the caller then wakes the flusher (one
+// eventfd write), so a burst is drained without waiting for the flusher's 1-2 ms poll.
+// No further wake comes until the producer sees the consumer's tail move (the flusher
+// ran); if the ring is still above the mark then, the next push wakes again. While the
+// ring is below the mark the producer's fast path is unchanged: one compare of head
+// against the cached tail; above it each push re-reads tail_ (one acquire load).
+// Why capacity / 8, at most 32,768 records (512 KiB): the wake costs one syscall per
+// that many events (<= 0.1 ns per event at the default size; >= 512 events even for
+// the smallest ring); 7/8 of the ring is left as headroom for the flusher to wake up
+// and drain; and at 4 M events/s (2 M spans/s, the design rate per thread) 32,768
+// records are 8 ms of events, four times the poll period, so at a steady rate the poll
+// alone keeps up and the wake fires only in bursts or when the flusher fell behind.
+//
+// When the ring is full the record is not written; the caller drops and counts it in
+// one of the ring's two producer-written counters (relaxed atomics): buffer_full (the
+// daemon is connected but fell behind) or not_connected.
 //
 // A record is laid out exactly as proto::EventRecord, except that timestamp_ns holds raw
 // clock ticks (TSC or CLOCK_MONOTONIC ns, see clock.h); the flusher converts them to
 // CLOCK_MONOTONIC nanoseconds while encoding.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <span>
 #include <utility>
 
@@ -27,9 +52,14 @@
 
 namespace steptrace::client {
 
-inline constexpr std::size_t kRingCapacity = 8192;
-inline constexpr std::size_t kRingHighWater = kRingCapacity / 2;
-static_assert((kRingCapacity & (kRingCapacity - 1)) == 0, "capacity must be a power of two");
+inline constexpr std::size_t kRingRecordBytes = sizeof(proto::EventRecord);
+inline constexpr std::size_t kMinRingRecords = std::size_t{64} * 1024 / kRingRecordBytes;
+inline constexpr std::size_t kMaxRingRecords = (std::size_t{1} << 30) / kRingRecordBytes;
+inline constexpr std::size_t kMaxHighWater = 32768;
+
+constexpr std::size_t ring_high_water(std::size_t capacity) {
+  return std::min(capacity / 8, kMaxHighWater);
+}
 
 // The second 8 bytes of an EventRecord (thread_id, step, kind, reserved) as one word.
 constexpr std::uint64_t event_meta(std::uint32_t thread_id, std::uint32_t step,
@@ -46,34 +76,60 @@ class EventRing {
   };
   static_assert(sizeof(Slot) == sizeof(proto::EventRecord));
 
-  explicit EventRing(std::uint32_t thread_id) : thread_id_(thread_id) {}
+  enum class Push : std::uint8_t {
+    kPushed,      // written
+    kPushedWake,  // written, and the ring just reached its high-water mark: wake the flusher
+    kFull,        // nothing written
+  };
+
+  // `capacity`: records, a power of two (0 makes a ring that is always full and maps
+  // nothing: the stand-in of a thread that got no ring). Throws std::bad_alloc when the
+  // mapping fails.
+  EventRing(std::uint32_t thread_id, std::size_t capacity)
+      : thread_id_(thread_id),
+        slots_(map_slots(capacity)),
+        mask_(capacity == 0 ? 0 : capacity - 1),
+        high_water_(ring_high_water(capacity)),
+        capacity_(capacity) {}
+  ~EventRing() {
+    if (slots_ != nullptr) ::munmap(slots_, bytes());
+  }
   EventRing(const EventRing&) = delete;
   EventRing& operator=(const EventRing&) = delete;
 
   std::uint32_t thread_id() const { return thread_id_; }
+  std::size_t capacity() const { return capacity_; }
+  std::size_t high_water() const { return high_water_; }
+  std::size_t bytes() const { return capacity_ * sizeof(Slot); }
 
   // ---- producer (the owning thread) ------------------------------------------------
-  // Appends one record; false (nothing written) when the ring is full.
-  bool try_push(std::uint64_t ticks, std::uint64_t meta) noexcept {
+  Push try_push(std::uint64_t ticks, std::uint64_t meta) noexcept {
     const std::uint64_t head = head_.load(std::memory_order_relaxed);
-    if (head - cached_tail_ >= kRingCapacity) {
-      cached_tail_ = tail_.load(std::memory_order_acquire);
-      if (head - cached_tail_ >= kRingCapacity) return false;
+    Push result = Push::kPushed;
+    if (head - cached_tail_ >= high_water_) [[unlikely]] {
+      result = refresh(head);
+      if (result == Push::kFull) return result;
     }
-    Slot& slot = slots_[head & (kRingCapacity - 1)];
+    Slot& slot = slots_[head & mask_];
     slot.ticks = ticks;
     slot.meta = meta;
     head_.store(head + 1, std::memory_order_release);
-    return true;
+    return result;
   }
-  void count_drop() noexcept {
-    dropped_.store(dropped_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-  }
+  // Producer-only counters (relaxed; the flusher and steptrace_dropped read them).
+  void count_buffer_full() noexcept { bump(dropped_full_); }
+  void count_not_connected() noexcept { bump(dropped_unconnected_); }
 
   // ---- consumer (the flusher) --------------------------------------------------------
   std::uint64_t published() const noexcept { return head_.load(std::memory_order_acquire); }
   std::uint64_t consumed() const noexcept { return tail_.load(std::memory_order_relaxed); }
-  std::uint64_t dropped() const noexcept { return dropped_.load(std::memory_order_relaxed); }
+  std::uint64_t dropped_buffer_full() const noexcept {
+    return dropped_full_.load(std::memory_order_relaxed);
+  }
+  std::uint64_t dropped_not_connected() const noexcept {
+    return dropped_unconnected_.load(std::memory_order_relaxed);
+  }
+  std::uint64_t dropped() const noexcept { return dropped_buffer_full() + dropped_not_connected(); }
   // The records [consumed(), upto) as at most two contiguous runs (the ring wraps).
   // `upto` must be a value published() returned.
   std::pair<std::span<const Slot>, std::span<const Slot>> readable(std::uint64_t upto) const {
@@ -83,11 +139,11 @@ class EventRing {
   std::pair<std::span<const Slot>, std::span<const Slot>> range(std::uint64_t from,
                                                                 std::uint64_t to) const {
     const std::size_t n = static_cast<std::size_t>(to - from);
-    const std::size_t first = static_cast<std::size_t>(from & (kRingCapacity - 1));
-    const std::size_t run = std::min(n, kRingCapacity - first);
+    const std::size_t first = static_cast<std::size_t>(from & mask_);
+    const std::size_t run = std::min(n, capacity_ - first);
     return {std::span<const Slot>(slots_ + first, run), std::span<const Slot>(slots_, n - run)};
   }
-  const Slot& at(std::uint64_t index) const { return slots_[index & (kRingCapacity - 1)]; }
+  const Slot& at(std::uint64_t index) const { return slots_[index & mask_]; }
   // Frees the slots before `new_tail` for the producer.
   void release(std::uint64_t new_tail) noexcept {
     tail_.store(new_tail, std::memory_order_release);
@@ -105,13 +161,44 @@ class EventRing {
   std::uint64_t stalled_tail = 0;
 
  private:
-  const std::uint32_t thread_id_;
+  static Slot* map_slots(std::size_t capacity) {
+    if (capacity == 0) return nullptr;
+    void* p = ::mmap(nullptr, capacity * sizeof(Slot), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return static_cast<Slot*>(p);
+  }
+  static void bump(std::atomic<std::uint64_t>& counter) noexcept {
+    counter.store(counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+  // The producer's slow path: at or above the high-water mark by its cached view.
+  Push refresh(std::uint64_t head) noexcept {
+    const std::uint64_t tail = tail_.load(std::memory_order_acquire);
+    if (tail != cached_tail_) {  // the flusher ran since the last look: a new episode
+      cached_tail_ = tail;
+      wake_sent_ = false;
+    }
+    const std::uint64_t fill = head - tail;
+    if (fill >= capacity_) return Push::kFull;
+    if (fill < high_water_ || wake_sent_) return Push::kPushed;
+    wake_sent_ = true;
+    return Push::kPushedWake;
+  }
+
+  // Producer's line: written by the owning thread, read-only fields it needs per event.
   alignas(64) std::atomic<std::uint64_t> head_{0};
   std::uint64_t cached_tail_ = 0;  // producer's last view of tail_
-  std::atomic<std::uint64_t> dropped_{0};
+  const std::uint32_t thread_id_;
+  bool wake_sent_ = false;  // a wake was asked for since cached_tail_ last moved
+  Slot* const slots_;
+  const std::size_t mask_;
+  const std::size_t high_water_;
+  const std::size_t capacity_;
+  std::atomic<std::uint64_t> dropped_full_{0};
+  std::atomic<std::uint64_t> dropped_unconnected_{0};
+  // Consumer's line.
   alignas(64) std::atomic<std::uint64_t> tail_{0};
   std::atomic<bool> orphaned_{false};
-  alignas(64) Slot slots_[kRingCapacity];
 };
 
 }  // namespace steptrace::client

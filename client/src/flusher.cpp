@@ -21,8 +21,16 @@ namespace {
 constexpr std::chrono::milliseconds kMinBackoff{10};
 constexpr std::chrono::milliseconds kMaxBackoff{1000};
 constexpr std::chrono::milliseconds kAnchorInterval{50};
-// Room kept after the events for the Dropped and Flush frames.
-constexpr std::size_t kTailReserve = 64;
+// Room kept after the events for the DroppedByCause frame and two Flush frames (the
+// flusher's own and a steptrace_flush caller's).
+constexpr std::size_t kFrameBytes = sizeof(proto::FrameHeader);
+constexpr std::size_t kTailReserve =
+    kFrameBytes + sizeof(proto::DroppedByCause) + 2 * (kFrameBytes + sizeof(proto::FlushRequest));
+static_assert(sizeof(proto::DroppedByCause) >= sizeof(proto::DroppedReport));
+
+bool same_counts(const proto::DroppedByCause& a, const proto::DroppedByCause& b) {
+  return std::equal(std::begin(a.count), std::end(a.count), std::begin(b.count));
+}
 
 std::string process_name() {
   std::ifstream in("/proc/self/comm");
@@ -54,14 +62,16 @@ Flusher::Flusher(ClientState& state, std::string socket_path, int fd)
     : s_(state), path_(std::move(socket_path)) {
   buf_.resize(kBatchBytes);
   marks_.reserve(256);
-  ledger_.reserve(kLedgerQueueCapacity);
+  ledger_.reserve(2 * kLedgerQueueCapacity);
+  taken_.reserve(kLedgerQueueCapacity);
+  carried_.reserve(2 * kLedgerQueueCapacity);
   next_attempt_ = Clock::now();
   if (fd >= 0) on_connected(fd);
 }
 
 Flusher::~Flusher() {
   stop();
-  if (fd_ >= 0) close_connection();
+  if (fd_ >= 0) close_connection(false);
 }
 
 void Flusher::start() {
@@ -82,22 +92,34 @@ void Flusher::abandon_after_fork() noexcept {
 void Flusher::on_connected(int fd) {
   fd_ = fd;
   decoder_.emplace(proto::Side::kClient);
+  version_ = s_.protocol_version.load(std::memory_order_relaxed);
   need_hello_ = true;
+  accepted_ = false;
   steps_sent_ = 0;
-  dropped_ever_sent_ = false;
+  resend_dropped_ = true;
   len_ = off_ = 0;
+  batch_records_ = 0;
   marks_.clear();
+  unacked_.clear();
   connected_at_ = Clock::now();
   s_.connected.store(true, std::memory_order_release);
 }
 
-void Flusher::close_connection() {
-  std::uint64_t lost = 0;
-  for (const FrameMark& m : marks_) {
-    if (m.end > off_) lost += m.events;
+void Flusher::close_connection(bool lost) {
+  std::uint64_t dropped = 0;
+  if (lost) {
+    // What the daemon did not acknowledge is lost with the connection.
+    dropped = batch_records_;
+    for (const Unacked& batch : unacked_) dropped += batch.records;
+  } else {
+    for (const FrameMark& m : marks_) {
+      if (m.end > off_) dropped += m.records;
+    }
   }
-  s_.other_dropped.fetch_add(lost, std::memory_order_relaxed);
+  if (dropped > 0) s_.count_drops(proto::DropCause::kInFlight, dropped);
+  unacked_.clear();
   marks_.clear();
+  batch_records_ = 0;
   len_ = off_ = 0;
   ::close(fd_);
   fd_ = -1;
@@ -144,9 +166,22 @@ void Flusher::read_socket() {
       }
       if (!r.message) break;
       if (const auto* ack = std::get_if<proto::FlushAck>(&*r.message)) {
+        if ((ack->sequence & kOwnFlushBit) != 0) {
+          if (ack->sequence >= hello_flush_) accepted_ = true;
+          while (!unacked_.empty() && unacked_.front().flush <= ack->sequence) {
+            unacked_.pop_front();
+          }
+          continue;
+        }
         std::lock_guard lock(s_.flush.mu);
         s_.flush.resolve_acked_locked(ack->sequence);
-      } else if (std::holds_alternative<proto::ErrorReport>(*r.message)) {
+      } else if (const auto* error = std::get_if<proto::ErrorReport>(&*r.message)) {
+        // A daemon of protocol version 1 refused our hello: speak its version from the
+        // next connection on (PROTOCOL.md section 6).
+        if (error->code == static_cast<std::uint32_t>(proto::ErrorCode::kUnsupportedVersion) &&
+            version_ > proto::kMinProtocolVersion) {
+          s_.protocol_version.store(proto::kMinProtocolVersion, std::memory_order_relaxed);
+        }
         // The daemon closes after an error; reconnect (with backoff) like any loss.
         close_connection();
         return;
@@ -168,14 +203,31 @@ void Flusher::send_pending() {
     return;
   }
   len_ = off_ = 0;
+  if (batch_records_ > 0) unacked_.push_back({batch_flush_, batch_records_});
+  batch_records_ = 0;
   marks_.clear();
 }
 
 bool Flusher::build_batch() {
+  len_ = off_ = 0;
+  marks_.clear();
   const bool tsc = s_.clock_source == ClockSource::kTsc;
   if (tsc && !s_.converter.ready() && !s_.converter.anchor(take_clock_sample())) {
     return false;  // still calibrating (at most TickConverter::kMinBaselineNs after load)
   }
+  proto::Encoder enc(std::span<std::byte>(buf_.data(), buf_.size() - kTailReserve));
+  if (need_hello_) {
+    // The handshake: nothing else until the daemon acknowledges this Flush.
+    enc.hello(STEPTRACE_CLIENT_VERSION, process_name(), version_);
+    hello_flush_ = next_own_flush();
+    enc.flush(hello_flush_);
+    need_hello_ = false;
+    len_ = enc.size();
+    last_round_sent_events_ = false;
+    return false;
+  }
+  if (!accepted_) return false;
+
   auto to_ns = [&](std::uint64_t ticks) { return tsc ? s_.converter.to_ns(ticks) : ticks; };
   std::uint64_t flush_seq = 0;
   {
@@ -190,32 +242,46 @@ bool Flusher::build_batch() {
   heads_.resize(rings.size());
   for (std::size_t i = 0; i < rings.size(); ++i) heads_[i] = rings[i]->published();
 
-  proto::Encoder enc(std::span<std::byte>(buf_.data(), buf_.size() - kTailReserve));
-  if (need_hello_) {
-    enc.hello(STEPTRACE_CLIENT_VERSION, process_name());
-    need_hello_ = false;
-  }
   const std::uint32_t steps = s_.steps.count();
   for (; steps_sent_ < steps; ++steps_sent_) {
     enc.register_step(proto::kFirstCustomStep + steps_sent_, s_.steps.name(steps_sent_));
   }
 
+  // The ledger records carried over from the last round come first (they are older);
+  // while many are carried the queue waits (it stays bounded and drops when full).
+  ledger_.swap(carried_);
+  carried_.clear();
+  const bool ledger_waits = ledger_.size() >= kLedgerQueueCapacity;
+  if (!ledger_waits) {
+    s_.ledger.take_until(cutoff, taken_);
+    ledger_.insert(ledger_.end(), taken_.begin(), taken_.end());
+  }
   // Each annotation goes between its own thread's events, in recording order; those of
   // threads without a ring go first.
-  s_.ledger.take_until(cutoff, ledger_);
   ledger_ring_.assign(ledger_.size(), SIZE_MAX);
-  constexpr std::size_t kLedgerFrame = sizeof(proto::FrameHeader) + sizeof(proto::LedgerRecord);
+  constexpr std::size_t kLedgerFrame = kFrameBytes + sizeof(proto::LedgerRecord);
   std::size_t ledger_reserved = 0;
+  std::size_t ledger_sent = 0;
   auto send_ledger = [&](proto::LedgerRecord record) {
     record.timestamp_ns = to_ns(record.timestamp_ns);
-    enc.ledger(record);
+    if (enc.ledger(record)) {
+      ++ledger_sent;
+      marks_.push_back({enc.size(), 1});
+    }
   };
   for (std::size_t k = 0; k < ledger_.size(); ++k) {
+    // The live thread's ring; else (the thread exited since) the newest exited one of
+    // that thread id.
+    std::size_t orphan = SIZE_MAX;
     for (std::size_t i = 0; i < rings.size(); ++i) {
-      if (rings[i]->thread_id() == ledger_[k].thread_id && !rings[i]->orphaned()) {
+      if (rings[i]->thread_id() != ledger_[k].thread_id) continue;
+      if (rings[i]->orphaned()) {
+        orphan = i;
+      } else {
         ledger_ring_[k] = i;
       }
     }
+    if (ledger_ring_[k] == SIZE_MAX) ledger_ring_[k] = orphan;
     if (ledger_ring_[k] == SIZE_MAX) {
       send_ledger(ledger_[k]);
     } else {
@@ -231,12 +297,11 @@ bool Flusher::build_batch() {
     for (const auto run : {runs.first, runs.second}) {
       std::size_t done = 0;
       while (done < run.size() && !leftovers) {
-        const std::size_t room =
-            enc.remaining() > ledger_reserved + sizeof(proto::FrameHeader)
-                ? enc.remaining() - ledger_reserved - sizeof(proto::FrameHeader)
-                : 0;
+        const std::size_t room = enc.remaining() > ledger_reserved + kFrameBytes
+                                     ? enc.remaining() - ledger_reserved - kFrameBytes
+                                     : 0;
         const std::size_t fit = std::min(run.size() - done, room / sizeof(proto::EventRecord));
-        const std::size_t start = enc.size() + sizeof(proto::FrameHeader);
+        const std::size_t start = enc.size() + kFrameBytes;
         const auto* records = reinterpret_cast<const proto::EventRecord*>(run.data() + done);
         const std::size_t n = fit == 0 ? 0 : enc.events({records, fit});
         if (n == 0) {
@@ -259,42 +324,75 @@ bool Flusher::build_batch() {
       }
     }
   };
-  for (std::size_t i = 0; i < rings.size(); ++i) {
+  // Round robin: start with the ring after the one the last round could not finish.
+  const std::size_t count = rings.size();
+  const std::size_t first = count == 0 ? 0 : next_ring_ % count;
+  std::size_t unfinished = SIZE_MAX;
+  for (std::size_t step = 0; step < count; ++step) {
+    const std::size_t i = (first + step) % count;
     EventRing& ring = *rings[i];
     std::uint64_t pos = ring.consumed();
     for (std::size_t k = 0; k < ledger_.size(); ++k) {
       if (ledger_ring_[k] != i) continue;
+      const std::uint64_t stamp = ledger_[k].timestamp_ns;
+      if (leftovers) {
+        ledger_reserved -= kLedgerFrame;
+        // The batch is full: the record goes now only if none of its thread's earlier
+        // events is still waiting, else it waits with them.
+        if (pos < heads_[i] && ring.at(pos).ticks <= stamp) {
+          carried_.push_back(ledger_[k]);
+        } else {
+          send_ledger(ledger_[k]);  // fits: its room was reserved
+        }
+        continue;
+      }
       std::uint64_t until = pos;
-      while (until < heads_[i] && ring.at(until).ticks <= ledger_[k].timestamp_ns) ++until;
-      if (!leftovers) send_events(ring, pos, until);
+      while (until < heads_[i] && ring.at(until).ticks <= stamp) ++until;
+      send_events(ring, pos, until);
       ledger_reserved -= kLedgerFrame;
-      send_ledger(ledger_[k]);  // fits: its room was reserved
+      if (pos == until) {
+        send_ledger(ledger_[k]);
+      } else {
+        carried_.push_back(ledger_[k]);
+      }
     }
     if (!leftovers) send_events(ring, pos, heads_[i]);
+    if (leftovers && unfinished == SIZE_MAX) unfinished = i;
     ring.release(pos);
   }
+  next_ring_ = unfinished == SIZE_MAX ? 0 : unfinished + 1;
 
-  bool busy = leftovers;
+  bool busy = leftovers || ledger_waits;
   for (std::size_t i = rings.size(); i-- > 0;) {
     EventRing& ring = *rings[i];
     if (ring.orphaned() && ring.fill() == 0) {
       s_.registry.free_ring_locked(i);
-    } else if (ring.fill() >= kRingHighWater) {
+    } else if (ring.fill() >= ring.high_water()) {
       busy = true;
     }
   }
 
   proto::Encoder tail(std::span<std::byte>(buf_.data() + enc.size(), buf_.size() - enc.size()));
-  const std::uint64_t dropped = s_.total_dropped_locked();
-  if (!dropped_ever_sent_ || dropped != dropped_sent_) {
-    if (tail.dropped(dropped)) {
+  const proto::DroppedByCause dropped = s_.dropped_locked();
+  std::uint64_t total = 0;
+  for (const std::uint64_t n : dropped.count) total += n;
+  if ((resend_dropped_ && total > 0) || !same_counts(dropped, dropped_sent_)) {
+    const bool sent = version_ >= 2 ? tail.dropped_by_cause(dropped) : tail.dropped(total);
+    if (sent) {
       dropped_sent_ = dropped;
-      dropped_ever_sent_ = true;
+      resend_dropped_ = false;
     }
   }
-  if (!leftovers && flush_seq > flush_sent_ && tail.flush(flush_seq)) flush_sent_ = flush_seq;
+  batch_records_ = events_sent + ledger_sent;
+  if (batch_records_ > 0) {
+    batch_flush_ = next_own_flush();
+    tail.flush(batch_flush_);  // fits: kTailReserve
+  }
+  // Everything recorded before the flush call was taken (the heads were read after it).
+  if (!leftovers && !ledger_waits && flush_seq > flush_sent_ && tail.flush(flush_seq)) {
+    flush_sent_ = flush_seq;
+  }
   len_ = enc.size() + tail.size();
-  off_ = 0;
   last_round_sent_events_ = events_sent > 0;
   return busy;
 }
@@ -317,14 +415,22 @@ void Flusher::run() {
       last_anchor_ = now;
     }
     if (fd_ < 0) {
-      bool waiting = false;
+      std::uint64_t waiting = 0;  // the newest pending flush's sequence, 0: none
       {
         std::lock_guard lock(s_.flush.mu);
-        waiting = !s_.flush.waiters.empty();
+        if (!s_.flush.waiters.empty()) waiting = s_.flush.requested;
       }
-      // A pending flush is worth an immediate attempt, once per wait.
-      if (now >= next_attempt_ || (waiting && !retry_now_)) try_connect();
-      retry_now_ = waiting;
+      // A new flush is worth an immediate attempt; when that fails, its callers (and
+      // earlier ones) get -ENOTCONN now rather than at their timeout.
+      const bool new_flush = waiting > flush_attempted_;
+      if (now >= next_attempt_ || new_flush) try_connect();
+      if (new_flush) {
+        flush_attempted_ = waiting;
+        if (fd_ < 0) {
+          std::lock_guard lock(s_.flush.mu);
+          s_.flush.fail_upto_locked(waiting, -ENOTCONN);
+        }
+      }
       if (fd_ < 0) {
         // Keep the memory of exited threads bounded while nobody drains them.
         std::lock_guard lock(s_.registry.mu);

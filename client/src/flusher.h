@@ -1,23 +1,38 @@
 // The flusher: libsteptrace's one background thread, which moves events from the
 // per-thread rings and the ledger queue to steptraced.
 //
-// Each round (every 1-2 ms; at once when a flush is requested, or when the last round
-// left a ring past its high-water mark: the hot path makes no syscall to wake the
-// flusher, so high water is noticed by polling, and a busy flusher does not sleep):
-// read a clock cutoff, then every ring's published head (acquire), then the custom
-// steps registered since the last round, then take the ledger records stamped before
-// the cutoff; encode hello (on a new connection), RegisterStep frames, then the events
-// up to the heads read with each ledger record placed among its own thread's events in
-// recording order (so an annotation always reaches the daemon before the end event
-// recorded after it, and after the events recorded before it), timestamps converted to
-// CLOCK_MONOTONIC ns here; then Dropped and, when a flush is pending, Flush(seq); and
-// ship the batch with one non-blocking send (MSG_NOSIGNAL). A partial write is finished
-// in later rounds before anything new is drained, so while the daemon is slow, stopped
-// or absent the rings simply fill and trainers drop and count.
+// Each round (every 1-2 ms; at once when a flush is requested, when a ring reaches its
+// high-water mark (the producer writes the wake eventfd once per such episode, see
+// event_ring.h), or when the last round left work behind: a busy flusher does not
+// sleep): read a clock cutoff, then every ring's published head (acquire), then the
+// custom steps registered since the last round, then take the ledger records stamped
+// before the cutoff; encode RegisterStep frames, then the events up to the heads read
+// with each ledger record placed among its own thread's events in recording order (so
+// an annotation always reaches the daemon before the end event recorded after it, and
+// after the events recorded before it), timestamps converted to CLOCK_MONOTONIC ns
+// here; then the drop counts (DroppedByCause, or Dropped on a version-1 connection) when
+// they changed and, when a flush is pending and everything was taken, Flush(seq); and
+// ship the batch (up to kBatchBytes) with one non-blocking send (MSG_NOSIGNAL). When the
+// batch is full the rest waits for the next round, which starts with the ring after the
+// one that did not fit (round robin, so no thread starves); a ledger record whose
+// earlier events did not fit waits with them. A partial write is finished in later
+// rounds before anything new is drained, so while the daemon is slow, stopped or absent
+// the rings simply fill and trainers drop and count.
 //
 // Connection: a non-blocking SOCK_STREAM Unix socket; on failure or loss it reconnects
-// with exponential backoff (10 ms .. 1 s). Events in frames not fully written when a
-// connection breaks are counted as dropped. FlushAck/Error frames are read with
+// with exponential backoff (10 ms .. 1 s). The flusher ends the hello, and every batch
+// that carries events or ledger records, with a Flush of its own (sequence with
+// kOwnFlushBit set; steptrace_flush callers never see those acks). A new connection
+// carries nothing else until the hello's FlushAck proves the daemon accepted it, so
+// nothing is written to a connection the daemon refuses. A batch's events count as
+// delivered once its FlushAck arrives: when the daemon ends a connection (or it
+// fails), the events of every batch not yet acknowledged (written or not) are counted
+// as dropped (in_flight); when the flusher closes it (stop), only those in frames not
+// completely written, since the daemon reads the rest before it sees the end. A
+// hello refused with ErrorCode::kUnsupportedVersion makes every later connection of the
+// process speak version 1 (hello version 1, Dropped instead of DroppedByCause). A
+// steptrace_flush while disconnected gets one immediate connection attempt; when it
+// fails the call returns -ENOTCONN at once. FlushAck/Error frames are read with
 // proto::Decoder(Side::kClient). Nothing here ever blocks a trainer thread.
 #pragma once
 
@@ -25,6 +40,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <thread>
@@ -35,7 +51,9 @@
 
 namespace steptrace::client {
 
-inline constexpr std::size_t kBatchBytes = 512 * 1024;
+inline constexpr std::size_t kBatchBytes = 1024 * 1024;
+// Set in the sequence of the flusher's own Flush frames (after the hello, after batches).
+inline constexpr std::uint64_t kOwnFlushBit = std::uint64_t{1} << 63;
 
 // Opens a non-blocking, close-on-exec stream socket connected to `path`. 0 and the fd
 // in `fd`, or -errno.
@@ -63,11 +81,14 @@ class Flusher {
   void run();
   void try_connect();
   void on_connected(int fd);
-  void close_connection();
+  // `lost`: the daemon ended the connection (or it failed); else this side closes it
+  // (stop) and the daemon still reads everything written.
+  void close_connection(bool lost = true);
   void read_socket();
   void send_pending();
   // Builds the next batch into buf_; true when more is waiting right away.
   bool build_batch();
+  std::uint64_t next_own_flush() { return kOwnFlushBit | ++own_flushes_; }
   int poll_timeout_ms(bool busy) const;
 
   ClientState& s_;
@@ -78,31 +99,47 @@ class Flusher {
 
   // Connection state (flusher thread only).
   std::optional<proto::Decoder> decoder_;
+  std::uint16_t version_ = proto::kProtocolVersion;  // of this connection's hello
   bool need_hello_ = false;
+  bool accepted_ = false;          // the Flush after the hello was acknowledged
+  std::uint64_t own_flushes_ = 0;  // own Flush frames sent so far (all connections)
+  std::uint64_t hello_flush_ = 0;  // the sequence of this connection's first one
   std::uint32_t steps_sent_ = 0;
-  std::uint64_t dropped_sent_ = 0;
-  bool dropped_ever_sent_ = false;
+  proto::DroppedByCause dropped_sent_{};
+  bool resend_dropped_ = false;  // once per connection, when anything was ever dropped
   std::uint64_t flush_sent_ = 0;
   Clock::time_point connected_at_{};
   Clock::time_point next_attempt_{};
   std::chrono::milliseconds backoff_{10};
-  bool retry_now_ = false;
+  std::uint64_t flush_attempted_ = 0;  // last flush sequence a connection attempt was made for
   bool last_round_sent_events_ = false;
+  std::size_t next_ring_ = 0;  // the ring the next round starts with
   Clock::time_point last_anchor_{};
 
-  // The batch being sent: buf_[off_, len_) is still unsent; marks_ says which events
-  // each frame carries so losses can be counted.
-  struct FrameMark {
-    std::size_t end;
-    std::uint32_t events;
-  };
+  // The batch being sent: buf_[off_, len_) is still unsent; it carries batch_records_
+  // events and ledger records, acknowledged by the own Flush batch_flush_ at its end;
+  // marks_ says which records each of its frames carries.
   std::vector<std::byte> buf_;
   std::size_t len_ = 0;
   std::size_t off_ = 0;
+  std::uint64_t batch_records_ = 0;
+  struct FrameMark {
+    std::size_t end;
+    std::uint32_t records;
+  };
   std::vector<FrameMark> marks_;
+  std::uint64_t batch_flush_ = 0;
+  // Batches written completely but not yet acknowledged, oldest first.
+  struct Unacked {
+    std::uint64_t flush;
+    std::uint64_t records;
+  };
+  std::deque<Unacked> unacked_;
   std::vector<std::uint64_t> heads_;
   std::vector<proto::LedgerRecord> ledger_;
-  std::vector<std::size_t> ledger_ring_;  // ring index per ledger_ record, SIZE_MAX: none
+  std::vector<proto::LedgerRecord> taken_;    // this round's from the queue
+  std::vector<proto::LedgerRecord> carried_;  // left for the next round, in order
+  std::vector<std::size_t> ledger_ring_;      // ring index per ledger_ record, SIZE_MAX: none
 };
 
 }  // namespace steptrace::client

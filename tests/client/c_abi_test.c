@@ -2,6 +2,7 @@
  * daemon whose socket is argv[1]. Writes "pid N" to argv[2]; exits 0 on success. */
 #include <steptrace/steptrace.h>
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <unistd.h>
@@ -20,6 +21,8 @@ int main(int argc, char** argv) {
     fprintf(stderr, "usage: %s SOCKET OUTFILE\n", argv[0]);
     return 64;
   }
+  failures += check(steptrace_set_buffer_size(1u << 20, 0) == 0, "set_buffer_size");
+  failures += check(steptrace_set_buffer_size(1024, 0) == -EINVAL, "set_buffer_size range");
   failures += check(steptrace_connect(argv[1]) == 0, "connect");
   custom = steptrace_register_step("CStep");
   failures += check(custom != UINT32_MAX, "register_step");
@@ -38,6 +41,10 @@ int main(int argc, char** argv) {
   steptrace_vram_sample("GPU-c-abi", 1u << 30, 2u << 30);
   failures += check(steptrace_flush(10000) == 0, "flush");
   failures += check(steptrace_dropped() == 0, "dropped == 0");
+  for (i = 0; i < STEPTRACE_DROP_CAUSE_COUNT; ++i) {
+    failures += check(steptrace_dropped_by_cause(i) == 0, "dropped_by_cause == 0");
+  }
+  failures += check(steptrace_dropped_by_cause(STEPTRACE_DROP_INVALID) == 0, "invalid == 0");
   out = fopen(argv[2], "w");
   if (out != NULL) {
     fprintf(out, "pid %ld\n", (long)getpid());

@@ -22,19 +22,25 @@ void on_fresh_thread(F f) {
 }
 
 TEST(CppApi, SpanAndInSpanRecordThroughTheCAbi) {
-  std::uint64_t after_fill = 0, after_in_span = 0;
+  std::uint64_t after_fill = 0, after_in_span = 0, unconnected = 0;
   int value = 0;
+  // Fresh threads get 64 KiB rings: 4096 events fit before any connection; count what
+  // overflows.
+  ASSERT_EQ(steptrace_set_buffer_size(64 * 1024, 0), 0);
   on_fresh_thread([&] {
     const std::uint64_t before = steptrace_dropped();
-    // 8192 events fit in the thread's ring before any connection; count what overflows.
-    for (int i = 0; i < 4096; ++i) steptrace::Span span(steptrace::Step::kForward);
+    const std::uint64_t unconnected_before =
+        steptrace_dropped_by_cause(STEPTRACE_DROP_NOT_CONNECTED);
+    for (int i = 0; i < 2048; ++i) steptrace::Span span(steptrace::Step::kForward);
     after_fill = steptrace_dropped() - before;
     value = steptrace::in_span(steptrace::Step::kBackward, [] { return 42; });
     after_in_span = steptrace_dropped() - before;
+    unconnected = steptrace_dropped_by_cause(STEPTRACE_DROP_NOT_CONNECTED) - unconnected_before;
   });
   EXPECT_EQ(after_fill, 0u);
   EXPECT_EQ(value, 42);
   EXPECT_EQ(after_in_span, 2u);  // ring full: that span's start and end
+  EXPECT_EQ(unconnected, 2u);    // no daemon: counted as not_connected
 }
 
 TEST(CppApi, RegisterStepIsStableAndRefusesBadNames) {
@@ -53,6 +59,7 @@ TEST(CppApi, RegisterStepIsStableAndRefusesBadNames) {
   });
   EXPECT_EQ(registered, 0u);
   EXPECT_EQ(unregistered, 2u);
+  EXPECT_GE(steptrace_dropped_by_cause(STEPTRACE_DROP_INVALID), 2u);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 Run by ctest with STEPTRACE_LIBRARY (libsteptrace.so), PYTHONPATH (the bindings dir) and
 STEPTRACED_BIN (the daemon) set. Starts its own daemon on a temporary socket."""
 
+import errno
 import json
 import os
 import shutil
@@ -103,6 +104,8 @@ class BindingTest(unittest.TestCase):
 
         self.assertEqual(steptrace.flush(10000), 0)
         self.assertEqual(steptrace.dropped(), 0)
+        self.assertEqual(steptrace.dropped_by_cause(),
+                         {"buffer_full": 0, "not_connected": 0, "in_flight": 0, "invalid": 0})
 
         proc = self.report()
         counts = {s["step"]: s["count"] for s in proc["steps"]}
@@ -119,6 +122,20 @@ class BindingTest(unittest.TestCase):
                         for r in g["reservations"]]
         self.assertIn((11, os.getpid(), 4096), [(r["id"], r["pid"], r["bytes"])
                                                 for r in reservations])
+
+        # Last (the daemon's view above expects no drop): an unknown step id is counted
+        # as invalid.
+        steptrace.start(5000)
+        after = steptrace.dropped_by_cause()
+        self.assertEqual(list(after), list(steptrace.DROP_CAUSES))
+        self.assertEqual(after["invalid"], 1)
+        self.assertEqual(sum(after.values()), steptrace.dropped())
+
+    def test_buffer_size(self):
+        self.assertEqual(steptrace.set_buffer_size(1 << 20, 0), 0)
+        self.assertEqual(steptrace.set_buffer_size(0, 64 << 20), 0)
+        self.assertEqual(steptrace.set_buffer_size(1024), -errno.EINVAL)
+        self.assertEqual(steptrace.set_buffer_size(4 << 20, 256 << 20), 0)  # the defaults
 
     def test_disabled_records_nothing(self):
         before = steptrace.dropped()

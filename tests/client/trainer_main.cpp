@@ -40,6 +40,16 @@ struct Out {
   }
 };
 
+// KEY (steptrace_dropped) and KEY_<cause> for each steptrace_drop_cause.
+void set_dropped(Out& out, const std::string& key) {
+  static constexpr const char* kCauses[STEPTRACE_DROP_CAUSE_COUNT] = {
+      "buffer_full", "not_connected", "in_flight", "invalid"};
+  out.set(key, static_cast<long long>(steptrace_dropped()));
+  for (int c = 0; c < STEPTRACE_DROP_CAUSE_COUNT; ++c) {
+    out.set(key + "_" + kCauses[c], static_cast<long long>(steptrace_dropped_by_cause(c)));
+  }
+}
+
 void fail(const char* what) {
   std::fprintf(stderr, "trainer %d: %s\n", static_cast<int>(getpid()), what);
   std::exit(2);
@@ -169,7 +179,7 @@ int main(int argc, char** argv) {
     paced_spans(STEPTRACE_FORWARD, n);
     paced_spans(custom, n);
     if (steptrace_flush(10000) != 0) fail("flush");
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "threads") {  // T threads x N Matmul spans, exact
     const int threads = arg(4, 8);
     const int n = arg(5, 1000);
@@ -178,7 +188,7 @@ int main(int argc, char** argv) {
     for (int t = 0; t < threads; ++t) pool.emplace_back([n] { paced_spans(STEPTRACE_MATMUL, n); });
     for (auto& t : pool) t.join();  // thread exit hands each ring to the flusher
     if (steptrace_flush(10000) != 0) fail("flush");
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "nested") {  // Forward { Attention { Matmul Matmul } } x N
     const int n = arg(4, 500);
     if (steptrace_connect(socket.c_str()) != 0) fail("connect");
@@ -190,7 +200,7 @@ int main(int argc, char** argv) {
       if ((i + 1) % 500 == 0 && steptrace_flush(10000) != 0) fail("flush");
     }
     if (steptrace_flush(10000) != 0) fail("flush");
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "nested_same") {  // Forward { BEFORE; Forward { INNER }; AFTER } x N
     // ARGS: N INNER_MS BEFORE_MS AFTER_MS (sleeps). Matched as a stack, the inner span
     // lasts INNER and the outer BEFORE + INNER + AFTER; matched first-in-first-out, both
@@ -210,7 +220,7 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(after_ms);
     }
     if (steptrace_flush(10000) != 0) fail("flush");
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "fork") {  // parent Forward, child Backward; nothing sent twice
     const int n = arg(4, 1000);
     if (steptrace_connect(socket.c_str()) != 0) fail("connect");
@@ -230,7 +240,7 @@ int main(int argc, char** argv) {
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fail("child failed");
     if (steptrace_flush(10000) != 0) fail("flush");
     out.set("child", child);
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "late") {  // daemon absent at start; the test starts it later
     const int before = arg(4, 10000);
     const int after = arg(5, 1000);
@@ -247,13 +257,13 @@ int main(int argc, char** argv) {
     out.set("connect_unqueued_ns", connect_ns);
     out.set("max_call_ns", spans.longest_ns);
     out.set("max_call_unqueued_ns", std::max(spans.longest_unqueued_ns, ledger_ns));
-    out.set("dropped_phase1", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped_phase1");
     out.write(outfile + ".phase1");
     if (!flush_until(20000)) fail("never reconnected");
     paced_spans(STEPTRACE_FORWARD, after);
     if (steptrace_flush(10000) != 0) fail("final flush");
     out.set("recorded_events", 2LL * (before + after));
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "restart") {  // the daemon is SIGKILLed and restarted meanwhile
     const std::string go = outfile + ".go";
     const int rounds = arg(4, 400);
@@ -269,7 +279,7 @@ int main(int argc, char** argv) {
     }
     if (!flush_until(20000)) fail("never reconnected");
     out.set("recorded_events", 2 * spans);
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "stopped") {  // the daemon is SIGSTOPped: nothing may block
     const int n = arg(4, 2000000);
     const int rc = steptrace_connect(socket.c_str());
@@ -291,7 +301,7 @@ int main(int argc, char** argv) {
     out.set("rss_before_kib", rss_before);
     out.set("rss_after_kib", vm_rss_kib());
     out.set("recorded_events", 4LL * n);
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "nonblocking") {  // the default mode against a SIGSTOPped daemon
     // ARGS: THREADS SPANS_PER_THREAD [BLOCK_WHEN_FULL]. Writes OUTFILE.phase1 once the
     // recording is done (the test then sends SIGCONT), then flushes until the daemon
@@ -321,10 +331,10 @@ int main(int argc, char** argv) {
     out.set("max_call_unqueued_ns", longest_unqueued);
     out.set("calls_over_1ms", over_1ms);
     out.set("recorded_events", 2LL * threads * n);
-    out.set("dropped_phase1", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped_phase1");
     out.write(outfile + ".phase1");
     if (!flush_until(30000)) fail("no flush acknowledged after SIGCONT");
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
   } else if (mode == "burst") {  // THREADS x SPANS Forward spans in a tight loop, unpaced
     // No pacing: far faster than the flusher and the daemon drain, so the default mode
     // drops most of it. Then one ledger annotation and one flush, whatever their results
@@ -343,7 +353,36 @@ int main(int argc, char** argv) {
     steptrace_ledger_reserve("GPU-burst", 1, 4096, "burst-task");
     out.set("flush_rc", steptrace_flush(30000));
     out.set("recorded_events", 2LL * threads * n);
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
+  } else if (mode == "bursts") {  // THREADS x BURSTS bursts of SPANS spans, one per PERIOD_MS
+    // Unpaced within a burst (as fast as the loop goes), bursts started PERIOD_MS apart:
+    // the default buffers must take each burst whole while the flusher drains the last.
+    const int threads = arg(4, 2);
+    const int bursts = arg(5, 4);
+    const int n = arg(6, 65536);
+    const int period_ms = arg(7, 50);
+    out.set("connect_rc", steptrace_connect(socket.c_str()));
+    std::vector<long long> longest(static_cast<std::size_t>(threads));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        auto next = Clock::now();
+        long long slowest = 0;
+        for (int b = 0; b < bursts; ++b) {
+          std::this_thread::sleep_until(next);
+          next += std::chrono::milliseconds(period_ms);
+          const long long t0 = monotonic_ns();
+          for (int i = 0; i < n; ++i) steptrace::Span span(steptrace::Step::kForward);
+          slowest = std::max(slowest, monotonic_ns() - t0);
+        }
+        longest[static_cast<std::size_t>(t)] = slowest;
+      });
+    }
+    for (auto& t : pool) t.join();
+    out.set("longest_burst_ns", *std::max_element(longest.begin(), longest.end()));
+    out.set("flush_rc", steptrace_flush(30000));
+    out.set("recorded_events", 2LL * threads * bursts * n);
+    set_dropped(out, "dropped");
   } else if (mode == "exit") {  // returns from main, no flush, with the daemon SIGSTOPped
     // ARGS: THREADS SPANS_PER_THREAD [LIVE]: LIVE=1 leaves a thread recording through
     // exit. Everything after main returns is the library's at-exit path.
@@ -367,7 +406,7 @@ int main(int argc, char** argv) {
       }).detach();
       while (!live_started.load(std::memory_order_relaxed)) std::this_thread::yield();
     }
-    out.set("dropped", static_cast<long long>(steptrace_dropped()));
+    set_dropped(out, "dropped");
     out.set("main_return_ns", monotonic_ns());  // the file is written just after
   } else {
     fail("unknown mode");

@@ -2,19 +2,38 @@
  * steptraced.
  *
  * steptrace_start/end read a clock and append a 16-byte record to a buffer owned by the
- * calling thread: no lock, no system call, no allocation after the thread's first event.
- * A background thread ships the buffers to the daemon over a Unix socket. When the
- * daemon is absent, slow or restarted, events that do not fit are dropped and counted
- * (steptrace_dropped), never waited for (unless STEPTRACE_BLOCK_WHEN_FULL=1 or
- * steptrace_set_block_when_full(1) asks for a bounded wait).
+ * calling thread: no lock, no allocation after the thread's first event, and no system
+ * call but one: when a buffer fills up to its high-water mark (an eighth of it, at most
+ * 32,768 events), one write to an eventfd wakes the background thread, and no other
+ * until that thread has taken events from it. That thread ships the buffers to the
+ * daemon over a Unix socket every 1-2 ms (at once when woken), draining them completely.
+ * When the daemon is absent, slow or restarted, events that do not fit are dropped and
+ * counted (steptrace_dropped, steptrace_dropped_by_cause), never waited for (unless
+ * STEPTRACE_BLOCK_WHEN_FULL=1 or steptrace_set_block_when_full(1) asks for a bounded
+ * wait).
+ *
+ * Memory: each recording thread gets a buffer of 4 MiB by default (262,144 events, i.e.
+ * a burst of 131,072 spans), mapped on its first event. Its pages are committed only as
+ * they are first written, so a thread holds 16 bytes per event it has recorded, up to
+ * the full 4 MiB once it has recorded 262,144 events (the buffer is circular; 4 MiB per
+ * recording thread is the figure to plan for). All buffers of the process together
+ * stay within 256 MiB by default: a thread gets the per-thread size, or the largest
+ * power of two left in that total, or, below 64 KiB, no buffer at all (its events are
+ * then dropped and counted as STEPTRACE_DROP_BUFFER_FULL). An exited thread's buffer is
+ * freed once sent (while no daemon is connected, the newest 64 are kept for it, within
+ * that total). See steptrace_set_buffer_size.
  *
  * Every function is safe to call before steptrace_connect, after the daemon died, and
- * from any thread; none throws, none raises SIGPIPE. Environment:
+ * from any thread; none throws, none raises SIGPIPE. Environment (read at load):
  *   STEPTRACE_SOCKET          socket path (default /run/steptrace/steptraced.sock)
  *   STEPTRACE_DISABLE=1       record nothing
  *   STEPTRACE_BLOCK_WHEN_FULL=1  a full buffer waits (bounded) for the flusher
  *   STEPTRACE_CLOCK=monotonic    timestamp with clock_gettime instead of the TSC
  *                                (the TSC is used only when invariant; =tsc forces it then)
+ *   STEPTRACE_BUFFER_BYTES=4M    per-thread buffer, 64K..1G, rounded down to a power of 2
+ *   STEPTRACE_BUFFER_TOTAL_BYTES=256M  all buffers of the process together, 64K..1024G
+ *                             (sizes: bytes, or with a K, M or G suffix = KiB, MiB, GiB;
+ *                             a bad value prints one line on stderr and keeps the default)
  */
 #ifndef STEPTRACE_STEPTRACE_H_
 #define STEPTRACE_STEPTRACE_H_
@@ -48,6 +67,31 @@ enum steptrace_step {
   STEPTRACE_WAIT_POLL = 10,
   STEPTRACE_LEDGER_RELEASE = 11
 };
+
+/* Why events were dropped: each one counts under exactly one cause (steptrace_dropped is
+ * their sum). The daemon gets the same four counts (PROTOCOL.md 4.7a). */
+enum steptrace_drop_cause {
+  /* A thread's buffer was full while connected to the daemon (the daemon or the
+   * background thread did not keep up), the thread got no buffer at all (the total of
+   * steptrace_set_buffer_size was used up), or the VRAM-ledger queue was full while
+   * connected. */
+  STEPTRACE_DROP_BUFFER_FULL = 0,
+  /* Recorded while no daemon connection existed and the buffer was full (before
+   * steptrace_connect, daemon absent, stopped or restarting), recorded after
+   * steptrace_shutdown or exit, ledger queue full while not connected, buffers of exited
+   * threads freed unsent (more than 64 waiting, or room needed for a live thread), and
+   * events still buffered when the process exits unconnected. */
+  STEPTRACE_DROP_NOT_CONNECTED = 1,
+  /* Lost with a connection: sent on one the daemon ended (killed, restarted, refusing)
+   * or that failed before the daemon acknowledged them, or not completely written when
+   * the library closed it (steptrace_shutdown, exit); and events still buffered when the
+   * process exits while connected (the final bounded flush at exit did not take them). */
+  STEPTRACE_DROP_IN_FLIGHT = 2,
+  /* Refused by the library: an unknown step id (neither built-in nor registered), a
+   * ledger call with a null or empty GPU UUID. */
+  STEPTRACE_DROP_INVALID = 3
+};
+#define STEPTRACE_DROP_CAUSE_COUNT 4
 /* NOLINTEND(readability-identifier-naming) */
 
 /* Connects to the daemon (NULL: $STEPTRACE_SOCKET, then the default path) and starts the
@@ -74,12 +118,27 @@ STEPTRACE_EXPORT void steptrace_ledger_cleanup(const char* gpu_uuid, uint64_t re
 STEPTRACE_EXPORT void steptrace_vram_sample(const char* gpu_uuid, uint64_t free_bytes,
                                             uint64_t total_bytes);
 
-/* 0 once the daemon has applied every event recorded before the call; -ETIMEDOUT, or
- * -ENOTCONN when not connected, otherwise. */
+/* 0 once the daemon has applied every event recorded before the call; -ETIMEDOUT
+ * otherwise, or -ENOTCONN when not connected: at once when steptrace_connect was never
+ * called (or after steptrace_shutdown), and after one immediate connection attempt
+ * (not the whole timeout) when the daemon cannot be reached. */
 STEPTRACE_EXPORT int steptrace_flush(int timeout_ms);
 
-/* Events this process could not deliver (buffers full, daemon absent). */
+/* Events this process could not deliver: the sum of steptrace_dropped_by_cause over
+ * all causes. */
 STEPTRACE_EXPORT uint64_t steptrace_dropped(void);
+
+/* Events dropped for `cause` (enum steptrace_drop_cause) so far; 0 for an unknown
+ * cause. */
+STEPTRACE_EXPORT uint64_t steptrace_dropped_by_cause(int cause);
+
+/* Sizes the event buffers of threads whose first event comes after the call (existing
+ * buffers keep their size): per_thread_bytes for each thread (64 KiB .. 1 GiB, rounded
+ * down to a power of two; default 4 MiB or $STEPTRACE_BUFFER_BYTES) and total_bytes for
+ * all of them together (64 KiB .. 1 TiB; default 256 MiB or
+ * $STEPTRACE_BUFFER_TOTAL_BYTES). 0 keeps the current value of that argument. Returns 0,
+ * or -EINVAL (nothing changed) when a non-zero value is out of range. */
+STEPTRACE_EXPORT int steptrace_set_buffer_size(uint64_t per_thread_bytes, uint64_t total_bytes);
 
 STEPTRACE_EXPORT void steptrace_set_enabled(int on);
 

@@ -1,0 +1,304 @@
+// The flusher against a scripted daemon (a listening socket this test drives frame by
+// frame with the shared codec): the handshake before events, the fall back to protocol
+// version 1, drop reports per cause, and the drop accounting at exit. Each test runs in
+// its own process (gtest discovery): the library's per-process state starts fresh.
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <steptrace/steptrace.h>
+
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+#include <variant>
+
+#include "client/src/client.h"
+#include "client/src/flusher.h"
+#include "proto/codec.h"
+#include "tests/support/daemon_process.h"
+
+namespace steptrace::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class FakeDaemon {
+ public:
+  FakeDaemon() : path_(dir_.file("d.sock")) {
+    listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path_.c_str(), path_.size() + 1);
+    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_EQ(::listen(listen_fd_, 16), 0);
+  }
+  ~FakeDaemon() {
+    close_connection();
+    ::close(listen_fd_);
+  }
+  FakeDaemon(const FakeDaemon&) = delete;
+  FakeDaemon& operator=(const FakeDaemon&) = delete;
+
+  const std::string& path() const { return path_; }
+
+  bool accept_connection(int timeout_ms) {
+    close_connection();
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) != 1) return false;
+    conn_fd_ = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    decoder_.emplace(proto::Side::kDaemon);
+    return conn_fd_ >= 0;
+  }
+  void close_connection() {
+    if (conn_fd_ >= 0) ::close(conn_fd_);
+    conn_fd_ = -1;
+  }
+
+  // The next message the client sent, decoded as the daemon decodes it; nullopt on
+  // timeout, close or a decode error (then error() says which).
+  std::optional<proto::Message> next(int timeout_ms = 5000) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      proto::DecodeResult r = decoder_->next();
+      if (r.error) {
+        error_ = r.error;
+        return std::nullopt;
+      }
+      if (r.message) return r.message;
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) return std::nullopt;
+      pollfd p{conn_fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left)) != 1) return std::nullopt;
+      auto space = decoder_->prepare(64 * 1024);
+      const ssize_t n = ::recv(conn_fd_, space.data(), space.size(), 0);
+      if (n <= 0) return std::nullopt;
+      decoder_->commit(static_cast<std::size_t>(n));
+    }
+  }
+  // True when no byte arrives for `ms`.
+  bool quiet_for(int ms) {
+    if (decoder_->buffered() > 0) return false;
+    pollfd p{conn_fd_, POLLIN, 0};
+    return ::poll(&p, 1, ms) == 0;
+  }
+  std::uint16_t version() const { return decoder_->version(); }
+  std::error_code error() const { return error_; }
+
+  void send_ack(std::uint64_t sequence) {
+    std::byte buf[64];
+    proto::Encoder enc(buf);
+    enc.flush_ack(sequence);
+    ASSERT_EQ(::send(conn_fd_, buf, enc.size(), MSG_NOSIGNAL), static_cast<ssize_t>(enc.size()));
+  }
+  void send_error(proto::ErrorCode code, const std::string& message) {
+    std::byte buf[256];
+    proto::Encoder enc(buf);
+    enc.error(code, message);
+    ASSERT_EQ(::send(conn_fd_, buf, enc.size(), MSG_NOSIGNAL), static_cast<ssize_t>(enc.size()));
+  }
+
+  // Reads the hello and the handshake Flush; acknowledges it unless told not to.
+  // The hello's version, 0 when the stream did not start that way.
+  std::uint16_t handshake(bool ack = true) {
+    const auto hello = next();
+    if (!hello || !std::holds_alternative<proto::Hello>(*hello)) return 0;
+    const auto flush = next();
+    if (!flush || !std::holds_alternative<proto::FlushRequest>(*flush)) return 0;
+    const std::uint64_t seq = std::get<proto::FlushRequest>(*flush).sequence;
+    if ((seq & kOwnFlushBit) == 0) return 0;
+    if (ack) send_ack(seq);
+    return std::get<proto::Hello>(*hello).version;
+  }
+
+ private:
+  steptrace::testing::TempDir dir_;
+  std::string path_;
+  int listen_fd_ = -1;
+  int conn_fd_ = -1;
+  std::optional<proto::Decoder> decoder_;
+  std::error_code error_;
+};
+
+// What a stretch of the stream carried.
+struct Seen {
+  std::uint64_t events = 0;
+  int dropped_frames = 0;  // Dropped (version 1)
+  int by_cause_frames = 0;
+  proto::DroppedByCause last_by_cause{};
+  std::uint64_t last_total = 0;
+};
+
+// Reads messages (acknowledging user flushes) until `until(seen)` or a quiet `ms`.
+template <class Until>
+Seen read_until(FakeDaemon& daemon, Until until, int timeout_ms = 5000) {
+  Seen seen;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (!until(seen) && Clock::now() < deadline) {
+    const auto m = daemon.next(100);
+    if (!m) {
+      if (daemon.error()) break;
+      continue;
+    }
+    if (const auto* events = std::get_if<proto::EventSpan>(&*m)) {
+      seen.events += events->size();
+    } else if (const auto* d = std::get_if<proto::DroppedReport>(&*m)) {
+      ++seen.dropped_frames;
+      seen.last_total = d->total_dropped;
+    } else if (const auto* c = std::get_if<proto::DroppedByCause>(&*m)) {
+      ++seen.by_cause_frames;
+      seen.last_by_cause = *c;
+    } else if (const auto* f = std::get_if<proto::FlushRequest>(&*m)) {
+      daemon.send_ack(f->sequence);
+    }
+  }
+  return seen;
+}
+
+void spans(std::uint32_t step, int n) {
+  for (int i = 0; i < n; ++i) {
+    steptrace_start(step);
+    steptrace_end(step);
+  }
+}
+
+std::uint64_t by_cause(steptrace_drop_cause cause) { return steptrace_dropped_by_cause(cause); }
+
+TEST(Flusher, EventsFollowOnlyOnceTheDaemonAcknowledgedTheHello) {
+  FakeDaemon daemon;
+  spans(STEPTRACE_FORWARD, 50);
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  const auto hello = daemon.next();
+  ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
+  EXPECT_EQ(std::get<proto::Hello>(*hello).version, proto::kProtocolVersion);
+  const auto flush = daemon.next();
+  ASSERT_TRUE(flush && std::holds_alternative<proto::FlushRequest>(*flush));
+  const std::uint64_t seq = std::get<proto::FlushRequest>(*flush).sequence;
+  EXPECT_NE(seq & kOwnFlushBit, 0u);
+  EXPECT_TRUE(daemon.quiet_for(100));  // nothing more before the ack
+  daemon.send_ack(seq);
+  const Seen seen = read_until(daemon, [](const Seen& s) { return s.events >= 100; });
+  EXPECT_EQ(seen.events, 100u);
+  EXPECT_EQ(seen.by_cause_frames, 0);  // nothing was dropped: no report
+  EXPECT_EQ(steptrace_dropped(), 0u);
+}
+
+TEST(Flusher, VersionOneDaemonGetsVersionOneAndLosesNothing) {
+  FakeDaemon daemon;
+  steptrace_start(4000);  // unknown step: one invalid drop
+  spans(STEPTRACE_MATMUL, 100);
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  // A version-1 daemon refuses the version-2 hello and closes.
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  const auto hello = daemon.next();
+  ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
+  EXPECT_EQ(std::get<proto::Hello>(*hello).version, 2u);
+  daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
+  daemon.close_connection();
+  // The next connection speaks version 1 (and the daemon decodes it as version 1: a
+  // DroppedByCause frame would be a decode error).
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  EXPECT_EQ(daemon.handshake(), 1u);
+  EXPECT_EQ(daemon.version(), 1u);
+  const Seen seen =
+      read_until(daemon, [](const Seen& s) { return s.events >= 200 && s.dropped_frames > 0; });
+  EXPECT_FALSE(daemon.error()) << daemon.error().message();
+  EXPECT_EQ(seen.events, 200u);  // nothing went to the refused connection
+  EXPECT_EQ(seen.dropped_frames, 1);
+  EXPECT_EQ(seen.last_total, 1u);
+  EXPECT_EQ(seen.by_cause_frames, 0);
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_INVALID), 1u);
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_IN_FLIGHT), 0u);
+  EXPECT_EQ(steptrace_dropped(), 1u);
+  // And it stays at version 1 after a later reconnect.
+  daemon.close_connection();
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  EXPECT_EQ(daemon.handshake(), 1u);
+}
+
+TEST(Flusher, DropCountsAreReportedPerCauseWhenTheyChangeAndAfterEachReconnect) {
+  FakeDaemon daemon;
+  steptrace_start(4000);
+  steptrace_end(5000);  // two invalid drops before any connection
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), 2u);
+  Seen seen = read_until(daemon, [](const Seen& s) { return s.by_cause_frames > 0; });
+  ASSERT_EQ(seen.by_cause_frames, 1);
+  const auto& counts = seen.last_by_cause.count;
+  EXPECT_EQ(counts[3], 2u);  // invalid
+  EXPECT_EQ(counts[0] + counts[1] + counts[2], 0u);
+  // Unchanged: not sent again.
+  EXPECT_TRUE(daemon.quiet_for(50));
+  steptrace_ledger_release(nullptr, 1);  // a third invalid drop
+  seen = read_until(daemon, [](const Seen& s) { return s.by_cause_frames > 0; });
+  ASSERT_EQ(seen.by_cause_frames, 1);
+  EXPECT_EQ(seen.last_by_cause.count[3], 3u);
+  // Reconnected: sent once more although unchanged.
+  daemon.close_connection();
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), 2u);
+  seen = read_until(daemon, [](const Seen& s) { return s.by_cause_frames > 0; });
+  ASSERT_EQ(seen.by_cause_frames, 1);
+  EXPECT_EQ(seen.last_by_cause.count[3], 3u);
+  EXPECT_EQ(steptrace_dropped(), 3u);
+}
+
+// Events in a batch the connection could not take when it broke count as in_flight.
+TEST(Flusher, EventsInABrokenConnectionsUnsentFramesCountAsInFlight) {
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), 2u);
+  // The daemon stops reading: far more than the socket buffer is recorded (the ring
+  // holds 262,144 events), so the flusher is left with a partly written batch.
+  spans(STEPTRACE_FORWARD, 120'000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  daemon.close_connection();
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (by_cause(STEPTRACE_DROP_IN_FLIGHT) == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(by_cause(STEPTRACE_DROP_IN_FLIGHT), 0u);
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_BUFFER_FULL), 0u);
+  EXPECT_EQ(steptrace_dropped(),
+            by_cause(STEPTRACE_DROP_IN_FLIGHT) + by_cause(STEPTRACE_DROP_NOT_CONNECTED));
+  steptrace_shutdown();
+}
+
+// At exit, after the final bounded flush: what is still buffered counts as in_flight
+// when a daemon was connected (the flush timed out) ...
+TEST(Flusher, AtExitEventsLeftWhileConnectedCountAsInFlight) {
+  FakeDaemon daemon;  // never accepts: the connection waits in the listen backlog
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  spans(STEPTRACE_FORWARD, 100);
+  steptrace_ledger_reserve("GPU-0", 1, 1, "t");
+  const auto t0 = Clock::now();
+  Client::get().at_exit();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));  // bounded (500 ms)
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_IN_FLIGHT), 201u);
+  EXPECT_EQ(steptrace_dropped(), 201u);
+  spans(STEPTRACE_FORWARD, 1);  // after exit: not connected
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_NOT_CONNECTED), 2u);
+  EXPECT_EQ(steptrace_dropped(), 203u);
+}
+
+// ... and as not_connected when none was.
+TEST(Flusher, AtExitEventsLeftUnconnectedCountAsNotConnected) {
+  spans(STEPTRACE_FORWARD, 100);
+  steptrace_start(4000);  // invalid stays invalid
+  EXPECT_EQ(steptrace_dropped(), 1u);
+  Client::get().at_exit();
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_NOT_CONNECTED), 200u);
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_INVALID), 1u);
+  EXPECT_EQ(steptrace_dropped(), 201u);
+}
+
+}  // namespace
+}  // namespace steptrace::client
