@@ -12,19 +12,31 @@
 // set). One iteration feeds every process's frame once.
 //
 // Also measured ("render/*"): how long one report, or one Prometheus scrape, takes to
-// render from that state. The daemon renders on its one io thread, so this is how long a
-// request holds ingest back (the sockets buffer meanwhile; nothing is lost).
+// render from that state (called on the bench thread). The daemon renders on its render
+// thread from a view (daemon/render_worker.h), so this is how long a request waits for its
+// reply, and how long a view lives while ingest goes on.
+//
+// While rendering ("ingest/validated_while_rendering"): the "validated" feed while a
+// second thread renders `report --json` and the metrics text alternately, in a loop, from
+// views, as the daemon's RenderWorker does (daemon/render_worker.h): between frames the
+// ingest thread checks one atomic; when the render thread is idle it freezes a view
+// (Collector::freeze) and hands it over, and when the render thread hands a view back it
+// releases it; views are made and destroyed on the ingest thread only. While a view lives,
+// the first frame of each process clones that process's record (copy-on-write), so each
+// view costs about one clone per process. Compared with "validated" in the same run.
 //
 // Baseline in the same run ("ingest/lower_bound"): the same bytes copied the same way
 // (the stand-in for the socket read) and folded into a flat array of counters with no
 // validation and no span matching. The ratio shows what validation + aggregation cost.
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <benchmark/benchmark.h>
@@ -156,10 +168,12 @@ struct IngestFixture {
   std::string error;
 };
 
-// Feeds every process's frame once through its decoder into the collector; the first
-// error, or empty.
-std::string feed_all(IngestFixture& fx) {
+// Feeds every process's frame once through its decoder into the collector, calling
+// `between_frames()` before each frame; the first error, or empty.
+template <class BetweenFrames>
+std::string feed_all(IngestFixture& fx, BetweenFrames&& between_frames) {
   for (std::size_t p = 0; p < fx.frames.size(); ++p) {
+    between_frames();
     proto::Decoder& dec = *fx.decoders[p];
     dec.feed(fx.frames[p]);
     for (;;) {
@@ -172,6 +186,38 @@ std::string feed_all(IngestFixture& fx) {
     }
   }
   return {};
+}
+
+std::string feed_all(IngestFixture& fx) {
+  return feed_all(fx, [] {});
+}
+
+// Spans the first process's report counts (every frame adds kEventsPerFrame / 2).
+std::uint64_t first_process_spans(const daemon::Collector& collector) {
+  std::uint64_t spans = 0;
+  const auto report = collector.report_json(kFirstPid);
+  for (const auto& proc : report.value("processes", nlohmann::json::array())) {
+    for (const auto& step : proc.value("steps", nlohmann::json::array())) {
+      spans += step.value("count", std::uint64_t{0});
+    }
+  }
+  return spans;
+}
+
+// The fold must have counted every span of `iterations` feeds; an error message, or empty.
+std::string check_spans(const daemon::Collector& collector, std::int64_t iterations) {
+  const std::uint64_t spans = first_process_spans(collector);
+  const auto want = static_cast<std::uint64_t>(iterations) * (kEventsPerFrame / 2);
+  if (spans == want) return {};
+  return "report counts " + std::to_string(spans) + " spans for pid " +
+         std::to_string(kFirstPid) + ", want " + std::to_string(want);
+}
+
+void set_ingest_rates(benchmark::State& state, const IngestFixture& fx) {
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(fx.frames.size()) *
+                          static_cast<std::int64_t>(kEventsPerFrame));
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(fx.frames.size()) *
+                          static_cast<std::int64_t>(fx.frames[0].size()));
 }
 
 template <Spread kSpread>
@@ -188,24 +234,146 @@ void bm_ingest(benchmark::State& state) {
     }
   }
   // The fold must have counted every span: check the first process's report.
-  std::uint64_t spans = 0;
-  const auto report = fx.collector.report_json(kFirstPid);
-  for (const auto& proc : report.value("processes", nlohmann::json::array())) {
-    for (const auto& step : proc.value("steps", nlohmann::json::array())) {
-      spans += step.value("count", std::uint64_t{0});
-    }
-  }
-  if (spans != static_cast<std::uint64_t>(state.iterations()) * (kEventsPerFrame / 2)) {
-    state.SkipWithError(("report counts " + std::to_string(spans) + " spans for pid " +
-                         std::to_string(kFirstPid) + ", want " +
-                         std::to_string(state.iterations() * (kEventsPerFrame / 2)))
-                            .c_str());
+  if (const std::string error = check_spans(fx.collector, state.iterations()); !error.empty()) {
+    state.SkipWithError(error.c_str());
     return;
   }
-  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(fx.frames.size()) *
-                          static_cast<std::int64_t>(kEventsPerFrame));
-  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(fx.frames.size()) *
-                          static_cast<std::int64_t>(fx.frames[0].size()));
+  set_ingest_rates(state, fx);
+}
+
+// The daemon's render protocol (daemon/render_worker.cpp) on two threads, with one atomic
+// for the handoff instead of the io_context's posts. The ingest thread calls poll()
+// between frames (one acquire load unless a handoff is due): when the render thread is
+// idle it freezes a view and hands it over; when the render thread has handed one back
+// it releases it (views are made and destroyed on the ingest thread only, so only it
+// touches the records' use counts) and freezes the next, so the render thread always has
+// work. The render thread reads the view through a raw pointer and renders
+// `report --json` (serialised) and the metrics text alternately.
+class RenderLoop {
+ public:
+  explicit RenderLoop(daemon::Collector& collector)
+      : collector_(collector), thread_([this] { render_thread(); }) {}
+  ~RenderLoop() { stop(); }
+  RenderLoop(const RenderLoop&) = delete;
+  RenderLoop& operator=(const RenderLoop&) = delete;
+
+  // Ingest thread, between frames.
+  void poll() {
+    const int phase = phase_.load(std::memory_order_acquire);
+    if (phase == kRendering) [[likely]]
+      return;
+    hand_over(phase);
+  }
+
+  // Ingest thread: waits for the render in flight, stops the render thread and releases
+  // the last view. Idempotent.
+  void stop() {
+    if (!thread_.joinable()) return;
+    for (int phase; (phase = phase_.load(std::memory_order_acquire)) == kRendering;) {
+      phase_.wait(phase, std::memory_order_acquire);
+    }
+    phase_.store(kStop, std::memory_order_release);
+    phase_.notify_all();
+    thread_.join();
+    view_.reset();
+  }
+
+  // Ingest thread. Renders handed back, and views made, since construction.
+  std::uint64_t renders_done() const { return renders_done_; }
+  std::uint64_t views_made() const { return views_made_; }
+  // After stop(): mean render time in ms, per kind (0: report --json, 1: metrics).
+  double mean_ms(int kind) const {
+    return renders_[kind] ? static_cast<double>(render_ns_[kind]) / 1e6 /
+                                static_cast<double>(renders_[kind])
+                          : 0.0;
+  }
+
+ private:
+  enum : int { kIdle, kRendering, kDone, kStop };
+
+  void hand_over(int phase) {
+    if (phase == kDone) {
+      view_.reset();  // released here, as the daemon does on its io thread
+      ++renders_done_;
+    }
+    collector_.refresh_liveness();  // what RenderWorker::start_next does before freezing
+    view_ = collector_.freeze();
+    ++views_made_;
+    handed_ = view_.get();  // published by the release store below
+    phase_.store(kRendering, std::memory_order_release);
+    phase_.notify_one();
+  }
+
+  void render_thread() {
+    int kind = 0;  // 0: report --json, 1: metrics
+    for (;;) {
+      int phase = phase_.load(std::memory_order_acquire);
+      while (phase == kIdle || phase == kDone) {
+        phase_.wait(phase, std::memory_order_acquire);
+        phase = phase_.load(std::memory_order_acquire);
+      }
+      if (phase == kStop) return;
+      const daemon::CollectorView& view = *handed_;
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string out = kind == 0 ? view.report_json(std::nullopt).dump() : view.metrics_text();
+      benchmark::DoNotOptimize(out.data());
+      render_ns_[kind] += static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                               t0)
+              .count());
+      ++renders_[kind];
+      kind ^= 1;
+      out = {};  // freed before the view goes back, as the daemon sends it first
+      phase_.store(kDone, std::memory_order_release);
+      phase_.notify_all();  // stop() may be waiting
+    }
+  }
+
+  daemon::Collector& collector_;
+  std::shared_ptr<const daemon::CollectorView> view_;  // ingest thread only
+  const daemon::CollectorView* handed_ = nullptr;      // written before kRendering
+  std::atomic<int> phase_{kIdle};
+  std::uint64_t renders_done_ = 0;
+  std::uint64_t views_made_ = 0;
+  // Render thread only; read after join.
+  std::uint64_t render_ns_[2] = {0, 0};
+  std::uint64_t renders_[2] = {0, 0};
+  std::thread thread_;  // last: starts once everything above is constructed
+};
+
+void bm_ingest_while_rendering(benchmark::State& state) {
+  IngestFixture fx(shape_for(state.range(0)), Spread::kTypical);
+  if (!fx.error.empty()) {
+    state.SkipWithError(fx.error.c_str());
+    return;
+  }
+  RenderLoop renders(fx.collector);
+  std::string error;
+  for (auto _ : state) {
+    error = feed_all(fx, [&renders] { renders.poll(); });
+    if (!error.empty()) break;
+  }
+  // Counted before stop(): renders handed back and views made within the timed loop.
+  const std::uint64_t done = renders.renders_done();
+  const std::uint64_t views = renders.views_made();
+  renders.stop();
+  if (!error.empty()) {
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  if (const std::string e = check_spans(fx.collector, state.iterations()); !e.empty()) {
+    state.SkipWithError(e.c_str());
+    return;
+  }
+  set_ingest_rates(state, fx);
+  state.counters["renders"] = static_cast<double>(done);
+  state.counters["views"] = static_cast<double>(views);
+  // A render outlasts one feed of every process at each size measured here, so the first
+  // frame of each process after a freeze clones its record: about one clone per process
+  // per view.
+  state.counters["clones_est"] = static_cast<double>(views * fx.frames.size());
+  state.counters["json_ms"] = renders.mean_ms(0);
+  state.counters["metrics_ms"] = renders.mean_ms(1);
 }
 
 // The lower bound: same frames, same copy, then count/total per key with no checks.
@@ -300,6 +468,16 @@ int main(int argc, char** argv) {
     for (auto keys : kKeyCounts) b->Arg(keys);
     b->Unit(benchmark::kMicrosecond);
   }
+  // At 100,000 keys a render takes 0.1-1 s (report --json the longest): run long enough
+  // for several.
+  benchmark::RegisterBenchmark("ingest/validated_while_rendering", bm_ingest_while_rendering)
+      ->Arg(10)
+      ->Arg(1000)
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("ingest/validated_while_rendering", bm_ingest_while_rendering)
+      ->Arg(100000)
+      ->MinTime(4.0)
+      ->Unit(benchmark::kMicrosecond);
   for (auto* b :
        {benchmark::RegisterBenchmark("render/metrics_text", bm_render<Render::kMetrics>),
         benchmark::RegisterBenchmark("render/report_json", bm_render<Render::kReportJson>),
@@ -332,7 +510,40 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
   }
-  std::printf("\n== render summary: one render on the daemon's io thread (median) ==\n");
+  std::printf(
+      "\n== ingest while rendering: report --json and metrics alternately on a second thread "
+      "(medians) ==\n");
+  std::printf("  %8s | %16s | %16s | %12s | %12s | %7s | %7s | %10s | %s\n", "keys",
+              "validated", "while rendering", "ratio (cpu)", "ratio (wall)", "renders", "views",
+              "clones est", "mean render ms json / metrics (while ingesting)");
+  for (auto keys : kKeyCounts) {
+    const std::string suffix = "/" + std::to_string(keys) + "@1";
+    auto plain = reporter.median("ingest/validated" + suffix);
+    auto busy = reporter.median("ingest/validated_while_rendering" + suffix);
+    if (!plain || !busy) continue;
+    auto counter = [](const steptrace::bench::Figure& f, const char* name) {
+      auto it = f.counters.find(name);
+      return it == f.counters.end() ? 0.0 : it->second;
+    };
+    // items_per_second is per CPU second of the ingest thread; the wall rate also counts
+    // time the ingest thread waited for a core.
+    const double events_per_iteration =
+        static_cast<double>(shape_for(keys).processes) * static_cast<double>(kEventsPerFrame);
+    auto wall = [&](const steptrace::bench::Figure& f) {
+      return f.real_time > 0 ? events_per_iteration / (f.real_time * 1e-6) : 0.0;  // us
+    };
+    const double cpu_plain = counter(*plain, "items_per_second");
+    const double cpu_busy = counter(*busy, "items_per_second");
+    const double cpu_ratio = cpu_plain > 0 ? cpu_busy / cpu_plain : 0.0;
+    const double wall_ratio = wall(*plain) > 0 ? wall(*busy) / wall(*plain) : 0.0;
+    std::printf("  %8lld | %7.1f M ev/s | %7.1f M ev/s | %12.3f | %12.3f | %7.0f | %7.0f | %10.0f "
+                "| %8.2f / %8.2f   (ratio >= 0.90: %s)\n",
+                static_cast<long long>(keys), cpu_plain / 1e6, cpu_busy / 1e6, cpu_ratio,
+                wall_ratio, counter(*busy, "renders"), counter(*busy, "views"),
+                counter(*busy, "clones_est"), counter(*busy, "json_ms"),
+                counter(*busy, "metrics_ms"), cpu_ratio >= 0.9 ? "met" : "MISSED");
+  }
+  std::printf("\n== render summary: one render, alone on one thread (median) ==\n");
   std::printf("  %8s | %24s | %24s | %24s\n", "keys", "metrics (a scrape)", "report --json",
               "report (text)");
   for (auto keys : kKeyCounts) {
