@@ -246,8 +246,8 @@ void bm_ingest(benchmark::State& state) {
 // between frames (one acquire load unless a handoff is due): when the render thread is
 // idle it freezes a view and hands it over; when the render thread has handed one back
 // it releases it (views are made and destroyed on the ingest thread only, so only it
-// touches the records' use counts) and freezes the next, so the render thread always has
-// work. The render thread reads the view through a raw pointer and renders
+// touches the records' use counts) and freezes the next, at most one per 10 ms as the
+// daemon's RenderWorker paces them, so the render thread is nearly always busy. The render thread reads the view through a raw pointer and renders
 // `report --json` (serialised) and the metrics text alternately.
 class RenderLoop {
  public:
@@ -290,12 +290,20 @@ class RenderLoop {
 
  private:
   enum : int { kIdle, kRendering, kDone, kStop };
+  // daemon/render_worker.h: RenderWorker::kMinViewInterval.
+  static constexpr std::chrono::milliseconds kMinViewInterval{10};
+  std::chrono::steady_clock::time_point last_freeze_{};
 
   void hand_over(int phase) {
     if (phase == kDone) {
       view_.reset();  // released here, as the daemon does on its io thread
       ++renders_done_;
+      phase_.store(kIdle, std::memory_order_relaxed);
     }
+    // At most one view per kMinViewInterval, as RenderWorker paces them.
+    const auto now = std::chrono::steady_clock::now();
+    if (now < last_freeze_ + kMinViewInterval) return;
+    last_freeze_ = now;
     collector_.refresh_liveness();  // what RenderWorker::start_next does before freezing
     view_ = collector_.freeze();
     ++views_made_;
