@@ -33,7 +33,6 @@
 // dropped (the figures are printed, never judged); 1 on a harness failure (the daemon did
 // not start, a child failed to run or connect, a pid is missing from the report, the
 // table came out smaller than asked); 2 on bad arguments.
-#include <dlfcn.h>
 #include <signal.h>
 #include <steptrace/steptrace.h>
 #include <sys/prctl.h>
@@ -57,6 +56,7 @@
 
 #include "bench/bench_support.h"
 #include "tests/support/daemon_process.h"
+#include "tests/support/fill_steps.h"
 
 namespace {
 
@@ -65,7 +65,7 @@ using steptrace::bench::monotonic_ns;
 using Values = std::map<std::string, long long>;
 
 constexpr const char* kCauseNames[] = {"buffer_full", "not_connected", "in_flight", "invalid"};
-constexpr int kCauseCount = 4;
+constexpr int kCauseCount = STEPTRACE_DROP_CAUSE_COUNT;
 constexpr const char* kStepName = "Transpose";  // STEPTRACE_TRANSPOSE, the spans of a cell
 
 // ---- small shared helpers ----------------------------------------------------------------
@@ -100,15 +100,12 @@ std::string self_exe() {
   return std::string(buf, static_cast<std::size_t>(n));
 }
 
-// steptrace_dropped_by_cause(int cause) comes with the "lossless by default" client
-// library; it is looked up at run time so this bench builds and runs against a library
-// without it too (the per-cause figures are then absent).
+// This process's steptrace_dropped_by_cause, per cause.
 std::optional<std::array<std::uint64_t, kCauseCount>> client_drops_by_cause() {
-  void* sym = ::dlsym(RTLD_DEFAULT, "steptrace_dropped_by_cause");
-  if (sym == nullptr) return std::nullopt;
-  auto* fn = reinterpret_cast<std::uint64_t (*)(int)>(sym);
   std::array<std::uint64_t, kCauseCount> out{};
-  for (int c = 0; c < kCauseCount; ++c) out[static_cast<std::size_t>(c)] = fn(c);
+  for (int c = 0; c < kCauseCount; ++c) {
+    out[static_cast<std::size_t>(c)] = steptrace_dropped_by_cause(c);
+  }
   return out;
 }
 
@@ -208,17 +205,7 @@ int filler_main(int argc, char** argv) {
   if (::getppid() == 1) return 7;  // the harness is gone already
   int rc = 0;
   if (steptrace_connect(argv[2]) != 0) rc = 3;
-  for (int s = 0; s < steps && rc == 0; ++s) {
-    char name[32];
-    std::snprintf(name, sizeof name, "Fill%04d", s);
-    const std::uint32_t id = steptrace_register_step(name);
-    if (id == UINT32_MAX) {
-      rc = 4;
-      break;
-    }
-    steptrace_start(id);
-    steptrace_end(id);
-  }
+  if (rc == 0) rc = steptrace::testing::record_fill_steps(steps);
   if (rc == 0 && steptrace_flush(30000) != 0) rc = 5;
   if (rc == 0 && steptrace_dropped() != 0) rc = 6;
   if (stay_s > 0) steptrace_shutdown();
@@ -452,12 +439,7 @@ class Harness {
     }
     std::vector<int> statuses;
     for (pid_t pid : pids) {
-      int status = pid > 0 ? steptrace::testing::wait_process(pid, 300000) : -1;
-      if (status < 0 && pid > 0) {
-        ::kill(pid, SIGKILL);
-        steptrace::testing::wait_process(pid, 10000);
-      }
-      statuses.push_back(status);
+      statuses.push_back(pid > 0 ? steptrace::testing::wait_or_kill(pid, 300000) : -1);
     }
     r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     r.end_ns = monotonic_ns();
@@ -717,15 +699,13 @@ int harness_main(int argc, char** argv) {
       ", rate x %.1f s) in whole bursts; default client mode (never blocking); daemon pid %d\n",
       opt.cells.size(), opt.spans, opt.max_seconds, static_cast<int>(daemon.pid()));
   std::printf(
-      "client library: steptrace_dropped_by_cause %s\n"
       "columns: rate = spans/s per thread; sent/delivered/dropped/unacct in events (2 per "
       "span); dropped = the report's \"dropped\"; by cause = "
       "buffer_full/not_connected/in_flight/invalid from the report's \"dropped_by_cause\" "
       "(- when absent); child_drp = the children's steptrace_dropped(); unacct = sent - "
       "delivered - dropped; flush = steptrace_flush(10000) after the last burst; achieved = "
       "the slowest thread's spans/s; late = bursts that started over one interval late; "
-      "secs = spawn to exit\n\n",
-      ::dlsym(RTLD_DEFAULT, "steptrace_dropped_by_cause") != nullptr ? "present" : "absent");
+      "secs = spawn to exit\n\n");
   std::fflush(stdout);
 
   Harness harness(opt, exe, socket, dir.path());

@@ -83,15 +83,6 @@ long long events_received(const std::string& socket) {
   return doc.at("daemon").at("events_received").get<long long>();
 }
 
-// wait_process, but a child still running at the deadline is killed (and -1 returned).
-int wait_or_kill(pid_t pid, int timeout_ms) {
-  const int status = wait_process(pid, timeout_ms);
-  if (status < 0) {
-    ::kill(pid, SIGKILL);
-    wait_process(pid, 10000);
-  }
-  return status;
-}
 
 // ASan's allocator, shadow memory, per-thread caches and fake stacks add RSS that has
 // nothing to do with the library's buffers: RSS bounds get more slack under it.

@@ -5,7 +5,7 @@
 //       BURST_SPANS Transpose spans back to back, burst k starting at k x INTERVAL_US
 //       after a common start; then steptrace_flush. Writes "key value" lines to OUTFILE:
 //       pid, recorded_events, connect_rc, flush_rc, dropped (steptrace_dropped()) and,
-//       when the library has steptrace_dropped_by_cause, dropped_buffer_full,
+//       from steptrace_dropped_by_cause, dropped_buffer_full,
 //       dropped_not_connected, dropped_in_flight, dropped_invalid. Exit 0 once OUTFILE is
 //       written (drops and flush results are the test's to judge).
 //   lossless_trainer fill SOCKET OUTFILE STEPS
@@ -18,7 +18,6 @@
 //       `report --json`, then `metrics`, in a loop until STOPFILE exists. After each
 //       render it rewrites OUTFILE: renders, reports, metrics, bad (replies that were not
 //       whole), max_ms. Exit 0.
-#include <dlfcn.h>
 #include <signal.h>
 #include <steptrace/steptrace.h>
 #include <sys/prctl.h>
@@ -37,6 +36,7 @@
 #include <vector>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/fill_steps.h"
 
 namespace {
 
@@ -58,14 +58,11 @@ bool file_exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-// steptrace_dropped_by_cause(int cause) (causes 0..3 as kCauseNames) is looked up at run
-// time so this program also builds against a library that does not have it yet.
+// steptrace_dropped_by_cause for each cause (kCauseNames is in the C enum's order).
 void add_drops_by_cause(Values& out) {
-  void* sym = ::dlsym(RTLD_DEFAULT, "steptrace_dropped_by_cause");
-  if (sym == nullptr) return;
-  auto* fn = reinterpret_cast<std::uint64_t (*)(int)>(sym);
-  for (int c = 0; c < 4; ++c) {
-    out[std::string("dropped_") + kCauseNames[c]] = static_cast<long long>(fn(c));
+  for (int c = 0; c < STEPTRACE_DROP_CAUSE_COUNT; ++c) {
+    out[std::string("dropped_") + kCauseNames[c]] =
+        static_cast<long long>(steptrace_dropped_by_cause(c));
   }
 }
 
@@ -115,17 +112,7 @@ int fill(const std::string& socket, const std::string& outfile, int steps) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() == 1) return 7;  // the test is gone already
   int rc = steptrace_connect(socket.c_str()) == 0 ? 0 : 3;
-  for (int s = 0; s < steps && rc == 0; ++s) {
-    char name[32];
-    std::snprintf(name, sizeof name, "Fill%04d", s);
-    const std::uint32_t id = steptrace_register_step(name);
-    if (id == UINT32_MAX) {
-      rc = 4;
-      break;
-    }
-    steptrace_start(id);
-    steptrace_end(id);
-  }
+  if (rc == 0) rc = steptrace::testing::record_fill_steps(steps);
   if (rc == 0 && flush_until(60000) != 0) rc = 5;
   if (rc == 0 && steptrace_dropped() != 0) rc = 6;
   steptrace_shutdown();

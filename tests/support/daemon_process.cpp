@@ -210,16 +210,20 @@ int wait_process(pid_t pid, int timeout_ms) {
   }
 }
 
-int run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-                int timeout_ms) {
-  const pid_t pid = spawn_process(argv, env);
-  if (pid < 0) return -1;
+int wait_or_kill(pid_t pid, int timeout_ms) {
   const int status = wait_process(pid, timeout_ms);
   if (status < 0) {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
   }
   return status;
+}
+
+int run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                int timeout_ms) {
+  const pid_t pid = spawn_process(argv, env);
+  if (pid < 0) return -1;
+  return wait_or_kill(pid, timeout_ms);
 }
 
 }  // namespace steptrace::testing

@@ -64,5 +64,8 @@ int run_process(const std::vector<std::string>& argv, const std::vector<std::str
 pid_t spawn_process(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
 // Waits for a child from spawn_process; exit status (128+signal), -1 on timeout.
 int wait_process(pid_t pid, int timeout_ms = 120000);
+// wait_process, but a child still running at the deadline is killed and reaped (and -1
+// returned).
+int wait_or_kill(pid_t pid, int timeout_ms);
 
 }  // namespace steptrace::testing
