@@ -209,8 +209,8 @@ std::string check_spans(const daemon::Collector& collector, std::int64_t iterati
   const std::uint64_t spans = first_process_spans(collector);
   const auto want = static_cast<std::uint64_t>(iterations) * (kEventsPerFrame / 2);
   if (spans == want) return {};
-  return "report counts " + std::to_string(spans) + " spans for pid " +
-         std::to_string(kFirstPid) + ", want " + std::to_string(want);
+  return "report counts " + std::to_string(spans) + " spans for pid " + std::to_string(kFirstPid) +
+         ", want " + std::to_string(want);
 }
 
 void set_ingest_rates(benchmark::State& state, const IngestFixture& fx) {
@@ -247,8 +247,9 @@ void bm_ingest(benchmark::State& state) {
 // idle it freezes a view and hands it over; when the render thread has handed one back
 // it releases it (views are made and destroyed on the ingest thread only, so only it
 // touches the records' use counts) and freezes the next, at most one per 10 ms as the
-// daemon's RenderWorker paces them, so the render thread is nearly always busy. The render thread reads the view through a raw pointer and renders
-// `report --json` (serialised) and the metrics text alternately.
+// daemon's RenderWorker paces them, so the render thread is nearly always busy. The render thread
+// reads the view through a raw pointer and renders `report --json` (serialised) and the metrics
+// text alternately.
 class RenderLoop {
  public:
   explicit RenderLoop(daemon::Collector& collector)
@@ -283,9 +284,9 @@ class RenderLoop {
   std::uint64_t views_made() const { return views_made_; }
   // After stop(): mean render time in ms, per kind (0: report --json, 1: metrics).
   double mean_ms(int kind) const {
-    return renders_[kind] ? static_cast<double>(render_ns_[kind]) / 1e6 /
-                                static_cast<double>(renders_[kind])
-                          : 0.0;
+    return renders_[kind]
+               ? static_cast<double>(render_ns_[kind]) / 1e6 / static_cast<double>(renders_[kind])
+               : 0.0;
   }
 
  private:
@@ -325,10 +326,10 @@ class RenderLoop {
       const auto t0 = std::chrono::steady_clock::now();
       std::string out = kind == 0 ? view.report_json(std::nullopt).dump() : view.metrics_text();
       benchmark::DoNotOptimize(out.data());
-      render_ns_[kind] += static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                               t0)
-              .count());
+      render_ns_[kind] +=
+          static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now() - t0)
+                                         .count());
       ++renders_[kind];
       kind ^= 1;
       out = {};  // freed before the view goes back, as the daemon sends it first
@@ -521,9 +522,9 @@ int main(int argc, char** argv) {
   std::printf(
       "\n== ingest while rendering: report --json and metrics alternately on a second thread "
       "(medians) ==\n");
-  std::printf("  %8s | %16s | %16s | %12s | %12s | %7s | %7s | %10s | %s\n", "keys",
-              "validated", "while rendering", "ratio (cpu)", "ratio (wall)", "renders", "views",
-              "clones est", "mean render ms json / metrics (while ingesting)");
+  std::printf("  %8s | %16s | %16s | %12s | %12s | %7s | %7s | %10s | %s\n", "keys", "validated",
+              "while rendering", "ratio (cpu)", "ratio (wall)", "renders", "views", "clones est",
+              "mean render ms json / metrics (while ingesting)");
   for (auto keys : kKeyCounts) {
     const std::string suffix = "/" + std::to_string(keys) + "@1";
     auto plain = reporter.median("ingest/validated" + suffix);
@@ -544,12 +545,13 @@ int main(int argc, char** argv) {
     const double cpu_busy = counter(*busy, "items_per_second");
     const double cpu_ratio = cpu_plain > 0 ? cpu_busy / cpu_plain : 0.0;
     const double wall_ratio = wall(*plain) > 0 ? wall(*busy) / wall(*plain) : 0.0;
-    std::printf("  %8lld | %7.1f M ev/s | %7.1f M ev/s | %12.3f | %12.3f | %7.0f | %7.0f | %10.0f "
-                "| %8.2f / %8.2f   (ratio >= 0.90: %s)\n",
-                static_cast<long long>(keys), cpu_plain / 1e6, cpu_busy / 1e6, cpu_ratio,
-                wall_ratio, counter(*busy, "renders"), counter(*busy, "views"),
-                counter(*busy, "clones_est"), counter(*busy, "json_ms"),
-                counter(*busy, "metrics_ms"), cpu_ratio >= 0.9 ? "met" : "MISSED");
+    std::printf(
+        "  %8lld | %7.1f M ev/s | %7.1f M ev/s | %12.3f | %12.3f | %7.0f | %7.0f | %10.0f "
+        "| %8.2f / %8.2f   (ratio >= 0.90: %s)\n",
+        static_cast<long long>(keys), cpu_plain / 1e6, cpu_busy / 1e6, cpu_ratio, wall_ratio,
+        counter(*busy, "renders"), counter(*busy, "views"), counter(*busy, "clones_est"),
+        counter(*busy, "json_ms"), counter(*busy, "metrics_ms"),
+        cpu_ratio >= 0.9 ? "met" : "MISSED");
   }
   std::printf("\n== render summary: one render, alone on one thread (median) ==\n");
   std::printf("  %8s | %24s | %24s | %24s\n", "keys", "metrics (a scrape)", "report --json",

@@ -61,9 +61,11 @@ std::shared_ptr<ProcessRecord> ProcessRecord::clone() const {
   copy->steps = steps;
   copy->custom_ids = custom_ids;
   copy->custom_names = custom_names;
-  if (custom_slot) copy->custom_slot = std::make_unique<decltype(custom_slot)::element_type>(*custom_slot);
+  if (custom_slot)
+    copy->custom_slot = std::make_unique<decltype(custom_slot)::element_type>(*custom_slot);
   copy->threads.reserve(threads.size());
-  for (const auto& thread : threads) copy->threads.push_back(std::make_unique<ThreadSpans>(*thread));
+  for (const auto& thread : threads)
+    copy->threads.push_back(std::make_unique<ThreadSpans>(*thread));
   copy->thread_index = thread_index;
   return copy;  // last_thread stays null: the next event finds its thread by index
 }
@@ -404,8 +406,7 @@ void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCa
     }
     // Saturating: a hostile client's counts must not wrap the total.
     constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
-    total = rec.dropped_by_cause[i] > kMax - total ? kMax
-                                                         : total + rec.dropped_by_cause[i];
+    total = rec.dropped_by_cause[i] > kMax - total ? kMax : total + rec.dropped_by_cause[i];
   }
   dropped(process, total);
 }
@@ -427,7 +428,8 @@ void Collector::refresh_liveness() {
   for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
     const ProcessRecord* slot = state.slots[h].get();
     if (!slot || !slot->alive || slot->connections > 0) continue;
-    if (!probe_alive(env_, slot->key())) mark_exited(state, state.write(h), env_.monotonic_now_ns());
+    if (!probe_alive(env_, slot->key()))
+      mark_exited(state, state.write(h), env_.monotonic_now_ns());
   }
   check_ledger_holders(state, env_);
   enforce_exited_limit(state, limits_, counters_);
@@ -748,12 +750,9 @@ nlohmann::json CollectorView::snapshot() const {
   for (const auto& [name, hist] : *state.retired) {
     retired.push_back({{"step", name}, {"histogram", hist.to_json()}});
   }
-  return {{"schema", kSnapshotSchema},
-          {"version", kSnapshotVersion},
-          {"written_at_ns", now_ns_},
-          {"processes", std::move(processes)},
-          {"retired", std::move(retired)},
-          {"counters", counters_json(counters_)},
+  return {{"schema", kSnapshotSchema},        {"version", kSnapshotVersion},
+          {"written_at_ns", now_ns_},         {"processes", std::move(processes)},
+          {"retired", std::move(retired)},    {"counters", counters_json(counters_)},
           {"ledger", state.ledger.snapshot()}};
 }
 

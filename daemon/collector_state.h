@@ -75,7 +75,7 @@ struct ProcessRecord {
   std::uint64_t exited_at_ns = 0;  // CLOCK_MONOTONIC when the exit was noticed
   std::uint64_t exit_order = 0;    // increasing per exit: oldest exited goes first
   std::uint64_t dropped = 0;       // max of the client's cumulative reports
-  DropCounts dropped_by_cause{};  // max per cause
+  DropCounts dropped_by_cause{};   // max per cause
 
   std::vector<StepAgg> steps;             // by slot; size kBuiltinStepCount + custom_ids.size()
   std::vector<std::uint32_t> custom_ids;  // slot - kBuiltinStepCount -> step id

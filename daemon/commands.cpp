@@ -180,11 +180,11 @@ CommandTable::CommandTable() {
                         return r.json ? json_line(v.stats_json()) : text_reply(v.stats_text());
                       });
                     });
-  add<MetricsRequest>("metrics", "metrics", "Prometheus text exposition (format 0.0.4)",
-                      [](const MetricsRequest&, const CommandContext&) -> Reply {
-                        return RenderJob(
-                            [](const CollectorView& v) { return text_reply(v.metrics_text()); });
-                      });
+  add<MetricsRequest>(
+      "metrics", "metrics", "Prometheus text exposition (format 0.0.4)",
+      [](const MetricsRequest&, const CommandContext&) -> Reply {
+        return RenderJob([](const CollectorView& v) { return text_reply(v.metrics_text()); });
+      });
   add<ResetRequest>("reset", "reset [--pid N]",
                     "clear the aggregates (all, or one pid's); root or the daemon's uid only",
                     [](const ResetRequest& r, const CommandContext& c) {

@@ -42,8 +42,8 @@ using Parsed = std::variant<Request, CommandError>;
 
 // A command's answer: `text` now, or, when `render` is set, what to render from a view.
 struct Reply {
-  Reply(std::string t) : text(std::move(t)) {}  // NOLINT(google-explicit-constructor)
-  Reply(const char* t) : text(t) {}              // NOLINT(google-explicit-constructor)
+  Reply(std::string t) : text(std::move(t)) {}      // NOLINT(google-explicit-constructor)
+  Reply(const char* t) : text(t) {}                 // NOLINT(google-explicit-constructor)
   Reply(RenderJob job) : render(std::move(job)) {}  // NOLINT(google-explicit-constructor)
   std::string text;
   RenderJob render;

@@ -156,7 +156,8 @@ std::string CollectorView::metrics_text() const {
                          "protocol version 2; buffer_full means the daemon fell behind).");
     for (const Live& l : live) {
       for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
-        f_cause.sample({{"pid", l.pid}, {"comm", l.rec->peer.comm},
+        f_cause.sample({{"pid", l.pid},
+                        {"comm", l.rec->peer.comm},
                         {"cause", std::string(proto::kDropCauseNames[i])}},
                        l.rec->dropped_by_cause[i]);
       }

@@ -132,14 +132,13 @@ nlohmann::json CollectorView::report_json(std::optional<std::int32_t> pid) const
             {"uptime_s", uptime_s(uptime_)}}}};
 }
 
-nlohmann::json CollectorView::ledger_json() const {
-  return state_->ledger.to_json(now_ns_);
-}
+nlohmann::json CollectorView::ledger_json() const { return state_->ledger.to_json(now_ns_); }
 
 nlohmann::json CollectorView::stats_json() const {
   const CollectorState& state = *state_;
-  std::size_t state_bytes =
-      sizeof(CollectorState) + state.slots.capacity() * sizeof(state.slots[0]) + state.by_key.size() * 64;
+  std::size_t state_bytes = sizeof(CollectorState) +
+                            state.slots.capacity() * sizeof(state.slots[0]) +
+                            state.by_key.size() * 64;
   std::uint64_t live = 0, connected = 0, custom_steps = 0;
   for (const auto& slot : state.slots) {
     if (!slot) continue;

@@ -120,9 +120,9 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now) {
   }
   return "── Process " + std::to_string(rec.key().pid) + " (" +
          (rec.peer.comm.empty() ? std::string("?") : rec.peer.comm) + ") · " + state +
-         " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) + " · unmatched ends " +
-         std::to_string(unmatched) + " · abandoned " + std::to_string(abandoned) + " · open " +
-         std::to_string(rec.open_total()) + "\n";
+         " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) +
+         " · unmatched ends " + std::to_string(unmatched) + " · abandoned " +
+         std::to_string(abandoned) + " · open " + std::to_string(rec.open_total()) + "\n";
 }
 
 void flatten(const nlohmann::json& j, const std::string& prefix, std::string& out) {
@@ -161,9 +161,7 @@ std::string CollectorView::report_text(std::optional<std::int32_t> pid) const {
   return out;
 }
 
-std::string CollectorView::ledger_text() const {
-  return state_->ledger.to_text(now_ns_);
-}
+std::string CollectorView::ledger_text() const { return state_->ledger.to_text(now_ns_); }
 
 std::string CollectorView::stats_text() const {
   std::string out;

@@ -63,11 +63,11 @@ static_assert(sizeof(Hello) == 48);
 
 enum class FrameType : std::uint16_t {
   // client -> daemon
-  kEvents = 1,        // payload: N x EventRecord, N >= 1
-  kRegisterStep = 2,  // payload: RegisterStep
-  kLedger = 3,        // payload: LedgerRecord
-  kDropped = 4,       // payload: DroppedReport
-  kFlush = 5,         // payload: FlushRequest
+  kEvents = 1,          // payload: N x EventRecord, N >= 1
+  kRegisterStep = 2,    // payload: RegisterStep
+  kLedger = 3,          // payload: LedgerRecord
+  kDropped = 4,         // payload: DroppedReport
+  kFlush = 5,           // payload: FlushRequest
   kDroppedByCause = 6,  // payload: DroppedByCause (protocol version 2 and later)
   // daemon -> client
   kFlushAck = 0x81,  // payload: FlushAck

@@ -83,7 +83,6 @@ long long events_received(const std::string& socket) {
   return doc.at("daemon").at("events_received").get<long long>();
 }
 
-
 // ASan's allocator, shadow memory, per-thread caches and fake stacks add RSS that has
 // nothing to do with the library's buffers: RSS bounds get more slack under it.
 #if defined(__SANITIZE_ADDRESS__)

@@ -267,8 +267,8 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
   ASSERT_FALSE(b.dropped_by_cause({{0, 4, 0, 0}}));
   const json r = collector_->report_json(std::nullopt);
   const json causes = process_of(r, 1)["dropped_by_cause"];
-  EXPECT_EQ(causes, (json{{"buffer_full", 5}, {"not_connected", 7}, {"in_flight", 1},
-                          {"invalid", 2}}));
+  EXPECT_EQ(causes,
+            (json{{"buffer_full", 5}, {"not_connected", 7}, {"in_flight", 1}, {"invalid", 2}}));
   EXPECT_EQ(process_of(r, 1)["dropped"], 15);
   EXPECT_EQ(process_of(r, 2)["dropped"], 4);
   EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 19);
@@ -283,8 +283,9 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
   EXPECT_NE(metrics.find("steptrace_process_dropped_events_by_cause_total{pid=\"1\",comm=\"a\","
                          "cause=\"not_connected\"} 7"),
             std::string::npos);
-  EXPECT_NE(metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"buffer_full\"} 5"),
-            std::string::npos);
+  EXPECT_NE(
+      metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"buffer_full\"} 5"),
+      std::string::npos);
   // Counts near 2^64 saturate instead of wrapping the total.
   ASSERT_FALSE(a.dropped_by_cause({{~0ull, ~0ull, 1, 2}}));
   EXPECT_EQ(process_of(collector_->report_json(1), 1)["dropped"], ~0ull);

@@ -76,7 +76,6 @@ long long events_received(const std::string& socket) {
   return doc.is_object() ? doc.at("daemon").at("events_received").get<long long>() : -1;
 }
 
-
 class Lossless : public ::testing::Test {
  protected:
   void SetUp() override {

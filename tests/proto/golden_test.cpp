@@ -206,8 +206,8 @@ TEST(ProtoGolden, Dropped) {
 }
 
 TEST(ProtoGolden, HelloVersion2) {
-  expect_golden("hello_v2.hex", encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.2.0", "trainer")); }),
-                48);
+  expect_golden("hello_v2.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.2.0", "trainer")); }), 48);
   const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello_v2.hex"));
   ASSERT_FALSE(d.error);
   ASSERT_EQ(d.messages.size(), 1u);
@@ -219,8 +219,7 @@ TEST(ProtoGolden, DroppedByCause) {
   expect_golden("dropped_by_cause.hex",
                 encode([&](Encoder& e) { ASSERT_TRUE(e.dropped_by_cause(causes)); }), 40);
   const DecodeAll d = decode_all(
-      Side::kDaemon,
-      testing::concat({read_hex("hello_v2.hex"), read_hex("dropped_by_cause.hex")}));
+      Side::kDaemon, testing::concat({read_hex("hello_v2.hex"), read_hex("dropped_by_cause.hex")}));
   ASSERT_FALSE(d.error) << d.error.message();
   ASSERT_EQ(d.messages.size(), 2u);
   const auto& got = std::get<DroppedByCause>(d.messages[1]);
