@@ -1,6 +1,7 @@
 // Hot path of libsteptrace: one span (steptrace_start + steptrace_end), measured next to a
-// C++ replica of the reference tracer (shared/seed/trace.rs.txt) in the same binary and
-// run, with 1 thread and with 2 threads contending.
+// C++ replica of the reference tracer (the in-process Rust tracer steptrace replaces; its
+// design is described below) in the same binary and run, with 1 thread and with 2
+// threads contending.
 //
 // main() starts a real steptraced on a temporary socket and connects the library to it,
 // so the flusher drains the per-thread buffers while the benchmark records. Variants:
@@ -43,7 +44,7 @@ using steptrace::bench::Figure;
 using steptrace::bench::MedianReporter;
 
 // ---- the reference design, replicated --------------------------------------------
-// trace.rs: `enabled: Mutex<bool>`, `active_spans: Mutex<HashMap<TraceStep, Instant>>`,
+// The reference (Rust): `enabled: Mutex<bool>`, `active_spans: Mutex<HashMap<TraceStep, Instant>>`,
 // `aggregated: Mutex<HashMap<TraceStep, (usize, Duration)>>`. start() locks enabled,
 // then spans, and inserts Instant::now(); end() locks enabled, then spans, removes the
 // entry, and with spans still held locks the aggregate and updates it.

@@ -1,5 +1,5 @@
 // The text commands steptraced answers on its socket (one per line, each answered in
-// order; see DESIGN.md "Text commands").
+// order; see proto/PROTOCOL.md section 10).
 //
 // Data flow: Session reads a line -> CommandTable::execute(line, context) splits it into
 // words, looks the first word up in a table of handlers registered by name, the handler

@@ -50,7 +50,7 @@ class LedgerView {
   // (reservations it holds stay, since they still hold VRAM).
   void forget_process(const ProcessKey& process);
 
-  // {"gpus": [...]} as DESIGN.md's "ledger" object, with more fields allowed.
+  // {"gpus": [...]}: the `ledger --json` document of proto/PROTOCOL.md section 10.4.
   nlohmann::json to_json(std::uint64_t now_ns) const;
   std::string to_text(std::uint64_t now_ns) const;
   // Appends the ledger's Prometheus families (HELP/TYPE lines included).

@@ -1,4 +1,4 @@
-// JSON reports: `report --json` (DESIGN.md's "steptrace.report/v1"), `ledger --json` and
+// JSON reports: `report --json` ("steptrace.report/v1"), `ledger --json` and
 // `stats --json`, all read from the Collector's state.
 #include <unistd.h>
 

@@ -1,7 +1,7 @@
-// Text reports: `report` in the reference tracer's shape (seed/trace.rs.txt: boxed
-// title, Step | Count | Duration | % Time sorted by time, the Dr. Popper analysis),
-// once for all processes and once per process, then the ledger; plus `ledger` and
-// `stats` as text.
+// Text reports: `report` in the shape of the in-process tracer steptrace replaces (boxed
+// title, Step | Count | Duration | % Time sorted by time, the Dr. Popper analysis), once
+// for all processes and once per process, then the ledger; plus `ledger` and `stats` as
+// text.
 #include <algorithm>
 #include <array>
 

@@ -9,7 +9,7 @@ mapfile -t files < <(git ls-files '*.h' '*.hpp' '*.cpp' '*.c' | grep -v '^tests/
 echo "lint: clang-format on ${#files[@]} files"
 clang-format --dry-run --Werror "${files[@]}"
 
-# STYLE.md: file names are snake_case.
+# File names are snake_case, like every other name.
 bad_names=$(printf '%s\n' "${files[@]}" | grep -vE '(^|/)[a-z0-9_]+\.(h|hpp|cpp|c)$' || true)
 if [[ -n $bad_names ]]; then
   echo "lint: file names that are not snake_case:" >&2
