@@ -47,27 +47,11 @@ std::uint64_t ProcessRecord::open_total() const {
 }
 
 std::shared_ptr<ProcessRecord> ProcessRecord::clone() const {
-  auto copy = std::make_shared<ProcessRecord>();
-  copy->peer = peer;
-  copy->client_name = client_name;
-  copy->library_version = library_version;
-  copy->alive = alive;
-  copy->connections = connections;
-  copy->attached_at_ns = attached_at_ns;
-  copy->exited_at_ns = exited_at_ns;
-  copy->exit_order = exit_order;
-  copy->dropped = dropped;
-  copy->dropped_by_cause = dropped_by_cause;
-  copy->steps = steps;
-  copy->custom_ids = custom_ids;
-  copy->custom_names = custom_names;
-  if (custom_slot)
-    copy->custom_slot = std::make_unique<decltype(custom_slot)::element_type>(*custom_slot);
-  copy->threads.reserve(threads.size());
-  for (const auto& thread : threads)
-    copy->threads.push_back(std::make_unique<ThreadSpans>(*thread));
-  copy->thread_index = thread_index;
-  return copy;  // last_thread stays null: the next event finds its thread by index
+  auto copy = std::make_shared<ProcessRecord>(*this);  // deep: DeepPtr members
+  // The cache points into this record's threads: the next event finds its thread by index.
+  copy->last_thread = nullptr;
+  copy->last_tid = 0;
+  return copy;
 }
 
 std::size_t ProcessRecord::memory_bytes() const {
@@ -77,7 +61,7 @@ std::size_t ProcessRecord::memory_bytes() const {
   for (const auto& name : custom_names) bytes += sizeof(std::string) + name.capacity();
   if (custom_slot) bytes += sizeof(*custom_slot);
   for (const auto& thread : threads) {
-    bytes += sizeof(std::unique_ptr<ThreadSpans>) + sizeof(ThreadSpans) +
+    bytes += sizeof(DeepPtr<ThreadSpans>) + sizeof(ThreadSpans) +
              thread->stacks.capacity() * sizeof(std::vector<std::uint64_t>);
     for (const auto& stack : thread->stacks) bytes += stack.capacity() * sizeof(std::uint64_t);
   }

@@ -59,6 +59,20 @@ struct StepAgg {
   }
 };
 
+// A unique_ptr whose copy copies what it points to, so that a ProcessRecord copies
+// deeply with its defaulted copy constructor (ProcessRecord::clone).
+template <typename T>
+class DeepPtr : public std::unique_ptr<T> {
+ public:
+  DeepPtr() = default;
+  DeepPtr(std::unique_ptr<T> p) : std::unique_ptr<T>(std::move(p)) {}  // NOLINT
+  DeepPtr(const DeepPtr& other)
+      : std::unique_ptr<T>(other ? std::make_unique<T>(*other) : nullptr) {}
+  DeepPtr(DeepPtr&&) noexcept = default;
+  DeepPtr& operator=(DeepPtr&&) noexcept = default;
+  DeepPtr& operator=(const DeepPtr&) = delete;
+};
+
 struct ThreadSpans {
   std::uint32_t tid = 0;
   std::uint32_t open = 0;                          // spans open on this thread, all steps
@@ -80,9 +94,9 @@ struct ProcessRecord {
   std::vector<StepAgg> steps;             // by slot; size kBuiltinStepCount + custom_ids.size()
   std::vector<std::uint32_t> custom_ids;  // slot - kBuiltinStepCount -> step id
   std::vector<std::string> custom_names;  // slot - kBuiltinStepCount -> name
-  std::unique_ptr<std::array<std::uint16_t, proto::kMaxCustomSteps>> custom_slot;  // id -> slot
+  DeepPtr<std::array<std::uint16_t, proto::kMaxCustomSteps>> custom_slot;  // id -> slot
 
-  std::vector<std::unique_ptr<ThreadSpans>> threads;
+  std::vector<DeepPtr<ThreadSpans>> threads;
   std::unordered_map<std::uint32_t, std::uint32_t> thread_index;  // tid -> index in threads
   std::uint32_t last_tid = 0;
   ThreadSpans* last_thread = nullptr;
