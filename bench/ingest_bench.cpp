@@ -13,12 +13,12 @@
 //
 // Also measured ("render/*"): how long one report, or one Prometheus scrape, takes to
 // render from that state (called on the bench thread). The daemon renders on its render
-// thread from a view (daemon/render_worker.h), so this is how long a request waits for its
+// thread from a view (daemon/serve/render_worker.h), so this is how long a request waits for its
 // reply, and how long a view lives while ingest goes on.
 //
 // While rendering ("ingest/validated_while_rendering"): the "validated" feed while a
 // second thread renders `report --json` and the metrics text alternately, in a loop, from
-// views, as the daemon's RenderWorker does (daemon/render_worker.h): between frames the
+// views, as the daemon's RenderWorker does (daemon/serve/render_worker.h): between frames the
 // ingest thread checks one atomic; when the render thread is idle it freezes a view
 // (Collector::freeze) and hands it over, and when the render thread hands a view back it
 // releases it; views are made and destroyed on the ingest thread only. While a view lives,
@@ -44,7 +44,7 @@
 
 #include "bench/bench_support.h"
 #include "bench/median_reporter.h"
-#include "daemon/collector.h"
+#include "daemon/state/collector.h"
 #include "proto/codec.h"
 
 namespace {
@@ -241,7 +241,7 @@ void bm_ingest(benchmark::State& state) {
   set_ingest_rates(state, fx);
 }
 
-// The daemon's render protocol (daemon/render_worker.cpp) on two threads, with one atomic
+// The daemon's render protocol (daemon/serve/render_worker.cpp) on two threads, with one atomic
 // for the handoff instead of the io_context's posts. The ingest thread calls poll()
 // between frames (one acquire load unless a handoff is due): when the render thread is
 // idle it freezes a view and hands it over; when the render thread has handed one back
@@ -291,7 +291,7 @@ class RenderLoop {
 
  private:
   enum : int { kIdle, kRendering, kDone, kStop };
-  // daemon/render_worker.h: RenderWorker::kMinViewInterval.
+  // daemon/serve/render_worker.h: RenderWorker::kMinViewInterval.
   static constexpr std::chrono::milliseconds kMinViewInterval{10};
   std::chrono::steady_clock::time_point last_freeze_{};
 

@@ -1,6 +1,6 @@
 // Helpers for the daemon's unit tests: a fake Environment (clock and /proc) and a tiny
 // session that encodes messages with proto::Encoder, decodes them with proto::Decoder
-// and hands them to a real Collector, the way daemon/session.cpp does. No mocks.
+// and hands them to a real Collector, the way daemon/serve/session.cpp does. No mocks.
 #pragma once
 
 #include <array>
@@ -14,7 +14,7 @@
 
 #include <gtest/gtest.h>
 
-#include "daemon/collector.h"
+#include "daemon/state/collector.h"
 #include "proto/codec.h"
 
 namespace steptrace::daemon::test {

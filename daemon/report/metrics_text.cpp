@@ -1,0 +1,233 @@
+// `metrics`: the Prometheus text exposition format 0.0.4, for the node's Prometheus
+// (socket command or the optional HTTP listener). Base units (seconds, bytes), counters
+// end in _total, every family has # HELP and # TYPE, label values are escaped.
+//
+// steptrace_step_duration_seconds sums every process the daemon knows plus the ones it
+// already evicted (CollectorState::retired), with no pid label, so a cluster-wide
+// Prometheus can sum it across nodes and it never goes backwards unless reset.
+// Per-process series exist only for live processes, so exited pids do not pile up as
+// stale series.
+#include <array>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/state/collector.h"
+#include "daemon/state/collector_state.h"
+#include "daemon/report/report_format.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using report::MetricFamily;
+
+// The "le" label of each bucket: the bound in seconds, shortest round-trip form
+// ("2.5e-06", "0.001"), then "+Inf".
+const std::array<std::string, Histogram::kPromBuckets>& le_labels() {
+  static const auto kLabels = [] {
+    std::array<std::string, Histogram::kPromBuckets> labels;
+    for (std::size_t i = 0; i < Histogram::kPromBoundsNs.size(); ++i) {
+      labels[i] = report::format_double(static_cast<double>(Histogram::kPromBoundsNs[i]) / 1e9);
+    }
+    labels.back() = "+Inf";
+    return labels;
+  }();
+  return kLabels;
+}
+
+double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
+
+// Protocol error kinds always exported (zero until seen), so rate() works from the
+// start; any other kind the server counts is exported as well.
+constexpr std::array<errc, 14> kProtocolErrorKinds = {
+    errc::truncated,         errc::bad_magic,       errc::unsupported_version,
+    errc::bad_hello,         errc::frame_too_large, errc::unknown_frame_type,
+    errc::bad_frame_size,    errc::bad_reserved,    errc::bad_step_id,
+    errc::bad_event_kind,    errc::bad_string,      errc::bad_ledger_op,
+    errc::unregistered_step, errc::timed_out};
+// Step names with a series of their own in steptrace_step_duration_seconds (built-in
+// steps included); the others share the "(other)" series.
+constexpr std::size_t kMaxStepSeries = 4096;
+constexpr std::string_view kOtherStep = "(other)";
+// Limits always exported, for the same reason.
+constexpr std::array<std::string_view, 6> kLimitNames = {
+    "max_connections",  "max_processes",  "max_exited_processes",
+    "max_custom_steps", "max_open_depth", "max_threads_per_process"};
+
+}  // namespace
+
+std::string CollectorView::metrics_text() const {
+  const CollectorState& state = *state_;
+  std::string out;
+  out.reserve(16 * 1024);
+
+  // ---- per step, all processes -------------------------------------------------------
+  std::map<std::string, Histogram, std::less<>> by_step;
+  for (std::uint32_t i = 0; i < proto::kBuiltinStepCount; ++i) {
+    by_step.try_emplace(std::string(proto::kBuiltinStepNames[i]));
+  }
+  // Custom step names are chosen by clients: past kMaxStepSeries names, the rest are
+  // merged into "(other)", so the family's cardinality stays bounded whatever they send.
+  auto merge_into = [&by_step](std::string_view name, const Histogram& h) {
+    auto it = by_step.find(name);
+    if (it == by_step.end()) {
+      it = by_step.try_emplace(std::string(by_step.size() < kMaxStepSeries ? name : kOtherStep))
+               .first;
+    }
+    it->second.merge(h);
+  };
+  for (const auto& slot : state.slots) {
+    if (!slot) continue;
+    for (std::size_t s = 0; s < slot->steps.size(); ++s) {
+      const Histogram& h = slot->steps[s].hist;
+      if (h.count() != 0) merge_into(slot->step_name(s), h);
+    }
+  }
+  for (const auto& [name, h] : *state.retired) merge_into(name, h);
+  {
+    MetricFamily f(out, "steptrace_step_duration_seconds", "histogram",
+                   "Duration of ended spans per step, summed over all processes of this node.");
+    for (const auto& [name, h] : by_step) {
+      std::uint64_t cumulative = 0;
+      const auto& le = le_labels();
+      for (std::size_t b = 0; b < Histogram::kPromBuckets; ++b) {
+        cumulative += h.prom_buckets()[b];
+        f.sample({{"step", name}, {"le", le[b]}}, cumulative, "_bucket");
+      }
+      f.sample({{"step", name}}, seconds(h.sum()), "_sum");
+      f.sample({{"step", name}}, h.count(), "_count");
+    }
+  }
+
+  // ---- per live process -------------------------------------------------------------------
+  // One pass per family, straight into `out`: with thousands of (process, step) pairs the
+  // text runs to megabytes, and building it in pieces and concatenating them cost more
+  // than the formatting (a scrape holds the io thread while it renders).
+  {
+    struct Live {
+      const ProcessRecord* rec;
+      std::string pid;
+      std::vector<std::uint64_t> open;
+    };
+    std::vector<Live> live;
+    std::size_t pairs = 0;
+    for (const ProcessRecord* rec : select_processes(state, std::nullopt)) {
+      if (!rec->alive) continue;
+      live.push_back({rec, std::to_string(rec->key().pid), rec->open_per_slot()});
+      pairs += rec->steps.size();
+    }
+    // About 120 bytes a sample, five families per (process, step).
+    out.reserve(out.size() + pairs * 5 * 120 + live.size() * 120 + 64 * 1024);
+    // `value(agg, open)` gives the sample; its type (counts or seconds) picks the format.
+    auto per_step = [&](std::string_view name, std::string_view type, std::string_view help,
+                        auto&& value) {
+      MetricFamily f(out, name, type, help);
+      for (const Live& l : live) {
+        const ProcessRecord& rec = *l.rec;
+        for (std::size_t s = 0; s < rec.steps.size(); ++s) {
+          const StepAgg& agg = rec.steps[s];
+          if (!agg.has_data() && l.open[s] == 0) continue;
+          f.sample({{"pid", l.pid}, {"comm", rec.peer.comm}, {"step", rec.step_name(s)}},
+                   value(agg, l.open[s]));
+        }
+      }
+    };
+    using Open = std::uint64_t;
+    per_step("steptrace_process_step_seconds_total", "counter",
+             "Total time of ended spans per live process and step.",
+             [](const StepAgg& a, Open) { return seconds(a.hist.sum()); });
+    per_step("steptrace_process_step_spans_total", "counter",
+             "Ended spans per live process and step.",
+             [](const StepAgg& a, Open) { return a.hist.count(); });
+    per_step("steptrace_process_open_spans", "gauge", "Spans open now per live process and step.",
+             [](const StepAgg&, Open open) { return open; });
+    per_step("steptrace_process_unmatched_ends_total", "counter",
+             "Span ends without a start per live process and step.",
+             [](const StepAgg& a, Open) { return a.unmatched_ends; });
+    per_step("steptrace_process_abandoned_spans_total", "counter",
+             "Spans left open when the process's connections closed.",
+             [](const StepAgg& a, Open) { return a.abandoned; });
+    MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
+                           "Events a live process reported it could not deliver.");
+    for (const Live& l : live)
+      f_dropped.sample({{"pid", l.pid}, {"comm", l.rec->peer.comm}}, l.rec->dropped);
+    MetricFamily f_cause(out, "steptrace_process_dropped_events_by_cause_total", "counter",
+                         "Events a live process could not deliver, by cause (clients of "
+                         "protocol version 2; buffer_full means the daemon fell behind).");
+    for (const Live& l : live) {
+      for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+        f_cause.sample({{"pid", l.pid},
+                        {"comm", l.rec->peer.comm},
+                        {"cause", std::string(proto::kDropCauseNames[i])}},
+                       l.rec->dropped_by_cause[i]);
+      }
+    }
+  }
+
+  // ---- daemon -----------------------------------------------------------------------------
+  const DaemonCounters& c = counters_;
+  MetricFamily(out, "steptrace_events_received_total", "counter",
+               "Span events received from clients.")
+      .sample({}, c.events_received);
+  MetricFamily(out, "steptrace_frames_received_total", "counter", "Frames received from clients.")
+      .sample({}, c.frames_received);
+  MetricFamily(out, "steptrace_received_bytes_total", "counter", "Bytes received from clients.")
+      .sample({}, c.bytes_received);
+  MetricFamily(out, "steptrace_events_dropped_by_clients_total", "counter",
+               "Events clients reported they could not deliver (daemon absent or slow).")
+      .sample({}, c.events_dropped_by_clients);
+  {
+    MetricFamily f(out, "steptrace_events_dropped_by_clients_by_cause_total", "counter",
+                   "Events clients could not deliver, by cause (protocol version 2 clients).");
+    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+      f.sample({{"cause", std::string(proto::kDropCauseNames[i])}}, c.events_dropped_by_cause[i]);
+  }
+  {
+    std::map<std::string, std::uint64_t> errors;
+    for (const errc e : kProtocolErrorKinds) errors[errc_name(e)] = 0;
+    errors[kLineTooLongKind] = 0;  // counted by sessions, not errcs
+    errors[kWriteTimeoutKind] = 0;
+    for (const auto& [kind, n] : c.protocol_errors) errors[kind] = n;
+    MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
+                   "Connections closed for a protocol error, by kind.");
+    for (const auto& [kind, n] : errors) f.sample({{"kind", kind}}, n);
+  }
+  MetricFamily(out, "steptrace_connections", "gauge", "Client connections open now.")
+      .sample({}, c.connections_now);
+  MetricFamily(out, "steptrace_connections_accepted_total", "counter",
+               "Client connections accepted.")
+      .sample({}, c.connections_total);
+  MetricFamily(out, "steptrace_connections_rejected_total", "counter",
+               "Client connections refused over max_connections.")
+      .sample({}, c.connections_rejected);
+  MetricFamily(out, "steptrace_commands_served_total", "counter", "Text commands answered.")
+      .sample({}, c.commands_served);
+  {
+    std::uint64_t live = 0;
+    for (const auto& slot : state.slots) live += (slot && slot->alive) ? 1 : 0;
+    MetricFamily f(out, "steptrace_processes", "gauge", "Processes tracked, by state.");
+    f.sample({{"state", "live"}}, live);
+    f.sample({{"state", "exited"}}, static_cast<std::uint64_t>(state.exited));
+  }
+  {
+    std::map<std::string, std::uint64_t> limits;
+    for (const std::string_view name : kLimitNames) limits[std::string(name)] = 0;
+    for (const auto& [name, n] : c.limits_hit) limits[name] = n;
+    MetricFamily f(out, "steptrace_limit_hits_total", "counter",
+                   "Times a configured limit refused or dropped something, by limit.");
+    for (const auto& [name, n] : limits) f.sample({{"limit", name}}, n);
+  }
+  MetricFamily(out, "steptrace_snapshots_written_total", "counter", "State snapshots written.")
+      .sample({}, c.snapshots_written);
+  MetricFamily(out, "steptrace_snapshot_errors_total", "counter",
+               "State snapshots that failed to write.")
+      .sample({}, c.snapshot_errors);
+  {
+    MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
+        .sample({}, std::chrono::duration<double>(uptime_).count());
+  }
+  state.ledger.append_metrics(out);
+  return out;
+}
+
+}  // namespace steptrace::daemon

@@ -1,0 +1,208 @@
+#include "daemon/report/report_format.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+
+namespace steptrace::daemon::report {
+
+namespace {
+// "<integer>.<2 digits><unit>" for value / divisor, rounded half up like Rust's
+// Duration Debug formatting.
+std::string fixed2(std::uint64_t value, std::uint64_t divisor, std::string_view unit) {
+  std::uint64_t whole = value / divisor;
+  const std::uint64_t rem = value % divisor;
+  // hundredths, rounded: (rem * 100 + divisor / 2) / divisor, without overflow for
+  // divisors up to 1e9.
+  std::uint64_t hundredths = (rem * 100 + divisor / 2) / divisor;
+  if (hundredths >= 100) {
+    ++whole;
+    hundredths -= 100;
+  }
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%llu.%02llu", static_cast<unsigned long long>(whole),
+                static_cast<unsigned long long>(hundredths));
+  return std::string(buf) + std::string(unit);
+}
+}  // namespace
+
+std::string format_duration(std::uint64_t ns) {
+  if (ns >= 1'000'000'000) return fixed2(ns, 1'000'000'000, "s");
+  if (ns >= 1'000'000) return fixed2(ns, 1'000'000, "ms");
+  if (ns >= 1'000) return fixed2(ns, 1'000, "µs");
+  return fixed2(ns, 1, "ns");
+}
+
+std::string format_percent(double percent) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%7.2f%%", percent);
+  return buf;
+}
+
+std::string format_bytes(std::uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " B";
+  double value = static_cast<double>(bytes) / 1024.0;
+  std::size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < std::size(kUnits)) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f %s", value, kUnits[unit]);
+  return buf;
+}
+
+std::size_t display_width(std::string_view utf8) {
+  std::size_t n = 0;
+  for (const char c : utf8) {
+    if ((static_cast<unsigned char>(c) & 0xC0) != 0x80) ++n;  // not a continuation byte
+  }
+  return n;
+}
+
+std::string pad_right(std::string_view text, std::size_t width) {
+  std::string out(text);
+  const std::size_t w = display_width(text);
+  if (w < width) out.append(width - w, ' ');
+  return out;
+}
+
+std::string pad_left(std::string_view text, std::size_t width) {
+  const std::size_t w = display_width(text);
+  std::string out;
+  if (w < width) out.assign(width - w, ' ');
+  out.append(text);
+  return out;
+}
+
+namespace {
+std::string repeat(std::string_view piece, std::size_t n) {
+  std::string out;
+  out.reserve(piece.size() * n);
+  for (std::size_t i = 0; i < n; ++i) out.append(piece);
+  return out;
+}
+}  // namespace
+
+std::string boxed_title(std::string_view title) {
+  const std::size_t inner = kReportWidth - 2;
+  std::string out = "╔" + repeat("═", inner) + "╗\n";
+  out += "║" + pad_right(std::string(7, ' ') + std::string(title), inner) + "║\n";
+  out += "╚" + repeat("═", inner) + "╝\n";
+  return out;
+}
+
+std::string rule() { return repeat("─", kReportWidth) + "\n"; }
+
+std::string table_row(std::span<const Column> columns,
+                      std::initializer_list<std::string_view> cells) {
+  std::string out;
+  std::size_t i = 0;
+  for (const std::string_view cell : cells) {
+    if (i > 0) out += " | ";
+    const bool last = i + 1 == cells.size();
+    const Column column = i < columns.size() ? columns[i] : Column{0};
+    if (column.align == Align::kRight) {
+      out += pad_left(cell, column.width);
+    } else {
+      out += last ? std::string(cell) : pad_right(cell, column.width);
+    }
+    ++i;
+  }
+  out += '\n';
+  return out;
+}
+
+namespace {
+// Prometheus text format escaping: backslash and newline always, '"' in label values.
+// Appends to `out` (a scrape writes hundreds of thousands of label values).
+void append_prometheus_escaped(std::string& out, std::string_view text, bool quote) {
+  if (text.find_first_of(quote ? std::string_view("\\\n\"") : std::string_view("\\\n")) ==
+      std::string_view::npos) {
+    out += text;
+    return;
+  }
+  for (const char c : text) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '"' && quote) {
+      out += "\\\"";
+    } else {
+      out += c;
+    }
+  }
+}
+}  // namespace
+
+std::string escape_label_value(std::string_view value) {
+  std::string out;
+  append_prometheus_escaped(out, value, true);
+  return out;
+}
+
+std::string escape_help(std::string_view help) {
+  std::string out;
+  append_prometheus_escaped(out, help, false);
+  return out;
+}
+
+std::string format_double(double value) {
+  if (std::isnan(value)) return "NaN";
+  if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
+  char buf[64];
+  const auto [ptr, ec] = std::to_chars(buf, buf + sizeof buf, value);
+  if (ec != std::errc{}) return "NaN";
+  return std::string(buf, ptr);
+}
+
+MetricFamily::MetricFamily(std::string& out, std::string_view name, std::string_view type,
+                           std::string_view help)
+    : out_(out), name_(name) {
+  out_ += "# HELP ";
+  out_ += name_;
+  out_ += ' ';
+  out_ += escape_help(help);
+  out_ += "\n# TYPE ";
+  out_ += name_;
+  out_ += ' ';
+  out_ += type;
+  out_ += '\n';
+}
+
+void MetricFamily::begin(Labels labels, std::string_view suffix) {
+  out_ += name_;
+  out_ += suffix;
+  if (labels.size() > 0) {
+    out_ += '{';
+    bool first = true;
+    for (const auto& [key, value] : labels) {
+      if (!first) out_ += ',';
+      first = false;
+      out_ += key;
+      out_ += "=\"";
+      append_prometheus_escaped(out_, value, true);
+      out_ += '"';
+    }
+    out_ += '}';
+  }
+  out_ += ' ';
+}
+
+void MetricFamily::sample(Labels labels, std::uint64_t value, std::string_view suffix) {
+  begin(labels, suffix);
+  char buf[24];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, value);
+  out_.append(buf, ec == std::errc{} ? end : buf);
+  out_ += '\n';
+}
+
+void MetricFamily::sample(Labels labels, double value, std::string_view suffix) {
+  begin(labels, suffix);
+  out_ += format_double(value);
+  out_ += '\n';
+}
+
+}  // namespace steptrace::daemon::report

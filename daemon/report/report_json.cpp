@@ -1,0 +1,179 @@
+// JSON reports: `report --json` ("steptrace.report/v1"), `ledger --json` and
+// `stats --json`, all read from the Collector's state.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/state/collector.h"
+#include "daemon/state/collector_state.h"
+
+namespace steptrace::daemon {
+namespace {
+
+std::uint64_t uptime_s(std::chrono::steady_clock::duration elapsed) {
+  return static_cast<std::uint64_t>(
+      std::max<std::int64_t>(0, std::chrono::duration_cast<std::chrono::seconds>(elapsed).count()));
+}
+
+nlohmann::json step_json(std::string_view name, const StepAgg& agg, std::uint64_t open) {
+  const Histogram& h = agg.hist;
+  return {{"step", name},
+          {"count", h.count()},
+          {"total_ns", h.sum()},
+          {"min_ns", h.min()},
+          {"max_ns", h.max()},
+          {"p50_ns", h.percentile(0.50)},
+          {"p99_ns", h.percentile(0.99)},
+          {"open", open},
+          {"unmatched_ends", agg.unmatched_ends},
+          {"abandoned", agg.abandoned},
+          {"depth_dropped", agg.depth_dropped}};
+}
+
+// Per thread, the innermost open span (the latest start still open) and the nesting
+// depth: what `steptrace top` shows, e.g. a trainer stuck in WaitPoll.
+nlohmann::json current_json(const ProcessRecord& rec, std::uint64_t now) {
+  std::vector<const ThreadSpans*> threads;
+  for (const auto& t : rec.threads) {
+    if (t->open != 0) threads.push_back(t.get());
+  }
+  std::sort(threads.begin(), threads.end(),
+            [](const ThreadSpans* a, const ThreadSpans* b) { return a->tid < b->tid; });
+  nlohmann::json out = nlohmann::json::array();
+  for (const ThreadSpans* t : threads) {
+    std::size_t best_slot = 0;
+    std::uint64_t best_start = 0;
+    bool found = false;
+    for (std::size_t slot = 0; slot < t->stacks.size(); ++slot) {
+      if (t->stacks[slot].empty()) continue;
+      const std::uint64_t start = t->stacks[slot].back();
+      if (!found || start >= best_start) {
+        best_slot = slot;
+        best_start = start;
+        found = true;
+      }
+    }
+    if (!found) continue;
+    out.push_back({{"thread", t->tid},
+                   {"step", rec.step_name(best_slot)},
+                   {"open_for_ns", now > best_start ? now - best_start : 0},
+                   {"depth", t->open}});
+  }
+  return out;
+}
+
+nlohmann::json process_json(const ProcessRecord& rec, std::uint64_t now) {
+  const auto open = rec.open_per_slot();
+  nlohmann::json steps = nlohmann::json::array();
+  std::uint64_t unmatched = 0, abandoned = 0;
+  for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
+    const StepAgg& agg = rec.steps[slot];
+    unmatched += agg.unmatched_ends;
+    abandoned += agg.abandoned;
+    if (!agg.has_data() && open[slot] == 0) continue;
+    steps.push_back(step_json(rec.step_name(slot), agg, open[slot]));
+  }
+  nlohmann::json j = {{"pid", rec.key().pid},
+                      {"start_time", rec.key().start_time},
+                      {"uid", rec.peer.uid},
+                      {"gid", rec.peer.gid},
+                      {"comm", rec.peer.comm},
+                      {"client", rec.client_name},
+                      {"library_version", rec.library_version},
+                      {"alive", rec.alive},
+                      {"connections", rec.connections},
+                      {"dropped", rec.dropped},
+                      {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
+                      {"unmatched_ends", unmatched},
+                      {"abandoned", abandoned},
+                      {"steps", std::move(steps)},
+                      {"current", current_json(rec, now)}};
+  if (!rec.alive) {
+    j["exited_at_ns"] = rec.exited_at_ns;
+    j["exited_for_ns"] = now > rec.exited_at_ns ? now - rec.exited_at_ns : 0;
+  }
+  return j;
+}
+
+std::uint64_t rss_bytes() {
+  std::ifstream in("/proc/self/statm");
+  std::uint64_t size = 0, resident = 0;
+  if (!(in >> size >> resident)) return 0;
+  return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+}  // namespace
+
+nlohmann::json CollectorView::report_json(std::optional<std::int32_t> pid) const {
+  const std::uint64_t now = now_ns_;
+  const auto processes = select_processes(*state_, pid);
+  nlohmann::json procs = nlohmann::json::array();
+  for (const ProcessRecord* rec : processes) procs.push_back(process_json(*rec, now));
+  nlohmann::json totals = nlohmann::json::array();
+  for (const NamedTotals& t : totals_by_name(processes)) {
+    nlohmann::json j = step_json(t.name, t.agg, t.open);
+    j["processes"] = t.processes;
+    totals.push_back(std::move(j));
+  }
+  return {{"schema", "steptrace.report/v1"},
+          {"processes", std::move(procs)},
+          {"totals", std::move(totals)},
+          {"ledger", state_->ledger.to_json(now)},
+          {"daemon",
+           {{"events_received", counters_.events_received},
+            {"events_dropped_by_clients", counters_.events_dropped_by_clients},
+            {"events_dropped_by_cause", drop_causes_json(counters_.events_dropped_by_cause)},
+            {"protocol_errors", counters_.protocol_errors_total()},
+            {"clients_connected", counters_.connections_now},
+            {"uptime_s", uptime_s(uptime_)}}}};
+}
+
+nlohmann::json CollectorView::ledger_json() const { return state_->ledger.to_json(now_ns_); }
+
+nlohmann::json CollectorView::stats_json() const {
+  const CollectorState& state = *state_;
+  std::size_t state_bytes = sizeof(CollectorState) +
+                            state.slots.capacity() * sizeof(state.slots[0]) +
+                            state.by_key.size() * 64;
+  std::uint64_t live = 0, connected = 0, custom_steps = 0;
+  for (const auto& slot : state.slots) {
+    if (!slot) continue;
+    state_bytes += slot->memory_bytes();
+    live += slot->alive ? 1 : 0;
+    connected += slot->connections > 0 ? 1 : 0;
+    custom_steps += slot->custom_ids.size();
+  }
+  for (const auto& [name, hist] : *state.retired)
+    state_bytes += name.capacity() + hist.memory_bytes() + 48;
+  nlohmann::json protocol_errors = counters_.protocol_errors;
+  return {{"events_received", counters_.events_received},
+          {"frames_received", counters_.frames_received},
+          {"bytes_received", counters_.bytes_received},
+          {"events_dropped_by_clients", counters_.events_dropped_by_clients},
+          {"events_dropped_by_cause", drop_causes_json(counters_.events_dropped_by_cause)},
+          {"protocol_errors",
+           {{"total", counters_.protocol_errors_total()}, {"by_kind", std::move(protocol_errors)}}},
+          {"connections",
+           {{"now", counters_.connections_now},
+            {"total", counters_.connections_total},
+            {"rejected", counters_.connections_rejected}}},
+          {"commands_served", counters_.commands_served},
+          {"processes",
+           {{"tracked", state.by_key.size()},
+            {"live", live},
+            {"exited", state.exited},
+            {"connected", connected}}},
+          {"custom_steps", custom_steps},
+          {"limits_hit", counters_.limits_hit},
+          {"snapshots",
+           {{"written", counters_.snapshots_written}, {"errors", counters_.snapshot_errors}}},
+          {"memory", {{"rss_bytes", rss_bytes()}, {"state_bytes_estimate", state_bytes}}},
+          {"uptime_s", uptime_s(uptime_)},
+          {"ledger_anomalies", state.ledger.anomalies_json()}};
+}
+
+}  // namespace steptrace::daemon

@@ -1,0 +1,122 @@
+// The text commands steptraced answers on its socket (one per line, each answered in
+// order; see proto/PROTOCOL.md section 10).
+//
+// Data flow: Session reads a line -> CommandTable::execute(line, context) splits it into
+// words, looks the first word up in a table of handlers registered by name, the handler
+// parses the remaining words into its typed request struct (validated; a bad word is an
+// `error: ...` reply naming it), runs it against the Collector and returns the reply:
+// text at once, or (reports, ledger, stats, metrics) a RenderJob that the session hands
+// to the RenderWorker (daemon/serve/render_worker.h), so rendering never holds the io thread.
+// Every reply is text ending in '\n'; JSON replies are one line. A bad command never
+// closes the connection.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "daemon/state/collector.h"
+
+namespace steptrace::daemon {
+
+// Who asks, and whom: the peer's uid comes from SO_PEERCRED.
+struct CommandContext {
+  Collector& collector;
+  std::uint32_t peer_uid = 0;
+  std::uint32_t daemon_euid = 0;
+};
+
+// A rejected command line; the reply is "error: " + message.
+struct CommandError {
+  std::string message;
+};
+
+template <typename Request>
+using Parsed = std::variant<Request, CommandError>;
+
+// A command's answer: `text` now, or, when `render` is set, what to render from a view.
+struct Reply {
+  Reply(std::string t) : text(std::move(t)) {}      // NOLINT(google-explicit-constructor)
+  Reply(const char* t) : text(t) {}                 // NOLINT(google-explicit-constructor)
+  Reply(RenderJob job) : render(std::move(job)) {}  // NOLINT(google-explicit-constructor)
+  std::string text;
+  RenderJob render;
+};
+
+using Args = std::span<const std::string_view>;
+
+// ---- typed requests, one per command --------------------------------------------
+struct PingRequest {
+  static Parsed<PingRequest> parse(Args args);
+};
+struct ReportRequest {
+  bool json = false;
+  std::optional<std::int32_t> pid;
+  static Parsed<ReportRequest> parse(Args args);
+};
+struct LedgerRequest {
+  bool json = false;
+  static Parsed<LedgerRequest> parse(Args args);
+};
+struct StatsRequest {
+  bool json = false;
+  static Parsed<StatsRequest> parse(Args args);
+};
+struct MetricsRequest {
+  static Parsed<MetricsRequest> parse(Args args);
+};
+struct ResetRequest {
+  std::optional<std::int32_t> pid;
+  static Parsed<ResetRequest> parse(Args args);
+};
+struct VersionRequest {
+  static Parsed<VersionRequest> parse(Args args);
+};
+struct HelpRequest {
+  static Parsed<HelpRequest> parse(Args args);
+};
+
+// The reply of `version`: {"version": ..., "protocol": 1, "commands": [...]}.
+struct VersionResponse {
+  std::string version;
+  std::uint32_t protocol = 0;
+  std::vector<std::string> commands;
+  std::string to_json_line() const;
+};
+
+// Only root or the daemon's own effective uid may change state.
+bool may_reset(std::uint32_t peer_uid, std::uint32_t daemon_euid);
+
+class CommandTable {
+ public:
+  CommandTable();  // registers every command
+
+  // Answers one line (without its '\n'); the reply (text, or the text its job renders)
+  // ends with '\n'. Counts commands_served.
+  Reply dispatch(std::string_view line, const CommandContext& context) const;
+  // dispatch(), with a render job run at once on this thread over a fresh view.
+  std::string execute(std::string_view line, const CommandContext& context) const;
+  std::vector<std::string> names() const;
+
+ private:
+  using Handler = std::function<Reply(Args, const CommandContext&)>;
+  struct Entry {
+    std::string usage;
+    std::string summary;
+    Handler handler;
+  };
+  // Registers `name`: parse the words with Request::parse, then run(request, context).
+  template <typename Request, typename Run>
+  void add(std::string name, std::string usage, std::string summary, Run run);
+  std::string help_text() const;
+
+  std::map<std::string, Entry, std::less<>> entries_;
+};
+
+}  // namespace steptrace::daemon

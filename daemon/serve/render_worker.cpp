@@ -1,0 +1,84 @@
+#include "daemon/serve/render_worker.h"
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <vector>
+
+#include <boost/asio/post.hpp>
+
+namespace steptrace::daemon {
+
+std::string run_render_job(const RenderJob& job, const CollectorView& view) {
+  try {
+    return job(view);
+  } catch (const std::exception& e) {
+    // A report bug must not take the connection (or the daemon) down.
+    return std::string("error: internal error: ") + e.what() + "\n";
+  }
+}
+
+RenderWorker::RenderWorker(boost::asio::io_context& io, Collector& collector)
+    : io_(io), collector_(collector), pace_timer_(io) {}
+
+RenderWorker::~RenderWorker() { stop(); }
+
+void RenderWorker::submit(RenderJob job, Done done) {
+  if (stopped_) return;
+  queue_.emplace_back(std::move(job), std::move(done));
+  if (!busy_) start_next();
+}
+
+void RenderWorker::start_next() {
+  if (stopped_ || queue_.empty()) return;
+  busy_ = true;
+  // At most one view per kMinViewInterval: each view costs ingest a clone of every
+  // record it then touches, so a client asking in a tight loop must not multiply that.
+  const auto now = std::chrono::steady_clock::now();
+  if (now < last_freeze_ + kMinViewInterval) {
+    pace_timer_.expires_at(last_freeze_ + kMinViewInterval);
+    pace_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec || stopped_) return;
+      last_freeze_ = {};
+      busy_ = false;
+      start_next();
+    });
+    return;
+  }
+  last_freeze_ = now;
+  // Every job waiting now renders from one view: each was submitted before it, so each
+  // reply still shows everything applied before its command, and a burst of requests
+  // costs one freeze (and one round of clones), not one per request.
+  std::vector<std::pair<RenderJob, Done>> batch;
+  while (!queue_.empty() && batch.size() < kMaxBatch) {
+    batch.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  collector_.refresh_liveness();
+  std::shared_ptr<const CollectorView> view = collector_.freeze();
+  boost::asio::post(pool_, [this, batch = std::move(batch), view = std::move(view)]() mutable {
+    for (auto& [job, done] : batch) {
+      std::string text = run_render_job(job, *view);
+      // Each reply goes back as soon as it is ready (posts run in order).
+      boost::asio::post(io_, [this, done = std::move(done), text = std::move(text)]() mutable {
+        if (!stopped_) done(std::move(text));
+      });
+    }
+    // Back on the io thread: the view is released there, after the replies.
+    boost::asio::post(io_, [this, view = std::move(view)]() mutable {
+      view.reset();
+      busy_ = false;
+      start_next();
+    });
+  });
+}
+
+void RenderWorker::stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  queue_.clear();
+  pace_timer_.cancel();
+  pool_.join();
+}
+
+}  // namespace steptrace::daemon

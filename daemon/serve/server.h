@@ -1,0 +1,96 @@
+// steptraced's server: one Boost.Asio event loop that owns everything with a lifetime
+// tied to the process: the io_context, the signal set (SIGTERM/SIGINT), the Unix socket
+// acceptor, the sessions, the liveness and snapshot timers and the optional HTTP
+// metrics listener.
+//
+// Data flow: start() restores the snapshot into the Collector, binds the socket (or
+// adopts the one systemd passed) and tells systemd READY=1 -> run() accepts connections
+// (each a Session, see session.h; over max_connections a connection is answered with an
+// error and closed) and runs until a signal -> shutdown: stop accepting, apply what
+// binary clients already sent (bounded time), write the snapshot, close, return.
+// Everything runs on one thread, event-driven: no polling loop; except rendering (reports,
+// metrics, periodic snapshots), which the RenderWorker does on a thread of its own from a
+// copy-on-write view, so that ingest never waits for it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include "daemon/state/collector.h"
+#include "daemon/serve/commands.h"
+#include "daemon/serve/config.h"
+#include "daemon/serve/http_metrics.h"
+#include "daemon/serve/render_worker.h"
+#include "daemon/serve/session.h"
+
+namespace steptrace::daemon {
+
+class Server {
+ public:
+  Server(const Config& config, Collector& collector);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Restores the snapshot, binds the socket and the HTTP listener. On failure a
+  // one-line message (the daemon exits 1), with nothing left listening.
+  std::optional<std::string> start();
+  // Serves until SIGTERM/SIGINT, then drains, snapshots and returns.
+  void run();
+
+ private:
+  std::optional<std::string> open_socket();
+  void restore_snapshot();
+  void save_snapshot_now();    // on this thread (shutdown)
+  void save_snapshot_later();  // on the render thread (the timer)
+  void snapshot_written(const std::string& error);
+  void accept();
+  void on_accept(const boost::system::error_code& ec,
+                 boost::asio::local::stream_protocol::socket socket);
+  void admit(boost::asio::local::stream_protocol::socket socket);
+  void schedule_liveness();
+  void schedule_snapshot();
+  void shutdown(int signal_number);
+  void finish_shutdown();
+  void remove_socket_file();
+
+  const Config& config_;
+  Collector& collector_;
+  boost::asio::io_context io_;
+  boost::asio::signal_set signals_;
+  boost::asio::local::stream_protocol::acceptor acceptor_;
+  boost::asio::steady_timer accept_retry_timer_;
+  boost::asio::steady_timer liveness_timer_;
+  boost::asio::steady_timer snapshot_timer_;
+  RateLimitedLog log_;
+  RenderWorker renderer_;
+  bool snapshot_pending_ = false;  // a snapshot job is queued or writing
+  CommandTable commands_;
+  SessionShared shared_;
+  std::unique_ptr<HttpMetricsServer> http_;
+
+  struct Entry {
+    std::weak_ptr<Session> session;
+    bool rejected = false;
+  };
+  std::unordered_map<Session*, Entry> sessions_;
+  std::size_t rejecting_ = 0;  // sessions answering "too many connections"
+
+  std::string socket_path_;
+  bool socket_adopted_ = false;
+  bool socket_bound_ = false;
+  dev_t socket_dev_ = 0;
+  ino_t socket_ino_ = 0;
+  bool stopping_ = false;
+};
+
+}  // namespace steptrace::daemon

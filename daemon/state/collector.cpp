@@ -1,0 +1,858 @@
+// Collector: the process table, ingest (the hot path), liveness, limits, reset and
+// snapshot/restore. Reports are in report_json.cpp, report_text.cpp, metrics_text.cpp.
+#include "daemon/state/collector.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
+
+#include "daemon/state/collector_state.h"
+#include "daemon/persist/snapshot.h"
+
+namespace steptrace::daemon {
+
+nlohmann::json drop_causes_json(const DropCounts& counts) {
+  nlohmann::json j = nlohmann::json::object();
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+    j[std::string(proto::kDropCauseNames[i])] = counts[i];
+  return j;
+}
+
+std::uint64_t DaemonCounters::protocol_errors_total() const {
+  std::uint64_t total = 0;
+  for (const auto& [kind, n] : protocol_errors) total += n;
+  return total;
+}
+
+// ---- ProcessRecord -------------------------------------------------------------------
+
+std::vector<std::uint64_t> ProcessRecord::open_per_slot() const {
+  std::vector<std::uint64_t> open(steps.size(), 0);
+  for (const auto& thread : threads) {
+    if (thread->open == 0) continue;
+    for (std::size_t slot = 0; slot < thread->stacks.size() && slot < open.size(); ++slot) {
+      open[slot] += thread->stacks[slot].size();
+    }
+  }
+  return open;
+}
+
+std::uint64_t ProcessRecord::open_total() const {
+  std::uint64_t n = 0;
+  for (const auto& thread : threads) n += thread->open;
+  return n;
+}
+
+std::shared_ptr<ProcessRecord> ProcessRecord::clone() const {
+  auto copy = std::make_shared<ProcessRecord>(*this);  // deep: DeepPtr members
+  // The cache points into this record's threads: the next event finds its thread by index.
+  copy->last_thread = nullptr;
+  copy->last_tid = 0;
+  return copy;
+}
+
+std::size_t ProcessRecord::memory_bytes() const {
+  std::size_t bytes = sizeof(*this) + steps.capacity() * sizeof(StepAgg);
+  for (const auto& step : steps) bytes += step.hist.memory_bytes() - sizeof(Histogram);
+  bytes += custom_ids.capacity() * sizeof(std::uint32_t);
+  for (const auto& name : custom_names) bytes += sizeof(std::string) + name.capacity();
+  if (custom_slot) bytes += sizeof(*custom_slot);
+  for (const auto& thread : threads) {
+    bytes += sizeof(DeepPtr<ThreadSpans>) + sizeof(ThreadSpans) +
+             thread->stacks.capacity() * sizeof(std::vector<std::uint64_t>);
+    for (const auto& stack : thread->stacks) bytes += stack.capacity() * sizeof(std::uint64_t);
+  }
+  // unordered_map: one bucket pointer per bucket plus one node per entry.
+  bytes += thread_index.bucket_count() * sizeof(void*) +
+           thread_index.size() * (sizeof(void*) + sizeof(std::pair<std::uint32_t, std::uint32_t>) +
+                                  sizeof(std::size_t));
+  return bytes;
+}
+
+// ---- helpers over the state ----------------------------------------------------------
+
+namespace {
+
+using proto::kBuiltinStepCount;
+
+bool probe_alive(const Environment& env, const ProcessKey& key) {
+  const auto probe = env.probe(key.pid);
+  return probe && !probe->zombie && probe->start_time == key.start_time;
+}
+
+void mark_exited(CollectorState& state, ProcessRecord& rec, std::uint64_t now) {
+  if (!rec.alive) return;
+  rec.alive = false;
+  rec.exited_at_ns = now;
+  rec.exit_order = state.next_exit_order++;
+  ++state.exited;
+}
+
+void mark_alive(CollectorState& state, ProcessRecord& rec) {
+  if (rec.alive) return;
+  rec.alive = true;
+  rec.exited_at_ns = 0;
+  rec.exit_order = 0;
+  --state.exited;
+}
+
+// Spans still open when the process's last connection closed will never end.
+void abandon_open_spans(ProcessRecord& rec) {
+  for (auto& thread : rec.threads) {
+    for (std::size_t slot = 0; slot < thread->stacks.size(); ++slot) {
+      rec.steps[slot].abandoned += thread->stacks[slot].size();
+    }
+  }
+  rec.threads.clear();
+  rec.thread_index.clear();
+  rec.last_thread = nullptr;
+  rec.last_tid = 0;
+}
+
+void retire(CollectorState& state, const ProcessRecord& rec) {
+  for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
+    const Histogram& hist = rec.steps[slot].hist;
+    if (hist.count() == 0) continue;
+    std::string name(rec.step_name(slot));
+    RetiredHistograms& retired = state.write_retired();
+    auto it = retired.find(name);
+    if (it == retired.end()) {
+      if (retired.size() >= CollectorState::kMaxRetiredNames) name = "(other)";
+      it = retired.try_emplace(name).first;
+    }
+    it->second.merge(hist);
+  }
+}
+
+void evict(CollectorState& state, ProcessHandle handle) {
+  const ProcessRecord& rec = *state.slots[handle];
+  retire(state, rec);
+  state.ledger.forget_process(rec.key());
+  state.by_key.erase(rec.key());
+  if (!rec.alive) --state.exited;
+  state.slots[handle].reset();
+  state.free_slots.push_back(handle);
+}
+
+// Evicts the exited process that exited first. False when none is exited.
+bool evict_oldest_exited(CollectorState& state) {
+  ProcessHandle oldest = 0;
+  std::uint64_t oldest_order = std::numeric_limits<std::uint64_t>::max();
+  for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
+    const ProcessRecord* rec = state.slots[h].get();
+    if (rec && !rec->alive && rec->connections == 0 && rec->exit_order < oldest_order) {
+      oldest = h;
+      oldest_order = rec->exit_order;
+    }
+  }
+  if (oldest_order == std::numeric_limits<std::uint64_t>::max()) return false;
+  evict(state, oldest);
+  return true;
+}
+
+// Past max_exited_processes the oldest exited process leaves the reports; each one is
+// counted as a hit of that limit.
+void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCounters& counters) {
+  while (state.exited > limits.max_exited_processes && evict_oldest_exited(state)) {
+    ++counters.limits_hit["max_exited_processes"];
+  }
+}
+
+void check_ledger_holders(CollectorState& state, const Environment& env) {
+  state.ledger.check_holders([&](const ProcessKey& key) {
+    const auto it = state.by_key.find(key);
+    if (it != state.by_key.end()) return state.slots[it->second]->alive;
+    return probe_alive(env, key);  // a holder the table no longer (or never) had
+  });
+}
+
+ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& limits,
+                         DaemonCounters& counters) {
+  if (const auto it = rec.thread_index.find(tid); it != rec.thread_index.end()) {
+    rec.last_tid = tid;
+    rec.last_thread = rec.threads[it->second].get();
+    return rec.last_thread;
+  }
+  if (rec.threads.size() >= limits.max_threads_per_process) {
+    // Threads with nothing open hold no state worth keeping: drop them first.
+    std::erase_if(rec.threads, [](const auto& t) { return t->open == 0; });
+    rec.thread_index.clear();
+    for (std::uint32_t i = 0; i < rec.threads.size(); ++i)
+      rec.thread_index[rec.threads[i]->tid] = i;
+    rec.last_thread = nullptr;
+    rec.last_tid = 0;
+    if (rec.threads.size() >= limits.max_threads_per_process) {
+      ++counters.limits_hit["max_threads_per_process"];
+      return nullptr;
+    }
+  }
+  auto thread = std::make_unique<ThreadSpans>();
+  thread->tid = tid;
+  thread->stacks.resize(rec.steps.size());
+  rec.thread_index.emplace(tid, static_cast<std::uint32_t>(rec.threads.size()));
+  rec.threads.push_back(std::move(thread));
+  rec.last_tid = tid;
+  rec.last_thread = rec.threads.back().get();
+  return rec.last_thread;
+}
+
+}  // namespace
+
+// ---- Collector -----------------------------------------------------------------------
+
+Collector::Collector(Limits limits, Environment env) : limits_(limits), env_(std::move(env)) {
+  limits_.max_custom_steps =
+      std::min<std::size_t>(limits_.max_custom_steps, proto::kMaxCustomSteps);
+  const Environment system = Environment::system();
+  if (!env_.monotonic_now_ns) env_.monotonic_now_ns = system.monotonic_now_ns;
+  if (!env_.probe) env_.probe = system.probe;
+  state_ = std::make_unique<State>(limits_, counters_);
+}
+
+Collector::~Collector() = default;
+
+std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) {
+  State& state = *state_;
+  const std::uint64_t now = env_.monotonic_now_ns();
+  if (const auto it = state.by_key.find(peer.key); it != state.by_key.end()) {
+    ProcessRecord& rec = state.write(it->second);
+    mark_alive(state, rec);
+    ++rec.connections;
+    rec.peer.uid = peer.uid;
+    rec.peer.gid = peer.gid;
+    if (!peer.comm.empty()) rec.peer.comm = peer.comm;
+    out = it->second;
+    return {};
+  }
+  // An older process with this pid that has no connection is gone: its pid was reused.
+  for (auto it = state.by_key.lower_bound(ProcessKey{peer.key.pid, 0});
+       it != state.by_key.end() && it->first.pid == peer.key.pid; ++it) {
+    if (state.slots[it->second]->connections == 0) {
+      mark_exited(state, state.write(it->second), now);
+    }
+  }
+  enforce_exited_limit(state, limits_, counters_);
+  if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
+    refresh_liveness();  // a disconnected process may have died since the last check
+    if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
+      ++counters_.limits_hit["max_processes"];
+      return make_error_code(errc::limit_reached);
+    }
+  }
+  auto rec = std::make_shared<ProcessRecord>();
+  rec->peer = peer;
+  rec->connections = 1;
+  rec->attached_at_ns = now;
+  ProcessHandle handle;
+  if (!state.free_slots.empty()) {
+    handle = state.free_slots.back();
+    state.free_slots.pop_back();
+    state.slots[handle] = std::move(rec);
+  } else {
+    handle = static_cast<ProcessHandle>(state.slots.size());
+    state.slots.push_back(std::move(rec));
+  }
+  state.by_key.emplace(peer.key, handle);
+  out = handle;
+  return {};
+}
+
+void Collector::hello(ProcessHandle process, const proto::Hello& hello) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  rec.client_name = proto::field_view(hello.process_name);
+  rec.library_version = proto::field_view(hello.library_version);
+}
+
+std::error_code Collector::events(ProcessHandle process, proto::EventSpan events) {
+  if (process >= state_->slots.size() || !state_->slots[process]) {
+    return std::make_error_code(std::errc::invalid_argument);
+  }
+  ProcessRecord* rec = &state_->write(process);
+  counters_.events_received += events.size();
+
+  const std::size_t max_depth = limits_.max_open_depth;
+  const std::size_t n = events.size();
+  std::uint64_t depth_hits = 0;
+  std::error_code result;
+  for (std::size_t i = 0; i < n; ++i) {
+    const proto::EventRecord e = events[i];
+    std::uint32_t slot = e.step;
+    if (slot >= kBuiltinStepCount) [[unlikely]] {
+      const std::uint32_t index = slot - proto::kFirstCustomStep;
+      if (index >= proto::kMaxCustomSteps) {
+        result = make_error_code(errc::bad_step_id);
+        break;
+      }
+      slot = rec->custom_slot ? (*rec->custom_slot)[index] : 0;
+      if (slot == 0) {
+        result = make_error_code(errc::unregistered_step);
+        break;
+      }
+    }
+    ThreadSpans* thread = rec->last_thread;
+    if (e.thread_id != rec->last_tid || thread == nullptr) [[unlikely]] {
+      thread = find_thread(*rec, e.thread_id, limits_, counters_);
+      if (thread == nullptr) continue;
+    }
+    if (slot >= thread->stacks.size()) [[unlikely]]
+      thread->stacks.resize(rec->steps.size());
+    std::vector<std::uint64_t>& stack = thread->stacks[slot];
+    if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
+      // Bounded per thread over all its steps, so a thread's open spans cost at most
+      // max_open_depth timestamps however many steps it nests.
+      if (thread->open >= max_depth) [[unlikely]] {
+        ++rec->steps[slot].depth_dropped;
+        ++depth_hits;
+        continue;
+      }
+      stack.push_back(e.timestamp_ns);
+      ++thread->open;
+    } else if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) {
+      if (stack.empty()) [[unlikely]] {
+        ++rec->steps[slot].unmatched_ends;
+        continue;
+      }
+      const std::uint64_t start = stack.back();
+      stack.pop_back();
+      --thread->open;
+      // One monotonic clock on the client; a backwards pair can only be a broken
+      // client, and counts as zero rather than wrapping.
+      const std::uint64_t duration = e.timestamp_ns > start ? e.timestamp_ns - start : 0;
+      rec->steps[slot].hist.record(duration);
+      if (proto::is_ledger_step(slot)) [[unlikely]] {
+        state_->ledger.attribute_span(rec->key(), e.thread_id, slot, start, e.timestamp_ns);
+      }
+    } else {
+      result = make_error_code(errc::bad_event_kind);
+      break;
+    }
+  }
+  if (depth_hits != 0) counters_.limits_hit["max_open_depth"] += depth_hits;
+  return result;
+}
+
+std::error_code Collector::register_step(ProcessHandle process, const proto::RegisterStep& step) {
+  if (process >= state_->slots.size() || !state_->slots[process]) {
+    return std::make_error_code(std::errc::invalid_argument);
+  }
+  ProcessRecord& rec = state_->write(process);
+  if (!proto::is_custom_step(step.step)) return make_error_code(errc::bad_step_id);
+  if (!proto::valid_field(step.name, false)) return make_error_code(errc::bad_string);
+  const std::string_view name = proto::field_view(step.name);
+  const std::uint32_t index = step.step - proto::kFirstCustomStep;
+  if (rec.custom_slot && (*rec.custom_slot)[index] != 0) {
+    return rec.step_name((*rec.custom_slot)[index]) == name ? std::error_code{}
+                                                            : make_error_code(errc::bad_string);
+  }
+  if (rec.custom_ids.size() >= limits_.max_custom_steps) {
+    ++counters_.limits_hit["max_custom_steps"];
+    return make_error_code(errc::limit_reached);
+  }
+  if (!rec.custom_slot) {
+    rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
+    rec.custom_slot->fill(0);
+  }
+  (*rec.custom_slot)[index] = static_cast<std::uint16_t>(rec.steps.size());
+  rec.steps.emplace_back();
+  rec.custom_ids.push_back(step.step);
+  rec.custom_names.emplace_back(name);
+  return {};
+}
+
+void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  const ProcessRecord& rec = *state_->slots[process];
+  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm}, record, env_.monotonic_now_ns());
+}
+
+void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  // Reports are cumulative and may arrive out of order across reconnects: keep the max.
+  if (total_dropped > rec.dropped) {
+    counters_.events_dropped_by_clients += total_dropped - rec.dropped;
+    rec.dropped = total_dropped;
+  }
+}
+
+void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCause& causes) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+    if (causes.count[i] > rec.dropped_by_cause[i]) {
+      counters_.events_dropped_by_cause[i] += causes.count[i] - rec.dropped_by_cause[i];
+      rec.dropped_by_cause[i] = causes.count[i];
+    }
+    // Saturating: a hostile client's counts must not wrap the total.
+    constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+    total = rec.dropped_by_cause[i] > kMax - total ? kMax : total + rec.dropped_by_cause[i];
+  }
+  dropped(process, total);
+}
+
+void Collector::detach(ProcessHandle process) {
+  State& state = *state_;
+  if (process >= state.slots.size() || !state.slots[process]) return;
+  ProcessRecord& rec = state.write(process);
+  if (rec.connections > 0) --rec.connections;
+  if (rec.connections > 0) return;
+  abandon_open_spans(rec);
+  if (!probe_alive(env_, rec.key())) mark_exited(state, rec, env_.monotonic_now_ns());
+  check_ledger_holders(state, env_);
+  enforce_exited_limit(state, limits_, counters_);
+}
+
+void Collector::refresh_liveness() {
+  State& state = *state_;
+  for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
+    const ProcessRecord* slot = state.slots[h].get();
+    if (!slot || !slot->alive || slot->connections > 0) continue;
+    if (!probe_alive(env_, slot->key()))
+      mark_exited(state, state.write(h), env_.monotonic_now_ns());
+  }
+  check_ledger_holders(state, env_);
+  enforce_exited_limit(state, limits_, counters_);
+}
+
+std::size_t Collector::reset(std::optional<std::int32_t> pid) {
+  State& state = *state_;
+  std::size_t cleared = 0;
+  for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
+    const ProcessRecord* slot = state.slots[h].get();
+    if (!slot || (pid && slot->key().pid != *pid)) continue;
+    for (auto& step : state.write(h).steps) step.clear();
+    ++cleared;
+  }
+  if (!pid) state.retired = std::make_shared<RetiredHistograms>();
+  return cleared;
+}
+
+// ---- views -----------------------------------------------------------------------------
+
+CollectorView::CollectorView(const CollectorState& state, const DaemonCounters& counters,
+                             std::uint64_t now_ns)
+    : state_(std::make_unique<const CollectorState>(state)),
+      counters_(counters),
+      now_ns_(now_ns),
+      uptime_(std::chrono::steady_clock::now() - counters.started) {}
+
+CollectorView::~CollectorView() = default;
+
+std::shared_ptr<const CollectorView> Collector::freeze() const {
+  return std::shared_ptr<const CollectorView>(
+      new CollectorView(*state_, counters_, env_.monotonic_now_ns()));
+}
+
+nlohmann::json Collector::report_json(std::optional<std::int32_t> pid) const {
+  return freeze()->report_json(pid);
+}
+std::string Collector::report_text(std::optional<std::int32_t> pid) const {
+  return freeze()->report_text(pid);
+}
+nlohmann::json Collector::ledger_json() const { return freeze()->ledger_json(); }
+std::string Collector::ledger_text() const { return freeze()->ledger_text(); }
+nlohmann::json Collector::stats_json() const { return freeze()->stats_json(); }
+std::string Collector::stats_text() const { return freeze()->stats_text(); }
+std::string Collector::metrics_text() const { return freeze()->metrics_text(); }
+nlohmann::json Collector::snapshot() const { return freeze()->snapshot(); }
+
+// ---- selection shared by the reports ---------------------------------------------------
+
+std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
+                                                   std::optional<std::int32_t> pid) {
+  std::vector<const ProcessRecord*> out;
+  for (const auto& [key, handle] : state.by_key) {
+    if (pid && key.pid != *pid) continue;
+    out.push_back(state.slots[handle].get());
+  }
+  return out;
+}
+
+std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>& processes) {
+  // A custom step that took a built-in's name merges into that built-in's row.
+  std::vector<NamedTotals> builtin(kBuiltinStepCount);
+  std::map<std::string, NamedTotals, std::less<>> custom;
+  const auto entry = [&](std::string_view name) -> NamedTotals& {
+    for (std::uint32_t i = 0; i < kBuiltinStepCount; ++i) {
+      if (proto::kBuiltinStepNames[i] == name) return builtin[i];
+    }
+    auto it = custom.find(name);
+    if (it == custom.end()) it = custom.try_emplace(std::string(name)).first;
+    return it->second;
+  };
+  for (const ProcessRecord* rec : processes) {
+    const auto open = rec->open_per_slot();
+    for (std::size_t slot = 0; slot < rec->steps.size(); ++slot) {
+      const StepAgg& agg = rec->steps[slot];
+      if (!agg.has_data() && open[slot] == 0) continue;
+      NamedTotals& t = slot < kBuiltinStepCount ? builtin[slot] : entry(rec->step_name(slot));
+      t.name = rec->step_name(slot);
+      t.agg.merge(agg);
+      t.open += open[slot];
+      if (t.last_process != rec) ++t.processes;
+      t.last_process = rec;
+    }
+  }
+  std::vector<NamedTotals> out;
+  for (auto& t : builtin) {
+    if (t.processes != 0) out.push_back(std::move(t));
+  }
+  for (auto& [name, t] : custom) out.push_back(std::move(t));
+  return out;
+}
+
+// ---- snapshot / restore ------------------------------------------------------------------
+
+namespace {
+
+constexpr int kSnapshotVersion = 1;
+
+nlohmann::json step_agg_json(const StepAgg& agg) {
+  return {{"unmatched_ends", agg.unmatched_ends},
+          {"abandoned", agg.abandoned},
+          {"depth_dropped", agg.depth_dropped},
+          {"histogram", agg.hist.to_json()}};
+}
+
+nlohmann::json counters_json(const DaemonCounters& c) {
+  return {{"events_received", c.events_received},
+          {"frames_received", c.frames_received},
+          {"bytes_received", c.bytes_received},
+          {"events_dropped_by_clients", c.events_dropped_by_clients},
+          {"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
+          {"connections_total", c.connections_total},
+          {"connections_rejected", c.connections_rejected},
+          {"commands_served", c.commands_served},
+          {"protocol_errors", c.protocol_errors},
+          {"limits_hit", c.limits_hit}};
+}
+
+// Typed field access for restore: each returns false and sets `error` naming the field.
+class Reader {
+ public:
+  explicit Reader(std::string& error) : error_(error) {}
+
+  const nlohmann::json* field(const nlohmann::json& j, const char* key, const char* what) {
+    if (!j.is_object()) return fail(std::string(what) + " is not an object"), nullptr;
+    const auto it = j.find(key);
+    if (it == j.end()) return fail(std::string(what) + ": \"" + key + "\" is missing"), nullptr;
+    return &*it;
+  }
+  template <typename T>
+  bool get_unsigned(const nlohmann::json& j, const char* key, const char* what, T& out) {
+    const auto* v = field(j, key, what);
+    if (!v) return false;
+    // In-memory documents keep signed integers signed; parsed ones make them unsigned.
+    const bool non_negative =
+        v->is_number_unsigned() || (v->is_number_integer() && v->get<std::int64_t>() >= 0);
+    if (!non_negative || v->get<std::uint64_t>() > std::numeric_limits<T>::max()) {
+      return fail(std::string(what) + ": \"" + key + "\" must be an unsigned integer in range");
+    }
+    out = static_cast<T>(v->get<std::uint64_t>());
+    return true;
+  }
+  bool get_bool(const nlohmann::json& j, const char* key, const char* what, bool& out) {
+    const auto* v = field(j, key, what);
+    if (!v) return false;
+    if (!v->is_boolean()) return fail(std::string(what) + ": \"" + key + "\" must be a boolean");
+    out = v->get<bool>();
+    return true;
+  }
+  // A printable ASCII string of at most max_len bytes (and at least min_len).
+  bool get_string(const nlohmann::json& j, const char* key, const char* what, std::string& out,
+                  std::size_t min_len, std::size_t max_len) {
+    const auto* v = field(j, key, what);
+    if (!v) return false;
+    if (!v->is_string()) return fail(std::string(what) + ": \"" + key + "\" must be a string");
+    out = v->get<std::string>();
+    if (out.size() < min_len || out.size() > max_len ||
+        !std::all_of(out.begin(), out.end(), proto::is_printable)) {
+      return fail(std::string(what) + ": \"" + key + "\" must be " + std::to_string(min_len) +
+                  ".." + std::to_string(max_len) + " printable characters");
+    }
+    return true;
+  }
+  const nlohmann::json* array(const nlohmann::json& j, const char* key, const char* what) {
+    const auto* v = field(j, key, what);
+    if (v && !v->is_array())
+      return fail(std::string(what) + ": \"" + key + "\" must be an array"), nullptr;
+    return v;
+  }
+  bool fail(std::string message) {
+    if (error_.empty()) error_ = std::move(message);
+    return false;
+  }
+  // An object of the drop cause names (snapshots before causes existed have none: zeros).
+  bool get_drop_causes(const nlohmann::json& j, const char* key, const char* what,
+                       DropCounts& out) {
+    out = {};
+    if (!j.is_object() || !j.contains(key)) return true;
+    const auto* v = field(j, key, what);
+    if (!v->is_object() || v->size() != proto::kDropCauseCount) {
+      return fail(std::string(what) + ": \"" + key + "\" must be an object of the " +
+                  std::to_string(proto::kDropCauseCount) + " drop causes");
+    }
+    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+      const std::string name(proto::kDropCauseNames[i]);
+      if (!get_unsigned(*v, name.c_str(), key, out[i])) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::string& error_;
+};
+
+bool read_step_agg(Reader& r, const nlohmann::json& j, StepAgg& agg, std::string& error) {
+  if (!r.get_unsigned(j, "unmatched_ends", "step", agg.unmatched_ends) ||
+      !r.get_unsigned(j, "abandoned", "step", agg.abandoned) ||
+      !r.get_unsigned(j, "depth_dropped", "step", agg.depth_dropped)) {
+    return false;
+  }
+  const auto* hist = r.field(j, "histogram", "step");
+  if (!hist) return false;
+  std::string hist_error;
+  auto h = Histogram::from_json(*hist, hist_error);
+  if (!h) return r.fail(hist_error), false;
+  agg.hist = std::move(*h);
+  (void)error;
+  return true;
+}
+
+bool read_process(Reader& r, const nlohmann::json& j, ProcessRecord& rec, std::string& error) {
+  const char* what = "process";
+  std::uint32_t pid = 0;
+  if (!r.get_unsigned(j, "pid", what, pid) || pid == 0 ||
+      pid > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max())) {
+    return r.fail("process: \"pid\" must be a positive pid");
+  }
+  rec.peer.key.pid = static_cast<std::int32_t>(pid);
+  if (!r.get_unsigned(j, "start_time", what, rec.peer.key.start_time) ||
+      !r.get_unsigned(j, "uid", what, rec.peer.uid) ||
+      !r.get_unsigned(j, "gid", what, rec.peer.gid) ||
+      !r.get_string(j, "comm", what, rec.peer.comm, 0, 64) ||
+      !r.get_string(j, "client", what, rec.client_name, 0, proto::kProcessNameField - 1) ||
+      !r.get_string(j, "library_version", what, rec.library_version, 0,
+                    proto::kLibraryVersionField - 1) ||
+      !r.get_bool(j, "alive", what, rec.alive) ||
+      !r.get_unsigned(j, "exited_at_ns", what, rec.exited_at_ns) ||
+      !r.get_unsigned(j, "exit_order", what, rec.exit_order) ||
+      !r.get_unsigned(j, "dropped", what, rec.dropped) ||
+      !r.get_drop_causes(j, "dropped_by_cause", what, rec.dropped_by_cause)) {
+    return false;
+  }
+  const auto* custom = r.array(j, "custom_steps", what);
+  if (!custom) return false;
+  if (custom->size() > proto::kMaxCustomSteps) return r.fail("process: too many custom steps");
+  for (const auto& c : *custom) {
+    std::uint32_t id = 0;
+    std::string name;
+    if (!r.get_unsigned(c, "id", "custom step", id) ||
+        !r.get_string(c, "name", "custom step", name, 1, proto::kMaxNameLength)) {
+      return false;
+    }
+    if (!proto::is_custom_step(id)) return r.fail("custom step: \"id\" out of the custom range");
+    if (!rec.custom_slot) {
+      rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
+      rec.custom_slot->fill(0);
+    }
+    auto& slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
+    if (slot != 0) return r.fail("custom step: id " + std::to_string(id) + " registered twice");
+    slot = static_cast<std::uint16_t>(rec.steps.size());
+    rec.steps.emplace_back();
+    rec.custom_ids.push_back(id);
+    rec.custom_names.push_back(std::move(name));
+  }
+  const auto* steps = r.array(j, "steps", what);
+  if (!steps) return false;
+  std::vector<bool> seen(rec.steps.size(), false);
+  for (const auto& s : *steps) {
+    std::uint32_t id = 0;
+    if (!r.get_unsigned(s, "id", "step", id)) return false;
+    std::size_t slot;
+    if (proto::is_builtin_step(id)) {
+      slot = id;
+    } else if (proto::is_custom_step(id) && rec.custom_slot &&
+               (*rec.custom_slot)[id - proto::kFirstCustomStep] != 0) {
+      slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
+    } else {
+      return r.fail("step: id " + std::to_string(id) + " is neither built-in nor registered");
+    }
+    if (seen[slot]) return r.fail("step: id " + std::to_string(id) + " appears twice");
+    seen[slot] = true;
+    if (!read_step_agg(r, s, rec.steps[slot], error)) return false;
+  }
+  if (!rec.alive && rec.exit_order == 0)
+    return r.fail("process: an exited process needs \"exit_order\"");
+  return true;
+}
+
+}  // namespace
+
+nlohmann::json CollectorView::snapshot() const {
+  const CollectorState& state = *state_;
+  nlohmann::json processes = nlohmann::json::array();
+  for (const auto& [key, handle] : state.by_key) {
+    const ProcessRecord& rec = *state.slots[handle];
+    nlohmann::json custom = nlohmann::json::array();
+    for (std::size_t i = 0; i < rec.custom_ids.size(); ++i) {
+      custom.push_back({{"id", rec.custom_ids[i]}, {"name", rec.custom_names[i]}});
+    }
+    // Open spans cannot survive: whoever restores this has no connection to end them.
+    const auto open = rec.open_per_slot();
+    nlohmann::json steps = nlohmann::json::array();
+    for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
+      StepAgg agg = rec.steps[slot];
+      agg.abandoned += open[slot];
+      if (!agg.has_data()) continue;
+      nlohmann::json s = step_agg_json(agg);
+      s["id"] = rec.step_id(slot);
+      s["name"] = rec.step_name(slot);
+      steps.push_back(std::move(s));
+    }
+    processes.push_back({{"pid", key.pid},
+                         {"start_time", key.start_time},
+                         {"uid", rec.peer.uid},
+                         {"gid", rec.peer.gid},
+                         {"comm", rec.peer.comm},
+                         {"client", rec.client_name},
+                         {"library_version", rec.library_version},
+                         {"alive", rec.alive},
+                         {"exited_at_ns", rec.exited_at_ns},
+                         {"exit_order", rec.exit_order},
+                         {"dropped", rec.dropped},
+                         {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
+                         {"custom_steps", std::move(custom)},
+                         {"steps", std::move(steps)}});
+  }
+  nlohmann::json retired = nlohmann::json::array();
+  for (const auto& [name, hist] : *state.retired) {
+    retired.push_back({{"step", name}, {"histogram", hist.to_json()}});
+  }
+  return {{"schema", kSnapshotSchema},        {"version", kSnapshotVersion},
+          {"written_at_ns", now_ns_},         {"processes", std::move(processes)},
+          {"retired", std::move(retired)},    {"counters", counters_json(counters_)},
+          {"ledger", state.ledger.snapshot()}};
+}
+
+std::error_code Collector::restore(const nlohmann::json& doc) {
+  for (const auto& slot : state_->slots) {
+    // Live sessions hold handles into the table that a restore would invalidate.
+    if (slot && slot->connections > 0)
+      return std::make_error_code(std::errc::device_or_resource_busy);
+  }
+  std::string error;
+  Reader r(error);
+  // The caller only gets errc::bad_config; the reason goes to the log.
+  const auto bad = [&error] {
+    spdlog::warn("snapshot rejected: {}",
+                 error.empty() ? std::string("malformed document") : error);
+    return make_error_code(errc::bad_config);
+  };
+  if (!doc.is_object() || !doc.contains("schema") || doc["schema"] != kSnapshotSchema) {
+    r.fail(std::string("not a ") + kSnapshotSchema + " document");
+    return bad();
+  }
+  std::uint32_t version = 0;
+  if (!r.get_unsigned(doc, "version", "snapshot", version) || version != kSnapshotVersion) {
+    r.fail("snapshot version " + std::to_string(version) + " is not one this build reads");
+    return bad();
+  }
+
+  auto next = std::make_unique<State>(limits_, counters_);
+  const auto* processes = r.array(doc, "processes", "snapshot");
+  if (!processes) return bad();
+  for (const auto& p : *processes) {
+    auto rec = std::make_shared<ProcessRecord>();
+    if (!read_process(r, p, *rec, error)) return bad();
+    if (next->by_key.count(rec->key())) {
+      r.fail("process " + std::to_string(rec->key().pid) + " appears twice");
+      return bad();
+    }
+    next->by_key.emplace(rec->key(), static_cast<ProcessHandle>(next->slots.size()));
+    next->slots.push_back(std::move(rec));
+  }
+  if (const auto it = doc.find("retired"); it != doc.end()) {
+    if (!it->is_array() || it->size() > CollectorState::kMaxRetiredNames + 1) return bad();
+    for (const auto& entry : *it) {
+      std::string name;
+      if (!r.get_string(entry, "step", "retired", name, 1, proto::kMaxNameLength)) return bad();
+      const auto* hist = r.field(entry, "histogram", "retired");
+      if (!hist) return bad();
+      std::string hist_error;
+      auto h = Histogram::from_json(*hist, hist_error);
+      if (!h) r.fail("retired: " + hist_error);
+      if (!h || !next->retired->try_emplace(name, std::move(*h)).second) return bad();
+    }
+  }
+  DaemonCounters restored_counters;
+  const auto* counters = r.field(doc, "counters", "snapshot");
+  if (!counters || !counters->is_object()) return bad();
+  {
+    const char* what = "counters";
+    DaemonCounters& c = restored_counters;
+    if (!r.get_unsigned(*counters, "events_received", what, c.events_received) ||
+        !r.get_unsigned(*counters, "frames_received", what, c.frames_received) ||
+        !r.get_unsigned(*counters, "bytes_received", what, c.bytes_received) ||
+        !r.get_unsigned(*counters, "events_dropped_by_clients", what,
+                        c.events_dropped_by_clients) ||
+        !r.get_drop_causes(*counters, "events_dropped_by_cause", what, c.events_dropped_by_cause) ||
+        !r.get_unsigned(*counters, "connections_total", what, c.connections_total) ||
+        !r.get_unsigned(*counters, "connections_rejected", what, c.connections_rejected) ||
+        !r.get_unsigned(*counters, "commands_served", what, c.commands_served)) {
+      return bad();
+    }
+    for (const char* map_name : {"protocol_errors", "limits_hit"}) {
+      const auto* m = r.field(*counters, map_name, what);
+      if (!m || !m->is_object() || m->size() > 256) return bad();
+      auto& target = std::string_view(map_name) == "limits_hit" ? c.limits_hit : c.protocol_errors;
+      for (const auto& [name, value] : m->items()) {
+        const bool non_negative = value.is_number_unsigned() ||
+                                  (value.is_number_integer() && value.get<std::int64_t>() >= 0);
+        if (!non_negative || name.empty() || name.size() > 64) return bad();
+        target[name] = value.get<std::uint64_t>();
+      }
+    }
+  }
+  const auto* ledger = r.field(doc, "ledger", "snapshot");
+  if (!ledger) return bad();
+  if (const std::error_code ec = next->ledger.restore(*ledger)) {
+    r.fail("ledger: " + ec.message());
+    return bad();
+  }
+
+  // Everything validated: install it.
+  std::uint64_t max_order = 0;
+  for (auto& slot : next->slots) {
+    if (!slot->alive) {
+      ++next->exited;
+      max_order = std::max(max_order, slot->exit_order);
+    }
+  }
+  next->next_exit_order = max_order + 1;
+  state_ = std::move(next);
+  DaemonCounters& c = counters_;
+  c.events_received += restored_counters.events_received;
+  c.frames_received += restored_counters.frames_received;
+  c.bytes_received += restored_counters.bytes_received;
+  c.events_dropped_by_clients += restored_counters.events_dropped_by_clients;
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+    c.events_dropped_by_cause[i] += restored_counters.events_dropped_by_cause[i];
+  c.connections_total += restored_counters.connections_total;
+  c.connections_rejected += restored_counters.connections_rejected;
+  c.commands_served += restored_counters.commands_served;
+  for (const auto& [k, v] : restored_counters.protocol_errors) c.protocol_errors[k] += v;
+  for (const auto& [k, v] : restored_counters.limits_hit) c.limits_hit[k] += v;
+  // Restored processes have no connection: ask /proc who is still there.
+  refresh_liveness();
+  while (state_->by_key.size() > limits_.max_processes && evict_oldest_exited(*state_)) {
+  }
+  return {};
+}
+
+}  // namespace steptrace::daemon

@@ -1,0 +1,180 @@
+// The Collector's private state (daemon/state/collector.h), shared by the files that
+// implement it: collector.cpp (ingest, liveness, limits, snapshot), report_json.cpp,
+// report_text.cpp and metrics_text.cpp (reports). Not for use outside those.
+//
+// Layout for the ingest hot path (Collector::events): the process table is a vector of
+// slots indexed by ProcessHandle. A process keeps its per-step aggregates in one dense
+// vector: slots 0..11 are the built-in steps, custom steps get the next slots in
+// registration order, found through a 1024-entry id -> slot table allocated on the
+// first registration. Open spans live per thread, per step slot, as a stack of start
+// timestamps; the thread is found through a one-entry cache of the last thread, else a
+// hash map. Nothing on that path allocates once a (thread, step) stack has grown.
+//
+// Copy-on-write, so reports render on another thread (daemon/collector_view.h): process
+// records, the ledger view's state and the retired histograms are held by shared_ptr.
+// Collector::freeze() copies the pointers (not the data) into a CollectorView; every
+// mutation goes through CollectorState::write() / write_retired() (and LedgerView's own
+// check), which first clones an object a view still holds. The io thread alone creates
+// and destroys views and mutates, so the use counts it reads are its own.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "daemon/state/collector.h"
+#include "daemon/state/histogram.h"
+#include "daemon/state/ledger_view.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace steptrace::daemon {
+
+using DropCounts = std::array<std::uint64_t, proto::kDropCauseCount>;
+
+// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n}
+nlohmann::json drop_causes_json(const DropCounts& counts);
+
+struct StepAgg {
+  Histogram hist;  // count, total, min, max, percentiles, Prometheus buckets
+  std::uint64_t unmatched_ends = 0;
+  std::uint64_t abandoned = 0;
+  std::uint64_t depth_dropped = 0;  // starts dropped past max_open_depth
+
+  bool has_data() const {
+    return hist.count() != 0 || unmatched_ends != 0 || abandoned != 0 || depth_dropped != 0;
+  }
+  void clear() { *this = StepAgg{}; }
+  void merge(const StepAgg& other) {
+    hist.merge(other.hist);
+    unmatched_ends += other.unmatched_ends;
+    abandoned += other.abandoned;
+    depth_dropped += other.depth_dropped;
+  }
+};
+
+// A unique_ptr whose copy copies what it points to, so that a ProcessRecord copies
+// deeply with its defaulted copy constructor (ProcessRecord::clone).
+template <typename T>
+class DeepPtr : public std::unique_ptr<T> {
+ public:
+  DeepPtr() = default;
+  DeepPtr(std::unique_ptr<T> p) : std::unique_ptr<T>(std::move(p)) {}  // NOLINT
+  DeepPtr(const DeepPtr& other)
+      : std::unique_ptr<T>(other ? std::make_unique<T>(*other) : nullptr) {}
+  DeepPtr(DeepPtr&&) noexcept = default;
+  DeepPtr& operator=(DeepPtr&&) noexcept = default;
+  DeepPtr& operator=(const DeepPtr&) = delete;
+};
+
+struct ThreadSpans {
+  std::uint32_t tid = 0;
+  std::uint32_t open = 0;                          // spans open on this thread, all steps
+  std::vector<std::vector<std::uint64_t>> stacks;  // by step slot: start timestamps
+};
+
+struct ProcessRecord {
+  PeerIdentity peer;
+  std::string client_name;      // from the hello
+  std::string library_version;  // from the hello
+  bool alive = true;
+  std::uint32_t connections = 0;
+  std::uint64_t attached_at_ns = 0;
+  std::uint64_t exited_at_ns = 0;  // CLOCK_MONOTONIC when the exit was noticed
+  std::uint64_t exit_order = 0;    // increasing per exit: oldest exited goes first
+  std::uint64_t dropped = 0;       // max of the client's cumulative reports
+  DropCounts dropped_by_cause{};   // max per cause
+
+  std::vector<StepAgg> steps;             // by slot; size kBuiltinStepCount + custom_ids.size()
+  std::vector<std::uint32_t> custom_ids;  // slot - kBuiltinStepCount -> step id
+  std::vector<std::string> custom_names;  // slot - kBuiltinStepCount -> name
+  DeepPtr<std::array<std::uint16_t, proto::kMaxCustomSteps>> custom_slot;  // id -> slot
+
+  std::vector<DeepPtr<ThreadSpans>> threads;
+  std::unordered_map<std::uint32_t, std::uint32_t> thread_index;  // tid -> index in threads
+  std::uint32_t last_tid = 0;
+  ThreadSpans* last_thread = nullptr;
+
+  ProcessRecord() : steps(proto::kBuiltinStepCount) {}
+  // A deep copy (threads' open spans included); the thread cache starts empty.
+  std::shared_ptr<ProcessRecord> clone() const;
+
+  const ProcessKey& key() const { return peer.key; }
+  std::string_view step_name(std::size_t slot) const {
+    return slot < proto::kBuiltinStepCount
+               ? proto::kBuiltinStepNames[slot]
+               : std::string_view(custom_names[slot - proto::kBuiltinStepCount]);
+  }
+  std::uint32_t step_id(std::size_t slot) const {
+    return slot < proto::kBuiltinStepCount ? static_cast<std::uint32_t>(slot)
+                                           : custom_ids[slot - proto::kBuiltinStepCount];
+  }
+  // Spans open now, per step slot.
+  std::vector<std::uint64_t> open_per_slot() const;
+  std::uint64_t open_total() const;
+  std::size_t memory_bytes() const;
+};
+
+// Aggregates of one step name over several processes (totals, text report, metrics).
+struct NamedTotals {
+  std::string name;
+  StepAgg agg;
+  std::uint64_t open = 0;
+  std::uint64_t processes = 0;                  // processes with this step
+  const ProcessRecord* last_process = nullptr;  // so a process counts once
+};
+
+using RetiredHistograms = std::map<std::string, Histogram, std::less<>>;
+
+struct CollectorState {
+  CollectorState(const Limits& limits, DaemonCounters& counters)
+      : ledger(limits, counters), retired(std::make_shared<RetiredHistograms>()) {}
+  // Copies share every record (see above): only a view is made this way.
+  CollectorState(const CollectorState&) = default;
+
+  // The record of `handle`, cloned first when a view still holds it. Requires a record.
+  ProcessRecord& write(ProcessHandle handle) {
+    auto& slot = slots[handle];
+    if (slot.use_count() > 1) slot = slot->clone();
+    return *slot;
+  }
+  RetiredHistograms& write_retired() {
+    if (retired.use_count() > 1) retired = std::make_shared<RetiredHistograms>(*retired);
+    return *retired;
+  }
+
+  std::vector<std::shared_ptr<ProcessRecord>> slots;  // by ProcessHandle
+  std::vector<ProcessHandle> free_slots;
+  std::map<ProcessKey, ProcessHandle> by_key;
+  std::size_t exited = 0;
+  std::uint64_t next_exit_order = 1;
+  LedgerView ledger;
+
+  // Prometheus step histograms of processes that were evicted, so the exported
+  // per-step counters never go backwards when a process leaves the table.
+  std::shared_ptr<RetiredHistograms> retired;
+  static constexpr std::size_t kMaxRetiredNames = 4096;  // beyond: merged into "(other)"
+};
+
+struct Collector::State : CollectorState {
+  using CollectorState::CollectorState;
+};
+
+// Processes to report, in (pid, start_time) order; all of them or one pid's.
+std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
+                                                   std::optional<std::int32_t> pid);
+// Per-step aggregates merged by step name over `processes`, built-ins first in enum
+// order then custom names alphabetically. Steps without data are left out.
+std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>& processes);
+
+// /proc/PID/stat parsing (exposed for tests): state and start time, fields counted after
+// the last ')'. nullopt when malformed.
+std::optional<ProcessProbe> parse_proc_stat(std::string_view stat);
+
+}  // namespace steptrace::daemon

@@ -1,0 +1,73 @@
+// The daemon's live view of the VRAM ledger that trainers share, per GPU (by UUID).
+//
+// Fed by the ledger annotations of the C ABI (proto::LedgerRecord: reserve, release,
+// cleanup, VRAM sample), each credited to the process whose connection sent it (the
+// actor). Ledger-step spans (LedgerReserve .. LedgerRelease) are attributed to the GPU
+// named by the last annotation the same thread recorded inside the span. Holders whose
+// process died without releasing are flagged (holder_alive = false, a leak) until a
+// release or a cleanup removes them. Anomalies are counted per kind, never fatal.
+// Owned by the Collector; single-threaded like it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <system_error>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "daemon/state/collector.h"
+
+namespace steptrace::daemon {
+
+// The process that sent an annotation, as the collector knows it.
+struct LedgerActor {
+  ProcessKey key;
+  std::string comm;
+};
+
+class LedgerView {
+ public:
+  LedgerView(const Limits& limits, DaemonCounters& counters);
+  // Shares `other`'s state copy-on-write (for CollectorView): whichever side mutates
+  // first clones it. Renders of a copy read only the state, never the counters.
+  LedgerView(const LedgerView& other);
+  LedgerView& operator=(const LedgerView&) = delete;
+  ~LedgerView();
+
+  void apply(const LedgerActor& actor, const proto::LedgerRecord& record, std::uint64_t now_ns);
+
+  // A ledger-step span of (process, thread) ended: credit its duration to the GPU the
+  // thread annotated inside [start_ns, end_ns], if any.
+  void attribute_span(const ProcessKey& process, std::uint32_t thread_id, std::uint32_t step,
+                      std::uint64_t start_ns, std::uint64_t end_ns);
+
+  // Re-evaluates holder_alive of every reservation with `alive(key)`.
+  void check_holders(const std::function<bool(const ProcessKey&)>& alive);
+  // The process record is dropped from the collector: forget per-thread attribution state
+  // (reservations it holds stay, since they still hold VRAM).
+  void forget_process(const ProcessKey& process);
+
+  // {"gpus": [...]}: the `ledger --json` document of proto/PROTOCOL.md section 10.4.
+  nlohmann::json to_json(std::uint64_t now_ns) const;
+  std::string to_text(std::uint64_t now_ns) const;
+  // Appends the ledger's Prometheus families (HELP/TYPE lines included).
+  void append_metrics(std::string& out) const;
+  // Anomaly counts by kind, for stats.
+  nlohmann::json anomalies_json() const;
+
+  nlohmann::json snapshot() const;
+  std::error_code restore(const nlohmann::json& snapshot);
+
+ private:
+  struct State;
+  State& write_state();  // clones a state a copy still shares
+
+  const Limits& limits_;
+  DaemonCounters& counters_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace steptrace::daemon

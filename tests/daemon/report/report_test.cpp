@@ -1,0 +1,409 @@
+// Reports built from real Collector state: report --json (schema), report (text shape),
+// metrics (Prometheus exposition), stats; and the shared formatting helpers.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "daemon/state/collector.h"
+#include "daemon/report/report_format.h"
+#include "tests/daemon/daemon_test_util.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+using test::Connection;
+using test::end;
+using test::FakeWorld;
+using test::start;
+
+constexpr std::uint32_t kForward = 0, kBackward = 1, kMatmul = 2, kTranspose = 4, kAlloc = 5,
+                        kWaitPoll = 10;
+
+TEST(ReportFormatTest, DurationsPrintLikeRustDebugWithTwoDecimals) {
+  EXPECT_EQ(report::format_duration(0), "0.00ns");
+  EXPECT_EQ(report::format_duration(850), "850.00ns");
+  EXPECT_EQ(report::format_duration(12'340), "12.34µs");
+  EXPECT_EQ(report::format_duration(12'345), "12.35µs");  // rounds half up
+  EXPECT_EQ(report::format_duration(1'500'000), "1.50ms");
+  EXPECT_EQ(report::format_duration(3'000'000'000), "3.00s");
+  EXPECT_EQ(report::format_duration(125'004'000'000), "125.00s");
+  EXPECT_EQ(report::format_percent(83.333), "  83.33%");
+  EXPECT_EQ(report::format_bytes(512), "512 B");
+  EXPECT_EQ(report::format_bytes(3u << 29), "1.50 GiB");
+  EXPECT_EQ(report::escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+  EXPECT_EQ(report::display_width("µs─"), 3u);
+}
+
+class ReportTest : public ::testing::Test {
+ protected:
+  FakeWorld world_;
+  Collector collector_{Limits{}, world_.env()};
+};
+
+TEST_F(ReportTest, JsonReportHasEveryFieldOfTheSchemaWithRealValues) {
+  Connection a(collector_, world_.spawn(4242, 123456, "python3", 1000));
+  Connection b(collector_, world_.spawn(5000, 777, "trainer", 1001));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 1000), start(1, kForward, 2000),
+                         end(1, kForward, 5000), start(1, kWaitPoll, 9000)}));
+  ASSERT_FALSE(b.events({start(9, kForward, 0), end(9, kForward, 500)}));
+  a.dropped(7);
+  collector_.counters().connections_now = 2;
+  collector_.counters().protocol_errors["bad_magic"] = 3;
+  world_.now_ns = 9000 + 250;
+
+  const json r = collector_.report_json(std::nullopt);
+  EXPECT_EQ(r["schema"], "steptrace.report/v1");
+  ASSERT_EQ(r["processes"].size(), 2u);
+  const json& p = r["processes"][0];
+  EXPECT_EQ(p["pid"], 4242);
+  EXPECT_EQ(p["start_time"], 123456);
+  EXPECT_EQ(p["uid"], 1000);
+  EXPECT_EQ(p["comm"], "python3");
+  EXPECT_EQ(p["alive"], true);
+  EXPECT_EQ(p["dropped"], 7);
+  ASSERT_EQ(p["steps"].size(), 2u);
+  const json& f = p["steps"][0];
+  EXPECT_EQ(f["step"], "Forward");
+  EXPECT_EQ(f["count"], 2);
+  EXPECT_EQ(f["total_ns"], 4000);
+  EXPECT_EQ(f["min_ns"], 1000);
+  EXPECT_EQ(f["max_ns"], 3000);
+  EXPECT_NEAR(f["p50_ns"].get<double>(), 1000, 20);
+  EXPECT_NEAR(f["p99_ns"].get<double>(), 3000, 60);
+  EXPECT_EQ(f["open"], 0);
+  EXPECT_EQ(f["unmatched_ends"], 0);
+  EXPECT_EQ(f["abandoned"], 0);
+  EXPECT_EQ(p["steps"][1]["step"], "WaitPoll");
+  EXPECT_EQ(p["steps"][1]["open"], 1);
+  EXPECT_EQ(p["steps"][1]["count"], 0);
+  // What `steptrace top` shows: thread 1 stuck in WaitPoll for 250ns.
+  ASSERT_EQ(p["current"].size(), 1u);
+  EXPECT_EQ(p["current"][0]["thread"], 1);
+  EXPECT_EQ(p["current"][0]["step"], "WaitPoll");
+  EXPECT_EQ(p["current"][0]["open_for_ns"], 250);
+  EXPECT_EQ(p["current"][0]["depth"], 1);
+
+  ASSERT_EQ(r["totals"].size(), 2u);
+  const json& t = r["totals"][0];
+  EXPECT_EQ(t["step"], "Forward");
+  EXPECT_EQ(t["count"], 3);
+  EXPECT_EQ(t["total_ns"], 4500);
+  EXPECT_EQ(t["min_ns"], 500);
+  EXPECT_EQ(t["max_ns"], 3000);
+  EXPECT_TRUE(t["p50_ns"].is_number_unsigned());
+  EXPECT_TRUE(t["p99_ns"].is_number_unsigned());
+  EXPECT_EQ(t["processes"], 2);
+  EXPECT_EQ(r["totals"][1]["step"], "WaitPoll");
+  EXPECT_EQ(r["totals"][1]["open"], 1);
+
+  ASSERT_TRUE(r["ledger"].contains("gpus"));
+  EXPECT_TRUE(r["ledger"]["gpus"].is_array());
+  const json& d = r["daemon"];
+  EXPECT_EQ(d["events_received"], 7);
+  EXPECT_EQ(d["events_dropped_by_clients"], 7);
+  EXPECT_EQ(d["protocol_errors"], 3);
+  EXPECT_EQ(d["clients_connected"], 2);
+  EXPECT_TRUE(d["uptime_s"].is_number_unsigned());
+
+  // pid filter: only that pid's processes, totals over them.
+  const json only = collector_.report_json(5000);
+  ASSERT_EQ(only["processes"].size(), 1u);
+  EXPECT_EQ(only["processes"][0]["pid"], 5000);
+  ASSERT_EQ(only["totals"].size(), 1u);
+  EXPECT_EQ(only["totals"][0]["count"], 1);
+  EXPECT_EQ(only["totals"][0]["processes"], 1);
+  EXPECT_TRUE(collector_.report_json(1)["processes"].empty());
+}
+
+TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
+  Connection a(collector_, world_.spawn(4242, 1, "python3"));
+  Connection b(collector_, world_.spawn(5000, 1, "trainer"));
+  // Matmul 50ms, Transpose 10ms: overhead 16.67% -> corroborated.
+  ASSERT_FALSE(a.events({start(1, kMatmul, 0), end(1, kMatmul, 50'000'000), start(1, kTranspose, 0),
+                         end(1, kTranspose, 10'000'000), start(1, kForward, 0),
+                         end(1, kForward, 1'500'000)}));
+  // The other process: Alloc dominates -> falsification in its own section.
+  ASSERT_FALSE(
+      b.events({start(2, kMatmul, 0), end(2, kMatmul, 1'000'000), start(2, kAlloc, 0),
+                end(2, kAlloc, 3'000'000), start(2, kBackward, 0), end(2, kBackward, 850)}));
+  b.dropped(4);
+  const std::string text = collector_.report_text(std::nullopt);
+
+  EXPECT_NE(text.find("╔══════════════════════════════════════════════════════════════╗\n"
+                      "║       STEPTRACE REPORT"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("╚══════════════════════════════════════════════════════════════╝\n"
+                      "Processes: 2\nTotal Measured Time: 65.50ms\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(
+      text.find(
+          "Step            | Count    | Duration        | % Time   | p50             | p99\n"),
+      std::string::npos)
+      << text;
+  // All processes: Matmul 51ms > Transpose 10ms > Alloc 3ms > Forward 1.5ms > Backward.
+  const auto pos = [&](const std::string& s, std::size_t from = 0) { return text.find(s, from); };
+  const std::size_t matmul = pos("Matmul          | 2        | 51.00ms         |   77.86%");
+  const std::size_t transpose = pos("Transpose       | 1        | 10.00ms         |   15.27%");
+  const std::size_t alloc = pos("Alloc           | 1        | 3.00ms          |    4.58%");
+  const std::size_t forward = pos("Forward         | 1        | 1.50ms          |    2.29%");
+  const std::size_t backward = pos("Backward        | 1        | 850.00ns        |    0.00%");
+  ASSERT_NE(matmul, std::string::npos) << text;
+  ASSERT_NE(transpose, std::string::npos) << text;
+  ASSERT_NE(alloc, std::string::npos) << text;
+  ASSERT_NE(forward, std::string::npos) << text;
+  ASSERT_NE(backward, std::string::npos) << text;
+  EXPECT_LT(matmul, transpose);
+  EXPECT_LT(transpose, alloc);
+  EXPECT_LT(alloc, forward);
+  EXPECT_LT(forward, backward);
+
+  // Overall: compute 51ms, overhead 13ms -> 20.31%, corroborated.
+  const std::size_t popper =
+      pos("\n[Dr. Popper Analysis]\nCUDA Compute:   51.00ms\n"
+          "CPU Overhead:   13.00ms (20.31%)\n\n"
+          "🟢 CORROBORATED: Compute dominates. Current approach viable.\n");
+  ASSERT_NE(popper, std::string::npos) << text;
+  // Per process sections, in pid order, each with its own analysis.
+  const std::size_t p1 =
+      pos("── Process 4242 (python3) · alive · dropped 0 · unmatched ends 0 · abandoned 0");
+  const std::size_t p2 =
+      pos("── Process 5000 (trainer) · alive · dropped 4 · unmatched ends 0 · abandoned 0");
+  ASSERT_NE(p1, std::string::npos) << text;
+  ASSERT_NE(p2, std::string::npos) << text;
+  EXPECT_LT(popper, p1);
+  EXPECT_LT(p1, p2);
+  EXPECT_NE(pos("CPU Overhead:   10.00ms (16.67%)\n\n🟢 CORROBORATED", p1), std::string::npos);
+  EXPECT_NE(pos("CUDA Compute:   1.00ms\nCPU Overhead:   3.00ms (75.00%)\n\n"
+                "🔴 FALSIFICATION: Overhead > 50%. Kernel fusion required.\n",
+                p2),
+            std::string::npos)
+      << text;
+  EXPECT_NE(pos("[VRAM Ledger]", p2), std::string::npos);
+}
+
+TEST_F(ReportTest, TextReportWithoutComputeHasNoAnalysisAndEmptySaysHowToRecord) {
+  std::string text = collector_.report_text(std::nullopt);
+  EXPECT_NE(text.find("STEPTRACE REPORT"), std::string::npos);
+  EXPECT_NE(text.find("No process has connected yet"), std::string::npos) << text;
+  Connection a(collector_, world_.spawn(1, 1, "a"));
+  text = collector_.report_text(std::nullopt);
+  EXPECT_NE(text.find("No measurements recorded."), std::string::npos) << text;
+  EXPECT_NE(text.find("steptrace_start"), std::string::npos) << text;
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
+  text = collector_.report_text(std::nullopt);
+  EXPECT_EQ(text.find("No measurements recorded."), std::string::npos) << text;
+  EXPECT_EQ(text.find("Dr. Popper"), std::string::npos) << text;
+  EXPECT_NE(collector_.report_text(77).find("No process with pid 77"), std::string::npos);
+}
+
+// ---- Prometheus ----------------------------------------------------------------------
+
+struct Sample {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  std::string value;
+};
+
+// A strict reader of the exposition format: every line is a comment (# HELP/# TYPE) or
+// a sample `name{labels} value`.
+struct Exposition {
+  std::map<std::string, std::string> help, type;
+  std::vector<Sample> samples;
+  std::vector<std::string> errors;
+
+  explicit Exposition(const std::string& text) {
+    static const std::regex kHelp(R"(# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) (.*))");
+    static const std::regex kType(
+        R"(# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge|histogram|summary|untyped))");
+    static const std::regex kSample(R"(([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+))");
+    static const std::regex kLabel(R"(([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)\",?)");
+    if (text.empty() || text.back() != '\n') errors.push_back("must end with a newline");
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+      std::smatch m;
+      if (std::regex_match(line, m, kHelp)) {
+        if (help.count(m[1])) errors.push_back("HELP twice: " + line);
+        help[m[1]] = m[2];
+      } else if (std::regex_match(line, m, kType)) {
+        if (type.count(m[1])) errors.push_back("TYPE twice: " + line);
+        type[m[1]] = m[2];
+      } else if (std::regex_match(line, m, kSample)) {
+        Sample s{m[1], {}, m[4]};
+        std::string labels = m[3];
+        for (std::sregex_iterator it(labels.begin(), labels.end(), kLabel), stop; it != stop;
+             ++it) {
+          s.labels[(*it)[1]] = (*it)[2];
+        }
+        samples.push_back(std::move(s));
+      } else {
+        errors.push_back("bad line: " + line);
+      }
+    }
+  }
+  // The family a sample belongs to (histogram samples carry a suffix).
+  std::string family(const std::string& name) const {
+    for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+      const std::string s = suffix;
+      if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0) {
+        const std::string base = name.substr(0, name.size() - s.size());
+        if (type.count(base) && type.at(base) == "histogram") return base;
+      }
+    }
+    return name;
+  }
+  std::vector<Sample> of(const std::string& name) const {
+    std::vector<Sample> out;
+    for (const auto& s : samples) {
+      if (s.name == name) out.push_back(s);
+    }
+    return out;
+  }
+};
+
+TEST_F(ReportTest, MetricsAreWellFormedPrometheusText) {
+  Connection a(collector_, world_.spawn(4242, 1, "py\"th\\on"));
+  Connection b(collector_, world_.spawn(5000, 1, "trainer"));
+  ASSERT_FALSE(a.register_step(256, "Tokenize"));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 500),        // <= 1us
+                         start(1, kForward, 0), end(1, kForward, 2'000'000),  // <= 10ms
+                         start(1, 256, 0), end(1, 256, 1000),                 // == 1us
+                         start(1, kMatmul, 0)}));
+  ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 20'000'000'000)}));  // +Inf
+  world_.kill(5000);
+  b.close();  // exited: no per-process series, still in the per-step histogram
+  collector_.counters().protocol_errors["bad_magic"] = 2;
+
+  const std::string text = collector_.metrics_text();
+  const Exposition e(text);
+  EXPECT_TRUE(e.errors.empty()) << e.errors.front() << "\n" << text;
+  for (const auto& s : e.samples) {
+    const std::string family = e.family(s.name);
+    EXPECT_TRUE(e.help.count(family)) << "no HELP for " << s.name;
+    EXPECT_TRUE(e.type.count(family)) << "no TYPE for " << s.name;
+    EXPECT_EQ(s.name.rfind("steptrace_", 0), 0u) << s.name;
+    if (e.type.count(family) && e.type.at(family) == "counter") {
+      EXPECT_TRUE(s.name.ends_with("_total")) << s.name;
+    }
+  }
+  for (const auto& [name, t] : e.type) EXPECT_TRUE(e.help.count(name)) << name;
+
+  // Per-step histogram: summed over processes (exited included), no pid label.
+  std::map<std::string, std::string> forward;
+  for (const auto& s : e.of("steptrace_step_duration_seconds_bucket")) {
+    EXPECT_FALSE(s.labels.count("pid"));
+    if (s.labels.at("step") == "Forward") forward[s.labels.at("le")] = s.value;
+  }
+  EXPECT_EQ(forward["1e-06"], "1");
+  EXPECT_EQ(forward["0.001"], "1");
+  EXPECT_EQ(forward["0.01"], "2");
+  EXPECT_EQ(forward["10"], "2");
+  EXPECT_EQ(forward["+Inf"], "3");
+  for (const auto& s : e.of("steptrace_step_duration_seconds_count")) {
+    EXPECT_FALSE(s.labels.count("pid"));
+    if (s.labels.at("step") == "Forward") {
+      EXPECT_EQ(s.value, "3");
+    }
+    if (s.labels.at("step") == "Tokenize") {
+      EXPECT_EQ(s.value, "1");
+    }
+  }
+  for (const auto& s : e.of("steptrace_step_duration_seconds_sum")) {
+    if (s.labels.at("step") == "Forward") {
+      EXPECT_DOUBLE_EQ(std::stod(s.value), 20.0020005);
+    }
+  }
+  // Per process: live ones only, label values escaped.
+  const auto spans = e.of("steptrace_process_step_spans_total");
+  ASSERT_FALSE(spans.empty());
+  std::set<std::string> pids;
+  for (const auto& s : spans) pids.insert(s.labels.at("pid"));
+  EXPECT_EQ(pids, std::set<std::string>{"4242"});
+  EXPECT_NE(text.find("comm=\"py\\\"th\\\\on\""), std::string::npos) << text;
+  bool open_matmul = false;
+  for (const auto& s : e.of("steptrace_process_open_spans")) {
+    if (s.labels.at("step") == "Matmul") open_matmul = s.value == "1";
+  }
+  EXPECT_TRUE(open_matmul);
+  // Daemon counters.
+  ASSERT_EQ(e.of("steptrace_events_received_total").size(), 1u);
+  EXPECT_EQ(e.of("steptrace_events_received_total")[0].value, "9");
+  bool bad_magic = false;
+  for (const auto& s : e.of("steptrace_protocol_errors_total")) {
+    if (s.labels.at("kind") == "bad_magic") bad_magic = s.value == "2";
+  }
+  EXPECT_TRUE(bad_magic);
+  std::map<std::string, std::string> processes;
+  for (const auto& s : e.of("steptrace_processes")) processes[s.labels.at("state")] = s.value;
+  EXPECT_EQ(processes["live"], "1");
+  EXPECT_EQ(processes["exited"], "1");
+  EXPECT_EQ(e.type.at("steptrace_uptime_seconds"), "gauge");
+}
+
+TEST_F(ReportTest, StepHistogramSeriesAreBoundedWhateverNamesClientsChoose) {
+  // 5 processes x 1000 custom names + 12 built-in = 5012 names; 4096 get a series.
+  std::vector<std::unique_ptr<Connection>> conns;
+  std::uint64_t spans = 0;
+  for (int p = 0; p < 5; ++p) {
+    conns.push_back(std::make_unique<Connection>(collector_, world_.spawn(100 + p, 1, "t")));
+    std::vector<proto::EventRecord> events;
+    for (std::uint32_t i = 0; i < 1000; ++i) {
+      ASSERT_FALSE(conns.back()->register_step(256 + i, "s" + std::to_string(p * 1000 + i)));
+      events.push_back(start(1, 256 + i, 0));
+      events.push_back(end(1, 256 + i, 1000));
+      ++spans;
+    }
+    ASSERT_FALSE(conns.back()->events(events));
+  }
+  const Exposition e(collector_.metrics_text());
+  ASSERT_TRUE(e.errors.empty()) << e.errors.front();
+  std::set<std::string> steps;
+  std::uint64_t counted = 0;
+  std::string other_count;
+  for (const auto& s : e.of("steptrace_step_duration_seconds_count")) {
+    steps.insert(s.labels.at("step"));
+    counted += std::stoull(s.value);
+    if (s.labels.at("step") == "(other)") other_count = s.value;
+  }
+  EXPECT_EQ(steps.size(), 4097u);  // 4096 names and "(other)"
+  EXPECT_TRUE(steps.count("Forward"));
+  EXPECT_EQ(other_count, std::to_string(5000 + 12 - 4096));  // one span per merged name
+  EXPECT_EQ(counted, spans);                                 // nothing lost in the merge
+}
+
+TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
+  Connection a(collector_, world_.spawn(1, 1, "a"));
+  ASSERT_FALSE(a.register_step(256, "Tokenize"));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
+  collector_.counters().protocol_errors["bad_step_id"] = 2;
+  collector_.counters().protocol_errors["truncated"] = 1;
+  collector_.counters().limits_hit["max_open_depth"] = 4;
+  collector_.counters().connections_total = 5;
+  const json s = collector_.stats_json();
+  EXPECT_EQ(s["events_received"], 2);
+  EXPECT_EQ(s["protocol_errors"]["total"], 3);
+  EXPECT_EQ(s["protocol_errors"]["by_kind"]["bad_step_id"], 2);
+  EXPECT_EQ(s["connections"]["total"], 5);
+  EXPECT_EQ(s["processes"]["tracked"], 1);
+  EXPECT_EQ(s["processes"]["live"], 1);
+  EXPECT_EQ(s["processes"]["exited"], 0);
+  EXPECT_EQ(s["custom_steps"], 1);
+  EXPECT_EQ(s["limits_hit"]["max_open_depth"], 4);
+  EXPECT_GT(s["memory"]["rss_bytes"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(s["memory"]["state_bytes_estimate"].get<std::uint64_t>(), 0u);
+  EXPECT_TRUE(s.contains("ledger_anomalies"));
+  EXPECT_TRUE(s.contains("snapshots"));
+  const std::string text = collector_.stats_text();
+  EXPECT_NE(text.find("events_received: 2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("protocol_errors.total: 3\n"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace steptrace::daemon

@@ -1,0 +1,178 @@
+// The command table: typed parsing of the words, unknown commands and bad arguments
+// answered with one `error:` line, the permission rule of `reset`, one-line JSON.
+#include "daemon/serve/commands.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+
+Environment test_env() {
+  Environment env;
+  env.monotonic_now_ns = [] { return std::uint64_t{5'000'000'000}; };
+  // Every pid looks alive and unchanged, so nothing is marked exited behind our back.
+  env.probe = [](std::int32_t) {
+    return std::optional<ProcessProbe>(ProcessProbe{77, false, "t"});
+  };
+  return env;
+}
+
+class CommandsTest : public ::testing::Test {
+ protected:
+  CommandsTest() : collector_(Limits{}, test_env()) {}
+
+  std::string run(std::string_view line, std::uint32_t uid = 1000) {
+    const CommandContext context{collector_, uid, /*daemon_euid=*/1000};
+    return table_.execute(line, context);
+  }
+
+  // Feeds one process with `pairs` Forward spans of 100 ns.
+  void ingest(std::int32_t pid, int pairs) {
+    PeerIdentity peer;
+    peer.key = {pid, 77};
+    peer.uid = 1000;
+    peer.comm = "t";
+    ProcessHandle handle = 0;
+    ASSERT_FALSE(collector_.attach(peer, handle));
+    std::vector<proto::EventRecord> events;
+    for (int i = 0; i < pairs; ++i) {
+      const std::uint64_t ts = 1000 + static_cast<std::uint64_t>(i) * 1000;
+      events.push_back({ts, 1, 0, static_cast<std::uint8_t>(proto::EventKind::kStart), 0});
+      events.push_back({ts + 100, 1, 0, static_cast<std::uint8_t>(proto::EventKind::kEnd), 0});
+    }
+    proto::Decoder decoder(proto::Side::kDaemon);
+    std::vector<std::byte> buf(64 * 1024);
+    proto::Encoder encoder(buf);
+    encoder.hello("t", "t");
+    encoder.events(events);
+    decoder.feed(encoder.bytes());
+    auto hello = decoder.next();
+    ASSERT_TRUE(hello.message);
+    auto batch = decoder.next();
+    ASSERT_TRUE(batch.message);
+    ASSERT_FALSE(collector_.events(handle, std::get<proto::EventSpan>(*batch.message)));
+  }
+
+  std::uint64_t forward_count(const json& report, std::int32_t pid) {
+    for (const auto& p : report["processes"]) {
+      if (p["pid"] != pid) continue;
+      for (const auto& s : p["steps"]) {
+        if (s["step"] == "Forward") return s["count"].get<std::uint64_t>();
+      }
+      return 0;
+    }
+    return 0;
+  }
+
+  Collector collector_;
+  CommandTable table_;
+};
+
+bool is_error_line(const std::string& reply) {
+  return reply.rfind("error: ", 0) == 0 && reply.back() == '\n' &&
+         reply.find('\n') == reply.size() - 1;
+}
+
+TEST_F(CommandsTest, PingAnswersPong) { EXPECT_EQ(run("ping"), "pong\n"); }
+
+TEST_F(CommandsTest, UnknownCommandIsOneErrorLineNamingIt) {
+  const auto reply = run("frobnicate now");
+  EXPECT_TRUE(is_error_line(reply)) << reply;
+  EXPECT_NE(reply.find("frobnicate"), std::string::npos);
+  // The table stays usable.
+  EXPECT_EQ(run("ping"), "pong\n");
+}
+
+TEST_F(CommandsTest, BadArgumentsAreNamed) {
+  for (const char* line :
+       {"report --pid", "report --pid abc", "report --pid 0", "report --pid -4",
+        "report --pid 99999999999", "report --pdi 3", "ledger --pid 3", "stats extra", "ping now",
+        "reset --json", "report --json --json", "report --pid 3 --pid 4"}) {
+    const auto reply = run(line);
+    EXPECT_TRUE(is_error_line(reply)) << line << " -> " << reply;
+  }
+  EXPECT_NE(run("report --pid abc").find("'abc'"), std::string::npos);
+  EXPECT_NE(run("report --pdi 3").find("'--pdi'"), std::string::npos);
+}
+
+TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {
+  const std::vector<std::string_view> words = {"--json", "--pid", "42"};
+  auto parsed = ReportRequest::parse(words);
+  ASSERT_TRUE(std::holds_alternative<ReportRequest>(parsed));
+  EXPECT_TRUE(std::get<ReportRequest>(parsed).json);
+  EXPECT_EQ(std::get<ReportRequest>(parsed).pid, 42);
+
+  const std::vector<std::string_view> eq = {"--pid=7"};
+  auto reset = ResetRequest::parse(eq);
+  ASSERT_TRUE(std::holds_alternative<ResetRequest>(reset));
+  EXPECT_EQ(std::get<ResetRequest>(reset).pid, 7);
+
+  auto none = StatsRequest::parse({});
+  ASSERT_TRUE(std::holds_alternative<StatsRequest>(none));
+  EXPECT_FALSE(std::get<StatsRequest>(none).json);
+}
+
+TEST_F(CommandsTest, JsonRepliesAreOneLine) {
+  ingest(4242, 3);
+  for (const char* line :
+       {"report --json", "ledger --json", "stats --json", "version", "report --json --pid 4242"}) {
+    const auto reply = run(line);
+    ASSERT_FALSE(reply.empty());
+    EXPECT_EQ(reply.find('\n'), reply.size() - 1) << line;
+    EXPECT_TRUE(json::accept(reply)) << line;
+  }
+  EXPECT_EQ(forward_count(json::parse(run("report --json")), 4242), 3u);
+}
+
+TEST_F(CommandsTest, TextRepliesEndWithNewline) {
+  ingest(4242, 2);
+  for (const char* line : {"report", "ledger", "stats", "metrics", "help"}) {
+    const auto reply = run(line);
+    ASSERT_FALSE(reply.empty()) << line;
+    EXPECT_EQ(reply.back(), '\n') << line;
+  }
+  EXPECT_NE(run("metrics").find("# TYPE"), std::string::npos);
+}
+
+TEST_F(CommandsTest, ResetNeedsRootOrTheDaemonsUid) {
+  ingest(4242, 5);
+  EXPECT_EQ(run("reset", /*uid=*/2000), "error: permission denied\n");
+  EXPECT_EQ(forward_count(json::parse(run("report --json")), 4242), 5u);
+  EXPECT_EQ(run("reset --pid 4242", /*uid=*/1000), "ok\n");
+  EXPECT_EQ(forward_count(json::parse(run("report --json")), 4242), 0u);
+  EXPECT_EQ(run("reset --pid 777", /*uid=*/1000), "error: no process with pid 777\n");
+  ingest(4243, 2);
+  EXPECT_EQ(run("reset", /*uid=*/0), "ok\n");
+  EXPECT_EQ(forward_count(json::parse(run("report --json")), 4243), 0u);
+  EXPECT_TRUE(may_reset(0, 1000));
+  EXPECT_TRUE(may_reset(1000, 1000));
+  EXPECT_FALSE(may_reset(1001, 1000));
+}
+
+TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
+  const auto doc = json::parse(run("version"));
+  EXPECT_EQ(doc["version"], STEPTRACE_VERSION);
+  EXPECT_EQ(doc["protocol"], proto::kProtocolVersion);
+  const auto names = doc["commands"].get<std::vector<std::string>>();
+  EXPECT_EQ(names, table_.names());
+  for (const char* c :
+       {"ping", "report", "ledger", "stats", "metrics", "reset", "version", "help"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), c), names.end()) << c;
+    EXPECT_NE(run("help").find(c), std::string::npos) << c;
+  }
+}
+
+TEST_F(CommandsTest, CommandsServedIsCounted) {
+  const auto before = collector_.counters().commands_served;
+  run("ping");
+  run("nope");
+  run("stats");
+  EXPECT_EQ(collector_.counters().commands_served, before + 3);
+}
+
+}  // namespace
+}  // namespace steptrace::daemon

@@ -1,0 +1,225 @@
+// Config: defaults, the JSON file, flags over the file, and every bad value named.
+#include "daemon/serve/config.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tests/support/daemon_process.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+
+std::string write_file(const testing::TempDir& dir, const std::string& text) {
+  const std::string path = dir.file("steptraced.json");
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::string error_of(const json& doc) {
+  Config config;
+  auto err = apply_config_json(doc, config);
+  return err ? err->message : "";
+}
+
+TEST(Config, DefaultsMatchTheDocumentedValues) {
+  const Config c;
+  EXPECT_EQ(c.socket, "/run/steptrace/steptraced.sock");
+  EXPECT_FALSE(c.socket_from_flag);
+  EXPECT_EQ(c.socket_mode, 0660u);
+  EXPECT_EQ(c.state_dir, "");
+  EXPECT_EQ(c.snapshot_interval_s, 30u);
+  EXPECT_EQ(c.metrics_listen, "");
+  EXPECT_FALSE(c.metrics_address.has_value());
+  EXPECT_EQ(c.log_level, "info");
+  EXPECT_EQ(c.liveness_interval_ms, 500u);
+  EXPECT_EQ(c.server_limits.max_connections, 1024u);
+  EXPECT_EQ(c.server_limits.max_frame_bytes, 262144u);
+  EXPECT_EQ(c.server_limits.max_line_bytes, 4096u);
+  EXPECT_EQ(c.timeouts.handshake_s, 10u);
+  EXPECT_EQ(c.timeouts.frame_s, 30u);
+}
+
+TEST(Config, ShippedFileListsEveryKeyWithItsDefault) {
+  std::ifstream in(STEPTRACE_DEFAULT_CONFIG);
+  ASSERT_TRUE(in) << STEPTRACE_DEFAULT_CONFIG;
+  const json shipped = json::parse(in);
+  EXPECT_EQ(shipped, config_to_json(Config{}));
+  Config c;
+  EXPECT_FALSE(apply_config_json(shipped, c).has_value());
+}
+
+TEST(Config, FileValuesAreApplied) {
+  testing::TempDir dir;
+  const auto path = write_file(dir, R"({
+    "socket": "/tmp/x.sock", "socket_mode": "0600", "state_dir": "/var/lib/st",
+    "snapshot_interval_s": 5, "metrics_listen": "[::1]:9464", "log_level": "debug",
+    "liveness_interval_ms": 100,
+    "limits": {"max_connections": 8, "max_open_depth": 3, "max_custom_steps": 1024,
+               "max_line_bytes": 128, "max_frame_bytes": 4096},
+    "timeouts": {"handshake_s": 1, "frame_s": 2}})");
+  Config c;
+  ASSERT_FALSE(load_config_file(path, c).has_value());
+  EXPECT_EQ(c.socket, "/tmp/x.sock");
+  EXPECT_EQ(c.socket_mode, 0600u);
+  EXPECT_EQ(c.state_dir, "/var/lib/st");
+  EXPECT_EQ(c.snapshot_interval_s, 5u);
+  ASSERT_TRUE(c.metrics_address.has_value());
+  EXPECT_EQ(c.metrics_address->host, "::1");
+  EXPECT_EQ(c.metrics_address->port, 9464);
+  EXPECT_EQ(c.log_level, "debug");
+  EXPECT_EQ(c.liveness_interval_ms, 100u);
+  EXPECT_EQ(c.server_limits.max_connections, 8u);
+  EXPECT_EQ(c.limits.max_open_depth, 3u);
+  EXPECT_EQ(c.limits.max_custom_steps, 1024u);
+  EXPECT_EQ(c.server_limits.max_line_bytes, 128u);
+  EXPECT_EQ(c.server_limits.max_frame_bytes, 4096u);
+  EXPECT_EQ(c.timeouts.handshake_s, 1u);
+  EXPECT_EQ(c.timeouts.frame_s, 2u);
+  // Keys not in the file keep their defaults.
+  EXPECT_EQ(c.limits.max_gpus, Limits{}.max_gpus);
+}
+
+TEST(Config, FlagsWinOverTheFile) {
+  testing::TempDir dir;
+  const auto path = write_file(
+      dir, R"({"socket": "/tmp/file.sock", "log_level": "debug", "state_dir": "/from/file",
+               "metrics_listen": "127.0.0.1:9000"})");
+  const auto cl = parse_command_line({"steptraced", "--config", path, "--socket", "/tmp/flag.sock",
+                                      "--log-level", "error", "--state-dir", "/from/flag",
+                                      "--metrics-listen", "127.0.0.1:9100"});
+  ASSERT_TRUE(cl.config.has_value()) << cl.output;
+  EXPECT_EQ(cl.config->socket, "/tmp/flag.sock");
+  EXPECT_TRUE(cl.config->socket_from_flag);
+  EXPECT_EQ(cl.config->log_level, "error");
+  EXPECT_EQ(cl.config->state_dir, "/from/flag");
+  EXPECT_EQ(cl.config->metrics_address->port, 9100);
+}
+
+TEST(Config, FileOnlyKeepsFileValuesAndSocketIsNotFromFlag) {
+  testing::TempDir dir;
+  const auto path = write_file(dir, R"({"socket": "/tmp/file.sock"})");
+  const auto cl = parse_command_line({"steptraced", "--config", path});
+  ASSERT_TRUE(cl.config.has_value()) << cl.output;
+  EXPECT_EQ(cl.config->socket, "/tmp/file.sock");
+  EXPECT_FALSE(cl.config->socket_from_flag);
+}
+
+TEST(Config, UnknownKeysAreNamedAtEveryLevel) {
+  EXPECT_EQ(error_of(json{{"sockett", "/x"}}), "config: sockett: unknown key");
+  EXPECT_EQ(error_of(json{{"limits", {{"max_conections", 1}}}}),
+            "config: limits.max_conections: unknown key");
+  EXPECT_EQ(error_of(json{{"timeouts", {{"idle_s", 1}}}}), "config: timeouts.idle_s: unknown key");
+}
+
+struct BadValue {
+  json doc;
+  std::string key;  // the message must name it
+};
+
+TEST(Config, EachBadValueIsNamed) {
+  const std::vector<BadValue> cases = {
+      {{{"socket", 5}}, "socket"},
+      {{{"socket", ""}}, "socket"},
+      {{{"socket", std::string(200, 'a')}}, "socket"},
+      {{{"socket_mode", 660}}, "socket_mode"},
+      {{{"socket_mode", "0968"}}, "socket_mode"},
+      {{{"socket_mode", "07777"}}, "socket_mode"},
+      {{{"state_dir", false}}, "state_dir"},
+      {{{"snapshot_interval_s", 0}}, "snapshot_interval_s"},
+      {{{"snapshot_interval_s", "30"}}, "snapshot_interval_s"},
+      {{{"metrics_listen", "localhost:9464"}}, "metrics_listen"},
+      {{{"metrics_listen", "127.0.0.1:0"}}, "metrics_listen"},
+      {{{"metrics_listen", "127.0.0.1:70000"}}, "metrics_listen"},
+      {{{"metrics_listen", "::1:9464"}}, "metrics_listen"},
+      {{{"log_level", "verbose"}}, "log_level"},
+      {{{"liveness_interval_ms", -1}}, "liveness_interval_ms"},
+      {{{"liveness_interval_ms", 1.5}}, "liveness_interval_ms"},
+      {{{"limits", 3}}, "limits"},
+      {{{"limits", {{"max_connections", 0}}}}, "limits.max_connections"},
+      {{{"limits", {{"max_frame_bytes", 262145}}}}, "limits.max_frame_bytes"},
+      {{{"limits", {{"max_line_bytes", true}}}}, "limits.max_line_bytes"},
+      {{{"limits", {{"max_processes", 0}}}}, "limits.max_processes"},
+      {{{"limits", {{"max_exited_processes", -3}}}}, "limits.max_exited_processes"},
+      {{{"limits", {{"max_custom_steps", 1025}}}}, "limits.max_custom_steps"},
+      {{{"limits", {{"max_open_depth", 0}}}}, "limits.max_open_depth"},
+      {{{"limits", {{"max_threads_per_process", nullptr}}}}, "limits.max_threads_per_process"},
+      {{{"limits", {{"max_gpus", 0}}}}, "limits.max_gpus"},
+      {{{"limits", {{"max_reservations_per_gpu", 0}}}}, "limits.max_reservations_per_gpu"},
+      {{{"timeouts", {{"handshake_s", 0}}}}, "timeouts.handshake_s"},
+      {{{"timeouts", {{"frame_s", 99999}}}}, "timeouts.frame_s"},
+  };
+  for (const auto& c : cases) {
+    const std::string message = error_of(c.doc);
+    EXPECT_EQ(message.rfind("config: " + c.key + ": ", 0), 0u)
+        << c.doc.dump() << " gave '" << message << "'";
+  }
+  EXPECT_EQ(error_of(json{{"limits", {{"max_open_depth", 0}}}}),
+            "config: limits.max_open_depth: must be an integer in 1..4096");
+}
+
+TEST(Config, DocumentMustBeAnObjectAndValidJson) {
+  EXPECT_FALSE(error_of(json::array()).empty());
+  testing::TempDir dir;
+  Config c;
+  auto err = load_config_file(write_file(dir, "{ not json"), c);
+  ASSERT_TRUE(err.has_value());
+  EXPECT_NE(err->message.find("not valid JSON"), std::string::npos);
+  err = load_config_file(dir.file("missing.json"), c);
+  ASSERT_TRUE(err.has_value());
+  EXPECT_NE(err->message.find("cannot read"), std::string::npos);
+}
+
+TEST(Config, BadFlagValuesAreUsageErrors) {
+  auto cl = parse_command_line({"steptraced", "--log-level", "loud"});
+  EXPECT_FALSE(cl.config.has_value());
+  EXPECT_EQ(cl.exit_code, 2);
+  EXPECT_EQ(cl.output.rfind("steptraced: --log-level: ", 0), 0u) << cl.output;
+
+  cl = parse_command_line({"steptraced", "--metrics-listen", "nowhere"});
+  EXPECT_EQ(cl.exit_code, 2);
+  EXPECT_NE(cl.output.find("--metrics-listen"), std::string::npos) << cl.output;
+
+  cl = parse_command_line({"steptraced", "--no-such-flag"});
+  EXPECT_FALSE(cl.config.has_value());
+  EXPECT_EQ(cl.exit_code, 2);
+  EXPECT_NE(cl.output.find("no-such-flag"), std::string::npos) << cl.output;
+
+  cl = parse_command_line({"steptraced", "--socket"});
+  EXPECT_EQ(cl.exit_code, 2);
+}
+
+TEST(Config, HelpAndVersionExitZero) {
+  auto cl = parse_command_line({"steptraced", "--help"});
+  EXPECT_FALSE(cl.config.has_value());
+  EXPECT_EQ(cl.exit_code, 0);
+  for (const char* needle :
+       {"--socket", "--config", "--state-dir", "--metrics-listen", "--log-level", "--version",
+        "/run/steptrace/steptraced.sock", "STEPTRACE_SOCKET", "LISTEN_FDS", "steptraced.json",
+        "config/README.md"}) {
+    EXPECT_NE(cl.output.find(needle), std::string::npos) << needle;
+  }
+  cl = parse_command_line({"steptraced", "--version"});
+  EXPECT_EQ(cl.exit_code, 0);
+  EXPECT_NE(cl.output.find(STEPTRACE_VERSION), std::string::npos) << cl.output;
+}
+
+TEST(Config, ListenAddressAndModeParsers) {
+  auto a = parse_listen_address("127.0.0.1:9464");
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->host, "127.0.0.1");
+  EXPECT_EQ(a->port, 9464);
+  EXPECT_FALSE(parse_listen_address("127.0.0.1"));
+  EXPECT_FALSE(parse_listen_address("[::1]9464"));
+  EXPECT_FALSE(parse_listen_address("1.2.3.4:12ab"));
+  EXPECT_EQ(parse_socket_mode("660"), 0660u);
+  EXPECT_EQ(parse_socket_mode("0777"), 0777u);
+  EXPECT_FALSE(parse_socket_mode("rw"));
+  EXPECT_FALSE(parse_socket_mode("0"));
+}
+
+}  // namespace
+}  // namespace steptrace::daemon

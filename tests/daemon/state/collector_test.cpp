@@ -1,0 +1,525 @@
+#include "daemon/state/collector.h"
+
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/state/collector_state.h"
+#include "tests/daemon/daemon_test_util.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+using test::Connection;
+using test::end;
+using test::FakeWorld;
+using test::start;
+
+constexpr std::uint32_t kForward = 0;
+constexpr std::uint32_t kBackward = 1;
+constexpr std::uint32_t kMatmul = 2;
+constexpr std::uint32_t kWaitPoll = 10;
+
+// The step object `name` of the process `pid` in report_json, or null.
+json step_of(const json& report, std::int32_t pid, std::string_view name) {
+  for (const auto& p : report["processes"]) {
+    if (p["pid"] != pid) continue;
+    for (const auto& s : p["steps"]) {
+      if (s["step"] == name) return s;
+    }
+  }
+  return nullptr;
+}
+json process_of(const json& report, std::int32_t pid) {
+  for (const auto& p : report["processes"]) {
+    if (p["pid"] == pid) return p;
+  }
+  return nullptr;
+}
+json total_of(const json& report, std::string_view name) {
+  for (const auto& t : report["totals"]) {
+    if (t["step"] == name) return t;
+  }
+  return nullptr;
+}
+
+class CollectorTest : public ::testing::Test {
+ protected:
+  FakeWorld world_;
+  Limits limits_;
+  std::unique_ptr<Collector> collector_;
+  void SetUp() override { make(); }
+  void make() { collector_ = std::make_unique<Collector>(limits_, world_.env()); }
+};
+
+TEST_F(CollectorTest, CountsTotalsMinMaxAreExact) {
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
+  ASSERT_FALSE(c.attach_error());
+  ASSERT_FALSE(c.events({start(1, kForward, 1000), end(1, kForward, 1100), start(1, kForward, 2000),
+                         end(1, kForward, 2300), start(1, kForward, 3000), end(1, kForward, 3200),
+                         start(1, kMatmul, 4000), end(1, kMatmul, 9000)}));
+  const json r = collector_->report_json(std::nullopt);
+  const json f = step_of(r, 100, "Forward");
+  ASSERT_FALSE(f.is_null());
+  EXPECT_EQ(f["count"], 3);
+  EXPECT_EQ(f["total_ns"], 600);
+  EXPECT_EQ(f["min_ns"], 100);
+  EXPECT_EQ(f["max_ns"], 300);
+  EXPECT_NEAR(f["p50_ns"].get<double>(), 200.0, 4.0);
+  EXPECT_EQ(f["open"], 0);
+  EXPECT_EQ(step_of(r, 100, "Matmul")["total_ns"], 5000);
+  EXPECT_TRUE(step_of(r, 100, "Backward").is_null());  // no data: not listed
+  EXPECT_EQ(collector_->counters().events_received, 8u);
+}
+
+TEST_F(CollectorTest, NestedSpansOfOneStepMatchAsAStack) {
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
+  ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kForward, 10), end(1, kForward, 30),
+                         end(1, kForward, 100)}));
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  EXPECT_EQ(f["count"], 2);
+  EXPECT_EQ(f["min_ns"], 20);   // inner
+  EXPECT_EQ(f["max_ns"], 100);  // outer
+  EXPECT_EQ(f["total_ns"], 120);
+}
+
+TEST_F(CollectorTest, ThreadsHaveTheirOwnStacks) {
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
+  ASSERT_FALSE(c.events({start(1, kForward, 0), start(2, kForward, 5), end(1, kForward, 10),
+                         start(3, kForward, 20), end(2, kForward, 50), end(3, kForward, 21)}));
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  EXPECT_EQ(f["count"], 3);
+  EXPECT_EQ(f["total_ns"], 10 + 45 + 1);
+  EXPECT_EQ(f["min_ns"], 1);
+  EXPECT_EQ(f["max_ns"], 45);
+}
+
+TEST_F(CollectorTest, EndWithoutStartIsUnmatched) {
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
+  ASSERT_FALSE(c.events({end(1, kForward, 10), start(2, kForward, 0), end(1, kForward, 20)}));
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  EXPECT_EQ(f["unmatched_ends"], 2);  // thread 1 never started one
+  EXPECT_EQ(f["count"], 0);
+  EXPECT_EQ(f["open"], 1);  // thread 2's start
+}
+
+TEST_F(CollectorTest, OpenSpansAreAbandonedWhenTheLastConnectionCloses) {
+  const PeerIdentity peer = world_.spawn(100, 5, "trainer");
+  Connection a(*collector_, peer);
+  Connection b(*collector_, peer);
+  ASSERT_EQ(a.handle(), b.handle());  // one process record for both
+  ASSERT_FALSE(a.events({start(1, kForward, 0), start(1, kWaitPoll, 5)}));
+  a.close();
+  json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  EXPECT_EQ(f["open"], 1);  // b still connected
+  EXPECT_EQ(f["abandoned"], 0);
+  b.close();
+  const json r = collector_->report_json(std::nullopt);
+  f = step_of(r, 100, "Forward");
+  EXPECT_EQ(f["open"], 0);
+  EXPECT_EQ(f["abandoned"], 1);
+  EXPECT_EQ(step_of(r, 100, "WaitPoll")["abandoned"], 1);
+  EXPECT_EQ(process_of(r, 100)["abandoned"], 2);
+  EXPECT_TRUE(process_of(r, 100)["current"].empty());
+}
+
+TEST_F(CollectorTest, CustomStepsMergeByNameAcrossProcesses) {
+  Connection p1(*collector_, world_.spawn(100, 5, "a"));
+  Connection p2(*collector_, world_.spawn(200, 6, "b"));
+  ASSERT_FALSE(p1.register_step(256, "Tokenize"));
+  ASSERT_FALSE(p2.register_step(300, "Tokenize"));
+  ASSERT_FALSE(p2.register_step(301, "Shuffle"));
+  ASSERT_FALSE(p1.events({start(1, 256, 0), end(1, 256, 100)}));
+  ASSERT_FALSE(p2.events({start(7, 300, 0), end(7, 300, 300), start(7, 301, 0), end(7, 301, 1)}));
+  const json r = collector_->report_json(std::nullopt);
+  EXPECT_EQ(step_of(r, 100, "Tokenize")["count"], 1);
+  EXPECT_EQ(step_of(r, 200, "Tokenize")["count"], 1);
+  const json t = total_of(r, "Tokenize");
+  ASSERT_FALSE(t.is_null());
+  EXPECT_EQ(t["count"], 2);
+  EXPECT_EQ(t["total_ns"], 400);
+  EXPECT_EQ(t["min_ns"], 100);
+  EXPECT_EQ(t["max_ns"], 300);
+  EXPECT_EQ(t["processes"], 2);
+  EXPECT_EQ(total_of(r, "Shuffle")["processes"], 1);
+}
+
+TEST_F(CollectorTest, RegisteringAgainWithAnotherNameFails) {
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  EXPECT_FALSE(c.register_step(256, "Tokenize"));
+  EXPECT_FALSE(c.register_step(256, "Tokenize"));  // same name again: fine
+  EXPECT_EQ(c.register_step(256, "Other"), make_error_code(errc::bad_string));
+}
+
+TEST_F(CollectorTest, EventForUnregisteredCustomStepFailsAndKeepsEarlierEvents) {
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  EXPECT_EQ(
+      c.events({start(1, kForward, 0), end(1, kForward, 50), start(1, 257, 60), end(1, 257, 70)}),
+      make_error_code(errc::unregistered_step));
+  const json r = collector_->report_json(std::nullopt);
+  EXPECT_EQ(step_of(r, 100, "Forward")["count"], 1);
+  EXPECT_EQ(process_of(r, 100)["steps"].size(), 1u);
+}
+
+TEST_F(CollectorTest, CustomStepLimitIsCounted) {
+  limits_.max_custom_steps = 2;
+  make();
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  EXPECT_FALSE(c.register_step(256, "s1"));
+  EXPECT_FALSE(c.register_step(257, "s2"));
+  EXPECT_EQ(c.register_step(258, "s3"), make_error_code(errc::limit_reached));
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_custom_steps"), 1u);
+  EXPECT_FALSE(c.register_step(257, "s2"));  // known ids still fine
+}
+
+TEST_F(CollectorTest, OpenDepthLimitDropsTheStartAndCountsIt) {
+  limits_.max_open_depth = 2;
+  make();
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kForward, 1), start(1, kForward, 2),
+                         end(1, kForward, 10), end(1, kForward, 20), end(1, kForward, 30)}));
+  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  EXPECT_EQ(f["count"], 2);
+  EXPECT_EQ(f["depth_dropped"], 1);
+  EXPECT_EQ(f["unmatched_ends"], 1);  // the end of the dropped start
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_open_depth"), 1u);
+}
+
+TEST_F(CollectorTest, OpenDepthLimitCountsEveryStepOfTheThread) {
+  limits_.max_open_depth = 2;
+  make();
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  // Two open spans of different steps fill thread 1; a third step's start is dropped.
+  // Thread 2 has its own budget.
+  ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kBackward, 1), start(1, kMatmul, 2),
+                         start(2, kMatmul, 3), end(1, kMatmul, 10), end(1, kBackward, 20),
+                         end(1, kForward, 30), end(2, kMatmul, 40)}));
+  const json report = collector_->report_json(std::nullopt);
+  EXPECT_EQ(step_of(report, 100, "Forward")["count"], 1);
+  EXPECT_EQ(step_of(report, 100, "Backward")["count"], 1);
+  const json m = step_of(report, 100, "Matmul");
+  EXPECT_EQ(m["count"], 1);  // thread 2's
+  EXPECT_EQ(m["depth_dropped"], 1);
+  EXPECT_EQ(m["unmatched_ends"], 1);  // thread 1's end of the dropped start
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_open_depth"), 1u);
+}
+
+TEST_F(CollectorTest, ProcessLimitRefusesWhenFullOfLiveProcesses) {
+  limits_.max_processes = 2;
+  make();
+  auto a = std::make_unique<Connection>(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  ASSERT_FALSE(a->attach_error());
+  ASSERT_FALSE(b.attach_error());
+  {
+    Connection c(*collector_, world_.spawn(3, 1, "c"));
+    EXPECT_EQ(c.attach_error(), make_error_code(errc::limit_reached));
+  }
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_processes"), 1u);
+  world_.kill(1);
+  a.reset();  // detach: process 1 is gone, so it is exited and can make room
+  Connection d(*collector_, world_.spawn(4, 1, "d"));
+  EXPECT_FALSE(d.attach_error());
+  const json r = collector_->report_json(std::nullopt);
+  EXPECT_TRUE(process_of(r, 1).is_null());
+  EXPECT_FALSE(process_of(r, 4).is_null());
+}
+
+TEST_F(CollectorTest, ThreadLimitIsCounted) {
+  limits_.max_threads_per_process = 2;
+  make();
+  Connection c(*collector_, world_.spawn(100, 5, "a"));
+  ASSERT_FALSE(c.events({start(1, kForward, 0), start(2, kForward, 0), start(3, kForward, 0)}));
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_threads_per_process"), 1u);
+  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 100, "Forward")["open"], 2);
+  // Threads with nothing open make room.
+  ASSERT_FALSE(c.events({end(1, kForward, 5), start(4, kForward, 6), end(4, kForward, 9)}));
+  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 100, "Forward")["count"], 2);
+}
+
+TEST_F(CollectorTest, DroppedKeepsTheMaximumAndCountersSumProcesses) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  a.dropped(10);
+  a.dropped(5);  // a late, smaller cumulative report
+  a.dropped(12);
+  b.dropped(3);
+  const json r = collector_->report_json(std::nullopt);
+  EXPECT_EQ(process_of(r, 1)["dropped"], 12);
+  EXPECT_EQ(process_of(r, 2)["dropped"], 3);
+  EXPECT_EQ(collector_->counters().events_dropped_by_clients, 15u);
+  EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 15);
+}
+
+TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  ASSERT_FALSE(a.dropped_by_cause({{5, 0, 1, 0}}));
+  ASSERT_FALSE(a.dropped_by_cause({{3, 7, 1, 2}}));  // buffer_full went "back": kept at 5
+  ASSERT_FALSE(b.dropped_by_cause({{0, 4, 0, 0}}));
+  const json r = collector_->report_json(std::nullopt);
+  const json causes = process_of(r, 1)["dropped_by_cause"];
+  EXPECT_EQ(causes,
+            (json{{"buffer_full", 5}, {"not_connected", 7}, {"in_flight", 1}, {"invalid", 2}}));
+  EXPECT_EQ(process_of(r, 1)["dropped"], 15);
+  EXPECT_EQ(process_of(r, 2)["dropped"], 4);
+  EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 19);
+  EXPECT_EQ(r["daemon"]["events_dropped_by_cause"]["not_connected"], 11);
+  EXPECT_EQ(collector_->stats_json()["events_dropped_by_cause"]["buffer_full"], 5);
+  // Text and Prometheus say it too.
+  EXPECT_NE(collector_->report_text(1).find(
+                "dropped 15 (buffer full 5, not connected 7, in flight 1, invalid 2)"),
+            std::string::npos)
+      << collector_->report_text(1);
+  const std::string metrics = collector_->metrics_text();
+  EXPECT_NE(metrics.find("steptrace_process_dropped_events_by_cause_total{pid=\"1\",comm=\"a\","
+                         "cause=\"not_connected\"} 7"),
+            std::string::npos);
+  EXPECT_NE(
+      metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"buffer_full\"} 5"),
+      std::string::npos);
+  // Counts near 2^64 saturate instead of wrapping the total.
+  ASSERT_FALSE(a.dropped_by_cause({{~0ull, ~0ull, 1, 2}}));
+  EXPECT_EQ(process_of(collector_->report_json(1), 1)["dropped"], ~0ull);
+}
+
+TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  ASSERT_FALSE(a.events({start(1, kMatmul, 0), end(1, kMatmul, 100), start(1, kForward, 100)}));
+  a.ledger(test::reserve_record("GPU-x", 1, 4096, "t", 1, 150));
+  const auto view = collector_->freeze();
+  const json before = view->report_json(std::nullopt);
+  const std::string metrics_before = view->metrics_text();
+  EXPECT_EQ(step_of(before, 1, "Matmul")["count"], 1);
+
+  // Everything a record or the ledger can go through after the view was taken.
+  ASSERT_FALSE(a.events({end(1, kForward, 300), start(2, kMatmul, 0), end(2, kMatmul, 50)}));
+  ASSERT_FALSE(a.register_step(300, "Tokenize"));
+  ASSERT_FALSE(a.dropped_by_cause({{1, 2, 3, 4}}));
+  a.ledger(test::reserve_record("GPU-x", 2, 1024, "t", 1, 400));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  ASSERT_FALSE(b.events({start(1, kBackward, 0), end(1, kBackward, 10)}));
+  collector_->reset(1);
+  world_.kill(2);
+  b.close();
+  world_.now_ns += 5'000'000'000;
+
+  EXPECT_EQ(view->report_json(std::nullopt), before);
+  EXPECT_EQ(view->metrics_text(), metrics_before);
+  // The live state has all of it.
+  const json now = collector_->report_json(std::nullopt);
+  EXPECT_EQ(step_of(now, 1, "Matmul"), nullptr);  // reset
+  EXPECT_EQ(process_of(now, 1)["dropped"], 10);
+  EXPECT_EQ(process_of(now, 2)["alive"], false);
+  EXPECT_EQ(step_of(now, 2, "Backward")["count"], 1);
+  EXPECT_EQ(collector_->ledger_json()["gpus"][0]["reserved_bytes"], 4096 + 1024);
+  EXPECT_EQ(view->ledger_json()["gpus"][0]["reserved_bytes"], 4096);
+}
+
+TEST_F(CollectorTest, ViewsRenderOnAnotherThreadWhileIngestMutates) {
+  // What the daemon does: the ingest thread freezes and releases views, a render thread
+  // reads them. Run under the sanitizers, a record shared without a clone shows here.
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  for (std::uint32_t id = 256; id < 356; ++id) {
+    ASSERT_FALSE(a.register_step(id, "custom" + std::to_string(id)));
+  }
+  std::atomic<const CollectorView*> handed{nullptr};
+  std::atomic<bool> done{false};
+  std::atomic<int> renders{0};
+  std::thread renderer([&] {
+    while (!done.load()) {
+      const CollectorView* v = handed.load();
+      if (v == nullptr) {
+        std::this_thread::yield();
+        continue;
+      }
+      const std::string text = v->metrics_text() + v->report_json(std::nullopt).dump();
+      EXPECT_FALSE(text.empty());
+      renders.fetch_add(1);
+      handed.store(nullptr);
+    }
+  });
+  std::shared_ptr<const CollectorView> held;
+  std::uint64_t ts = 0;
+  constexpr int kBatches = 2000;
+  for (int i = 0; i < kBatches; ++i) {
+    if (handed.load() == nullptr) {
+      held = collector_->freeze();  // the previous one is released here, on this thread
+      handed.store(held.get());
+    }
+    const std::uint32_t step = 256 + static_cast<std::uint32_t>(i % 100);
+    ASSERT_FALSE(a.events({start(1, step, ts), end(1, step, ts + 10), start(1, kMatmul, ts),
+                           end(1, kMatmul, ts + 5)}));
+    ts += 20;
+  }
+  while (handed.load() != nullptr) std::this_thread::yield();
+  done.store(true);
+  renderer.join();
+  held.reset();
+  EXPECT_GT(renders.load(), 0);
+  EXPECT_EQ(step_of(collector_->report_json(1), 1, "Matmul")["count"], kBatches);
+  EXPECT_EQ(step_of(collector_->report_json(1), 1, "custom300")["count"], kBatches / 100);
+}
+
+TEST_F(CollectorTest, ExitedProcessesAreKeptUpToTheLimitOldestFirstOut) {
+  limits_.max_exited_processes = 2;
+  make();
+  for (std::int32_t pid = 1; pid <= 3; ++pid) {
+    Connection c(*collector_, world_.spawn(pid, 7, "p" + std::to_string(pid)));
+    ASSERT_FALSE(c.events({start(1, kForward, 0), end(1, kForward, 10)}));
+    world_.kill(pid);
+    world_.now_ns += 1000;
+    c.close();
+  }
+  const json r = collector_->report_json(std::nullopt);
+  ASSERT_EQ(r["processes"].size(), 2u);
+  EXPECT_TRUE(process_of(r, 1).is_null());  // exited first, evicted first
+  EXPECT_EQ(process_of(r, 2)["alive"], false);
+  EXPECT_EQ(process_of(r, 3)["alive"], false);
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_exited_processes"), 1u);
+  EXPECT_NE(collector_->metrics_text().find(
+                "steptrace_limit_hits_total{limit=\"max_exited_processes\"} 1\n"),
+            std::string::npos);
+}
+
+TEST_F(CollectorTest, LivenessFollowsProcThroughTheInjectedProbe) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  Connection c(*collector_, world_.spawn(3, 1, "c"));
+  a.close();
+  b.close();
+  c.close();
+  json r = collector_->report_json(std::nullopt);
+  for (int pid = 1; pid <= 3; ++pid) EXPECT_EQ(process_of(r, pid)["alive"], true) << pid;
+
+  world_.now_ns = 5'000'000'000'000;
+  world_.zombify(1);                // zombie: dead
+  world_.procs[2].start_time = 99;  // pid reused by another process: dead
+  collector_->refresh_liveness();
+  r = collector_->report_json(std::nullopt);
+  EXPECT_EQ(process_of(r, 1)["alive"], false);
+  EXPECT_EQ(process_of(r, 1)["exited_at_ns"], 5'000'000'000'000u);
+  EXPECT_EQ(process_of(r, 2)["alive"], false);
+  EXPECT_EQ(process_of(r, 3)["alive"], true);  // still running, just disconnected
+  world_.kill(3);
+  collector_->refresh_liveness();
+  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 3)["alive"], false);
+}
+
+TEST_F(CollectorTest, ProcessWithAConnectionIsAliveWhateverProcSays) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  world_.kill(1);
+  collector_->refresh_liveness();
+  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 1)["alive"], true);
+  a.close();
+  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 1)["alive"], false);
+}
+
+TEST_F(CollectorTest, RecycledPidIsANewProcess) {
+  {
+    Connection a(*collector_, world_.spawn(100, 1, "old"));
+    ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
+  }
+  Connection b(*collector_, world_.spawn(100, 2, "new"));
+  ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 30)}));
+  const json r = collector_->report_json(100);
+  ASSERT_EQ(r["processes"].size(), 2u);
+  EXPECT_EQ(r["processes"][0]["start_time"], 1);
+  EXPECT_EQ(r["processes"][0]["alive"], false);
+  EXPECT_EQ(r["processes"][1]["start_time"], 2);
+  EXPECT_EQ(r["processes"][1]["alive"], true);
+  EXPECT_EQ(r["processes"][1]["steps"][0]["total_ns"], 30);
+}
+
+TEST_F(CollectorTest, ResetClearsAllOrOnePid) {
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10), start(1, kMatmul, 20)}));
+  ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 10)}));
+  collector_->reset(1);
+  json r = collector_->report_json(std::nullopt);
+  EXPECT_TRUE(step_of(r, 1, "Forward").is_null());
+  EXPECT_EQ(step_of(r, 1, "Matmul")["open"], 1);  // open spans are not aggregates
+  EXPECT_EQ(step_of(r, 2, "Forward")["count"], 1);
+  EXPECT_EQ(collector_->counters().events_received, 5u);  // counters stay
+  ASSERT_FALSE(a.events({end(1, kMatmul, 70)}));
+  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 1, "Matmul")["total_ns"], 50);
+  collector_->reset(std::nullopt);
+  r = collector_->report_json(std::nullopt);
+  EXPECT_TRUE(r["totals"].empty());
+  EXPECT_EQ(r["processes"].size(), 2u);
+}
+
+TEST_F(CollectorTest, LedgerStepSpansAndAnnotationsReachTheLedgerView) {
+  Connection c(*collector_, world_.spawn(100, 5, "trainer"));
+  ASSERT_FALSE(c.events({start(1, 7 /*LedgerReserve*/, 100)}));
+  c.ledger(test::reserve_record("GPU-abc", 1, 4096, "qlora", 1, 150));
+  ASSERT_FALSE(c.events({end(1, 7, 200)}));
+  const json ledger = collector_->ledger_json();
+  ASSERT_EQ(ledger["gpus"].size(), 1u);
+  EXPECT_EQ(ledger["gpus"][0]["gpu"], "GPU-abc");
+  EXPECT_EQ(ledger["gpus"][0]["reserved_bytes"], 4096);
+  ASSERT_EQ(ledger["gpus"][0]["reservations"].size(), 1u);
+  EXPECT_EQ(ledger["gpus"][0]["reservations"][0]["pid"], 100);
+  EXPECT_EQ(ledger["gpus"][0]["reservations"][0]["holder_alive"], true);
+  // The holder dies without releasing: flagged.
+  world_.kill(100);
+  c.close();
+  EXPECT_EQ(collector_->ledger_json()["gpus"][0]["reservations"][0]["holder_alive"], false);
+}
+
+TEST(ProcStatTest, ParsesAfterTheLastParenthesis) {
+  std::string fields;
+  for (int i = 4; i <= 21; ++i) fields += " " + std::to_string(i);
+  const std::string stat = "4242 (a) b (c) d) S" + fields + " 987654 23 24\n";
+  auto probe = parse_proc_stat(stat);
+  ASSERT_TRUE(probe);
+  EXPECT_EQ(probe->start_time, 987654u);
+  EXPECT_FALSE(probe->zombie);
+  probe = parse_proc_stat("1 (x) Z" + fields + " 5 6");
+  ASSERT_TRUE(probe);
+  EXPECT_TRUE(probe->zombie);
+  EXPECT_EQ(probe->start_time, 5u);
+  EXPECT_TRUE(parse_proc_stat("1 (x) X" + fields + " 5")->zombie);
+  EXPECT_FALSE(parse_proc_stat("1 (x) S 4 5"));            // too short
+  EXPECT_FALSE(parse_proc_stat("1 x S" + fields + " 5"));  // no parenthesis
+  EXPECT_FALSE(parse_proc_stat("1 (x) S" + fields + " 5x"));
+}
+
+TEST(ProcProbeTest, SystemProbeSeesThisProcessAndNotAReapedChild) {
+  const Environment env = Environment::system();
+  const auto self = env.probe(::getpid());
+  ASSERT_TRUE(self);
+  EXPECT_GT(self->start_time, 0u);
+  EXPECT_FALSE(self->zombie);
+  EXPECT_FALSE(self->comm.empty());
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  // Unreaped, the child is a zombie.
+  std::optional<ProcessProbe> z;
+  for (int i = 0; i < 2000 && !(z = env.probe(child), z && z->zombie); ++i) ::usleep(1000);
+  ASSERT_TRUE(z);
+  EXPECT_TRUE(z->zombie);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_FALSE(env.probe(child));
+  const std::uint64_t t1 = env.monotonic_now_ns();
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  const std::uint64_t t2 = env.monotonic_now_ns();
+  const std::uint64_t mid = static_cast<std::uint64_t>(ts.tv_sec) * 1'000'000'000u + ts.tv_nsec;
+  EXPECT_LE(t1, mid);
+  EXPECT_LE(mid, t2);
+}
+
+}  // namespace
+}  // namespace steptrace::daemon

@@ -1,0 +1,626 @@
+// Unit tests of the daemon's VRAM ledger view (daemon/state/ledger_view.h): per-GPU sums and
+// holders, leaks, anomalies, over-commitment, limits, ledger-step attribution,
+// snapshot/restore and the three report forms.
+#include "daemon/state/ledger_view.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "proto/codec.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr std::uint64_t kGiB = 1024ull * 1024 * 1024;
+constexpr std::uint64_t kMiB = 1024ull * 1024;
+constexpr std::uint64_t kSecond = 1'000'000'000;
+constexpr std::uint64_t kNow = 100 * kSecond;
+
+constexpr std::uint32_t kLedgerReserve = 7;
+constexpr std::uint32_t kWaitPoll = 10;
+
+proto::LedgerRecord make_record(proto::LedgerOp op, std::string_view gpu, std::uint64_t ts,
+                                std::uint32_t thread = 1) {
+  proto::LedgerRecord r{};
+  r.op = static_cast<std::uint8_t>(op);
+  r.timestamp_ns = ts;
+  r.thread_id = thread;
+  EXPECT_TRUE(proto::set_field(r.gpu_uuid, gpu));
+  return r;
+}
+
+proto::LedgerRecord reserve(std::string_view gpu, std::uint64_t id, std::uint64_t bytes,
+                            std::string_view task, std::uint64_t ts, std::uint32_t thread = 1) {
+  auto r = make_record(proto::LedgerOp::kReserve, gpu, ts, thread);
+  r.reservation_id = id;
+  r.bytes = bytes;
+  EXPECT_TRUE(proto::set_field(r.task, task));
+  return r;
+}
+
+proto::LedgerRecord release(std::string_view gpu, std::uint64_t id, std::uint64_t ts,
+                            std::uint32_t thread = 1) {
+  auto r = make_record(proto::LedgerOp::kRelease, gpu, ts, thread);
+  r.reservation_id = id;
+  return r;
+}
+
+proto::LedgerRecord cleanup(std::string_view gpu, std::uint64_t id, std::uint32_t holder_pid,
+                            std::uint64_t ts, std::uint32_t thread = 1) {
+  auto r = make_record(proto::LedgerOp::kCleanup, gpu, ts, thread);
+  r.reservation_id = id;
+  r.holder_pid = holder_pid;
+  return r;
+}
+
+proto::LedgerRecord sample(std::string_view gpu, std::uint64_t free, std::uint64_t total,
+                           std::uint64_t ts, std::uint32_t thread = 1) {
+  auto r = make_record(proto::LedgerOp::kVramSample, gpu, ts, thread);
+  r.bytes = free;
+  r.total_bytes = total;
+  return r;
+}
+
+const json* find_gpu(const json& ledger, std::string_view uuid) {
+  for (const auto& g : ledger.at("gpus")) {
+    if (g.at("gpu") == uuid) return &g;
+  }
+  return nullptr;
+}
+
+const json* find_reservation(const json& gpu, std::uint64_t id) {
+  for (const auto& r : gpu.at("reservations")) {
+    if (r.at("id") == id) return &r;
+  }
+  return nullptr;
+}
+
+const json* find_process(const json& gpu, std::int32_t pid) {
+  for (const auto& p : gpu.at("processes")) {
+    if (p.at("pid") == pid) return &p;
+  }
+  return nullptr;
+}
+
+class LedgerViewTest : public ::testing::Test {
+ protected:
+  Limits limits_;
+  DaemonCounters counters_;
+  LedgerView view_{limits_, counters_};
+  const LedgerActor a_{{1001, 5001}, "trainer-a"};
+  const LedgerActor b_{{1002, 5002}, "trainer-b"};
+  const LedgerActor c_{{1003, 5003}, "janitor"};
+
+  json ledger() const { return view_.to_json(kNow); }
+  std::uint64_t anomaly(const char* kind) const {
+    return view_.anomalies_json().at(kind).get<std::uint64_t>();
+  }
+};
+
+TEST_F(LedgerViewTest, SumsPerGpuAreExactAcrossActorsAndGpus) {
+  view_.apply(a_, reserve("GPU-B", 1, 3 * kGiB, "qlora-7b", 1 * kSecond), kNow);
+  view_.apply(b_, reserve("GPU-A", 2, 512 * kMiB, "lora-1b", 2 * kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 1, 7, "tiny", 3 * kSecond), kNow);
+  // The pid field of a reserve is not the holder: the actor is.
+  auto claimed = reserve("GPU-B", 9, kGiB, "other", 4 * kSecond);
+  claimed.holder_pid = 4242;
+  view_.apply(c_, claimed, kNow);
+
+  const json j = ledger();
+  ASSERT_EQ(j.at("gpus").size(), 2u);
+  EXPECT_EQ(j["gpus"][0]["gpu"], "GPU-A");  // sorted by UUID
+  EXPECT_EQ(j["gpus"][1]["gpu"], "GPU-B");
+
+  const json& gpu_a = j["gpus"][0];
+  EXPECT_EQ(gpu_a["reserved_bytes"], 512 * kMiB + 7);
+  ASSERT_EQ(gpu_a["reservations"].size(), 2u);
+  EXPECT_EQ(gpu_a["reservations"][0]["id"], 1);  // sorted by id
+  EXPECT_EQ(gpu_a["reservations"][0]["pid"], a_.key.pid);
+  EXPECT_EQ(gpu_a["reservations"][0]["start_time"], a_.key.start_time);
+  EXPECT_EQ(gpu_a["reservations"][0]["bytes"], 7);
+  EXPECT_EQ(gpu_a["reservations"][0]["task"], "tiny");
+  EXPECT_EQ(gpu_a["reservations"][0]["comm"], "trainer-a");
+  EXPECT_EQ(gpu_a["reservations"][0]["holder_alive"], true);
+  EXPECT_DOUBLE_EQ(gpu_a["reservations"][0]["age_s"].get<double>(), 97.0);
+  EXPECT_EQ(gpu_a["reservations"][1]["id"], 2);
+  EXPECT_EQ(gpu_a["reservations"][1]["pid"], b_.key.pid);
+  EXPECT_EQ(gpu_a["reservations"][1]["bytes"], 512 * kMiB);
+
+  const json& gpu_b = j["gpus"][1];
+  EXPECT_EQ(gpu_b["reserved_bytes"], 4 * kGiB);
+  EXPECT_EQ(gpu_b["high_water_bytes"], 4 * kGiB);
+  const json* held = find_reservation(gpu_b, 9);
+  ASSERT_NE(held, nullptr);
+  EXPECT_EQ((*held)["pid"], c_.key.pid);
+  EXPECT_EQ((*held)["comm"], "janitor");
+
+  // Operations are per actor per GPU.
+  const json* a_on_b = find_process(gpu_b, a_.key.pid);
+  ASSERT_NE(a_on_b, nullptr);
+  EXPECT_EQ((*a_on_b)["reserves"], 1);
+  const json* a_on_a = find_process(gpu_a, a_.key.pid);
+  ASSERT_NE(a_on_a, nullptr);
+  EXPECT_EQ((*a_on_a)["reserves"], 1);
+  EXPECT_EQ(gpu_a["operations"]["reserve"], 2);
+  // No sample yet: sizes the view cannot know are null, not zero.
+  EXPECT_TRUE(gpu_a["total_bytes"].is_null());
+  EXPECT_TRUE(gpu_a["free_bytes"].is_null());
+  EXPECT_TRUE(gpu_a["sample_age_s"].is_null());
+  EXPECT_EQ(gpu_a["overcommitted"], false);
+}
+
+TEST_F(LedgerViewTest, ReleaseClearsTheReservationAndKeepsHighWater) {
+  view_.apply(a_, reserve("GPU-A", 1, 2 * kGiB, "t", kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 2, 1 * kGiB, "t", kSecond), kNow);
+  view_.apply(a_, release("GPU-A", 1, 2 * kSecond), kNow);
+  const json j = ledger();
+  const json* gpu = find_gpu(j, "GPU-A");
+  ASSERT_NE(gpu, nullptr);
+  EXPECT_EQ((*gpu)["reserved_bytes"], kGiB);
+  EXPECT_EQ((*gpu)["high_water_bytes"], 3 * kGiB);
+  EXPECT_EQ(find_reservation(*gpu, 1), nullptr);
+  EXPECT_NE(find_reservation(*gpu, 2), nullptr);
+  EXPECT_EQ((*find_process(*gpu, a_.key.pid))["releases"], 1);
+  EXPECT_EQ((*gpu)["operations"]["release"], 1);
+}
+
+TEST_F(LedgerViewTest, CleanupByAnotherProcessRemovesEntryAndCreditsTheCleaner) {
+  view_.apply(a_, reserve("GPU-A", 5, kGiB, "t", kSecond), kNow);
+  view_.apply(c_, cleanup("GPU-A", 5, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond), kNow);
+  const json j = ledger();
+  const json* gpu = find_gpu(j, "GPU-A");
+  ASSERT_NE(gpu, nullptr);
+  EXPECT_EQ((*gpu)["reservations"].size(), 0u);
+  EXPECT_EQ((*gpu)["reserved_bytes"], 0);
+  const json* cleaner = find_process(*gpu, c_.key.pid);
+  ASSERT_NE(cleaner, nullptr);
+  EXPECT_EQ((*cleaner)["cleanups"], 1);
+  EXPECT_EQ((*cleaner)["comm"], "janitor");
+  EXPECT_EQ((*find_process(*gpu, a_.key.pid))["cleanups"], 0);
+  EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 0u);
+}
+
+TEST_F(LedgerViewTest, DeadHolderIsFlaggedLeakedUntilACleanup) {
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "dies", kSecond), kNow);
+  view_.apply(b_, reserve("GPU-A", 2, kGiB, "lives", kSecond), kNow);
+  view_.check_holders([&](const ProcessKey& key) { return key != a_.key; });
+
+  json gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ((*find_reservation(gpu, 1))["holder_alive"], false);
+  EXPECT_EQ((*find_reservation(gpu, 2))["holder_alive"], true);
+  EXPECT_EQ(gpu["leaked_reservations"], 1);
+  const std::string text = view_.to_text(kNow);
+  EXPECT_THAT(text, HasSubstr("LEAKED"));
+  EXPECT_THAT(text, HasSubstr("1 leaked"));
+  std::string metrics;
+  view_.append_metrics(metrics);
+  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_leaked_reservations{gpu=\"GPU-A\"} 1\n"));
+
+  // A later check does not resurrect it on its own, and the entry stays until cleaned.
+  view_.check_holders([&](const ProcessKey& key) { return key != a_.key; });
+  EXPECT_EQ((*find_reservation(*find_gpu(ledger(), "GPU-A"), 1))["holder_alive"], false);
+
+  view_.apply(c_, cleanup("GPU-A", 1, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond), kNow);
+  gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ(find_reservation(gpu, 1), nullptr);
+  EXPECT_EQ(gpu["leaked_reservations"], 0);
+  EXPECT_EQ(gpu["reserved_bytes"], kGiB);
+  EXPECT_THAT(view_.to_text(kNow), Not(HasSubstr("LEAKED")));
+}
+
+TEST_F(LedgerViewTest, AnomaliesJsonListsEveryKindStartingAtZero) {
+  const json a = view_.anomalies_json();
+  for (const char* kind :
+       {"unknown_release", "unknown_cleanup", "duplicate_reservation", "zero_byte_reserve",
+        "gpu_uuid_truncated", "task_truncated", "cleanup_holder_mismatch", "max_gpus",
+        "max_reservations_per_gpu", "overcommitted"}) {
+    ASSERT_TRUE(a.contains(kind)) << kind;
+    EXPECT_EQ(a[kind], 0) << kind;
+  }
+  for (const auto& [kind, value] : a.items()) EXPECT_EQ(value, 0) << kind;
+}
+
+// A record that breaks a rule is counted under its kind and changes nothing else.
+struct RejectedCase {
+  const char* kind;
+  std::function<proto::LedgerRecord()> record;
+};
+
+TEST_F(LedgerViewTest, EveryRejectedAnomalyIsCountedAndChangesNothingElse) {
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(a_, sample("GPU-A", 20 * kGiB, 24 * kGiB, kSecond), kNow);
+  const std::vector<RejectedCase> cases = {
+      {"unknown_release", [] { return release("GPU-A", 99, 2 * kSecond); }},
+      {"unknown_release", [] { return release("GPU-NEW", 1, 2 * kSecond); }},
+      {"unknown_cleanup", [] { return cleanup("GPU-A", 99, 1001, 2 * kSecond); }},
+      {"duplicate_reservation", [] { return reserve("GPU-A", 1, 5 * kGiB, "dup", 2 * kSecond); }},
+      {"zero_byte_reserve", [] { return reserve("GPU-A", 2, 0, "zero", 2 * kSecond); }},
+      {"zero_byte_reserve", [] { return reserve("GPU-NEW", 2, 0, "zero", 2 * kSecond); }},
+      {"reserved_bytes_overflow",
+       [] { return reserve("GPU-A", 3, ~std::uint64_t{0}, "huge", 2 * kSecond); }},
+      {"bad_vram_sample", [] { return sample("GPU-A", 30 * kGiB, 24 * kGiB, 2 * kSecond); }},
+      {"bad_vram_sample", [] { return sample("GPU-A", 0, 0, 2 * kSecond); }},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.kind);
+    const json before = ledger();
+    json expected = view_.anomalies_json();
+    expected[c.kind] = expected[c.kind].get<std::uint64_t>() + 1;
+    view_.apply(b_, c.record(), kNow);
+    EXPECT_EQ(ledger(), before);
+    EXPECT_EQ(view_.anomalies_json(), expected);
+  }
+  // The existing entry of a duplicate id stays as it was.
+  const json final_state = ledger();
+  const json* kept = find_reservation(*find_gpu(final_state, "GPU-A"), 1);
+  ASSERT_NE(kept, nullptr);
+  EXPECT_EQ((*kept)["pid"], a_.key.pid);
+  EXPECT_EQ((*kept)["bytes"], kGiB);
+  EXPECT_TRUE(counters_.limits_hit.empty());
+}
+
+TEST_F(LedgerViewTest, TruncatedStringsAreCountedAndRefused) {
+  view_.apply(a_, reserve("GPU-cut", 1, kGiB, "whole", kSecond), kNow);
+  const json before = ledger();
+
+  auto r = reserve("GPU-cut", 2, kGiB, "task-cut", kSecond);
+  r.flags = proto::kLedgerTaskTruncated;
+  view_.apply(a_, r, kNow);
+  auto u = reserve("GPU-other-cut", 3, kGiB, "t", kSecond);
+  u.flags = proto::kLedgerGpuUuidTruncated;
+  view_.apply(a_, u, kNow);
+  auto s = sample("GPU-cut", kGiB, 2 * kGiB, kSecond);
+  s.flags = proto::kLedgerGpuUuidTruncated | proto::kLedgerTaskTruncated;
+  view_.apply(a_, s, kNow);
+  auto rel = release("GPU-cut", 1, kSecond);
+  rel.flags = proto::kLedgerGpuUuidTruncated;
+  view_.apply(a_, rel, kNow);
+
+  EXPECT_EQ(anomaly("gpu_uuid_truncated"), 3u);
+  EXPECT_EQ(anomaly("task_truncated"), 2u);
+  EXPECT_EQ(ledger(), before);  // no reservation, GPU, sample or release applied
+}
+
+TEST_F(LedgerViewTest, CleanupNamingAnotherHolderIsCountedAndStillRemoves) {
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(c_, cleanup("GPU-A", 1, 7777, 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 1u);
+  const json j = ledger();
+  const json* gpu = find_gpu(j, "GPU-A");
+  EXPECT_EQ((*gpu)["reservations"].size(), 0u);
+  EXPECT_EQ((*gpu)["reserved_bytes"], 0);
+  EXPECT_EQ((*find_process(*gpu, c_.key.pid))["cleanups"], 1);
+}
+
+TEST_F(LedgerViewTest, OvercommitmentIsFlaggedAndCountedOncePerTransition) {
+  view_.apply(a_, sample("GPU-A", 10 * kGiB, 10 * kGiB, kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 1, 6 * kGiB, "t", kSecond), kNow);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommitted"], false);
+  view_.apply(b_, reserve("GPU-A", 2, 6 * kGiB, "t", kSecond), kNow);
+  json gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ(gpu["overcommitted"], true);
+  EXPECT_EQ(gpu["available_bytes"], -static_cast<std::int64_t>(2 * kGiB));
+  EXPECT_EQ(anomaly("overcommitted"), 1u);
+  EXPECT_THAT(view_.to_text(kNow), HasSubstr("OVERCOMMITTED"));
+  std::string metrics;
+  view_.append_metrics(metrics);
+  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_overcommitted{gpu=\"GPU-A\"} 1\n"));
+
+  // Staying over-committed is not a new transition.
+  view_.apply(b_, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
+  view_.apply(a_, sample("GPU-A", 9 * kGiB, 10 * kGiB, 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("overcommitted"), 1u);
+
+  view_.apply(b_, release("GPU-A", 2, 3 * kSecond), kNow);
+  view_.apply(b_, release("GPU-A", 3, 3 * kSecond), kNow);
+  gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ(gpu["overcommitted"], false);
+  EXPECT_THAT(view_.to_text(kNow), Not(HasSubstr("OVERCOMMITTED")));
+
+  view_.apply(b_, reserve("GPU-A", 4, 5 * kGiB, "t", 4 * kSecond), kNow);
+  EXPECT_EQ(anomaly("overcommitted"), 2u);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommit_events"], 2);
+  // A sample showing a bigger total ends it.
+  view_.apply(a_, sample("GPU-A", 40 * kGiB, 80 * kGiB, 5 * kSecond), kNow);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommitted"], false);
+}
+
+TEST_F(LedgerViewTest, LimitsDropTheRecordAndAreCountedTwice) {
+  limits_.max_gpus = 1;
+  limits_.max_reservations_per_gpu = 2;
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  const json before = ledger();
+
+  view_.apply(a_, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
+  EXPECT_EQ(anomaly("max_reservations_per_gpu"), 1u);
+  EXPECT_EQ(counters_.limits_hit["max_reservations_per_gpu"], 1u);
+  view_.apply(a_, reserve("GPU-B", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(a_, sample("GPU-C", kGiB, kGiB, kSecond), kNow);
+  EXPECT_EQ(anomaly("max_gpus"), 2u);
+  EXPECT_EQ(counters_.limits_hit["max_gpus"], 2u);
+  EXPECT_EQ(ledger(), before);
+
+  // Room again after a release.
+  view_.apply(a_, release("GPU-A", 1, 2 * kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 3, kGiB, "t", 2 * kSecond), kNow);
+  EXPECT_NE(find_reservation(*find_gpu(ledger(), "GPU-A"), 3), nullptr);
+}
+
+TEST_F(LedgerViewTest, LedgerStepTimeGoesToTheGpuAnnotatedInsideTheSpan) {
+  constexpr std::uint32_t kThread = 77;
+  // Reserve on GPU-A inside [100, 300].
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", 150, kThread), kNow);
+  view_.attribute_span(a_.key, kThread, kLedgerReserve, 100, 300);
+  // Poll on GPU-B inside [550, 700].
+  view_.apply(a_, sample("GPU-B", kGiB, 2 * kGiB, 600, kThread), kNow);
+  view_.attribute_span(a_.key, kThread, kWaitPoll, 550, 700);
+  view_.attribute_span(a_.key, kThread, kWaitPoll, 590, 1000);
+
+  // Not credited: annotation outside the span, another thread, another process, a
+  // non-ledger step.
+  view_.attribute_span(a_.key, kThread, kLedgerReserve, 601, 900);
+  view_.attribute_span(a_.key, kThread, kLedgerReserve, 10, 599);
+  view_.attribute_span(a_.key, kThread + 1, kLedgerReserve, 100, 900);
+  view_.attribute_span(b_.key, kThread, kLedgerReserve, 100, 900);
+  view_.attribute_span(a_.key, kThread, 0 /* Forward */, 100, 900);
+
+  const json j = ledger();
+  const json* on_a = find_process(*find_gpu(j, "GPU-A"), a_.key.pid);
+  ASSERT_NE(on_a, nullptr);
+  ASSERT_EQ((*on_a)["steps"].size(), 1u);
+  EXPECT_EQ((*on_a)["steps"][0]["step"], "LedgerReserve");
+  EXPECT_EQ((*on_a)["steps"][0]["count"], 1);
+  EXPECT_EQ((*on_a)["steps"][0]["total_ns"], 200);
+
+  const json* on_b = find_process(*find_gpu(j, "GPU-B"), a_.key.pid);
+  ASSERT_NE(on_b, nullptr);
+  ASSERT_EQ((*on_b)["steps"].size(), 1u);
+  EXPECT_EQ((*on_b)["steps"][0]["step"], "WaitPoll");
+  EXPECT_EQ((*on_b)["steps"][0]["count"], 2);
+  EXPECT_EQ((*on_b)["steps"][0]["total_ns"], 150 + 410);
+  EXPECT_EQ(find_process(*find_gpu(j, "GPU-A"), b_.key.pid), nullptr);
+  EXPECT_EQ(find_process(*find_gpu(j, "GPU-B"), b_.key.pid), nullptr);
+
+  // Once the process is forgotten nothing more is attributed, and its rows go; the
+  // reservation it holds stays.
+  view_.forget_process(a_.key);
+  view_.attribute_span(a_.key, kThread, kWaitPoll, 550, 700);
+  const json after = ledger();
+  EXPECT_EQ(find_process(*find_gpu(after, "GPU-B"), a_.key.pid), nullptr);
+  EXPECT_NE(find_reservation(*find_gpu(after, "GPU-A"), 1), nullptr);
+  // The GPU's own step totals keep what was attributed (a counter never goes down).
+  const json& gpu_b_steps = (*find_gpu(after, "GPU-B"))["steps"];
+  ASSERT_EQ(gpu_b_steps.size(), 1u);
+  EXPECT_EQ(gpu_b_steps[0]["step"], "WaitPoll");
+  EXPECT_EQ(gpu_b_steps[0]["count"], 2);
+  EXPECT_EQ(gpu_b_steps[0]["total_ns"], 150 + 410);
+}
+
+TEST_F(LedgerViewTest, AnnotationDroppedByALimitIsNotUsedForAttribution) {
+  limits_.max_gpus = 1;
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", 100), kNow);
+  view_.apply(a_, reserve("GPU-B", 1, kGiB, "t", 200), kNow);  // dropped: max_gpus
+  view_.attribute_span(a_.key, 1, kLedgerReserve, 150, 250);
+  const json j = ledger();
+  EXPECT_EQ(j["gpus"].size(), 1u);
+  EXPECT_EQ((*find_process(*find_gpu(j, "GPU-A"), a_.key.pid))["steps"].size(), 0u);
+}
+
+// A ledger with something in every field: two GPUs, a sample, a leak, step time,
+// anomalies and an over-commitment.
+void populate(LedgerView& view, const LedgerActor& a, const LedgerActor& b) {
+  view.apply(a, reserve("GPU-A", 1, 3 * kGiB, "qlora-7b", 10 * kSecond, 5), kNow);
+  view.attribute_span(a.key, 5, kLedgerReserve, 9 * kSecond, 11 * kSecond);
+  view.apply(b, reserve("GPU-A", 2, 2 * kGiB, "", 12 * kSecond, 6), kNow);
+  view.apply(b, sample("GPU-A", kGiB, 4 * kGiB, 13 * kSecond, 6), kNow);
+  view.attribute_span(b.key, 6, kWaitPoll, 12 * kSecond, 14 * kSecond);
+  view.apply(b, reserve("GPU-B", 7, 100 * kMiB, "eval", 20 * kSecond), kNow);
+  view.apply(a, release("GPU-B", 7, 21 * kSecond), kNow);
+  view.apply(a, release("GPU-B", 8, 21 * kSecond), kNow);  // unknown_release
+  view.apply(b, reserve("GPU-B", 9, 1, "x", 22 * kSecond), kNow);
+  view.check_holders([&](const ProcessKey& key) { return key != b.key; });
+}
+
+TEST_F(LedgerViewTest, SnapshotRestoresIntoAFreshViewIdentically) {
+  populate(view_, a_, b_);
+  // Through text, as the snapshot file goes.
+  const json doc = json::parse(view_.snapshot().dump());
+
+  DaemonCounters counters;
+  LedgerView fresh(limits_, counters);
+  ASSERT_FALSE(fresh.restore(doc));
+  EXPECT_EQ(fresh.to_json(kNow), view_.to_json(kNow));
+  EXPECT_EQ(fresh.anomalies_json(), view_.anomalies_json());
+  EXPECT_EQ(fresh.to_text(kNow), view_.to_text(kNow));
+  std::string m1, m2;
+  view_.append_metrics(m1);
+  fresh.append_metrics(m2);
+  EXPECT_EQ(m2, m1);
+  EXPECT_EQ(fresh.snapshot(), view_.snapshot());
+  // The restored view keeps working: a release of the restored entry applies.
+  fresh.apply(a_, release("GPU-A", 2, 30 * kSecond), kNow);
+  EXPECT_EQ((*find_gpu(fresh.to_json(kNow), "GPU-A"))["reserved_bytes"], 3 * kGiB);
+  // And the overcommit state was rebuilt, not re-counted.
+  EXPECT_EQ(fresh.anomalies_json()["overcommitted"], view_.anomalies_json()["overcommitted"]);
+}
+
+TEST_F(LedgerViewTest, RestoreRejectsMalformedSnapshotsAndKeepsState) {
+  populate(view_, a_, b_);
+  const json good = view_.snapshot();
+  ASSERT_EQ(good["gpus"][0]["reservations"].size(), 2u);
+
+  using Mutation = std::function<void(json&)>;
+  const std::vector<std::pair<const char*, Mutation>> mutations = {
+      {"not an object", [](json& d) { d = json::array(); }},
+      {"wrong version", [](json& d) { d["version"] = 2; }},
+      {"version as string", [](json& d) { d["version"] = "1"; }},
+      {"missing gpus", [](json& d) { d.erase("gpus"); }},
+      {"unknown top-level key", [](json& d) { d["extra"] = 1; }},
+      {"gpus not array", [](json& d) { d["gpus"] = json::object(); }},
+      {"empty uuid", [](json& d) { d["gpus"][0]["gpu"] = ""; }},
+      {"overlong uuid", [](json& d) { d["gpus"][0]["gpu"] = std::string(64, 'x'); }},
+      {"unprintable uuid", [](json& d) { d["gpus"][0]["gpu"] = "GPU-\n"; }},
+      {"duplicate gpu", [](json& d) { d["gpus"][1]["gpu"] = d["gpus"][0]["gpu"]; }},
+      {"unknown gpu key", [](json& d) { d["gpus"][0]["x"] = 0; }},
+      {"duplicate reservation id",
+       [](json& d) {
+         d["gpus"][0]["reservations"][1]["id"] = d["gpus"][0]["reservations"][0]["id"];
+       }},
+      {"zero bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 0; }},
+      {"negative bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = -1; }},
+      {"fractional bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 1.5; }},
+      {"bytes as string", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = "1"; }},
+      {"pid zero", [](json& d) { d["gpus"][0]["reservations"][0]["pid"] = 0; }},
+      {"pid too large", [](json& d) { d["gpus"][0]["reservations"][0]["pid"] = 1ll << 40; }},
+      {"holder_alive not bool",
+       [](json& d) { d["gpus"][0]["reservations"][0]["holder_alive"] = 1; }},
+      {"overlong task",
+       [](json& d) { d["gpus"][0]["reservations"][0]["task"] = std::string(80, 't'); }},
+      {"reservations overflow u64",
+       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = ~std::uint64_t{0}; }},
+      {"high water below reserved", [](json& d) { d["gpus"][0]["high_water_bytes"] = 1; }},
+      {"sample free above total",
+       [](json& d) { d["gpus"][0]["sample"]["free_bytes"] = 100 * kGiB; }},
+      {"sample missing field", [](json& d) { d["gpus"][0]["sample"].erase("at_ns"); }},
+      {"operations missing op", [](json& d) { d["gpus"][0]["operations"].erase("cleanup"); }},
+      {"unknown step", [](json& d) { d["gpus"][0]["processes"][0]["steps"][0]["step"] = "Nope"; }},
+      {"gpu step unknown", [](json& d) { d["gpus"][0]["steps"][0]["step"] = "Forward"; }},
+      {"gpu steps not array", [](json& d) { d["gpus"][0]["steps"] = 1; }},
+      {"non-ledger step",
+       [](json& d) { d["gpus"][0]["processes"][0]["steps"][0]["step"] = "Forward"; }},
+      {"duplicate process",
+       [](json& d) { d["gpus"][0]["processes"][1] = d["gpus"][0]["processes"][0]; }},
+      {"unknown anomaly kind", [](json& d) { d["anomalies"]["made_up"] = 1; }},
+      {"negative anomaly", [](json& d) { d["anomalies"]["unknown_release"] = -3; }},
+  };
+
+  const json state_before = view_.to_json(kNow);
+  const json anomalies_before = view_.anomalies_json();
+  for (const auto& [name, mutate] : mutations) {
+    SCOPED_TRACE(name);
+    json doc = good;
+    mutate(doc);
+    ASSERT_NE(doc, good);
+    EXPECT_EQ(view_.restore(doc), make_error_code(errc::bad_config));
+    EXPECT_EQ(view_.to_json(kNow), state_before);
+    EXPECT_EQ(view_.anomalies_json(), anomalies_before);
+  }
+
+  // Limits apply to what a snapshot may hold.
+  Limits small = limits_;
+  small.max_gpus = 1;
+  DaemonCounters counters;
+  LedgerView narrow(small, counters);
+  EXPECT_EQ(narrow.restore(good), make_error_code(errc::bad_config));
+  EXPECT_EQ(narrow.to_json(kNow)["gpus"].size(), 0u);
+  // The unmutated document is accepted.
+  EXPECT_FALSE(view_.restore(good));
+}
+
+TEST_F(LedgerViewTest, TextReportShowsTotalsReservationsAndStepTime) {
+  EXPECT_THAT(view_.to_text(kNow), HasSubstr("empty"));
+
+  view_.apply(a_, sample("GPU-A", 10 * kGiB, 24 * kGiB, 95 * kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 42, 8 * kGiB, "qlora-7b", 40 * kSecond, 3), kNow);
+  view_.attribute_span(a_.key, 3, kLedgerReserve, 40 * kSecond - 1'500'000, 40 * kSecond);
+  view_.apply(b_, reserve("GPU-B", 7, 512 * kMiB, "", 90 * kSecond), kNow);
+  const std::string text = view_.to_text(kNow);
+
+  EXPECT_THAT(text, HasSubstr("GPU GPU-A\n"));
+  EXPECT_THAT(text, HasSubstr("total 24.00 GiB"));
+  EXPECT_THAT(text, HasSubstr("free 10.00 GiB (sampled 5.00s ago)"));
+  EXPECT_THAT(text, HasSubstr("reserved 8.00 GiB (high-water 8.00 GiB)"));
+  EXPECT_THAT(text, HasSubstr("available 16.00 GiB"));
+  // The reservation line: id, pid, process, task, size, age, state.
+  std::istringstream lines(text);
+  std::string line;
+  bool found = false;
+  while (std::getline(lines, line)) {
+    if (line.find("qlora-7b") == std::string::npos) continue;
+    found = true;
+    EXPECT_THAT(line, HasSubstr("42"));
+    EXPECT_THAT(line, HasSubstr("1001"));
+    EXPECT_THAT(line, HasSubstr("trainer-a"));
+    EXPECT_THAT(line, HasSubstr("8.00 GiB"));
+    EXPECT_THAT(line, HasSubstr("1m 00s"));
+    EXPECT_THAT(line, HasSubstr("alive"));
+  }
+  EXPECT_TRUE(found) << text;
+  EXPECT_THAT(text, HasSubstr("LedgerReserve"));
+  EXPECT_THAT(text, HasSubstr("1.50ms"));
+
+  // GPU-B has no sample: sizes it cannot know say so.
+  const std::string gpu_b = text.substr(text.find("GPU GPU-B"));
+  EXPECT_THAT(gpu_b, HasSubstr("total unknown"));
+  EXPECT_THAT(gpu_b, HasSubstr("available unknown"));
+  EXPECT_THAT(gpu_b, HasSubstr("512.00 MiB"));
+}
+
+TEST_F(LedgerViewTest, MetricsHaveHelpAndTypeForEveryFamilyAndEscapeLabels) {
+  populate(view_, a_, b_);
+  view_.apply(a_, reserve("GPU-\"q\\", 1, 5, "t", kSecond), kNow);
+  std::string metrics;
+  view_.append_metrics(metrics);
+
+  std::set<std::string> helped, typed;
+  std::istringstream lines(metrics);
+  std::string line;
+  std::size_t samples = 0;
+  while (std::getline(lines, line)) {
+    ASSERT_FALSE(line.empty());
+    if (line.rfind("# HELP ", 0) == 0) {
+      helped.insert(line.substr(7, line.find(' ', 7) - 7));
+    } else if (line.rfind("# TYPE ", 0) == 0) {
+      const std::string family = line.substr(7, line.find(' ', 7) - 7);
+      const std::string type = line.substr(line.rfind(' ') + 1);
+      EXPECT_TRUE(type == "gauge" || type == "counter") << line;
+      EXPECT_TRUE(helped.contains(family)) << "TYPE before HELP: " << line;
+      typed.insert(family);
+    } else {
+      const std::string family = line.substr(0, line.find('{'));
+      EXPECT_TRUE(helped.contains(family)) << line;
+      EXPECT_TRUE(typed.contains(family)) << line;
+      ++samples;
+    }
+  }
+  EXPECT_GT(samples, 0u);
+  for (const char* family :
+       {"steptrace_gpu_reserved_bytes", "steptrace_gpu_free_bytes", "steptrace_gpu_total_bytes",
+        "steptrace_gpu_reservations", "steptrace_gpu_leaked_reservations",
+        "steptrace_gpu_overcommitted", "steptrace_ledger_operations_total",
+        "steptrace_ledger_anomalies_total"}) {
+    EXPECT_TRUE(typed.contains(family)) << family;
+  }
+  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_reserved_bytes{gpu=\"GPU-A\"} " +
+                                 std::to_string(5 * kGiB) + "\n"));
+  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_total_bytes{gpu=\"GPU-A\"} " +
+                                 std::to_string(4 * kGiB) + "\n"));
+  // GPU-B has no sample: no free/total sample for it.
+  EXPECT_THAT(metrics, Not(HasSubstr("steptrace_gpu_free_bytes{gpu=\"GPU-B\"}")));
+  EXPECT_THAT(metrics, Not(HasSubstr("steptrace_gpu_total_bytes{gpu=\"GPU-B\"}")));
+  EXPECT_THAT(metrics,
+              HasSubstr("steptrace_ledger_operations_total{gpu=\"GPU-B\",op=\"release\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"unknown_release\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"max_gpus\"} 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_reserved_bytes{gpu=\"GPU-\\\"q\\\\\"} 5\n"));
+  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_step_seconds_total{gpu=\"GPU-A\","
+                                 "step=\"LedgerReserve\"} 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_step_spans_total{gpu=\"GPU-A\","
+                                 "step=\"WaitPoll\"} 1\n"));
+}
+
+}  // namespace
+}  // namespace steptrace::daemon
