@@ -16,7 +16,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "daemon/state/collector.h"
+#include "daemon/state/types.h"
 
 namespace steptrace::daemon {
 

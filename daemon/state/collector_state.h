@@ -173,8 +173,4 @@ std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
 // order then custom names alphabetically. Steps without data are left out.
 std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>& processes);
 
-// /proc/PID/stat parsing (exposed for tests): state and start time, fields counted after
-// the last ')'. nullopt when malformed.
-std::optional<ProcessProbe> parse_proc_stat(std::string_view stat);
-
 }  // namespace steptrace::daemon

@@ -7,8 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "daemon/state/collector.h"
-#include "daemon/state/collector_state.h"
+#include "daemon/state/proc_probe.h"
 
 namespace steptrace::daemon {
 namespace {

@@ -1,0 +1,73 @@
+// The daemon's vocabulary: who a peer is, the bounds it runs under, the counters it
+// keeps, and the handle a connection holds. Every room of the daemon includes this; it
+// includes no other daemon header, and nothing here needs Asio.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "proto/codec.h"
+
+namespace steptrace::daemon {
+
+struct ProcessKey {
+  std::int32_t pid = 0;
+  std::uint64_t start_time = 0;  // /proc/PID/stat field 22, clock ticks since boot
+  friend bool operator==(const ProcessKey&, const ProcessKey&) = default;
+  friend auto operator<=>(const ProcessKey&, const ProcessKey&) = default;
+};
+
+// What the daemon knows of a peer from the kernel (SO_PEERCRED + /proc).
+struct PeerIdentity {
+  ProcessKey key;
+  std::uint32_t uid = 0;
+  std::uint32_t gid = 0;
+  std::string comm;  // /proc/PID/comm
+};
+
+struct Limits {
+  std::size_t max_processes = 4096;        // kept in total; exited ones go first, oldest out
+  std::size_t max_exited_processes = 256;  // exited processes kept for reports
+  std::size_t max_custom_steps = 1024;     // per process (<= proto::kMaxCustomSteps)
+  std::size_t max_open_depth = 64;         // open spans per (process, thread, step)
+  std::size_t max_threads_per_process = 1024;
+  std::size_t max_gpus = 64;
+  std::size_t max_reservations_per_gpu = 4096;
+};
+
+// Counters the server and the collector both add to; shown by stats, metrics and the
+// "daemon" object of report --json.
+// The protocol_errors kinds a session counts that are not errcs: a command line over
+// limits.max_line_bytes, and a client that did not read its replies in time.
+inline constexpr const char* kLineTooLongKind = "line_too_long";
+inline constexpr const char* kWriteTimeoutKind = "write_timeout";
+
+struct DaemonCounters {
+  std::uint64_t events_received = 0;
+  std::uint64_t frames_received = 0;
+  std::uint64_t bytes_received = 0;
+  std::uint64_t events_dropped_by_clients = 0;  // sum over processes of their reports
+  // The same by proto::DropCause (version-2 clients; a version-1 client's drops have no
+  // cause and are only in the total).
+  std::array<std::uint64_t, proto::kDropCauseCount> events_dropped_by_cause{};
+  std::uint64_t connections_now = 0;
+  std::uint64_t connections_total = 0;
+  std::uint64_t connections_rejected = 0;  // over max_connections
+  std::uint64_t commands_served = 0;
+  std::uint64_t snapshots_written = 0;
+  std::uint64_t snapshot_errors = 0;
+  std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
+  std::map<std::string, std::uint64_t> limits_hit;       // by limit name, e.g. "max_open_depth"
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+
+  std::uint64_t protocol_errors_total() const;
+};
+
+// An index into the collector's process table, valid while the connection lives.
+using ProcessHandle = std::uint32_t;
+
+}  // namespace steptrace::daemon
