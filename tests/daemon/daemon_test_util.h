@@ -1,12 +1,16 @@
-// Helpers for the daemon's unit tests: a fake Environment (clock and /proc) and a tiny
-// session that encodes messages with proto::Encoder, decodes them with proto::Decoder
-// and hands them to a real Collector, the way daemon/serve/session.cpp does. No mocks.
+// Helpers for the daemon's unit tests: a fake Environment (clock and /proc), a
+// recording transport, and a Connection that encodes messages with proto::Encoder and
+// feeds them to the daemon's real ClientStream (daemon/serve/client_stream.h) over a
+// real Collector: the bytes take the path they take in steptraced, minus the socket.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstring>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <system_error>
 #include <variant>
@@ -14,6 +18,10 @@
 
 #include <gtest/gtest.h>
 
+#include "daemon/serve/client_stream.h"
+#include "daemon/serve/commands.h"
+#include "daemon/serve/config.h"
+#include "daemon/serve/render_worker.h"
 #include "daemon/state/collector.h"
 #include "proto/codec.h"
 
@@ -58,27 +66,82 @@ inline proto::EventRecord end(std::uint32_t tid, std::uint32_t step, std::uint64
           static_cast<std::uint8_t>(proto::EventKind::kEnd), 0};
 }
 
-// One client connection: attach, a hello, then frames through the real codec.
+// The transport side of a ClientStream, in memory: what the stream sends is kept in
+// order, render jobs run at once on a fresh view of the collector (as Session does
+// without a RenderWorker), and `unsent` stands for bytes the socket has not taken yet.
+class RecordingTransport : public StreamTransport {
+ public:
+  explicit RecordingTransport(Collector& collector) : collector_(collector) {}
+  void attach(ClientStream& stream) { stream_ = &stream; }
+
+  void send(std::string bytes) override {
+    unsent += bytes.size();
+    sent += bytes;
+  }
+  std::size_t unsent_bytes() const override { return unsent; }
+  void render(RenderJob job) override {
+    ++renders;
+    if (hold_renders) {
+      held.push_back(std::move(job));
+      return;
+    }
+    collector_.refresh_liveness();
+    stream_->rendered(run_render_job(job, *collector_.freeze()));
+  }
+  // Renders the held jobs in order, as the RenderWorker hands them back.
+  void release_renders() {
+    for (auto& job : held) {
+      collector_.refresh_liveness();
+      stream_->rendered(run_render_job(job, *collector_.freeze()));
+      stream_->resume();
+    }
+    held.clear();
+  }
+
+  std::string sent;        // everything the stream sent, in order
+  std::size_t unsent = 0;  // what the socket has "not taken"; tests set and clear it
+  int renders = 0;
+  bool hold_renders = false;  // keep render jobs until release_renders()
+  std::vector<RenderJob> held;
+
+ private:
+  Collector& collector_;
+  ClientStream* stream_ = nullptr;
+};
+
+// What a ClientStream needs beside the collector, with the daemon's defaults.
+struct StreamWorld {
+  explicit StreamWorld(Collector& c, Config cfg = {}) : collector(c), config(std::move(cfg)) {}
+  Collector& collector;
+  Config config;
+  CommandTable commands;
+  RateLimitedLog log;
+  SessionShared shared{collector, config, commands, log, nullptr, Environment{}, 0, false};
+};
+
+// One binary client connection: a hello, then frames, through the real ClientStream.
+// The stream ends at the first error (as in steptraced): later calls return it again.
 class Connection {
  public:
-  Connection(Collector& collector, const PeerIdentity& peer) : collector_(collector) {
-    attach_error_ = collector_.attach(peer, handle_);
-    if (attach_error_) return;
+  Connection(Collector& collector, const PeerIdentity& peer)
+      : world_(collector),
+        transport_(collector),
+        stream_(world_.shared, transport_, peer, false, ClientStream::Clock::now()) {
+    transport_.attach(stream_);
     std::array<std::byte, sizeof(proto::Hello)> buf{};
     proto::Encoder enc(buf);
     EXPECT_TRUE(enc.hello("0.1.0", peer.comm));
-    deliver(enc.bytes());
+    attach_error_ = deliver(enc.bytes());
   }
   ~Connection() { close(); }
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
   std::error_code attach_error() const { return attach_error_; }
-  ProcessHandle handle() const { return handle_; }
-  void close() {
-    if (!closed_ && !attach_error_) collector_.detach(handle_);
-    closed_ = true;
-  }
+  ProcessHandle handle() const { return stream_.handle().value_or(0); }
+  void close() { stream_.closed(); }
+  ClientStream& stream() { return stream_; }
+  const std::string& sent() const { return transport_.sent; }
 
   std::error_code events(const std::vector<proto::EventRecord>& records) {
     std::vector<std::byte> buf(sizeof(proto::FrameHeader) +
@@ -111,36 +174,23 @@ class Connection {
     EXPECT_TRUE(enc.ledger(record));
     return deliver(enc.bytes());
   }
-
- private:
-  // Decodes everything in `bytes` and dispatches it; the first collector error wins.
+  // Any bytes, as a client would write them.
   std::error_code deliver(std::span<const std::byte> bytes) {
-    decoder_.feed(bytes);
-    std::error_code first;
-    for (;;) {
-      proto::DecodeResult r = decoder_.next();
-      EXPECT_FALSE(r.error) << r.error.message();
-      if (r.error || !r.message) break;
-      std::error_code ec;
-      if (auto* h = std::get_if<proto::Hello>(&*r.message)) collector_.hello(handle_, *h);
-      if (auto* e = std::get_if<proto::EventSpan>(&*r.message)) ec = collector_.events(handle_, *e);
-      if (auto* s = std::get_if<proto::RegisterStep>(&*r.message))
-        ec = collector_.register_step(handle_, *s);
-      if (auto* l = std::get_if<proto::LedgerRecord>(&*r.message)) collector_.ledger(handle_, *l);
-      if (auto* d = std::get_if<proto::DroppedReport>(&*r.message))
-        collector_.dropped(handle_, d->total_dropped);
-      if (auto* d = std::get_if<proto::DroppedByCause>(&*r.message))
-        collector_.dropped_by_cause(handle_, *d);
-      if (ec && !first) first = ec;
+    while (!bytes.empty() && stream_.wants_input()) {
+      const auto buffer = stream_.read_buffer();
+      const std::size_t n = std::min(buffer.size(), bytes.size());
+      std::memcpy(buffer.data(), bytes.data(), n);
+      bytes = bytes.subspan(n);
+      stream_.received(n);
     }
-    return first;
+    return stream_.failure();
   }
 
-  Collector& collector_;
-  ProcessHandle handle_ = 0;
+ private:
+  StreamWorld world_;
+  RecordingTransport transport_;
+  ClientStream stream_;
   std::error_code attach_error_;
-  bool closed_ = false;
-  proto::Decoder decoder_{proto::Side::kDaemon};
 };
 
 inline proto::LedgerRecord reserve_record(std::string_view gpu, std::uint64_t id,
