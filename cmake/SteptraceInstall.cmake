@@ -1,7 +1,10 @@
 # Installation and packaging: what `cmake --install` and `cpack -G DEB` put where.
+# Included only with STEPTRACE_INSTALL (default ON when steptrace is the top-level project,
+# OFF under add_subdirectory), which also guards the install() rules of daemon/ and cli/.
 #
-#   client library  libsteptrace.so / .a, headers under include/steptrace/, the CMake
-#                   package `steptrace` (target steptrace::client) and steptrace.pc
+#   client library  libsteptrace.so / .a, headers under include/steptrace/ (the public
+#                   ones and the generated version.h), the CMake package `steptrace`
+#                   (target steptrace::client) and steptrace.pc
 #   daemon, CLI     installed by daemon/ and cli/ themselves
 #   system files    systemd units, sysusers.d and tmpfiles.d entries, the default config
 #   extras          the Python (ctypes) binding, Prometheus examples, a metrics drop-in
@@ -52,6 +55,8 @@ install(TARGETS steptrace_client steptrace_client_static
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/client/include/steptrace
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   FILES_MATCHING PATTERN "*.h" PATTERN "*.hpp")
+install(FILES ${STEPTRACE_GENERATED_INCLUDE_DIR}/steptrace/version.h
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/steptrace)
 
 install(EXPORT steptraceTargets
   NAMESPACE steptrace::

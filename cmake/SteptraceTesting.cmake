@@ -1,7 +1,7 @@
 # steptrace_add_test(NAME name SOURCES a.cpp ... [LIBS lib ...] [LABELS l ...])
 # One GoogleTest executable, discovered test by test.
+# (GTest itself is found by SteptraceDependencies.cmake.)
 include(GoogleTest)
-find_package(GTest REQUIRED)
 function(steptrace_add_test)
   cmake_parse_arguments(ARG "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${ARG_NAME} ${ARG_SOURCES})

@@ -57,7 +57,9 @@ class ConsumerTest(TempDirTestCase):
         self.assertEqual(steps, {"Backward": n, "Attention": n})
 
     def test_installed_headers_are_the_public_ones_only(self):
-        public = sorted(os.listdir(os.path.join(SOURCE_DIR, "client/include/steptrace")))
+        # The public headers, and version.h generated from project(VERSION).
+        public = sorted(os.listdir(os.path.join(SOURCE_DIR, "client/include/steptrace"))
+                        + ["version.h"])
         installed = sorted(os.listdir(os.path.join(self.prefix, "include/steptrace")))
         self.assertEqual(installed, public)
         headers = []
@@ -65,6 +67,8 @@ class ConsumerTest(TempDirTestCase):
             headers += [os.path.relpath(os.path.join(root, f), self.prefix)
                         for f in files if f.endswith((".h", ".hpp"))]
         self.assertEqual(sorted(headers), [f"include/steptrace/{h}" for h in public])
+        with open(os.path.join(self.prefix, "include/steptrace/version.h")) as f:
+            self.assertIn(f'#define STEPTRACE_VERSION_STRING "{VERSION}"', f.read())
 
     def test_find_package_consumers(self):
         build = os.path.join(self.tmp, "consumer-build")

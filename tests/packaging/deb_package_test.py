@@ -117,6 +117,7 @@ class DebPackageTest(TempDirTestCase):
         expected = {
             "/usr/bin/steptraced", "/usr/bin/steptrace",
             "/usr/include/steptrace/steptrace.h", "/usr/include/steptrace/steptrace.hpp",
+            "/usr/include/steptrace/version.h",
             "/usr/lib/systemd/system/steptraced.service",
             "/usr/lib/systemd/system/steptraced.socket",
             "/usr/lib/sysusers.d/steptrace.conf", "/usr/lib/tmpfiles.d/steptrace.conf",

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <steptrace/version.h>
 #include <nlohmann/json.hpp>
 
 namespace steptrace::daemon {
@@ -155,7 +156,7 @@ TEST_F(CommandsTest, ResetNeedsRootOrTheDaemonsUid) {
 
 TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
   const auto doc = json::parse(run("version"));
-  EXPECT_EQ(doc["version"], STEPTRACE_VERSION);
+  EXPECT_EQ(doc["version"], STEPTRACE_VERSION_STRING);
   EXPECT_EQ(doc["protocol"], proto::kProtocolVersion);
   const auto names = doc["commands"].get<std::vector<std::string>>();
   EXPECT_EQ(names, table_.names());

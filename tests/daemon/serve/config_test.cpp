@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <steptrace/version.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -204,7 +205,7 @@ TEST(Config, HelpAndVersionExitZero) {
   }
   cl = parse_command_line({"steptraced", "--version"});
   EXPECT_EQ(cl.exit_code, 0);
-  EXPECT_NE(cl.output.find(STEPTRACE_VERSION), std::string::npos) << cl.output;
+  EXPECT_NE(cl.output.find(STEPTRACE_VERSION_STRING), std::string::npos) << cl.output;
 }
 
 TEST(Config, ListenAddressAndModeParsers) {
