@@ -5,8 +5,11 @@
 // stream connection (cli/control_client.h) and prints the reply. `top` polls
 // `report --json` and renders it (cli/top_view.h). Exit status: 0 success, 1 the daemon
 // could not be reached or answered with an error, 2 bad usage.
+#include <fmt/chrono.h>
+#include <fmt/format.h>
 #include <signal.h>
 #include <steptrace/steptrace.h>
+#include <steptrace/version.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -91,9 +94,7 @@ std::string wall_clock() {
   const std::time_t now = std::time(nullptr);
   std::tm local{};
   localtime_r(&now, &local);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%H:%M:%S", &local);
-  return buf;
+  return fmt::format("{:%H:%M:%S}", local);
 }
 
 // One refresh of `top`: the rendered screen, or an error line.
@@ -119,9 +120,7 @@ Frame top_frame(const SocketPath& socket, const Options& options, bool color) {
   }
   steptrace::cli::TopStyle style;
   style.color = color;
-  char interval[32];
-  std::snprintf(interval, sizeof interval, "%g", options.interval_s);
-  style.note = wall_clock() + ", every " + interval + " s, " + socket.path;
+  style.note = fmt::format("{}, every {:g} s, {}", wall_clock(), options.interval_s, socket.path);
   return {steptrace::cli::render_top(report, style), true};
 }
 
@@ -163,7 +162,8 @@ int main(int argc, char** argv) {
   app.footer(kFooter);
   app.fallthrough();  // global options may come after the subcommand too
   app.require_subcommand(1);
-  app.set_version_flag("--version", "steptrace " STEPTRACE_VERSION, "Print the CLI's version");
+  app.set_version_flag("--version", "steptrace " STEPTRACE_VERSION_STRING,
+                       "Print the CLI's version");
   app.add_option("--socket", options.socket_flag,
                  "steptraced's socket (default: $STEPTRACE_SOCKET, else " STEPTRACE_DEFAULT_SOCKET
                  ")")
@@ -235,7 +235,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand(metrics)) return run_and_print(socket, "metrics", timeout);
   if (app.got_subcommand(reset)) return run_and_print(socket, "reset" + pid_arg, timeout);
   if (app.got_subcommand(version)) {
-    std::printf("steptrace %s (CLI)\n", STEPTRACE_VERSION);
+    std::printf("steptrace %s (CLI)\n", STEPTRACE_VERSION_STRING);
     std::fflush(stdout);
     return run_and_print(socket, "version", timeout);
   }

@@ -1,11 +1,10 @@
 #include "cli/top_view.h"
 
+#include <fmt/format.h>
 #include <algorithm>
-#include <cinttypes>
-#include <cstdarg>
-#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace steptrace::cli {
@@ -64,21 +63,12 @@ const json& object_at(const json& object, const char* key) {
   return *it;
 }
 
-__attribute__((format(printf, 1, 2))) std::string printf_string(const char* format, ...) {
-  std::va_list args;
-  va_start(args, format);
-  std::va_list again;
-  va_copy(again, args);
-  const int n = std::vsnprintf(nullptr, 0, format, args);
-  va_end(args);
-  std::string out;
-  if (n > 0) {
-    out.resize(static_cast<std::size_t>(n) + 1);
-    std::vsnprintf(out.data(), out.size(), format, again);
-    out.resize(static_cast<std::size_t>(n));
-  }
-  va_end(again);
-  return out;
+// `text` padded with spaces to `width` bytes, like printf's "%-*s". fmt's "{:<N}" pads
+// to a display width instead, which differs for non-ASCII text (a process's comm can be
+// UTF-8): the report's strings are padded here, so `top` stays the same byte for byte.
+std::string pad_right(std::string text, std::size_t width) {
+  if (text.size() < width) text.append(width - text.size(), ' ');
+  return text;
 }
 
 class Painter {
@@ -97,10 +87,10 @@ class Painter {
 
 void render_process(const json& process, const Painter& paint, std::string& out) {
   out += paint.bold(
-      printf_string("PID %-8" PRIu64 " %-16s", u64(process, "pid"), str(process, "comm").c_str()));
-  out += printf_string("  uid %" PRIu64, u64(process, "uid"));
+      fmt::format("PID {:<8} {}", u64(process, "pid"), pad_right(str(process, "comm"), 16)));
+  out += fmt::format("  uid {}", u64(process, "uid"));
   if (const auto dropped = u64(process, "dropped"); dropped > 0) {
-    out += printf_string("  dropped %" PRIu64 " events", dropped);
+    out += fmt::format("  dropped {} events", dropped);
   }
   out += "\n";
 
@@ -110,9 +100,10 @@ void render_process(const json& process, const Painter& paint, std::string& out)
     const std::string step = str(span, "step");
     const auto depth = u64(span, "depth");
     std::string where = step;
-    if (depth > 1) where += printf_string(" (depth %" PRIu64 ")", depth);
-    out += printf_string("  thread %-8" PRIu64 " in %-28s for %10s", u64(span, "thread"),
-                         where.c_str(), format_duration_ns(u64(span, "open_for_ns")).c_str());
+    if (depth > 1) where += fmt::format(" (depth {})", depth);
+    out +=
+        fmt::format("  thread {:<8} in {} for {:>10}", u64(span, "thread"),
+                    pad_right(std::move(where), 28), format_duration_ns(u64(span, "open_for_ns")));
     if (step == kWaitPollStep) out += "  " + paint.alert(kWaitingMarker);
     out += "\n";
   }
@@ -128,16 +119,15 @@ void render_process(const json& process, const Painter& paint, std::string& out)
   std::stable_sort(rows.begin(), rows.end(), [](const json* a, const json* b) {
     return u64(*a, "total_ns") > u64(*b, "total_ns");
   });
-  out +=
-      paint.dim(printf_string("  %-18s %10s %12s %8s", "Step", "Count", "Total", "Share")) + "\n";
+  out += paint.dim(fmt::format("  {:<18} {:>10} {:>12} {:>8}", "Step", "Count", "Total", "Share")) +
+         "\n";
   for (const json* step : rows) {
     const auto total = u64(*step, "total_ns");
     const double share =
         sum == 0 ? 0.0 : 100.0 * static_cast<double>(total) / static_cast<double>(sum);
-    out += printf_string("  %-18s %10" PRIu64 " %12s %7.1f%%", str(*step, "step").c_str(),
-                         u64(*step, "count"), format_duration_ns(total).c_str(), share);
-    if (const auto open = u64(*step, "open"); open > 0)
-      out += printf_string("  (%" PRIu64 " open)", open);
+    out += fmt::format("  {} {:>10} {:>12} {:7.1f}%", pad_right(str(*step, "step"), 18),
+                       u64(*step, "count"), format_duration_ns(total), share);
+    if (const auto open = u64(*step, "open"); open > 0) out += fmt::format("  ({} open)", open);
     out += "\n";
   }
 }
@@ -158,41 +148,41 @@ void render_gpu(const json& gpu, const Painter& paint, std::string& out) {
     out += paint.dim("  (no reservations)") + "\n";
     return;
   }
-  out += paint.dim(
-             printf_string("  %-20s %-8s %12s  %-24s %s", "id", "pid", "bytes", "task", "holder")) +
+  out += paint.dim(fmt::format("  {:<20} {:<8} {:>12}  {:<24} {}", "id", "pid", "bytes", "task",
+                               "holder")) +
          "\n";
   for (const json& r : reservations) {
     const bool alive = flag(r, "holder_alive", true);
-    out += printf_string("  %-20" PRIu64 " %-8" PRIu64 " %12s  %-24s ", u64(r, "id"), u64(r, "pid"),
-                         format_bytes(u64(r, "bytes")).c_str(), str(r, "task", "").c_str());
+    out += fmt::format("  {:<20} {:<8} {:>12}  {} ", u64(r, "id"), u64(r, "pid"),
+                       format_bytes(u64(r, "bytes")), pad_right(str(r, "task", ""), 24));
     out += alive ? std::string("alive") : paint.alert(kLeakedMarker);
     out += "\n";
   }
 }
 
 std::string format_uptime(std::uint64_t s) {
-  if (s < 60) return printf_string("%" PRIu64 "s", s);
-  if (s < 3600) return printf_string("%" PRIu64 "m%02" PRIu64 "s", s / 60, s % 60);
-  if (s < 86400) return printf_string("%" PRIu64 "h%02" PRIu64 "m", s / 3600, s / 60 % 60);
-  return printf_string("%" PRIu64 "d%02" PRIu64 "h", s / 86400, s / 3600 % 24);
+  if (s < 60) return fmt::format("{}s", s);
+  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  if (s < 86400) return fmt::format("{}h{:02}m", s / 3600, s / 60 % 60);
+  return fmt::format("{}d{:02}h", s / 86400, s / 3600 % 24);
 }
 
 }  // namespace
 
 std::string format_duration_ns(std::uint64_t ns) {
-  if (ns < 1000) return printf_string("%" PRIu64 " ns", ns);
+  if (ns < 1000) return fmt::format("{} ns", ns);
   const double v = static_cast<double>(ns);
-  if (ns < 1000000) return printf_string("%.1f us", v / 1e3);
-  if (ns < 1000000000) return printf_string("%.2f ms", v / 1e6);
-  if (ns < 60ULL * 1000000000) return printf_string("%.2f s", v / 1e9);
+  if (ns < 1000000) return fmt::format("{:.1f} us", v / 1e3);
+  if (ns < 1000000000) return fmt::format("{:.2f} ms", v / 1e6);
+  if (ns < 60ULL * 1000000000) return fmt::format("{:.2f} s", v / 1e9);
   const std::uint64_t s = ns / 1000000000;
-  if (s < 3600) return printf_string("%" PRIu64 "m%02" PRIu64 "s", s / 60, s % 60);
-  return printf_string("%" PRIu64 "h%02" PRIu64 "m", s / 3600, (s / 60) % 60);
+  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  return fmt::format("{}h{:02}m", s / 3600, (s / 60) % 60);
 }
 
 std::string format_bytes(std::uint64_t bytes) {
   constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  if (bytes < 1024) return printf_string("%" PRIu64 " B", bytes);
+  if (bytes < 1024) return fmt::format("{} B", bytes);
   double v = static_cast<double>(bytes);
   std::size_t unit = 0;
   v /= 1024;
@@ -200,7 +190,8 @@ std::string format_bytes(std::uint64_t bytes) {
     v /= 1024;
     ++unit;
   }
-  return printf_string(v < 10 ? "%.2f %s" : "%.1f %s", v, kUnits[unit]);
+  return v < 10 ? fmt::format("{:.2f} {}", v, kUnits[unit])
+                : fmt::format("{:.1f} {}", v, kUnits[unit]);
 }
 
 std::string render_top(const json& report, const TopStyle& style) {
@@ -211,12 +202,12 @@ std::string render_top(const json& report, const TopStyle& style) {
   out += paint.bold("steptrace top");
   if (!style.note.empty()) out += "  " + style.note;
   out += "\n";
-  out += printf_string("steptraced up %s, %" PRIu64 " client connections, %" PRIu64
-                       " events received, %" PRIu64 " dropped by clients, %" PRIu64
-                       " protocol errors\n",
-                       format_uptime(u64(daemon, "uptime_s")).c_str(),
-                       u64(daemon, "clients_connected"), u64(daemon, "events_received"),
-                       u64(daemon, "events_dropped_by_clients"), u64(daemon, "protocol_errors"));
+  out += fmt::format(
+      "steptraced up {}, {} client connections, {} events received, {} dropped by clients, {} "
+      "protocol errors\n",
+      format_uptime(u64(daemon, "uptime_s")), u64(daemon, "clients_connected"),
+      u64(daemon, "events_received"), u64(daemon, "events_dropped_by_clients"),
+      u64(daemon, "protocol_errors"));
 
   std::vector<const json*> live;
   std::size_t exited = 0;
@@ -236,11 +227,9 @@ std::string render_top(const json& report, const TopStyle& style) {
   }
   std::stable_sort(live.begin(), live.end(),
                    [](const json* a, const json* b) { return u64(*a, "pid") < u64(*b, "pid"); });
-  out += printf_string("%zu live process%s", live.size(), live.size() == 1 ? "" : "es");
-  if (exited > 0) out += printf_string(" (%zu exited, not shown)", exited);
-  if (waiting > 0) {
-    out += ", " + paint.alert(printf_string("%zu WAITING FOR VRAM", waiting));
-  }
+  out += fmt::format("{} live process{}", live.size(), live.size() == 1 ? "" : "es");
+  if (exited > 0) out += fmt::format(" ({} exited, not shown)", exited);
+  if (waiting > 0) out += ", " + paint.alert(fmt::format("{} WAITING FOR VRAM", waiting));
   out += "\n";
 
   for (const json* process : live) {

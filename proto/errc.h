@@ -2,37 +2,85 @@
 // the client and the daemon, so failures travel as std::error_code (as Asio's do).
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <string>
 #include <system_error>
 
 namespace steptrace {
 
+// The codes, defined once: STEPTRACE_ERRC_TABLE(X) calls X(code, value, name, message,
+// protocol_error) per code, and the enum, errc_name(), the category's message() and
+// kErrcTable are all made from it.
+//   code            the enumerator (errc::code)
+//   value           its int value: stable (error codes travel in logs, tests and
+//                   snapshots), so a new code takes the next value, at the end
+//   name            the short stable name errc_name() returns ("bad_step_id"), used as
+//                   a metrics/stats label and in Error frames (PROTOCOL.md 9.1)
+//   message         the category's message()
+//   protocol_error  the daemon counts it under protocol_errors{kind="<name>"} when it
+//                   closes a connection for it (PROTOCOL.md 9), so `metrics` exports
+//                   that kind from the start, zero until seen (a limit counts elsewhere)
+// Codes 1..12 are framing and validation (proto/codec.h), each naming the PROTOCOL.md
+// rule it breaks; unregistered_step is an event for a custom step the process never
+// registered; limit_reached a configured bound (connections, steps, processes, depth).
+#define STEPTRACE_ERRC_TABLE(X)                                                               \
+  X(truncated, 1, "truncated", "stream ended inside a hello or frame", true)                  \
+  X(bad_magic, 2, "bad_magic", "binary stream does not start with the steptrace magic", true) \
+  X(unsupported_version, 3, "unsupported_version", "unsupported protocol version", true)      \
+  X(bad_hello, 4, "bad_hello", "malformed hello", true)                                       \
+  X(frame_too_large, 5, "frame_too_large", "frame larger than the frame-size cap", true)      \
+  X(unknown_frame_type, 6, "unknown_frame_type", "unknown frame type", true)                  \
+  X(bad_frame_size, 7, "bad_frame_size", "frame size does not match its type", true)          \
+  X(bad_reserved, 8, "bad_reserved", "reserved field is not zero", true)                      \
+  X(bad_step_id, 9, "bad_step_id", "step id out of range", true)                              \
+  X(bad_event_kind, 10, "bad_event_kind", "event kind is neither start nor end", true)        \
+  X(bad_string, 11, "bad_string", "malformed string field", true)                             \
+  X(bad_ledger_op, 12, "bad_ledger_op", "unknown ledger operation", true)                     \
+  X(unregistered_step, 13, "unregistered_step",                                               \
+    "event for a custom step that was never registered", true)                                \
+  X(limit_reached, 14, "limit_reached", "configured limit reached", false)                    \
+  X(permission_denied, 15, "permission_denied", "permission denied", false)                   \
+  X(daemon_unreachable, 16, "daemon_unreachable", "steptraced cannot be reached", false)      \
+  X(timed_out, 17, "timed_out", "timed out", true)                                            \
+  X(bad_config, 18, "bad_config", "bad configuration", false)                                 \
+  X(bad_command, 19, "bad_command", "bad command", false)                                     \
+  X(bad_snapshot, 20, "bad_snapshot", "snapshot is not valid", false)
+
 // Spelled like std::errc on purpose (it is used the same way), hence no kName constants.
 // NOLINTBEGIN(readability-identifier-naming)
 enum class errc {
-  // Framing and validation (proto/codec.h); each names the PROTOCOL.md rule it breaks.
-  truncated = 1,        // the stream ended inside a hello or a frame
-  bad_magic,            // a binary stream that does not start with kMagic
-  unsupported_version,  // hello.version is not one this side speaks
-  bad_hello,            // nonzero flags, or a bad string in the hello
-  frame_too_large,      // header.size > the frame-size cap
-  unknown_frame_type,   // header.type is not one this side accepts
-  bad_frame_size,       // size is not the record size, or an empty / ragged event batch
-  bad_reserved,         // a reserved field or padding byte is not zero
-  bad_step_id,          // a step id outside the built-in and custom ranges
-  bad_event_kind,       // EventRecord.kind is neither start nor end
-  bad_string,           // unterminated, non-printable, empty where required, or nonzero after NUL
-  bad_ledger_op,        // LedgerRecord.op unknown
-  // Beyond framing.
-  unregistered_step,  // an event names a custom step the process never registered
-  limit_reached,      // a configured bound (connections, steps, processes, depth)
-  permission_denied,
-  daemon_unreachable,
-  timed_out,
-  bad_config,
-  bad_command,
+#define STEPTRACE_ERRC_ENUMERATOR(code, value, name, message, protocol_error) code = value,
+  STEPTRACE_ERRC_TABLE(STEPTRACE_ERRC_ENUMERATOR)
+#undef STEPTRACE_ERRC_ENUMERATOR
 };
 // NOLINTEND(readability-identifier-naming)
+
+// One row of STEPTRACE_ERRC_TABLE, for code that goes over all codes.
+struct ErrcInfo {
+  errc code;
+  const char* name;
+  const char* message;
+  bool protocol_error;
+};
+
+inline constexpr std::array kErrcTable = {
+#define STEPTRACE_ERRC_INFO(code, value, name, message, protocol_error) \
+  ErrcInfo{errc::code, name, message, protocol_error},
+    STEPTRACE_ERRC_TABLE(STEPTRACE_ERRC_INFO)
+#undef STEPTRACE_ERRC_INFO
+};
+
+namespace detail {
+// Values 1..n in table order: kErrcTable[value - 1] is the code's row.
+constexpr bool errc_table_dense() {
+  for (std::size_t i = 0; i < kErrcTable.size(); ++i) {
+    if (static_cast<std::size_t>(kErrcTable[i].code) != i + 1) return false;
+  }
+  return true;
+}
+}  // namespace detail
+static_assert(detail::errc_table_dense(), "errc values must be 1..n in table order");
 
 const std::error_category& steptrace_category() noexcept;
 
@@ -43,44 +91,11 @@ inline std::error_code make_error_code(errc e) noexcept {
 // A short stable name per code ("bad_step_id"), used as a metrics/stats label.
 inline const char* errc_name(errc e) noexcept {
   switch (e) {
-    case errc::truncated:
-      return "truncated";
-    case errc::bad_magic:
-      return "bad_magic";
-    case errc::unsupported_version:
-      return "unsupported_version";
-    case errc::bad_hello:
-      return "bad_hello";
-    case errc::frame_too_large:
-      return "frame_too_large";
-    case errc::unknown_frame_type:
-      return "unknown_frame_type";
-    case errc::bad_frame_size:
-      return "bad_frame_size";
-    case errc::bad_reserved:
-      return "bad_reserved";
-    case errc::bad_step_id:
-      return "bad_step_id";
-    case errc::bad_event_kind:
-      return "bad_event_kind";
-    case errc::bad_string:
-      return "bad_string";
-    case errc::bad_ledger_op:
-      return "bad_ledger_op";
-    case errc::unregistered_step:
-      return "unregistered_step";
-    case errc::limit_reached:
-      return "limit_reached";
-    case errc::permission_denied:
-      return "permission_denied";
-    case errc::daemon_unreachable:
-      return "daemon_unreachable";
-    case errc::timed_out:
-      return "timed_out";
-    case errc::bad_config:
-      return "bad_config";
-    case errc::bad_command:
-      return "bad_command";
+#define STEPTRACE_ERRC_NAME_CASE(code, value, name, message, protocol_error) \
+  case errc::code:                                                           \
+    return name;
+    STEPTRACE_ERRC_TABLE(STEPTRACE_ERRC_NAME_CASE)
+#undef STEPTRACE_ERRC_NAME_CASE
   }
   return "unknown";
 }
@@ -91,44 +106,11 @@ class SteptraceCategory final : public std::error_category {
   const char* name() const noexcept override { return "steptrace"; }
   std::string message(int value) const override {
     switch (static_cast<errc>(value)) {
-      case errc::truncated:
-        return "stream ended inside a hello or frame";
-      case errc::bad_magic:
-        return "binary stream does not start with the steptrace magic";
-      case errc::unsupported_version:
-        return "unsupported protocol version";
-      case errc::bad_hello:
-        return "malformed hello";
-      case errc::frame_too_large:
-        return "frame larger than the frame-size cap";
-      case errc::unknown_frame_type:
-        return "unknown frame type";
-      case errc::bad_frame_size:
-        return "frame size does not match its type";
-      case errc::bad_reserved:
-        return "reserved field is not zero";
-      case errc::bad_step_id:
-        return "step id out of range";
-      case errc::bad_event_kind:
-        return "event kind is neither start nor end";
-      case errc::bad_string:
-        return "malformed string field";
-      case errc::bad_ledger_op:
-        return "unknown ledger operation";
-      case errc::unregistered_step:
-        return "event for a custom step that was never registered";
-      case errc::limit_reached:
-        return "configured limit reached";
-      case errc::permission_denied:
-        return "permission denied";
-      case errc::daemon_unreachable:
-        return "steptraced cannot be reached";
-      case errc::timed_out:
-        return "timed out";
-      case errc::bad_config:
-        return "bad configuration";
-      case errc::bad_command:
-        return "bad command";
+#define STEPTRACE_ERRC_MESSAGE_CASE(code, value, name, message, protocol_error) \
+  case errc::code:                                                              \
+    return message;
+      STEPTRACE_ERRC_TABLE(STEPTRACE_ERRC_MESSAGE_CASE)
+#undef STEPTRACE_ERRC_MESSAGE_CASE
     }
     return "unknown steptrace error";
   }

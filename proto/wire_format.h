@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "proto/steps.h"
+
 namespace steptrace::proto {
 
 static_assert(std::endian::native == std::endian::little,
@@ -32,25 +34,27 @@ inline constexpr std::size_t kProcessNameField = 24;
 inline constexpr std::size_t kLibraryVersionField = 16;
 inline constexpr std::size_t kErrorMessageField = 120;
 
-// Step ids: 0..11 are the built-in steps (same order as the C ABI's enum);
-// custom steps registered by name use [kFirstCustomStep, kFirstCustomStep + kMaxCustomSteps).
-inline constexpr std::uint32_t kBuiltinStepCount = 12;
+// Step ids: the built-in steps are 0..kBuiltinStepCount-1 (proto/steps.h, same ids as
+// the C ABI's enum); custom steps registered by name use
+// [kFirstCustomStep, kFirstCustomStep + kMaxCustomSteps).
 inline constexpr std::uint32_t kFirstCustomStep = 256;
 inline constexpr std::uint32_t kMaxCustomSteps = 1024;
+static_assert(kBuiltinStepCount <= kFirstCustomStep);
+static_assert(
+    [] {
+      for (const BuiltinStep& s : kBuiltinSteps) {
+        if (s.name.size() > kMaxNameLength) return false;
+      }
+      return true;
+    }(),
+    "a built-in step name must fit a name field");
 
-inline constexpr std::string_view kBuiltinStepNames[kBuiltinStepCount] = {
-    "Forward",  "Backward",      "Matmul",        "Attention", "Transpose", "Alloc",
-    "Transfer", "LedgerReserve", "LedgerCleanup", "VramQuery", "WaitPoll",  "LedgerRelease"};
-
-constexpr bool is_builtin_step(std::uint32_t step) { return step < kBuiltinStepCount; }
 constexpr bool is_custom_step(std::uint32_t step) {
   return step >= kFirstCustomStep && step < kFirstCustomStep + kMaxCustomSteps;
 }
 constexpr bool is_valid_step(std::uint32_t step) {
   return is_builtin_step(step) || is_custom_step(step);
 }
-// The ledger steps, whose spans the daemon attributes to a GPU.
-constexpr bool is_ledger_step(std::uint32_t step) { return step >= 7 && step <= 11; }
 
 struct Hello {
   std::uint8_t magic[4];

@@ -38,7 +38,10 @@ DROP_CAUSES = ("buffer_full", "not_connected", "in_flight", "invalid")
 
 
 class Step(enum.IntEnum):
-    """The built-in steps, ids as in steptrace.h; names as the reports spell them."""
+    """The built-in steps, ids as in steptrace.h; names as the reports spell them.
+
+    Python cannot include proto/steps.h, the table that defines them: ctest's
+    client_python_steps checks that this enum is that table exactly."""
     Forward = 0
     Backward = 1
     Matmul = 2

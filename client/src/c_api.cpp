@@ -3,8 +3,13 @@
 #include <cerrno>
 
 #include <steptrace/steptrace.h>
+#include <steptrace/steptrace.hpp>
+
+#include <array>
+#include <string_view>
 
 #include "client/src/client.h"
+#include "proto/steps.h"
 
 using steptrace::client::Client;
 namespace proto = steptrace::proto;
@@ -15,6 +20,44 @@ static_assert(STEPTRACE_DROP_NOT_CONNECTED == static_cast<int>(proto::DropCause:
 static_assert(STEPTRACE_DROP_IN_FLIGHT == static_cast<int>(proto::DropCause::kInFlight));
 static_assert(STEPTRACE_DROP_INVALID == static_cast<int>(proto::DropCause::kInvalid));
 static_assert(STEPTRACE_DROP_CAUSE_COUNT == proto::kDropCauseCount);
+
+// The public step enums (C and C++) are the built-in table (proto/steps.h): one row per
+// built-in step, each enum value its id. A step added to the table and not here, or an
+// enum value that is not its step's id, does not compile.
+namespace {
+struct PublicStep {
+  steptrace_step c;
+  steptrace::Step cpp;
+  std::string_view name;
+};
+constexpr std::array kPublicSteps = {
+    PublicStep{STEPTRACE_FORWARD, steptrace::Step::kForward, "Forward"},
+    PublicStep{STEPTRACE_BACKWARD, steptrace::Step::kBackward, "Backward"},
+    PublicStep{STEPTRACE_MATMUL, steptrace::Step::kMatmul, "Matmul"},
+    PublicStep{STEPTRACE_ATTENTION, steptrace::Step::kAttention, "Attention"},
+    PublicStep{STEPTRACE_TRANSPOSE, steptrace::Step::kTranspose, "Transpose"},
+    PublicStep{STEPTRACE_ALLOC, steptrace::Step::kAlloc, "Alloc"},
+    PublicStep{STEPTRACE_TRANSFER, steptrace::Step::kTransfer, "Transfer"},
+    PublicStep{STEPTRACE_LEDGER_RESERVE, steptrace::Step::kLedgerReserve, "LedgerReserve"},
+    PublicStep{STEPTRACE_LEDGER_CLEANUP, steptrace::Step::kLedgerCleanup, "LedgerCleanup"},
+    PublicStep{STEPTRACE_VRAM_QUERY, steptrace::Step::kVramQuery, "VramQuery"},
+    PublicStep{STEPTRACE_WAIT_POLL, steptrace::Step::kWaitPoll, "WaitPoll"},
+    PublicStep{STEPTRACE_LEDGER_RELEASE, steptrace::Step::kLedgerRelease, "LedgerRelease"},
+};
+constexpr bool public_steps_match_table() {
+  if (kPublicSteps.size() != proto::kBuiltinSteps.size()) return false;
+  for (std::uint32_t id = 0; id < kPublicSteps.size(); ++id) {
+    const PublicStep& s = kPublicSteps[id];  // rows in id order, so each id has its row
+    if (proto::builtin_step_name(id) != s.name || static_cast<std::uint32_t>(s.c) != id ||
+        static_cast<std::uint32_t>(s.cpp) != id) {
+      return false;
+    }
+  }
+  return true;
+}
+}  // namespace
+static_assert(public_steps_match_table(),
+              "enum steptrace_step and steptrace::Step must be proto/steps.h's ids");
 
 extern "C" {
 

@@ -28,8 +28,6 @@ namespace {
 thread_local std::uint32_t t_tid __attribute__((tls_model("initial-exec"))) = 0;
 // Of a thread that got no ring: the budget epoch it was refused at.
 thread_local std::uint64_t t_no_ring_epoch = 0;
-pthread_key_t g_thread_key;
-bool g_thread_key_ok = false;
 
 constexpr std::uint64_t kBlockWaitNs = 100'000'000;  // bounded wait of the opt-in mode
 constexpr int kExitFlushMs = 500;
@@ -102,7 +100,7 @@ Client& Client::get() {
   return *kInstance;
 }
 
-Client::Client() {
+Client::Client() : thread_key_(on_thread_exit) {
   env_disabled_ = env_true("STEPTRACE_DISABLE");
   g_block_when_full.store(env_true("STEPTRACE_BLOCK_WHEN_FULL"), std::memory_order_relaxed);
   const BufferSizes sizes = buffer_sizes_from_env(std::getenv("STEPTRACE_BUFFER_BYTES"),
@@ -113,8 +111,7 @@ Client::Client() {
                                         current_clocksource());
   g_use_tsc = s_.clock_source == ClockSource::kTsc;
   if (g_use_tsc) s_.converter.start(take_clock_sample());
-  s_.wake_fd.store(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), std::memory_order_relaxed);
-  g_thread_key_ok = ::pthread_key_create(&g_thread_key, on_thread_exit) == 0;
+  s_.set_wake_event(UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)));
   update_mode_locked();
 }
 
@@ -158,18 +155,20 @@ EventRing* Client::create_ring() {
     t_no_ring_epoch = registry.budget_epoch.load(std::memory_order_relaxed);
     return no_ring();
   }
-  registry.rings.reserve(registry.rings.size() + 1);
+  registry.rings.reserve(registry.rings.size() + 1);  // the push_back below cannot throw
   auto ring = std::make_unique<EventRing>(tid, static_cast<std::size_t>(bytes / kRingRecordBytes));
-  registry.rings.push_back(ring.get());
+  EventRing* const own = ring.get();
+  registry.rings.push_back(std::move(ring));
   registry.used_bytes += bytes;
-  if (g_thread_key_ok) ::pthread_setspecific(g_thread_key, ring.get());
-  return ring.release();
+  thread_key_.set(own);
+  return own;
 }
 
 void Client::retire_ring(EventRing* ring) noexcept {
   std::lock_guard lock(s_.registry.mu);
   auto& rings = s_.registry.rings;
-  const auto it = std::find(rings.begin(), rings.end(), ring);
+  const auto it = std::find_if(rings.begin(), rings.end(),
+                               [ring](const auto& owned) { return owned.get() == ring; });
   if (it == rings.end()) return;  // already freed (e.g. over a fork)
   ring->orphan();
   if (ring->fill() == 0) {
@@ -241,9 +240,9 @@ int Client::connect(const char* socket_path) {
   update_mode_locked();
   if (flusher_ && flusher_->socket_path() == path && s_.connected.load()) return 0;
   stop_flusher_locked(0);
-  int fd = -1;
+  UniqueFd fd;
   const int rc = connect_unix_socket(path, fd);
-  flusher_ = std::make_unique<Flusher>(s_, path, rc == 0 ? fd : -1);
+  flusher_ = std::make_unique<Flusher>(s_, path, std::move(fd));
   flusher_->start();
   flusher_running_.store(true, std::memory_order_release);
   socket_path_ = path;
@@ -383,7 +382,7 @@ void Client::count_unsent_at_exit(proto::DropCause cause) noexcept {
   try {
     std::uint64_t unsent = 0;
     std::lock_guard lock(s_.registry.mu);
-    for (EventRing* ring : s_.registry.rings) {
+    for (const auto& ring : s_.registry.rings) {
       const std::uint64_t head = ring->published();
       unsent += head - ring->consumed();
       ring->release(head);  // the flusher is gone: this thread is the consumer now
@@ -400,9 +399,9 @@ void Client::restart_after_fork() noexcept {
   try {
     std::lock_guard lock(control_mu_);
     if (!restart_pending_.exchange(false)) return;
-    int fd = -1;
-    const int rc = connect_unix_socket(socket_path_, fd);
-    flusher_ = std::make_unique<Flusher>(s_, socket_path_, rc == 0 ? fd : -1);
+    UniqueFd fd;
+    connect_unix_socket(socket_path_, fd);  // else the flusher connects in the background
+    flusher_ = std::make_unique<Flusher>(s_, socket_path_, std::move(fd));
     flusher_->start();
     flusher_running_.store(true, std::memory_order_release);
   } catch (...) {
@@ -428,11 +427,10 @@ void Client::fork_parent() noexcept {
 void Client::fork_child() noexcept {
   // Only this thread exists now. Start clean: nothing of the parent's is sent twice.
   // (fork() has already made malloc usable in the child when these handlers run.)
-  for (EventRing* ring : s_.registry.rings) delete ring;
   s_.registry.rings.clear();
   t_ring = nullptr;
   t_tid = 0;
-  if (g_thread_key_ok) ::pthread_setspecific(g_thread_key, nullptr);
+  thread_key_.set(nullptr);
   s_.registry.retired = {};
   s_.registry.used_bytes = 0;
   s_.registry.budget_epoch.fetch_add(1, std::memory_order_relaxed);
@@ -442,9 +440,7 @@ void Client::fork_child() noexcept {
   new (&s_.flush.cv) std::condition_variable();  // the parent's waiters do not exist here
   s_.connected.store(false, std::memory_order_relaxed);
   if (g_use_tsc) s_.converter.start(take_clock_sample());  // the parent may have been mid-update
-  const int old_wake = s_.wake_fd.load(std::memory_order_relaxed);
-  if (old_wake >= 0) ::close(old_wake);
-  s_.wake_fd.store(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), std::memory_order_relaxed);
+  s_.set_wake_event(UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)));  // closes the parent's
   if (flusher_) {
     flusher_->abandon_after_fork();
     Flusher* old = flusher_.release();

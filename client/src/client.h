@@ -23,6 +23,7 @@
 #include "client/src/clock.h"
 #include "client/src/event_ring.h"
 #include "client/src/flusher.h"
+#include "client/src/thread_key.h"
 
 namespace steptrace::client {
 
@@ -124,6 +125,9 @@ class Client {
   void count_unsent_at_exit(proto::DropCause cause) noexcept;
 
   ClientState s_;
+  // Its destructor hands a thread's ring to the flusher when the thread exits (the
+  // value is the ring; not owned).
+  ThreadKey thread_key_;
   std::timed_mutex control_mu_;  // lifecycle, flusher, socket path
   std::unique_ptr<Flusher> flusher_;
   std::atomic<bool> flusher_running_{false};

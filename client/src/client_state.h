@@ -19,7 +19,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "client/src/clock.h"
@@ -27,6 +29,7 @@
 #include "client/src/ledger_queue.h"
 #include "client/src/ring_budget.h"
 #include "client/src/step_registry.h"
+#include "client/src/unique_fd.h"
 
 namespace steptrace::client {
 
@@ -40,7 +43,9 @@ constexpr std::size_t cause_index(proto::DropCause cause) {
 
 struct RingRegistry {
   std::mutex mu;
-  std::vector<EventRing*> rings;    // owned; freed by the flusher once orphaned and drained
+  // Freed by the flusher once orphaned and drained. A thread's t_ring and pthread key
+  // value point at its ring without owning it.
+  std::vector<std::unique_ptr<EventRing>> rings;
   proto::DroppedByCause retired{};  // drops of rings already freed
 
   // The memory budget of the rings (ring_budget.h). All require mu.
@@ -54,14 +59,13 @@ struct RingRegistry {
   // Requires mu. Frees `ring` (orphaned, or any ring when nothing will drain it again),
   // counting what it never delivered under not_connected.
   void free_ring_locked(std::size_t index) {
-    EventRing* ring = rings[index];
-    retired.count[cause_index(proto::DropCause::kBufferFull)] += ring->dropped_buffer_full();
+    const EventRing& ring = *rings[index];
+    retired.count[cause_index(proto::DropCause::kBufferFull)] += ring.dropped_buffer_full();
     retired.count[cause_index(proto::DropCause::kNotConnected)] +=
-        ring->dropped_not_connected() + ring->fill();
-    rings.erase(rings.begin() + static_cast<std::ptrdiff_t>(index));
-    used_bytes -= ring->bytes();
+        ring.dropped_not_connected() + ring.fill();
+    used_bytes -= ring.bytes();
+    rings.erase(rings.begin() + static_cast<std::ptrdiff_t>(index));  // frees it
     budget_epoch.fetch_add(1, std::memory_order_release);
-    delete ring;
   }
 };
 
@@ -105,12 +109,20 @@ struct ClientState {
   // Drops no ring counts, per proto::DropCause.
   std::atomic<std::uint64_t> other_dropped[proto::kDropCauseCount] = {};
   std::atomic<bool> connected{false};
-  std::atomic<int> wake_fd{-1};  // eventfd the flusher polls
+  // The eventfd the flusher polls: wake_event owns it, wake_fd is its number for the
+  // producers, read without a lock (-1: none).
+  UniqueFd wake_event;
+  std::atomic<int> wake_fd{-1};
   // The hello version of the next connection: kProtocolVersion until a daemon answered
   // one with ErrorCode::kUnsupportedVersion, then 1 for good (PROTOCOL.md section 6).
   std::atomic<std::uint16_t> protocol_version{proto::kProtocolVersion};
 
   void wake() noexcept;
+  // `fd` is the wake eventfd from now on; the previous one is closed.
+  void set_wake_event(UniqueFd fd) noexcept {
+    wake_fd.store(fd.get(), std::memory_order_relaxed);
+    wake_event = std::move(fd);
+  }
   void count_drops(proto::DropCause cause, std::uint64_t n = 1) noexcept {
     other_dropped[cause_index(cause)].fetch_add(n, std::memory_order_relaxed);
   }
@@ -120,7 +132,7 @@ struct ClientState {
     for (std::size_t c = 0; c < proto::kDropCauseCount; ++c) {
       d.count[c] += other_dropped[c].load(std::memory_order_relaxed);
     }
-    for (const EventRing* ring : registry.rings) {
+    for (const auto& ring : registry.rings) {
       d.count[cause_index(proto::DropCause::kBufferFull)] += ring->dropped_buffer_full();
       d.count[cause_index(proto::DropCause::kNotConnected)] += ring->dropped_not_connected();
     }

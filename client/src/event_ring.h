@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -48,6 +49,7 @@
 #include <span>
 #include <utility>
 
+#include "client/src/thread_owner.h"
 #include "proto/wire_format.h"
 
 namespace steptrace::client {
@@ -104,6 +106,7 @@ class EventRing {
 
   // ---- producer (the owning thread) ------------------------------------------------
   Push try_push(std::uint64_t ticks, std::uint64_t meta) noexcept {
+    assert(is_producer());
     const std::uint64_t head = head_.load(std::memory_order_relaxed);
     Push result = Push::kPushed;
     if (head - cached_tail_ >= high_water_) [[unlikely]] {
@@ -117,8 +120,14 @@ class EventRing {
     return result;
   }
   // Producer-only counters (relaxed; the flusher and steptrace_dropped read them).
-  void count_buffer_full() noexcept { bump(dropped_full_); }
-  void count_not_connected() noexcept { bump(dropped_unconnected_); }
+  void count_buffer_full() noexcept {
+    assert(is_producer());
+    bump(dropped_full_);
+  }
+  void count_not_connected() noexcept {
+    assert(is_producer());
+    bump(dropped_unconnected_);
+  }
 
   // ---- consumer (the flusher) --------------------------------------------------------
   std::uint64_t published() const noexcept { return head_.load(std::memory_order_acquire); }
@@ -160,6 +169,12 @@ class EventRing {
   bool stalled = false;
   std::uint64_t stalled_tail = 0;
 
+  // Debug builds: whether the caller is the ring's one producer, the first thread that
+  // pushed or counted (the thread that makes a ring need not be the one that fills it).
+  // A ring of capacity 0 is the shared stand-in of threads without one (Client::no_ring):
+  // it has no producer state to protect, so any thread may call it.
+  bool is_producer() noexcept { return capacity_ == 0 || producer_.claim_or_is_caller(); }
+
  private:
   static Slot* map_slots(std::size_t capacity) {
     if (capacity == 0) return nullptr;
@@ -199,6 +214,7 @@ class EventRing {
   // Consumer's line.
   alignas(64) std::atomic<std::uint64_t> tail_{0};
   std::atomic<bool> orphaned_{false};
+  ThreadOwner producer_;  // debug builds only: read by is_producer()
 };
 
 }  // namespace steptrace::client

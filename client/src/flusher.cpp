@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -41,24 +42,22 @@ std::string process_name() {
 
 }  // namespace
 
-int connect_unix_socket(const std::string& path, int& fd) {
+int connect_unix_socket(const std::string& path, UniqueFd& fd) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path) return -ENAMETOOLONG;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (s < 0) return -errno;
+  UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!s.valid()) return -errno;
   // A Unix stream connect completes at once or fails (EAGAIN: backlog full).
-  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    const int err = errno;
-    ::close(s);
-    return -err;
+  if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return -errno;  // read before s closes
   }
-  fd = s;
+  fd = std::move(s);
   return 0;
 }
 
-Flusher::Flusher(ClientState& state, std::string socket_path, int fd)
+Flusher::Flusher(ClientState& state, std::string socket_path, UniqueFd fd)
     : s_(state), path_(std::move(socket_path)) {
   buf_.resize(kBatchBytes);
   marks_.reserve(256);
@@ -66,12 +65,12 @@ Flusher::Flusher(ClientState& state, std::string socket_path, int fd)
   taken_.reserve(kLedgerQueueCapacity);
   carried_.reserve(2 * kLedgerQueueCapacity);
   next_attempt_ = Clock::now();
-  if (fd >= 0) on_connected(fd);
+  if (fd.valid()) on_connected(std::move(fd));
 }
 
 Flusher::~Flusher() {
   stop();
-  if (fd_ >= 0) close_connection(false);
+  if (fd_.valid()) close_connection(false);
 }
 
 void Flusher::start() {
@@ -84,13 +83,10 @@ void Flusher::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void Flusher::abandon_after_fork() noexcept {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-}
+void Flusher::abandon_after_fork() noexcept { fd_.reset(); }
 
-void Flusher::on_connected(int fd) {
-  fd_ = fd;
+void Flusher::on_connected(UniqueFd fd) {
+  fd_ = std::move(fd);
   decoder_.emplace(proto::Side::kClient);
   version_ = s_.protocol_version.load(std::memory_order_relaxed);
   need_hello_ = true;
@@ -121,8 +117,7 @@ void Flusher::close_connection(bool lost) {
   marks_.clear();
   batch_records_ = 0;
   len_ = off_ = 0;
-  ::close(fd_);
-  fd_ = -1;
+  fd_.reset();
   s_.connected.store(false, std::memory_order_release);
   {
     std::lock_guard lock(s_.flush.mu);
@@ -135,9 +130,10 @@ void Flusher::close_connection(bool lost) {
 }
 
 void Flusher::try_connect() {
-  int fd = -1;
+  assert(thread_owner_.is_caller());
+  UniqueFd fd;
   if (connect_unix_socket(path_, fd) == 0) {
-    on_connected(fd);
+    on_connected(std::move(fd));
     return;
   }
   next_attempt_ = Clock::now() + backoff_;
@@ -145,9 +141,10 @@ void Flusher::try_connect() {
 }
 
 void Flusher::read_socket() {
+  assert(thread_owner_.is_caller());
   for (;;) {
     auto space = decoder_->prepare(4096);
-    const ssize_t n = ::recv(fd_, space.data(), space.size(), MSG_DONTWAIT);
+    const ssize_t n = ::recv(fd_.get(), space.data(), space.size(), MSG_DONTWAIT);
     if (n == 0) {
       close_connection();
       return;
@@ -191,8 +188,10 @@ void Flusher::read_socket() {
 }
 
 void Flusher::send_pending() {
+  assert(thread_owner_.is_caller());
   while (off_ < len_) {
-    const ssize_t n = ::send(fd_, buf_.data() + off_, len_ - off_, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n =
+        ::send(fd_.get(), buf_.data() + off_, len_ - off_, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       off_ += static_cast<std::size_t>(n);
       continue;
@@ -209,6 +208,7 @@ void Flusher::send_pending() {
 }
 
 bool Flusher::build_batch() {
+  assert(thread_owner_.is_caller());
   len_ = off_ = 0;
   marks_.clear();
   const bool tsc = s_.clock_source == ClockSource::kTsc;
@@ -399,7 +399,7 @@ bool Flusher::build_batch() {
 
 int Flusher::poll_timeout_ms(bool busy) const {
   if (busy) return 0;
-  if (fd_ < 0) {
+  if (!fd_.valid()) {
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(next_attempt_ - Clock::now());
     return static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, 100));
   }
@@ -408,13 +408,14 @@ int Flusher::poll_timeout_ms(bool busy) const {
 }
 
 void Flusher::run() {
+  thread_owner_.claim();
   while (!stop_.load(std::memory_order_acquire)) {
     const auto now = Clock::now();
     if (s_.clock_source == ClockSource::kTsc && now - last_anchor_ >= kAnchorInterval) {
       s_.converter.anchor(take_clock_sample());
       last_anchor_ = now;
     }
-    if (fd_ < 0) {
+    if (!fd_.valid()) {
       std::uint64_t waiting = 0;  // the newest pending flush's sequence, 0: none
       {
         std::lock_guard lock(s_.flush.mu);
@@ -426,12 +427,12 @@ void Flusher::run() {
       if (now >= next_attempt_ || new_flush) try_connect();
       if (new_flush) {
         flush_attempted_ = waiting;
-        if (fd_ < 0) {
+        if (!fd_.valid()) {
           std::lock_guard lock(s_.flush.mu);
           s_.flush.fail_upto_locked(waiting, -ENOTCONN);
         }
       }
-      if (fd_ < 0) {
+      if (!fd_.valid()) {
         // Keep the memory of exited threads bounded while nobody drains them.
         std::lock_guard lock(s_.registry.mu);
         auto& rings = s_.registry.rings;
@@ -445,9 +446,9 @@ void Flusher::run() {
       }
     }
     bool busy = false;
-    if (fd_ >= 0) read_socket();
-    if (fd_ >= 0 && off_ < len_) send_pending();
-    if (fd_ >= 0 && off_ == len_) {
+    if (fd_.valid()) read_socket();
+    if (fd_.valid() && off_ < len_) send_pending();
+    if (fd_.valid() && off_ == len_) {
       busy = build_batch();
       if (len_ > 0) send_pending();
     }
@@ -456,8 +457,8 @@ void Flusher::run() {
     nfds_t count = 0;
     const int wake = s_.wake_fd.load(std::memory_order_relaxed);
     if (wake >= 0) fds[count++] = {wake, POLLIN, 0};
-    if (fd_ >= 0) {
-      fds[count++] = {fd_, static_cast<short>(POLLIN | (off_ < len_ ? POLLOUT : 0)), 0};
+    if (fd_.valid()) {
+      fds[count++] = {fd_.get(), static_cast<short>(POLLIN | (off_ < len_ ? POLLOUT : 0)), 0};
     }
     const int timeout = poll_timeout_ms(busy);
     if (timeout > 0 || count > 0) ::poll(fds, count, timeout);

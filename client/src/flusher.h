@@ -47,6 +47,8 @@
 #include <vector>
 
 #include "client/src/client_state.h"
+#include "client/src/thread_owner.h"
+#include "client/src/unique_fd.h"
 #include "proto/codec.h"
 
 namespace steptrace::client {
@@ -55,14 +57,14 @@ inline constexpr std::size_t kBatchBytes = 1024 * 1024;
 // Set in the sequence of the flusher's own Flush frames (after the hello, after batches).
 inline constexpr std::uint64_t kOwnFlushBit = std::uint64_t{1} << 63;
 
-// Opens a non-blocking, close-on-exec stream socket connected to `path`. 0 and the fd
-// in `fd`, or -errno.
-int connect_unix_socket(const std::string& path, int& fd);
+// Opens a non-blocking, close-on-exec stream socket connected to `path`. 0 and the socket
+// in `fd`, or -errno (`fd` unchanged).
+int connect_unix_socket(const std::string& path, UniqueFd& fd);
 
 class Flusher {
  public:
-  // `fd` is an already connected socket, or -1 to connect in the background.
-  Flusher(ClientState& state, std::string socket_path, int fd);
+  // `fd` is an already connected socket, or none to connect in the background.
+  Flusher(ClientState& state, std::string socket_path, UniqueFd fd);
   ~Flusher();  // stops and joins
   Flusher(const Flusher&) = delete;
   Flusher& operator=(const Flusher&) = delete;
@@ -80,7 +82,7 @@ class Flusher {
 
   void run();
   void try_connect();
-  void on_connected(int fd);
+  void on_connected(UniqueFd fd);
   // `lost`: the daemon ended the connection (or it failed); else this side closes it
   // (stop) and the daemon still reads everything written.
   void close_connection(bool lost = true);
@@ -93,11 +95,15 @@ class Flusher {
 
   ClientState& s_;
   const std::string path_;
-  int fd_ = -1;
+  UniqueFd fd_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  // The thread running run(): while it runs, the connection state below and
+  // ClientState::converter are its alone (asserted in debug builds).
+  ThreadOwner thread_owner_;
 
-  // Connection state (flusher thread only).
+  // Connection state (flusher thread only; the constructor and destructor, which run
+  // while no flusher thread does, set it up and close it).
   std::optional<proto::Decoder> decoder_;
   std::uint16_t version_ = proto::kProtocolVersion;  // of this connection's hello
   bool need_hello_ = false;

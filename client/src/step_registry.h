@@ -1,7 +1,8 @@
 // Custom step names registered by the process (steptrace_register_step). Not on the hot
 // path: guarded by a mutex. Ids are handed out densely from proto::kFirstCustomStep, so
-// the hot path checks an id with one relaxed load of the count (is_registered()). The
-// flusher sends every registration on each (re)connection, before any event using it.
+// the hot path checks an id with one relaxed load of a copy of the count
+// (g_custom_steps, client.h). The flusher sends every registration on each
+// (re)connection, before any event using it.
 #pragma once
 
 #include <atomic>
@@ -26,11 +27,6 @@ class StepRegistry {
   // 1..63 printable ASCII characters or the limit is reached.
   std::uint32_t register_step(std::string_view name);
 
-  // Hot path: whether `step` is a built-in or a registered custom step.
-  bool is_valid(std::uint32_t step) const noexcept {
-    return step < proto::kBuiltinStepCount ||
-           step - proto::kFirstCustomStep < count_.load(std::memory_order_relaxed);
-  }
   std::uint32_t count() const noexcept { return count_.load(std::memory_order_acquire); }
   // Name of the custom step with index i (< count()). Copies under the lock.
   std::string name(std::uint32_t index) const;

@@ -210,6 +210,27 @@ TEST(EventRing, ConsumerThreadSeesEveryRecordInOrder) {
   for (std::size_t i = 1; i < seen.size(); ++i) ASSERT_LT(seen[i - 1], seen[i]);
 }
 
+// The single-producer rule, asserted in debug builds: the first thread that pushes is
+// the producer (not the one that made the ring), and another thread's push aborts.
+TEST(EventRingDeathTest, ASecondProducerThreadFailsTheDebugAssert) {
+#ifdef NDEBUG
+  GTEST_SKIP() << "NDEBUG: the single-producer assert is compiled out";
+#else
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto ring = std::make_unique<EventRing>(1, kCapacity);
+  std::thread([&] { ASSERT_TRUE(pushed(ring->try_push(1, 0))); }).join();
+  EXPECT_DEATH(ring->try_push(2, 0), "is_producer");
+  EXPECT_DEATH(ring->count_buffer_full(), "is_producer");
+#endif
+}
+
+// The capacity-0 stand-in is shared by every thread without a ring: no producer rule.
+TEST(EventRing, ZeroCapacityRingTakesPushesFromAnyThread) {
+  EventRing ring(0, 0);
+  EXPECT_EQ(ring.try_push(1, 2), EventRing::Push::kFull);
+  std::thread([&] { EXPECT_EQ(ring.try_push(3, 4), EventRing::Push::kFull); }).join();
+}
+
 TEST(EventRing, OrphanFlagIsVisible) {
   auto ring = std::make_unique<EventRing>(5, kCapacity);
   EXPECT_FALSE(ring->orphaned());

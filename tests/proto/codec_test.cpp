@@ -6,7 +6,10 @@
 #include <array>
 #include <cstring>
 #include <functional>
+#include <iterator>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "proto/codec.h"
 #include "tests/proto/proto_test_util.h"
@@ -700,6 +703,66 @@ TEST(ProtoMalformed, ErrorsHaveStableNamesAndMessages) {
   EXPECT_STREQ(errc_name(errc::truncated), "truncated");
 }
 
+// Values and names travel (Error frames, protocol_errors labels, logs, snapshots): they
+// never change, and a new code comes at the end.
+TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
+  struct Expected {
+    int value;
+    const char* name;
+    const char* message;
+  };
+  const Expected expected[] = {
+      {1, "truncated", "stream ended inside a hello or frame"},
+      {2, "bad_magic", "binary stream does not start with the steptrace magic"},
+      {3, "unsupported_version", "unsupported protocol version"},
+      {4, "bad_hello", "malformed hello"},
+      {5, "frame_too_large", "frame larger than the frame-size cap"},
+      {6, "unknown_frame_type", "unknown frame type"},
+      {7, "bad_frame_size", "frame size does not match its type"},
+      {8, "bad_reserved", "reserved field is not zero"},
+      {9, "bad_step_id", "step id out of range"},
+      {10, "bad_event_kind", "event kind is neither start nor end"},
+      {11, "bad_string", "malformed string field"},
+      {12, "bad_ledger_op", "unknown ledger operation"},
+      {13, "unregistered_step", "event for a custom step that was never registered"},
+      {14, "limit_reached", "configured limit reached"},
+      {15, "permission_denied", "permission denied"},
+      {16, "daemon_unreachable", "steptraced cannot be reached"},
+      {17, "timed_out", "timed out"},
+      {18, "bad_config", "bad configuration"},
+      {19, "bad_command", "bad command"},
+      {20, "bad_snapshot", "snapshot is not valid"},
+  };
+  ASSERT_EQ(kErrcTable.size(), std::size(expected));
+  for (const Expected& e : expected) {
+    const auto code = static_cast<errc>(e.value);
+    EXPECT_STREQ(errc_name(code), e.name) << e.value;
+    EXPECT_EQ(make_error_code(code).message(), e.message) << e.value;
+    const ErrcInfo& row = kErrcTable[static_cast<std::size_t>(e.value - 1)];
+    EXPECT_EQ(row.code, code);
+    EXPECT_STREQ(row.name, e.name);
+    EXPECT_STREQ(row.message, e.message);
+  }
+  EXPECT_EQ(static_cast<int>(errc::bad_snapshot), 20);
+  EXPECT_STREQ(errc_name(static_cast<errc>(0)), "unknown");
+  EXPECT_STREQ(errc_name(static_cast<errc>(21)), "unknown");
+  EXPECT_EQ(make_error_code(static_cast<errc>(21)).message(), "unknown steptrace error");
+}
+
+// The kinds `metrics` always exports under steptrace_protocol_errors_total: the ones the
+// daemon counts there (PROTOCOL.md 9.1-9.3), not limits, configuration or commands.
+TEST(ProtoErrc, ProtocolErrorKinds) {
+  std::vector<std::string> kinds;
+  for (const ErrcInfo& e : kErrcTable) {
+    if (e.protocol_error) kinds.emplace_back(e.name);
+  }
+  EXPECT_EQ(kinds,
+            (std::vector<std::string>{"truncated", "bad_magic", "unsupported_version", "bad_hello",
+                                      "frame_too_large", "unknown_frame_type", "bad_frame_size",
+                                      "bad_reserved", "bad_step_id", "bad_event_kind", "bad_string",
+                                      "bad_ledger_op", "unregistered_step", "timed_out"}));
+}
+
 // ---- encoder ------------------------------------------------------------------------
 
 // Runs `write` on an encoder over exactly `room` bytes of a poisoned buffer; returns
@@ -856,6 +919,22 @@ TEST(ProtoWireFormat, StepIdRanges) {
     ASSERT_EQ(is_valid_step(s), valid) << s;
     ASSERT_EQ(is_ledger_step(s), s >= 7 && s <= 11) << s;
   }
+}
+
+TEST(ProtoSteps, LookupsFollowTheTable) {
+  ASSERT_EQ(kBuiltinStepCount, 12u);  // PROTOCOL.md 4.5
+  for (const BuiltinStep& step : kBuiltinSteps) {
+    EXPECT_EQ(builtin_step_name(step.id), step.name);
+    EXPECT_EQ(kBuiltinStepNames[step.id], step.name);
+    EXPECT_EQ(find_builtin_step(step.name), step.id);
+    EXPECT_EQ(is_ledger_step(step.id), step.ledger) << step.name;
+  }
+  EXPECT_EQ(builtin_step_name(kBuiltinStepCount), "");
+  EXPECT_EQ(builtin_step_name(kFirstCustomStep), "");
+  EXPECT_EQ(find_builtin_step("Tokenize"), std::nullopt);
+  EXPECT_EQ(find_builtin_step("matmul"), std::nullopt);  // names are case-sensitive
+  static_assert(builtin_step_id("Matmul") == 2);
+  static_assert(builtin_step_id("LedgerRelease") == 11);
 }
 
 }  // namespace

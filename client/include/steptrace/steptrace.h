@@ -53,6 +53,8 @@ extern "C" {
 #define STEPTRACE_DEFAULT_SOCKET "/run/steptrace/steptraced.sock"
 
 /* C naming, fixed by the ABI. NOLINTBEGIN(readability-identifier-naming) */
+/* The built-in steps: the wire's step ids (PROTOCOL.md 4.5); the library's build checks
+ * them against its table of built-in steps. */
 enum steptrace_step {
   STEPTRACE_FORWARD = 0,
   STEPTRACE_BACKWARD = 1,
