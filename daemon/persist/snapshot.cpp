@@ -82,6 +82,13 @@ std::filesystem::path move_snapshot_aside(const std::filesystem::path& dir, std:
   return to;
 }
 
+bool has_snapshot_schema(const nlohmann::json& doc) {
+  if (!doc.is_object()) return false;
+  const auto schema = doc.find("schema");
+  return schema != doc.end() && schema->is_string() &&
+         schema->get_ref<const std::string&>() == kSnapshotSchema;
+}
+
 LoadedSnapshot load_snapshot(const std::filesystem::path& dir) {
   LoadedSnapshot result;
   const std::filesystem::path path = dir / kSnapshotFileName;
@@ -105,8 +112,7 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir) {
   nlohmann::json doc = nlohmann::json::parse(content.str(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) {
     result.error = path.string() + " is not valid JSON";
-  } else if (!doc.is_object() || !doc.contains("schema") || !doc["schema"].is_string() ||
-             doc["schema"].get<std::string>() != kSnapshotSchema) {
+  } else if (!has_snapshot_schema(doc)) {
     result.error = path.string() + " is not a " + kSnapshotSchema + " document";
   } else {
     result.status = LoadedSnapshot::Status::kLoaded;

@@ -1,9 +1,11 @@
-// Snapshot files: where the Collector's state (Collector::snapshot(), a
-// "steptrace.snapshot/v1" JSON document) lives on disk across daemon restarts.
+// Snapshot files: where the Collector's state (a "steptrace.snapshot/v1" JSON document,
+// made and read by the snapshot codec, daemon/persist/snapshot_codec.h) lives on disk
+// across daemon restarts.
 //
-// Data flow: the server calls save_snapshot(state_dir, collector.snapshot()) on a timer
-// and on SIGTERM; at start it calls load_snapshot(state_dir) and, when a document came
-// back, collector.restore(doc). Writes are atomic: the document goes to
+// Data flow: the server calls save_snapshot(state_dir, encode_snapshot(view)) on a timer
+// (on the render thread) and on SIGTERM; at start it calls load_snapshot(state_dir) and,
+// when a document came back, restore_from_snapshot(collector, doc), which decodes it and
+// hands the state to Collector::adopt(). Writes are atomic: the document goes to
 // `steptraced.snapshot.json.tmp`, is fsynced, renamed over `steptraced.snapshot.json`,
 // and the directory is fsynced, so a crash leaves the old or the new file, never half of
 // one. A file that cannot be parsed or is not ours is moved aside to
@@ -38,12 +40,15 @@ struct LoadedSnapshot {
   std::filesystem::path moved_to;
 };
 
+// Whether `doc` is an object whose "schema" is kSnapshotSchema.
+bool has_snapshot_schema(const nlohmann::json& doc);
+
 // Reads `dir`/steptraced.snapshot.json. Never throws.
 LoadedSnapshot load_snapshot(const std::filesystem::path& dir);
 
 // Moves the snapshot file aside as `steptraced.snapshot.json.corrupt-<unix time>` and
 // returns the new path (empty with `ec` set on failure). load_snapshot() does this for
-// unparseable files; the server calls it too when Collector::restore() rejects a
+// unparseable files; the server calls it too when restore_from_snapshot() rejects a
 // document that parsed.
 std::filesystem::path move_snapshot_aside(const std::filesystem::path& dir, std::error_code& ec);
 

@@ -1,16 +1,16 @@
 #include "daemon/serve/config.h"
 
+#include <steptrace/version.h>
 #include <sys/un.h>
 
 #include <CLI/CLI.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <charconv>
 #include <fstream>
-#include <functional>
-#include <limits>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "daemon/persist/json_reader.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -22,41 +22,21 @@ Error fail(const std::string& key, const std::string& what) {
   return ConfigError{"config: " + key + ": " + what};
 }
 
-template <typename T>
-Error read_uint(const json& value, const std::string& key, std::uint64_t min, std::uint64_t max,
-                T& out) {
-  const std::string range =
-      "must be an integer in " + std::to_string(min) + ".." + std::to_string(max);
-  if (!value.is_number_integer()) return fail(key, range);
-  if (value.is_number_unsigned()) {
-    const auto v = value.get<std::uint64_t>();
-    if (v < min || v > max) return fail(key, range);
-    out = static_cast<T>(v);
-    return std::nullopt;
-  }
-  const auto v = value.get<std::int64_t>();
-  if (v < 0 || static_cast<std::uint64_t>(v) < min || static_cast<std::uint64_t>(v) > max) {
-    return fail(key, range);
-  }
-  out = static_cast<T>(v);
-  return std::nullopt;
-}
+// Why a value is not acceptable ("must be ..."), or nullopt when it is.
+using Problem = std::optional<std::string>;
 
-Error read_string(const json& value, const std::string& key, std::string& out) {
-  if (!value.is_string()) return fail(key, "must be a string");
-  out = value.get<std::string>();
-  return std::nullopt;
-}
+// Config strings are paths and short words; any bytes, as the OS takes them.
+constexpr StringRule kConfigString{0, 4096, /*printable=*/false};
 
-Error check_socket_path(const std::string& path, const std::string& key) {
+Problem socket_path_problem(const std::string& path) {
   if (path.empty() || path.size() >= sizeof(sockaddr_un{}.sun_path)) {
-    return fail(key, "must be a non-empty path shorter than " +
-                         std::to_string(sizeof(sockaddr_un{}.sun_path)) + " bytes");
+    return "must be a non-empty path shorter than " +
+           std::to_string(sizeof(sockaddr_un{}.sun_path)) + " bytes";
   }
   return std::nullopt;
 }
 
-Error set_metrics_listen(const std::string& text, const std::string& key, Config& config) {
+Problem set_metrics_listen(const std::string& text, Config& config) {
   if (text.empty()) {
     config.metrics_listen.clear();
     config.metrics_address.reset();
@@ -64,136 +44,78 @@ Error set_metrics_listen(const std::string& text, const std::string& key, Config
   }
   auto address = parse_listen_address(text);
   if (!address) {
-    return fail(key,
-                "must be \"\" or ADDR:PORT with a numeric address and a port in 1..65535 "
-                "(IPv6 as [::1]:9464), got \"" +
-                    text + "\"");
+    return "must be \"\" or ADDR:PORT with a numeric address and a port in 1..65535 "
+           "(IPv6 as [::1]:9464), got \"" +
+           text + "\"";
   }
   config.metrics_listen = text;
   config.metrics_address = std::move(address);
   return std::nullopt;
 }
 
-Error set_log_level(const std::string& level, const std::string& key, Config& config) {
+Problem set_log_level(const std::string& level, Config& config) {
   if (!valid_log_level(level)) {
-    return fail(key, "must be one of trace, debug, info, warn, error, critical, off; got \"" +
-                         level + "\"");
+    return "must be one of trace, debug, info, warn, error, critical, off; got \"" + level + "\"";
   }
   config.log_level = level;
   return std::nullopt;
 }
 
-// One handler per key of an object; unknown keys are errors.
-using KeyHandler = std::function<Error(const json& value, const std::string& key, Config&)>;
-using KeyTable = std::map<std::string, KeyHandler, std::less<>>;
-
-Error apply_object(const json& obj, const std::string& prefix, const KeyTable& table,
-                   Config& config) {
-  if (!obj.is_object()) {
-    return prefix.empty() ? ConfigError{"config: the document must be a JSON object"}
-                          : fail(prefix, "must be an object");
-  }
-  for (const auto& [name, value] : obj.items()) {
-    const std::string key = prefix.empty() ? name : prefix + "." + name;
-    auto it = table.find(name);
-    if (it == table.end()) return fail(key, "unknown key");
-    if (auto err = it->second(value, key, config)) return err;
-  }
-  return std::nullopt;
+// The string at `key`, when present, handed to `apply`: a Problem it returns is an error
+// at `key`.
+template <typename Apply>
+void read_string_key(JsonObject& obj, std::string_view key, Apply apply) {
+  std::string text;
+  if (!obj.has(key) || !obj.get_string(key, text, kConfigString)) return;
+  if (Problem why = apply(text)) obj.fail_at(key, *why);
 }
 
-template <typename T>
-KeyHandler uint_key(T Config::*member, std::uint64_t min, std::uint64_t max) {
-  return [member, min, max](const json& v, const std::string& key, Config& c) {
-    return read_uint(v, key, min, max, c.*member);
-  };
-}
-template <typename T>
-KeyHandler limit_key(T Limits::*member, std::uint64_t min, std::uint64_t max) {
-  return [member, min, max](const json& v, const std::string& key, Config& c) {
-    return read_uint(v, key, min, max, c.limits.*member);
-  };
-}
-template <typename T>
-KeyHandler server_limit_key(T ServerLimits::*member, std::uint64_t min, std::uint64_t max) {
-  return [member, min, max](const json& v, const std::string& key, Config& c) {
-    return read_uint(v, key, min, max, c.server_limits.*member);
-  };
-}
-template <typename T>
-KeyHandler timeout_key(T Timeouts::*member, std::uint64_t min, std::uint64_t max) {
-  return [member, min, max](const json& v, const std::string& key, Config& c) {
-    return read_uint(v, key, min, max, c.timeouts.*member);
-  };
+void read_limits(JsonObject limits, Config& c) {
+  ServerLimits& s = c.server_limits;
+  limits.optional_unsigned("max_connections", s.max_connections, 1, 65536);
+  // A frame must at least hold the largest fixed record (a LedgerRecord).
+  limits.optional_unsigned("max_frame_bytes", s.max_frame_bytes, 256, proto::kMaxFramePayload);
+  limits.optional_unsigned("max_line_bytes", s.max_line_bytes, 64, 1 << 20);
+  Limits& l = c.limits;
+  limits.optional_unsigned("max_processes", l.max_processes, 1, 1'000'000);
+  limits.optional_unsigned("max_exited_processes", l.max_exited_processes, 0, 1'000'000);
+  limits.optional_unsigned("max_custom_steps", l.max_custom_steps, 0, proto::kMaxCustomSteps);
+  limits.optional_unsigned("max_open_depth", l.max_open_depth, 1, 4096);
+  limits.optional_unsigned("max_threads_per_process", l.max_threads_per_process, 1, 65536);
+  limits.optional_unsigned("max_gpus", l.max_gpus, 1, 4096);
+  limits.optional_unsigned("max_reservations_per_gpu", l.max_reservations_per_gpu, 1, 1'000'000);
+  limits.finish();
 }
 
-const KeyTable& limits_table() {
-  static const KeyTable kTable{
-      {"max_connections", server_limit_key(&ServerLimits::max_connections, 1, 65536)},
-      // A frame must at least hold the largest fixed record (a LedgerRecord).
-      {"max_frame_bytes",
-       server_limit_key(&ServerLimits::max_frame_bytes, 256, proto::kMaxFramePayload)},
-      {"max_line_bytes", server_limit_key(&ServerLimits::max_line_bytes, 64, 1 << 20)},
-      {"max_processes", limit_key(&Limits::max_processes, 1, 1'000'000)},
-      {"max_exited_processes", limit_key(&Limits::max_exited_processes, 0, 1'000'000)},
-      {"max_custom_steps", limit_key(&Limits::max_custom_steps, 0, proto::kMaxCustomSteps)},
-      {"max_open_depth", limit_key(&Limits::max_open_depth, 1, 4096)},
-      {"max_threads_per_process", limit_key(&Limits::max_threads_per_process, 1, 65536)},
-      {"max_gpus", limit_key(&Limits::max_gpus, 1, 4096)},
-      {"max_reservations_per_gpu", limit_key(&Limits::max_reservations_per_gpu, 1, 1'000'000)},
-  };
-  return kTable;
+void read_timeouts(JsonObject timeouts, Config& c) {
+  timeouts.optional_unsigned("handshake_s", c.timeouts.handshake_s, 1, 3600);
+  timeouts.optional_unsigned("frame_s", c.timeouts.frame_s, 1, 3600);
+  timeouts.finish();
 }
 
-const KeyTable& timeouts_table() {
-  static const KeyTable kTable{
-      {"handshake_s", timeout_key(&Timeouts::handshake_s, 1, 3600)},
-      {"frame_s", timeout_key(&Timeouts::frame_s, 1, 3600)},
-  };
-  return kTable;
-}
-
-const KeyTable& top_table() {
-  static const KeyTable kTable{
-      {"socket",
-       [](const json& v, const std::string& key, Config& c) -> Error {
-         std::string path;
-         if (auto err = read_string(v, key, path)) return err;
-         if (auto err = check_socket_path(path, key)) return err;
-         c.socket = path;
-         return std::nullopt;
-       }},
-      {"socket_mode",
-       [](const json& v, const std::string& key, Config& c) -> Error {
-         const char* what = "must be a string of octal digits such as \"0660\"";
-         if (!v.is_string()) return fail(key, what);
-         auto mode = parse_socket_mode(v.get<std::string>());
-         if (!mode) return fail(key, what);
-         c.socket_mode = *mode;
-         return std::nullopt;
-       }},
-      {"state_dir", [](const json& v, const std::string& key,
-                       Config& c) { return read_string(v, key, c.state_dir); }},
-      {"snapshot_interval_s", uint_key(&Config::snapshot_interval_s, 1, 86400)},
-      {"metrics_listen",
-       [](const json& v, const std::string& key, Config& c) -> Error {
-         std::string text;
-         if (auto err = read_string(v, key, text)) return err;
-         return set_metrics_listen(text, key, c);
-       }},
-      {"log_level",
-       [](const json& v, const std::string& key, Config& c) -> Error {
-         std::string level;
-         if (auto err = read_string(v, key, level)) return err;
-         return set_log_level(level, key, c);
-       }},
-      {"liveness_interval_ms", uint_key(&Config::liveness_interval_ms, 10, 60000)},
-      {"limits", [](const json& v, const std::string& key,
-                    Config& c) { return apply_object(v, key, limits_table(), c); }},
-      {"timeouts", [](const json& v, const std::string& key,
-                      Config& c) { return apply_object(v, key, timeouts_table(), c); }},
-  };
-  return kTable;
+// Every key is optional: one left out keeps the value `c` has.
+void read_config(JsonObject top, Config& c) {
+  read_string_key(top, "socket", [&c](const std::string& path) -> Problem {
+    if (Problem why = socket_path_problem(path)) return why;
+    c.socket = path;
+    return std::nullopt;
+  });
+  read_string_key(top, "socket_mode", [&c](const std::string& text) -> Problem {
+    const auto mode = parse_socket_mode(text);
+    if (!mode) return "must be a string of octal digits such as \"0660\"";
+    c.socket_mode = *mode;
+    return std::nullopt;
+  });
+  top.optional_string("state_dir", c.state_dir, kConfigString);
+  top.optional_unsigned("snapshot_interval_s", c.snapshot_interval_s, 1, 86400);
+  read_string_key(top, "metrics_listen",
+                  [&c](const std::string& text) { return set_metrics_listen(text, c); });
+  read_string_key(top, "log_level",
+                  [&c](const std::string& level) { return set_log_level(level, c); });
+  top.optional_unsigned("liveness_interval_ms", c.liveness_interval_ms, 10, 60000);
+  if (auto limits = top.optional_object("limits")) read_limits(std::move(*limits), c);
+  if (auto timeouts = top.optional_object("timeouts")) read_timeouts(std::move(*timeouts), c);
+  top.finish();
 }
 
 std::string mode_string(unsigned mode) {
@@ -256,7 +178,11 @@ bool valid_log_level(const std::string& level) {
 }
 
 std::optional<ConfigError> apply_config_json(const json& doc, Config& config) {
-  return apply_object(doc, "", top_table(), config);
+  if (!doc.is_object()) return ConfigError{"config: the document must be a JSON object"};
+  JsonReader reader;
+  read_config(reader.object(doc), config);
+  if (const auto& error = reader.error()) return ConfigError{"config: " + error->message()};
+  return std::nullopt;
 }
 
 std::optional<ConfigError> load_config_file(const std::string& path, Config& config) {
@@ -285,18 +211,18 @@ std::optional<ConfigError> apply_flags(const Flags& flags, Config& config) {
 namespace {
 std::optional<ConfigError> apply_flags_unprefixed(const Flags& flags, Config& config) {
   if (flags.socket) {
-    if (auto err = check_socket_path(*flags.socket, "--socket")) return err;
+    if (Problem why = socket_path_problem(*flags.socket)) return fail("--socket", *why);
     config.socket = *flags.socket;
     config.socket_from_flag = true;
   }
   if (flags.state_dir) config.state_dir = *flags.state_dir;
   if (flags.metrics_listen) {
-    if (auto err = set_metrics_listen(*flags.metrics_listen, "--metrics-listen", config)) {
-      return err;
+    if (Problem why = set_metrics_listen(*flags.metrics_listen, config)) {
+      return fail("--metrics-listen", *why);
     }
   }
   if (flags.log_level) {
-    if (auto err = set_log_level(*flags.log_level, "--log-level", config)) return err;
+    if (Problem why = set_log_level(*flags.log_level, config)) return fail("--log-level", *why);
   }
   return std::nullopt;
 }
@@ -356,8 +282,9 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       app.add_option("--log-level", log_level,
                      "trace|debug|info|warn|error|critical|off (default info; logs go to stderr)")
           ->type_name("LEVEL");
-  app.set_version_flag("--version", std::string("steptraced ") + STEPTRACE_VERSION + " (protocol " +
-                                        std::to_string(proto::kProtocolVersion) + ")");
+  app.set_version_flag("--version", std::string("steptraced ") + STEPTRACE_VERSION_STRING +
+                                        " (protocol " + std::to_string(proto::kProtocolVersion) +
+                                        ")");
   app.footer(
       std::string("Flags override the config file. Environment: LISTEN_FDS/LISTEN_PID "
                   "(systemd socket activation, used when --socket is not given), NOTIFY_SOCKET "

@@ -3,10 +3,11 @@
 //
 // Data flow: main() -> parse_command_line(argv) -> defaults, then the file's keys
 // (apply_config_json), then the flags (apply_flags) -> one validated Config that the
-// Server, the Collector's Limits and logging are built from. Every key is checked: an
-// unknown key at any level or a bad value yields a ConfigError whose message names the
-// key ("config: limits.max_open_depth: must be an integer in 1..4096"); start-up stops
-// with exit status 2. config/steptraced.json lists every key with its default.
+// Server, the Collector's Limits and logging are built from. Every key is checked by the
+// strict JSON reader (daemon/persist/json_reader.h): an unknown key at any level or a bad
+// value yields a ConfigError whose message names the key ("config:
+// limits.max_open_depth: must be an integer in 1..4096"); start-up stops with exit
+// status 2. config/steptraced.json lists every key with its default.
 #pragma once
 
 #include <cstdint>

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "daemon/persist/snapshot.h"
+#include "daemon/persist/snapshot_codec.h"
 #include "daemon/serve/systemd_integration.h"
 
 namespace steptrace::daemon {
@@ -204,7 +205,7 @@ void Server::restore_snapshot() {
     case LoadedSnapshot::Status::kLoaded:
       break;
   }
-  if (const auto ec = collector_.restore(loaded.doc)) {
+  if (const auto ec = restore_from_snapshot(collector_, loaded.doc)) {
     ++collector_.counters().snapshot_errors;
     std::error_code move_ec;
     const fs::path moved = move_snapshot_aside(config_.state_dir, move_ec);
@@ -221,7 +222,7 @@ namespace {
 std::string write_snapshot(const std::string& state_dir, const CollectorView& view) {
   std::error_code ec;
   try {
-    ec = save_snapshot(state_dir, view.snapshot());
+    ec = save_snapshot(state_dir, encode_snapshot(view));
   } catch (const std::exception& e) {
     return std::string("building the snapshot failed: ") + e.what();
   }
@@ -293,7 +294,7 @@ void Server::admit(StreamProtocol::socket socket) {
   const bool reject = counters.connections_now >= config_.server_limits.max_connections;
   if (reject) {
     ++counters.connections_rejected;
-    ++counters.limits_hit["max_connections"];
+    counters.hit(LimitKind::kMaxConnections);
     log_.warn("max_connections", "connection rejected: max_connections (" +
                                      std::to_string(config_.server_limits.max_connections) +
                                      ") reached");
@@ -377,7 +378,7 @@ void Server::finish_shutdown() {
   // No render job may still write a snapshot (or read the state) after this.
   renderer_.stop();
   // Snapshot with everything drained applied. Spans still open are saved as abandoned
-  // (Collector::snapshot): after a restart no connection could end them.
+  // (encode_snapshot, persist/snapshot_codec.h): after a restart no connection could end them.
   save_snapshot_now();
   for (auto& s : live) s->close();
   remove_socket_file();

@@ -1,6 +1,8 @@
 // The Collector's private state (daemon/state/collector.h), shared by the files that
-// implement it: collector.cpp (ingest, liveness, limits, snapshot), report_json.cpp,
-// report_text.cpp and metrics_text.cpp (reports). Not for use outside those.
+// implement it: collector.cpp (ingest, liveness, limits, adopt), report_json.cpp,
+// report_text.cpp and metrics_text.cpp (reports), and the snapshot codec
+// (daemon/persist/snapshot_codec.cpp), which writes it from a CollectorView and reads a
+// document back into a RestoredState. Not for use outside those.
 //
 // Layout for the ingest hot path (Collector::events): the process table is a vector of
 // slots indexed by ProcessHandle. A process keeps its per-step aggregates in one dense
@@ -30,6 +32,7 @@
 
 #include "daemon/state/collector.h"
 #include "daemon/state/histogram.h"
+#include "daemon/state/ledger_state.h"
 #include "daemon/state/ledger_view.h"
 
 #include <nlohmann/json_fwd.hpp>
@@ -164,6 +167,14 @@ struct CollectorState {
 
 struct Collector::State : CollectorState {
   using CollectorState::CollectorState;
+};
+
+// A snapshot's state, decoded and validated by the snapshot codec, for Collector::adopt.
+struct RestoredState {
+  std::vector<std::shared_ptr<ProcessRecord>> processes;  // distinct keys, no connections
+  RetiredHistograms retired;
+  ledger::State ledger;
+  DaemonCounters counters;  // added to the daemon's
 };
 
 // Processes to report, in (pid, start_time) order; all of them or one pid's.

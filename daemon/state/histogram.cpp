@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include <nlohmann/json.hpp>
-
 namespace steptrace::daemon {
 
 unsigned Histogram::bucket_index(std::uint64_t v) {
@@ -109,106 +107,67 @@ std::size_t Histogram::memory_bytes() const {
          overflow_.capacity() * sizeof(overflow_[0]);
 }
 
-nlohmann::json Histogram::to_json() const {
-  nlohmann::json buckets = nlohmann::json::array();
+Histogram::Parts Histogram::parts() const {
+  Parts p;
+  p.count = count_;
+  p.sum = sum_;
+  p.min = min();
+  p.max = max_;
   for (unsigned c = 0; c < kChunks; ++c) {
     const std::uint8_t slot = chunk_slot_[c];
     if (slot == 0) continue;
     for (unsigned s = 0; s < kSubBuckets; ++s) {
       const std::uint64_t n = bucket_count(c * kSubBuckets + s);
-      if (n != 0) buckets.push_back({c * kSubBuckets + s, n});
+      if (n != 0) p.buckets.emplace_back(c * kSubBuckets + s, n);
     }
   }
-  return {{"count", count_}, {"sum_ns", sum_},     {"min_ns", min()},
-          {"max_ns", max_},  {"buckets", buckets}, {"prom", prom_}};
+  p.prom = prom_;
+  return p;
 }
 
-namespace {
-// A non-negative integer, whether nlohmann stored it signed (built in memory) or
-// unsigned (parsed).
-bool is_count(const nlohmann::json& j) {
-  return j.is_number_unsigned() || (j.is_number_integer() && j.get<std::int64_t>() >= 0);
-}
-
-bool get_u64(const nlohmann::json& j, const char* key, std::uint64_t& out, std::string& error) {
-  const auto it = j.find(key);
-  if (it == j.end() || !is_count(*it)) {
-    error = std::string("histogram: \"") + key + "\" must be an unsigned integer";
-    return false;
-  }
-  out = it->get<std::uint64_t>();
-  return true;
-}
-}  // namespace
-
-std::optional<Histogram> Histogram::from_json(const nlohmann::json& j, std::string& error) {
-  if (!j.is_object()) {
-    error = "histogram: not an object";
-    return std::nullopt;
-  }
+std::optional<Histogram> Histogram::from_parts(const Parts& parts, std::string& reason) {
   Histogram h;
-  std::uint64_t count = 0, sum = 0, min = 0, max = 0;
-  if (!get_u64(j, "count", count, error) || !get_u64(j, "sum_ns", sum, error) ||
-      !get_u64(j, "min_ns", min, error) || !get_u64(j, "max_ns", max, error)) {
-    return std::nullopt;
-  }
-  const auto buckets = j.find("buckets");
-  const auto prom = j.find("prom");
-  if (buckets == j.end() || !buckets->is_array() || prom == j.end() || !prom->is_array() ||
-      prom->size() != kPromBuckets) {
-    error = "histogram: \"buckets\" and \"prom\" (" + std::to_string(kPromBuckets) +
-            " counts) are required arrays";
-    return std::nullopt;
-  }
   std::uint64_t bucket_total = 0;
-  unsigned last_index = 0;
-  bool first = true;
-  for (const auto& b : *buckets) {
-    if (!b.is_array() || b.size() != 2 || !is_count(b[0]) || !is_count(b[1])) {
-      error = "histogram: a bucket must be [index, count]";
+  for (std::size_t i = 0; i < parts.buckets.size(); ++i) {
+    const auto [index, n] = parts.buckets[i];
+    if (index >= kBuckets || n == 0 || (i > 0 && index <= parts.buckets[i - 1].first)) {
+      reason = "bucket indices must be increasing, below " + std::to_string(kBuckets) +
+               ", with nonzero counts";
       return std::nullopt;
     }
-    const auto index = b[0].get<std::uint64_t>();
-    const auto n = b[1].get<std::uint64_t>();
-    if (index >= kBuckets || n == 0 || (!first && index <= last_index)) {
-      error = "histogram: bucket indices must be increasing, below " + std::to_string(kBuckets) +
-              ", with nonzero counts";
-      return std::nullopt;
-    }
-    first = false;
-    last_index = static_cast<unsigned>(index);
-    h.add_to_bucket(last_index, n);
     if (bucket_total + n < bucket_total) {
-      error = "histogram: bucket counts overflow";
+      reason = "bucket counts overflow";
       return std::nullopt;
     }
     bucket_total += n;
+    h.add_to_bucket(index, n);
   }
   std::uint64_t prom_total = 0;
-  for (std::size_t i = 0; i < kPromBuckets; ++i) {
-    if (!is_count((*prom)[i])) {
-      error = "histogram: prom counts must be unsigned integers";
+  for (const std::uint64_t n : parts.prom) {
+    if (prom_total + n < prom_total) {
+      reason = "prom counts overflow";
       return std::nullopt;
     }
-    h.prom_[i] = (*prom)[i].get<std::uint64_t>();
-    prom_total += h.prom_[i];
+    prom_total += n;
   }
-  if (bucket_total != count || prom_total != count) {
-    error = "histogram: bucket counts do not add up to count";
+  if (bucket_total != parts.count || prom_total != parts.count) {
+    reason = "bucket counts do not add up to count";
     return std::nullopt;
   }
-  if (count > 0 && (min > max || bucket_index(min) > bucket_index(max))) {
-    error = "histogram: min_ns > max_ns";
+  if (parts.count > 0 &&
+      (parts.min > parts.max || bucket_index(parts.min) > bucket_index(parts.max))) {
+    reason = "min_ns > max_ns";
     return std::nullopt;
   }
-  if (count == 0 && (sum != 0 || min != 0 || max != 0)) {
-    error = "histogram: an empty histogram has nonzero sum/min/max";
+  if (parts.count == 0 && (parts.sum != 0 || parts.min != 0 || parts.max != 0)) {
+    reason = "an empty histogram has nonzero sum/min/max";
     return std::nullopt;
   }
-  h.count_ = count;
-  h.sum_ = sum;
-  h.min_ = count ? min : std::numeric_limits<std::uint64_t>::max();
-  h.max_ = max;
+  h.prom_ = parts.prom;
+  h.count_ = parts.count;
+  h.sum_ = parts.sum;
+  h.min_ = parts.count ? parts.min : std::numeric_limits<std::uint64_t>::max();
+  h.max_ = parts.max;
   return h;
 }
 

@@ -14,7 +14,8 @@
 // Beside the log-linear buckets it keeps exact counts for the fixed Prometheus bucket
 // bounds kPromBoundsNs (1us .. 10s, +Inf), so exported buckets are exact and add up
 // across processes and nodes. Data flow: Collector::events() -> record(); reports ->
-// percentile() / merge(); snapshots -> to_json() / from_json().
+// percentile() / merge(); snapshots -> parts() / from_parts(), which the snapshot codec
+// (daemon/persist/snapshot_codec.h) writes as JSON and reads back.
 #pragma once
 
 #include <array>
@@ -26,8 +27,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 namespace steptrace::daemon {
 
@@ -130,11 +129,23 @@ class Histogram {
   std::size_t memory_bytes() const;
   std::size_t chunks_in_use() const { return chunks_.size(); }
 
-  // {"count","sum_ns","min_ns","max_ns","buckets":[[index,count],...],"prom":[...]}
-  nlohmann::json to_json() const;
-  // Validates everything (indices in range, counts adding up, min <= max); nullopt with
-  // `error` set when the document is not a histogram this build wrote.
-  static std::optional<Histogram> from_json(const nlohmann::json& j, std::string& error);
+  // Everything a histogram holds, for the snapshot codec (daemon/persist/snapshot_codec.h)
+  // to write and to read back.
+  struct Parts {
+    std::uint64_t count = 0;
+    std::uint64_t sum = 0;
+    std::uint64_t min = 0;  // 0 when empty
+    std::uint64_t max = 0;
+    std::vector<std::pair<unsigned, std::uint64_t>> buckets;  // (index, count), nonzero, by index
+    std::array<std::uint64_t, kPromBuckets> prom{};
+    friend bool operator==(const Parts&, const Parts&) = default;
+  };
+  Parts parts() const;
+  // The histogram `parts` describe. Checks everything (indices below kBuckets and
+  // increasing, counts nonzero and adding up to `count` in both bucket sets, min <= max,
+  // an empty one all zeros): nullopt with `reason` set when they are not parts that
+  // parts() could have returned.
+  static std::optional<Histogram> from_parts(const Parts& parts, std::string& reason);
 
   // The bucket a value lands in and that bucket's midpoint (exposed for tests).
   static unsigned bucket_index(std::uint64_t v);

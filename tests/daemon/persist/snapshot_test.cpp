@@ -1,16 +1,23 @@
-// Snapshots: Collector::snapshot()/restore() round trips and validation, and the file
-// persistence in daemon/persist/snapshot.h (atomic write, corrupt file moved aside).
+// Snapshots end to end: a Collector's state through the codec (encode_snapshot,
+// restore_from_snapshot in daemon/persist/snapshot_codec.h) into another Collector, the
+// rules of Collector::adopt, and the file persistence in daemon/persist/snapshot.h
+// (atomic write, corrupt file moved aside). The codec's sections and error paths are in
+// snapshot_codec_test.cpp.
 #include "daemon/persist/snapshot.h"
+#include "daemon/report/report.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "daemon/persist/snapshot_codec.h"
 #include "daemon/state/collector.h"
+#include "daemon/state/collector_state.h"
 #include "tests/daemon/daemon_test_util.h"
 #include "tests/support/daemon_process.h"
 
@@ -22,6 +29,8 @@ using test::Connection;
 using test::end;
 using test::FakeWorld;
 using test::start;
+
+json snapshot_of(const Collector& c) { return encode_snapshot(*c.freeze()); }
 
 // report_json without the fields that depend on wall time or live connections.
 json comparable(json report) {
@@ -55,23 +64,24 @@ TEST(SnapshotTest, RestoreIntoANewCollectorGivesTheSameReport) {
   FakeWorld world;
   Collector original(Limits{}, world.env());
   populate(original, world);
-  const json doc = original.snapshot();
+  const json doc = snapshot_of(original);
   EXPECT_EQ(doc["schema"], kSnapshotSchema);
 
   Collector restored(Limits{}, world.env());
-  ASSERT_FALSE(restored.restore(doc));
-  EXPECT_EQ(comparable(restored.report_json(std::nullopt)),
-            comparable(original.report_json(std::nullopt)));
-  EXPECT_EQ(restored.ledger_json(), original.ledger_json());
+  ASSERT_FALSE(restore_from_snapshot(restored, doc));
+  EXPECT_EQ(comparable(report::report_json(*restored.freeze(), std::nullopt)),
+            comparable(report::report_json(*original.freeze(), std::nullopt)));
+  EXPECT_EQ(report::ledger_json(*restored.freeze()), report::ledger_json(*original.freeze()));
   EXPECT_EQ(restored.counters().events_received, original.counters().events_received);
   // And through text, as a file would carry it.
   Collector again(Limits{}, world.env());
-  ASSERT_FALSE(again.restore(json::parse(doc.dump())));
-  EXPECT_EQ(again.report_text(std::nullopt), original.report_text(std::nullopt));
+  ASSERT_FALSE(restore_from_snapshot(again, json::parse(doc.dump())));
+  EXPECT_EQ(report::report_text(*again.freeze(), std::nullopt),
+            report::report_text(*original.freeze(), std::nullopt));
   // The restored collector keeps working: the process reconnects and records more.
   Connection a(restored, world.spawn(4242, 100, "python3"));
   ASSERT_FALSE(a.events({start(1, 256, 0), end(1, 256, 10)}));  // custom id still registered
-  const json totals = restored.report_json(4242)["totals"];
+  const json totals = report::report_json(*restored.freeze(), 4242)["totals"];
   const auto tokenize = std::find_if(totals.begin(), totals.end(),
                                      [](const json& t) { return t["step"] == "Tokenize"; });
   ASSERT_NE(tokenize, totals.end());
@@ -82,14 +92,15 @@ TEST(SnapshotTest, RestoreRechecksLiveness) {
   FakeWorld world;
   Collector original(Limits{}, world.env());
   populate(original, world);
-  const json doc = original.snapshot();
+  const json doc = snapshot_of(original);
   world.kill(4242);  // died while the daemon was down
   Collector restored(Limits{}, world.env());
-  ASSERT_FALSE(restored.restore(doc));
-  const json r = restored.report_json(4242);
+  ASSERT_FALSE(restore_from_snapshot(restored, doc));
+  const json r = report::report_json(*restored.freeze(), 4242);
   EXPECT_EQ(r["processes"][0]["alive"], false);
   // Its reservation is now flagged as held by a dead process.
-  EXPECT_EQ(restored.ledger_json()["gpus"][0]["reservations"][0]["holder_alive"], false);
+  EXPECT_EQ(report::ledger_json(*restored.freeze())["gpus"][0]["reservations"][0]["holder_alive"],
+            false);
 }
 
 TEST(SnapshotTest, OpenSpansBecomeAbandonedInTheSnapshot) {
@@ -97,10 +108,11 @@ TEST(SnapshotTest, OpenSpansBecomeAbandonedInTheSnapshot) {
   Collector c(Limits{}, world.env());
   Connection a(c, world.spawn(1, 1, "a"));
   ASSERT_FALSE(a.events({start(1, 0, 0)}));
-  const json doc = c.snapshot();
+  const json doc = snapshot_of(c);
   Collector restored(Limits{}, world.env());
-  ASSERT_FALSE(restored.restore(doc));
-  const json step = restored.report_json(std::nullopt)["processes"][0]["steps"][0];
+  ASSERT_FALSE(restore_from_snapshot(restored, doc));
+  const json step =
+      report::report_json(*restored.freeze(), std::nullopt)["processes"][0]["steps"][0];
   EXPECT_EQ(step["open"], 0);
   EXPECT_EQ(step["abandoned"], 1);
 }
@@ -109,69 +121,65 @@ TEST(SnapshotTest, RestoreRejectsBadDocumentsAndLeavesStateUnchanged) {
   FakeWorld world;
   Collector source(Limits{}, world.env());
   populate(source, world);
-  const json good = source.snapshot();
+  const json good = snapshot_of(source);
 
   Collector target(Limits{}, world.env());
   {
     Connection c(target, world.spawn(77, 1, "keep"));
     ASSERT_FALSE(c.events({start(1, 0, 0), end(1, 0, 5)}));
   }
-  const json before = comparable(target.report_json(std::nullopt));
+  const json before = comparable(report::report_json(*target.freeze(), std::nullopt));
 
-  std::vector<std::pair<std::string, json>> bad;
-  bad.emplace_back("not an object", json::array());
-  json d = good;
-  d["schema"] = "steptrace.report/v1";
-  bad.emplace_back("wrong schema", d);
-  d = good;
-  d["version"] = 2;
-  bad.emplace_back("unknown version", d);
-  d = good;
-  d.erase("processes");
-  bad.emplace_back("no processes", d);
-  d = good;
-  d["processes"].push_back(d["processes"][0]);
-  bad.emplace_back("duplicate process", d);
-  d = good;
-  d["processes"][0]["pid"] = -5;
-  bad.emplace_back("negative pid", d);
-  d = good;
-  d["processes"][0]["comm"] = 12;
-  bad.emplace_back("comm not a string", d);
-  d = good;
-  d["processes"][0]["steps"][0]["histogram"]["count"] = 999;
-  bad.emplace_back("histogram does not add up", d);
-  d = good;
-  d["processes"][0]["steps"][0]["id"] = 900;
-  bad.emplace_back("unregistered custom step", d);
-  d = good;
-  d["processes"][0]["custom_steps"][0]["name"] = "bad\nname";
-  bad.emplace_back("unprintable step name", d);
-  d = good;
-  d["processes"][0]["custom_steps"].push_back(d["processes"][0]["custom_steps"][0]);
-  bad.emplace_back("custom id twice", d);
-  d = good;
-  d.erase("ledger");
-  bad.emplace_back("no ledger", d);
-  d = good;
-  d["ledger"] = "nope";
-  bad.emplace_back("bad ledger", d);
-  d = good;
-  d["counters"]["events_received"] = "many";
-  bad.emplace_back("bad counter", d);
-  d = good;
-  d["processes"][0]["dropped_by_cause"]["in_flight"] = -1;
-  bad.emplace_back("negative drop cause", d);
-  d = good;
-  d["processes"][0]["dropped_by_cause"].erase("invalid");
-  bad.emplace_back("a drop cause missing", d);
-  d = good;
-  d["counters"]["events_dropped_by_cause"] = json::array();
-  bad.emplace_back("drop causes not an object", d);
+  // Each bad document with the reason the log gets: the first bad field, by path.
+  using Mutation = std::function<void(json&)>;
+  const std::vector<std::pair<std::string, Mutation>> bad = {
+      {"not a steptrace.snapshot/v1 document", [](json& d) { d = json::array(); }},
+      {"not a steptrace.snapshot/v1 document",
+       [](json& d) { d["schema"] = "steptrace.report/v1"; }},
+      {"version: snapshot version 2 is not one this build reads",
+       [](json& d) { d["version"] = 2; }},
+      {"processes: missing", [](json& d) { d.erase("processes"); }},
+      {"processes[2]: process 4242 (start_time 100) appears twice",
+       [](json& d) { d["processes"].push_back(d["processes"][0]); }},
+      {"processes[0].pid: must be an integer in 1..2147483647",
+       [](json& d) { d["processes"][0]["pid"] = -5; }},
+      {"processes[0].comm: must be a string", [](json& d) { d["processes"][0]["comm"] = 12; }},
+      {"processes[0].extra: unknown key", [](json& d) { d["processes"][0]["extra"] = 1; }},
+      {"processes[0].steps[0].histogram: bucket counts do not add up to count",
+       [](json& d) { d["processes"][0]["steps"][0]["histogram"]["count"] = 999; }},
+      {"processes[0].steps[0].id: step 900 is neither built-in nor registered",
+       [](json& d) { d["processes"][0]["steps"][0]["id"] = 900; }},
+      {"processes[0].custom_steps[0].name: must be a string of 1..63 printable characters",
+       [](json& d) { d["processes"][0]["custom_steps"][0]["name"] = "bad\nname"; }},
+      {"processes[0].custom_steps[1].id: step 256 registered twice",
+       [](json& d) {
+         d["processes"][0]["custom_steps"].push_back(d["processes"][0]["custom_steps"][0]);
+       }},
+      {"processes[1].exit_order: an exited process needs one (nonzero)",
+       [](json& d) { d["processes"][1]["exit_order"] = 0; }},
+      {"ledger: missing", [](json& d) { d.erase("ledger"); }},
+      {"ledger: must be an object", [](json& d) { d["ledger"] = "nope"; }},
+      {"counters.events_received: must be an unsigned integer",
+       [](json& d) { d["counters"]["events_received"] = "many"; }},
+      {"processes[0].dropped_by_cause.in_flight: must be an unsigned integer",
+       [](json& d) { d["processes"][0]["dropped_by_cause"]["in_flight"] = -1; }},
+      {"processes[0].dropped_by_cause.invalid: missing",
+       [](json& d) { d["processes"][0]["dropped_by_cause"].erase("invalid"); }},
+      {"counters.events_dropped_by_cause: must be an object",
+       [](json& d) { d["counters"]["events_dropped_by_cause"] = json::array(); }},
+      {"counters.limits_hit[\"\"]: a counter's name must be 1..64 bytes",
+       [](json& d) { d["counters"]["limits_hit"][""] = 1; }},
+  };
 
-  for (const auto& [what, doc] : bad) {
-    EXPECT_EQ(target.restore(doc), make_error_code(errc::bad_config)) << what;
-    EXPECT_EQ(comparable(target.report_json(std::nullopt)), before) << what;
+  for (const auto& [reason, mutate] : bad) {
+    SCOPED_TRACE(reason);
+    json doc = good;
+    mutate(doc);
+    std::string error;
+    EXPECT_FALSE(decode_snapshot(doc, Limits{}, error));
+    EXPECT_EQ(error, reason);
+    EXPECT_EQ(restore_from_snapshot(target, doc), make_error_code(errc::bad_snapshot));
+    EXPECT_EQ(comparable(report::report_json(*target.freeze(), std::nullopt)), before);
   }
 }
 
@@ -179,13 +187,13 @@ TEST(SnapshotTest, SnapshotsFromBeforeDropCausesRestoreWithZeros) {
   FakeWorld world;
   Collector source(Limits{}, world.env());
   populate(source, world);
-  json doc = source.snapshot();
+  json doc = snapshot_of(source);
   EXPECT_EQ(doc["processes"][0]["dropped_by_cause"]["not_connected"], 9);
   for (auto& p : doc["processes"]) p.erase("dropped_by_cause");
   doc["counters"].erase("events_dropped_by_cause");
   Collector restored(Limits{}, world.env());
-  ASSERT_FALSE(restored.restore(doc));
-  const json p = restored.report_json(4242)["processes"][0];
+  ASSERT_FALSE(restore_from_snapshot(restored, doc));
+  const json p = report::report_json(*restored.freeze(), 4242)["processes"][0];
   EXPECT_EQ(p["dropped"], 15);
   EXPECT_EQ(p["dropped_by_cause"]["not_connected"], 0);
 }
@@ -193,10 +201,11 @@ TEST(SnapshotTest, SnapshotsFromBeforeDropCausesRestoreWithZeros) {
 TEST(SnapshotTest, RestoreRefusesWhileConnectionsAreAttached) {
   FakeWorld world;
   Collector c(Limits{}, world.env());
-  const json doc = c.snapshot();
+  const json doc = snapshot_of(c);
   Connection a(c, world.spawn(1, 1, "a"));
-  EXPECT_TRUE(c.restore(doc));
-  EXPECT_EQ(c.report_json(std::nullopt)["processes"].size(), 1u);
+  EXPECT_EQ(restore_from_snapshot(c, doc),
+            std::make_error_code(std::errc::device_or_resource_busy));
+  EXPECT_EQ(report::report_json(*c.freeze(), std::nullopt)["processes"].size(), 1u);
 }
 
 // ---- files ---------------------------------------------------------------------------
@@ -214,7 +223,7 @@ TEST(SnapshotFileTest, SaveIsAtomicAndLoadReadsItBack) {
   FakeWorld world;
   Collector c(Limits{}, world.env());
   populate(c, world);
-  const json doc = c.snapshot();
+  const json doc = snapshot_of(c);
   ASSERT_FALSE(save_snapshot(dir.path(), doc));
   EXPECT_TRUE(std::filesystem::exists(dir.file(kSnapshotFileName)));
   EXPECT_FALSE(std::filesystem::exists(dir.file(std::string(kSnapshotFileName) + ".tmp")));

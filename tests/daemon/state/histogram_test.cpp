@@ -4,7 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <nlohmann/json.hpp>
+#include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -132,7 +133,7 @@ TEST(HistogramTest, MergeEqualsRecordingEverythingInOne) {
   EXPECT_EQ(a.min(), all.min());
   EXPECT_EQ(a.max(), all.max());
   EXPECT_EQ(a.prom_buckets(), all.prom_buckets());
-  EXPECT_EQ(a.to_json(), all.to_json());
+  EXPECT_EQ(a.parts(), all.parts());
   for (const double q : {0.1, 0.5, 0.99}) EXPECT_EQ(a.percentile(q), all.percentile(q));
 }
 
@@ -155,49 +156,75 @@ TEST(HistogramTest, BucketsCountPastTwoToTheThirtyTwo) {
   // Recording 2^32 spans takes too long for a unit test; a snapshot can carry such counts.
   const std::uint64_t big = 5'000'000'000;  // > 2^32
   const unsigned index = Histogram::bucket_index(1000);
-  // Every value is <= 1 us, the first Prometheus bound.
-  std::vector<std::uint64_t> prom(Histogram::kPromBuckets, 0);
-  prom[0] = big + 1;
-  nlohmann::json j = {{"count", big + 1}, {"sum_ns", big * 1000 + 7},          {"min_ns", 7},
-                      {"max_ns", 1000},   {"buckets", {{7, 1}, {index, big}}}, {"prom", prom}};
-  std::string error;
-  auto h = Histogram::from_json(j, error);
-  ASSERT_TRUE(h) << error;
-  EXPECT_EQ(h->to_json(), j);
+  Histogram::Parts parts;
+  parts.count = big + 1;
+  parts.sum = big * 1000 + 7;
+  parts.min = 7;
+  parts.max = 1000;
+  parts.buckets = {{7, 1}, {index, big}};
+  parts.prom[0] = big + 1;  // every value is <= 1 us, the first Prometheus bound
+  std::string reason;
+  auto h = Histogram::from_parts(parts, reason);
+  ASSERT_TRUE(h) << reason;
+  EXPECT_EQ(h->parts(), parts);
   EXPECT_EQ(h->percentile(0.5), Histogram::bucket_midpoint(index));
   Histogram sum = *h;
   sum.merge(*h);
   EXPECT_EQ(sum.count(), 2 * (big + 1));
-  EXPECT_EQ(sum.to_json()["buckets"][1][1], 2 * big);
+  EXPECT_EQ(sum.parts().buckets[1].second, 2 * big);
   sum.record(1000);
-  EXPECT_EQ(sum.to_json()["buckets"][1][1], 2 * big + 1);
+  EXPECT_EQ(sum.parts().buckets[1].second, 2 * big + 1);
   EXPECT_EQ(sum.percentile(0.0), 7u);
 }
 
-TEST(HistogramTest, JsonRoundTripAndValidation) {
+TEST(HistogramTest, FromPartsRebuildsWhatPartsGave) {
   Histogram h;
   for (std::uint64_t v : {5u, 700u, 70'000u, 7'000'000u, 7'000'000u}) h.record(v);
-  std::string error;
-  auto back = Histogram::from_json(h.to_json(), error);
-  ASSERT_TRUE(back) << error;
-  EXPECT_EQ(back->to_json(), h.to_json());
+  std::string reason;
+  auto back = Histogram::from_parts(h.parts(), reason);
+  ASSERT_TRUE(back) << reason;
+  EXPECT_EQ(back->parts(), h.parts());
   EXPECT_EQ(back->percentile(0.5), h.percentile(0.5));
   EXPECT_EQ(back->prom_buckets(), h.prom_buckets());
+  EXPECT_EQ(back->min(), 5u);
+  // An empty histogram too: min() stays 0 and a later record sets it.
+  auto empty = Histogram::from_parts(Histogram{}.parts(), reason);
+  ASSERT_TRUE(empty) << reason;
+  empty->record(42);
+  EXPECT_EQ(empty->min(), 42u);
+}
 
-  auto broken = h.to_json();
-  broken["count"] = 6;  // buckets add up to 5
-  EXPECT_FALSE(Histogram::from_json(broken, error));
-  EXPECT_FALSE(error.empty());
-  broken = h.to_json();
-  broken["buckets"].push_back({Histogram::kBuckets, 1});
-  EXPECT_FALSE(Histogram::from_json(broken, error));
-  broken = h.to_json();
-  broken["prom"] = {1, 2};
-  EXPECT_FALSE(Histogram::from_json(broken, error));
-  broken = h.to_json();
-  broken["min_ns"] = -1;
-  EXPECT_FALSE(Histogram::from_json(broken, error));
-  EXPECT_FALSE(Histogram::from_json(nlohmann::json::array(), error));
+TEST(HistogramTest, FromPartsRejectsPartsNoHistogramHas) {
+  Histogram h;
+  for (std::uint64_t v : {5u, 700u, 70'000u}) h.record(v);
+  const Histogram::Parts good = h.parts();
+  const std::vector<std::pair<std::string, std::function<void(Histogram::Parts&)>>> cases = {
+      {"bucket counts do not add up to count", [](auto& p) { p.count = 4; }},
+      {"bucket counts do not add up to count", [](auto& p) { p.prom[0] += 1; }},
+      {"bucket indices must be increasing, below 1920, with nonzero counts",
+       [](auto& p) {
+         p.buckets.push_back({Histogram::kBuckets, 1});
+       }},
+      {"bucket indices must be increasing, below 1920, with nonzero counts",
+       [](auto& p) { std::swap(p.buckets[0], p.buckets[1]); }},
+      {"bucket indices must be increasing, below 1920, with nonzero counts",
+       [](auto& p) { p.buckets[0].second = 0; }},
+      {"bucket counts overflow",
+       [](auto& p) { p.buckets[1].second = std::numeric_limits<std::uint64_t>::max(); }},
+      {"min_ns > max_ns", [](auto& p) { std::swap(p.min, p.max); }},
+      {"an empty histogram has nonzero sum/min/max",
+       [](auto& p) {
+         p = Histogram::Parts{};
+         p.sum = 3;
+       }},
+  };
+  for (const auto& [reason, mutate] : cases) {
+    Histogram::Parts parts = good;
+    mutate(parts);
+    std::string got;
+    EXPECT_FALSE(Histogram::from_parts(parts, got)) << reason;
+    EXPECT_EQ(got, reason);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,534 @@
+#include "daemon/persist/snapshot_codec.h"
+
+#include <limits>
+#include <map>
+#include <memory>
+#include <set>
+#include <utility>
+
+#include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
+
+#include "daemon/persist/json_reader.h"
+#include "daemon/persist/snapshot.h"
+#include "daemon/state/collector.h"
+#include "daemon/state/collector_state.h"
+#include "daemon/state/ledger_state.h"
+#include "daemon/state/ledger_view.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::uint64_t kSnapshotVersion = 1;
+constexpr std::uint64_t kLedgerVersion = 1;
+// No build keeps more processes than the config allows (limits.max_processes).
+constexpr std::size_t kMaxProcesses = 1'000'000;
+constexpr std::size_t kMaxCounterNames = 256;  // per map of counters by kind
+constexpr std::size_t kMaxCounterName = 64;
+constexpr std::uint64_t kMaxPid = std::numeric_limits<std::int32_t>::max();
+
+constexpr StringRule kCommRule{0, 64};
+constexpr StringRule kClientRule{0, proto::kProcessNameField - 1};
+constexpr StringRule kLibraryVersionRule{0, proto::kLibraryVersionField - 1};
+constexpr StringRule kNameRule{1, proto::kMaxNameLength};        // step names, GPU UUIDs
+constexpr StringRule kLedgerTextRule{0, proto::kMaxNameLength};  // comm, task
+
+// ---- encode ------------------------------------------------------------------------------
+
+json step_agg_json(const StepAgg& agg) {
+  return {{"unmatched_ends", agg.unmatched_ends},
+          {"abandoned", agg.abandoned},
+          {"depth_dropped", agg.depth_dropped},
+          {"histogram", encode_histogram(agg.hist)}};
+}
+
+json counters_json(const DaemonCounters& c) {
+  return {{"events_received", c.events_received},
+          {"frames_received", c.frames_received},
+          {"bytes_received", c.bytes_received},
+          {"events_dropped_by_clients", c.events_dropped_by_clients},
+          {"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
+          {"connections_total", c.connections_total},
+          {"connections_rejected", c.connections_rejected},
+          {"commands_served", c.commands_served},
+          {"protocol_errors", c.protocol_errors},
+          {"limits_hit", c.limits_hit}};
+}
+
+json process_json(const ProcessRecord& rec) {
+  json custom = json::array();
+  for (std::size_t i = 0; i < rec.custom_ids.size(); ++i) {
+    custom.push_back({{"id", rec.custom_ids[i]}, {"name", rec.custom_names[i]}});
+  }
+  // Open spans cannot survive: whoever restores this has no connection to end them.
+  const auto open = rec.open_per_slot();
+  json steps = json::array();
+  for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
+    StepAgg agg = rec.steps[slot];
+    agg.abandoned += open[slot];
+    if (!agg.has_data()) continue;
+    json s = step_agg_json(agg);
+    s["id"] = rec.step_id(slot);
+    s["name"] = rec.step_name(slot);  // for a human reading the file; not read back
+    steps.push_back(std::move(s));
+  }
+  return {{"pid", rec.key().pid},
+          {"start_time", rec.key().start_time},
+          {"uid", rec.peer.uid},
+          {"gid", rec.peer.gid},
+          {"comm", rec.peer.comm},
+          {"client", rec.client_name},
+          {"library_version", rec.library_version},
+          {"alive", rec.alive},
+          {"exited_at_ns", rec.exited_at_ns},
+          {"exit_order", rec.exit_order},
+          {"dropped", rec.dropped},
+          {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
+          {"custom_steps", std::move(custom)},
+          {"steps", std::move(steps)}};
+}
+
+// ---- decode: each returns false with the reader's error set ---------------------------
+
+bool read_process_key(JsonObject& o, ProcessKey& out) {
+  std::uint32_t pid = 0;
+  if (!o.get_unsigned("pid", pid, 1, kMaxPid)) return false;
+  out.pid = static_cast<std::int32_t>(pid);
+  return o.get_unsigned("start_time", out.start_time);
+}
+
+bool read_histogram(JsonObject h, Histogram& out) {
+  Histogram::Parts parts;
+  h.get_unsigned("count", parts.count);
+  h.get_unsigned("sum_ns", parts.sum);
+  h.get_unsigned("min_ns", parts.min);
+  h.get_unsigned("max_ns", parts.max);
+  JsonArray buckets = h.array("buckets", Histogram::kBuckets);
+  for (std::size_t i = 0; i < buckets.size(); ++i) {
+    JsonArray bucket = buckets.array(i, 2, 2);  // [index, count]
+    unsigned index = 0;
+    std::uint64_t n = 0;
+    if (!bucket.get_unsigned(0, index, 0, Histogram::kBuckets - 1) ||
+        !bucket.get_unsigned(1, n, 1)) {
+      return false;
+    }
+    parts.buckets.emplace_back(index, n);
+  }
+  JsonArray prom = h.array("prom", Histogram::kPromBuckets, Histogram::kPromBuckets);
+  for (std::size_t i = 0; i < prom.size(); ++i) prom.get_unsigned(i, parts.prom[i]);
+  if (!h.finish()) return false;
+  std::string reason;
+  auto histogram = Histogram::from_parts(parts, reason);
+  if (!histogram) return h.fail(reason);
+  out = std::move(*histogram);
+  return true;
+}
+
+// An object of the drop cause names. Snapshots from before causes existed have none:
+// `out` stays zeros.
+bool read_drop_causes(std::optional<JsonObject> causes, DropCounts& out) {
+  if (!causes) return true;
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+    causes->get_unsigned(proto::kDropCauseNames[i], out[i]);
+  }
+  return causes->finish();
+}
+
+bool read_step(JsonObject s, ProcessRecord& rec, std::vector<bool>& seen) {
+  std::uint32_t id = 0;
+  if (!s.get_unsigned("id", id)) return false;
+  std::size_t slot = 0;
+  if (proto::is_builtin_step(id)) {
+    slot = id;
+  } else if (proto::is_custom_step(id) && rec.custom_slot &&
+             (*rec.custom_slot)[id - proto::kFirstCustomStep] != 0) {
+    slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
+  } else {
+    return s.fail_at("id", "step " + std::to_string(id) + " is neither built-in nor registered");
+  }
+  if (seen[slot]) return s.fail_at("id", "step " + std::to_string(id) + " appears twice");
+  seen[slot] = true;
+  s.ignore("name");  // written for a human; the id says which step it is
+  StepAgg& agg = rec.steps[slot];
+  s.get_unsigned("unmatched_ends", agg.unmatched_ends);
+  s.get_unsigned("abandoned", agg.abandoned);
+  s.get_unsigned("depth_dropped", agg.depth_dropped);
+  if (!read_histogram(s.object("histogram"), agg.hist)) return false;
+  return s.finish();
+}
+
+bool read_process(JsonObject p, ProcessRecord& rec) {
+  read_process_key(p, rec.peer.key);
+  p.get_unsigned("uid", rec.peer.uid);
+  p.get_unsigned("gid", rec.peer.gid);
+  p.get_string("comm", rec.peer.comm, kCommRule);
+  p.get_string("client", rec.client_name, kClientRule);
+  p.get_string("library_version", rec.library_version, kLibraryVersionRule);
+  p.get_bool("alive", rec.alive);
+  p.get_unsigned("exited_at_ns", rec.exited_at_ns);
+  p.get_unsigned("exit_order", rec.exit_order);
+  p.get_unsigned("dropped", rec.dropped);
+  if (!read_drop_causes(p.optional_object("dropped_by_cause"), rec.dropped_by_cause)) return false;
+  if (!p.ok()) return false;
+  if (!rec.alive && rec.exit_order == 0) {
+    return p.fail_at("exit_order", "an exited process needs one (nonzero)");
+  }
+
+  JsonArray custom = p.array("custom_steps", proto::kMaxCustomSteps);
+  for (std::size_t i = 0; i < custom.size(); ++i) {
+    JsonObject c = custom.object(i);
+    std::uint32_t id = 0;
+    std::string name;
+    if (!c.get_unsigned("id", id, proto::kFirstCustomStep,
+                        proto::kFirstCustomStep + proto::kMaxCustomSteps - 1) ||
+        !c.get_string("name", name, kNameRule) || !c.finish()) {
+      return false;
+    }
+    if (!rec.custom_slot) {
+      rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
+      rec.custom_slot->fill(0);
+    }
+    auto& slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
+    if (slot != 0) return c.fail_at("id", "step " + std::to_string(id) + " registered twice");
+    slot = static_cast<std::uint16_t>(rec.steps.size());
+    rec.steps.emplace_back();
+    rec.custom_ids.push_back(id);
+    rec.custom_names.push_back(std::move(name));
+  }
+  JsonArray steps = p.array("steps", rec.steps.size());
+  std::vector<bool> seen(rec.steps.size(), false);
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    if (!read_step(steps.object(i), rec, seen)) return false;
+  }
+  return p.finish();
+}
+
+bool read_counter_map(JsonObject m, std::map<std::string, std::uint64_t>& out) {
+  if (m.size() > kMaxCounterNames) {
+    return m.fail("must be an object of at most " + std::to_string(kMaxCounterNames) + " counters");
+  }
+  for (const std::string_view name : m.keys()) {
+    if (name.empty() || name.size() > kMaxCounterName) {
+      return m.fail_at(name,
+                       "a counter's name must be 1.." + std::to_string(kMaxCounterName) + " bytes");
+    }
+    std::uint64_t value = 0;
+    if (!m.get_unsigned(name, value)) return false;
+    out[std::string(name)] = value;
+  }
+  return m.finish();
+}
+
+bool read_counters(JsonObject c, DaemonCounters& out) {
+  c.get_unsigned("events_received", out.events_received);
+  c.get_unsigned("frames_received", out.frames_received);
+  c.get_unsigned("bytes_received", out.bytes_received);
+  c.get_unsigned("events_dropped_by_clients", out.events_dropped_by_clients);
+  if (!read_drop_causes(c.optional_object("events_dropped_by_cause"),
+                        out.events_dropped_by_cause)) {
+    return false;
+  }
+  c.get_unsigned("connections_total", out.connections_total);
+  c.get_unsigned("connections_rejected", out.connections_rejected);
+  c.get_unsigned("commands_served", out.commands_served);
+  if (!read_counter_map(c.object("protocol_errors"), out.protocol_errors) ||
+      !read_counter_map(c.object("limits_hit"), out.limits_hit)) {
+    return false;
+  }
+  return c.finish();
+}
+
+// ---- the ledger section --------------------------------------------------------------------
+
+json ledger_json(const ledger::State& state) {
+  json gpus = json::array();
+  for (const auto& [uuid, gpu] : state.gpus) {
+    json reservations = json::array();
+    for (const auto& [id, r] : gpu.reservations) {
+      reservations.push_back({{"id", id},
+                              {"pid", r.holder.pid},
+                              {"start_time", r.holder.start_time},
+                              {"comm", r.comm},
+                              {"bytes", r.bytes},
+                              {"task", r.task},
+                              {"reserved_ns", r.reserved_ns},
+                              {"holder_alive", r.holder_alive}});
+    }
+    json sample = nullptr;
+    if (gpu.sample) {
+      sample = {{"free_bytes", gpu.sample->free_bytes},
+                {"total_bytes", gpu.sample->total_bytes},
+                {"at_ns", gpu.sample->at_ns}};
+    }
+    gpus.push_back({{"gpu", uuid},
+                    {"high_water_bytes", gpu.high_water_bytes},
+                    {"sample", std::move(sample)},
+                    {"overcommit_events", gpu.overcommit_events},
+                    {"operations", ledger::operations_json(gpu)},
+                    {"steps", ledger::steps_json(gpu.steps)},
+                    {"reservations", std::move(reservations)},
+                    {"processes", ledger::processes_json(gpu)}});
+  }
+  json anomalies = json::object();
+  for (std::size_t kind = 0; kind < ledger::kAnomalyCount; ++kind) {
+    anomalies[std::string(ledger::kAnomalyNames[kind])] = state.anomalies[kind];
+  }
+  return json{{"version", kLedgerVersion}, {"gpus", std::move(gpus)}, {"anomalies", anomalies}};
+}
+
+// [{"step": a ledger step's name, "count", "total_ns"}, ...], each step at most once.
+bool read_ledger_steps(JsonArray steps, std::map<std::uint32_t, ledger::StepTime>& out) {
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    JsonObject s = steps.object(i);
+    std::string name;
+    if (!s.get_string("step", name, kNameRule)) return false;
+    std::optional<std::uint32_t> step;
+    for (std::uint32_t id = 0; id < proto::kBuiltinStepCount; ++id) {
+      if (proto::is_ledger_step(id) && proto::kBuiltinStepNames[id] == name) step = id;
+    }
+    if (!step) return s.fail_at("step", "\"" + name + "\" is not a ledger step");
+    if (out.contains(*step)) return s.fail_at("step", "\"" + name + "\" appears twice");
+    ledger::StepTime time;
+    s.get_unsigned("count", time.count);
+    s.get_unsigned("total_ns", time.total_ns);
+    if (!s.finish()) return false;
+    out.emplace(*step, time);
+  }
+  return steps.ok();
+}
+
+bool read_reservation(JsonObject r, ledger::Gpu& gpu) {
+  std::uint64_t id = 0;
+  if (!r.get_unsigned("id", id)) return false;
+  if (gpu.reservations.contains(id)) {
+    return r.fail_at("id", "reservation " + std::to_string(id) + " appears twice");
+  }
+  ledger::Reservation res;
+  read_process_key(r, res.holder);
+  r.get_string("comm", res.comm, kLedgerTextRule);
+  r.get_unsigned("bytes", res.bytes, 1);
+  r.get_string("task", res.task, kLedgerTextRule);
+  r.get_unsigned("reserved_ns", res.reserved_ns);
+  r.get_bool("holder_alive", res.holder_alive);
+  if (!r.finish()) return false;
+  if (res.bytes > std::numeric_limits<std::uint64_t>::max() - gpu.reserved_bytes) {
+    return r.fail_at("bytes", "the GPU's reservations add up to more than 2^64-1 bytes");
+  }
+  gpu.reserved_bytes += res.bytes;
+  gpu.reservations.emplace(id, std::move(res));
+  return true;
+}
+
+bool read_ledger_row(JsonObject p, ledger::Gpu& gpu) {
+  ProcessKey key;
+  if (!read_process_key(p, key)) return false;
+  if (gpu.processes.contains(key)) {
+    return p.fail_at("pid", "process " + std::to_string(key.pid) + " appears twice");
+  }
+  ledger::ProcessRow row;
+  p.get_string("comm", row.comm, kLedgerTextRule);
+  p.get_unsigned("reserves", row.reserves);
+  p.get_unsigned("releases", row.releases);
+  p.get_unsigned("cleanups", row.cleanups);
+  if (!read_ledger_steps(p.array("steps", proto::kBuiltinStepCount), row.steps) || !p.finish()) {
+    return false;
+  }
+  gpu.processes.emplace(key, std::move(row));
+  return true;
+}
+
+bool read_gpu(JsonObject g, const Limits& limits, ledger::State& out) {
+  std::string uuid;
+  if (!g.get_string("gpu", uuid, kNameRule)) return false;
+  if (out.gpus.contains(uuid)) return g.fail_at("gpu", "\"" + uuid + "\" appears twice");
+  ledger::Gpu gpu;
+  g.get_unsigned("high_water_bytes", gpu.high_water_bytes);
+  g.get_unsigned("overcommit_events", gpu.overcommit_events);
+  if (!g.is_null("sample")) {
+    JsonObject s = g.object("sample");
+    ledger::VramSample v;
+    s.get_unsigned("free_bytes", v.free_bytes);
+    s.get_unsigned("total_bytes", v.total_bytes, 1);
+    s.get_unsigned("at_ns", v.at_ns);
+    if (!s.finish()) return false;
+    if (v.free_bytes > v.total_bytes) return s.fail_at("free_bytes", "exceeds total_bytes");
+    gpu.sample = v;
+  }
+  JsonObject operations = g.object("operations");
+  for (std::size_t op = 0; op < ledger::kOpCount; ++op) {
+    operations.get_unsigned(ledger::kOpNames[op], gpu.operations[op]);
+  }
+  if (!operations.finish() ||
+      !read_ledger_steps(g.array("steps", proto::kBuiltinStepCount), gpu.steps)) {
+    return false;
+  }
+  JsonArray reservations = g.array("reservations", limits.max_reservations_per_gpu);
+  for (std::size_t i = 0; i < reservations.size(); ++i) {
+    if (!read_reservation(reservations.object(i), gpu)) return false;
+  }
+  if (!reservations.ok()) return false;
+  if (gpu.high_water_bytes < gpu.reserved_bytes) {
+    return g.fail_at("high_water_bytes", "is below the bytes the reservations hold");
+  }
+  gpu.overcommitted = gpu.sample && gpu.reserved_bytes > gpu.sample->total_bytes;
+  JsonArray processes = g.array("processes", limits.max_processes);
+  for (std::size_t i = 0; i < processes.size(); ++i) {
+    if (!read_ledger_row(processes.object(i), gpu)) return false;
+  }
+  if (!g.finish()) return false;
+  out.gpus.emplace(std::move(uuid), std::move(gpu));
+  return true;
+}
+
+bool read_ledger(JsonObject l, const Limits& limits, ledger::State& out) {
+  std::uint64_t version = 0;
+  if (!l.get_unsigned("version", version)) return false;
+  if (version != kLedgerVersion) {
+    return l.fail_at("version",
+                     "ledger version " + std::to_string(version) + " is not one this build reads");
+  }
+  JsonArray gpus = l.array("gpus", limits.max_gpus);
+  for (std::size_t i = 0; i < gpus.size(); ++i) {
+    if (!read_gpu(gpus.object(i), limits, out)) return false;
+  }
+  // Kinds a later build added are missing from older snapshots: zero.
+  JsonObject anomalies = l.object("anomalies");
+  for (std::size_t kind = 0; kind < ledger::kAnomalyCount; ++kind) {
+    anomalies.optional_unsigned(ledger::kAnomalyNames[kind], out.anomalies[kind]);
+  }
+  if (!anomalies.finish()) return false;
+  return l.finish();
+}
+
+// ---- the whole document ----------------------------------------------------------------
+
+bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, RestoredState& out) {
+  if (!has_snapshot_schema(doc)) {
+    return reader.fail("", std::string("not a ") + kSnapshotSchema + " document");
+  }
+  JsonObject top = reader.object(doc);
+  top.ignore("schema");         // checked above
+  top.ignore("written_at_ns");  // for a human reading the file
+  std::uint64_t version = 0;
+  if (!top.get_unsigned("version", version)) return false;
+  if (version != kSnapshotVersion) {
+    return top.fail_at(
+        "version", "snapshot version " + std::to_string(version) + " is not one this build reads");
+  }
+
+  JsonArray processes = top.array("processes", kMaxProcesses);
+  std::set<ProcessKey> keys;
+  for (std::size_t i = 0; i < processes.size(); ++i) {
+    auto rec = std::make_shared<ProcessRecord>();
+    if (!read_process(processes.object(i), *rec)) return false;
+    if (!keys.insert(rec->key()).second) {
+      return processes.fail_at(i, "process " + std::to_string(rec->key().pid) + " (start_time " +
+                                      std::to_string(rec->key().start_time) + ") appears twice");
+    }
+    out.processes.push_back(std::move(rec));
+  }
+  if (!processes.ok()) return false;
+
+  // Optional, as it has always been to the reader.
+  if (top.has("retired")) {
+    JsonArray retired = top.array("retired", CollectorState::kMaxRetiredNames + 1);
+    for (std::size_t i = 0; i < retired.size(); ++i) {
+      JsonObject entry = retired.object(i);
+      std::string name;
+      Histogram histogram;
+      if (!entry.get_string("step", name, kNameRule) ||
+          !read_histogram(entry.object("histogram"), histogram) || !entry.finish()) {
+        return false;
+      }
+      if (!out.retired.try_emplace(name, std::move(histogram)).second) {
+        return entry.fail_at("step", "\"" + name + "\" appears twice");
+      }
+    }
+  }
+  if (!read_counters(top.object("counters"), out.counters) ||
+      !read_ledger(top.object("ledger"), limits, out.ledger)) {
+    return false;
+  }
+  return top.finish();
+}
+
+std::string error_text(const JsonReader& reader) {
+  return reader.error() ? reader.error()->message() : std::string("malformed document");
+}
+
+}  // namespace
+
+json encode_histogram(const Histogram& histogram) {
+  const Histogram::Parts p = histogram.parts();
+  json buckets = json::array();
+  for (const auto& [index, n] : p.buckets) buckets.push_back({index, n});
+  return {{"count", p.count}, {"sum_ns", p.sum},    {"min_ns", p.min},
+          {"max_ns", p.max},  {"buckets", buckets}, {"prom", p.prom}};
+}
+
+std::optional<Histogram> decode_histogram(const json& doc, std::string& error) {
+  JsonReader reader;
+  Histogram out;
+  if (!read_histogram(reader.object(doc), out)) {
+    error = error_text(reader);
+    return std::nullopt;
+  }
+  return out;
+}
+
+json encode_ledger(const LedgerView& ledger) { return ledger_json(ledger.state()); }
+
+std::optional<ledger::State> decode_ledger(const json& doc, const Limits& limits,
+                                           std::string& error) {
+  JsonReader reader;
+  ledger::State out;
+  if (!read_ledger(reader.object(doc), limits, out)) {
+    error = error_text(reader);
+    return std::nullopt;
+  }
+  return out;
+}
+
+json encode_snapshot(const CollectorView& view) {
+  const CollectorState& state = view.state();
+  json processes = json::array();
+  for (const auto& [key, handle] : state.by_key)
+    processes.push_back(process_json(*state.slots[handle]));
+  json retired = json::array();
+  for (const auto& [name, hist] : *state.retired) {
+    retired.push_back({{"step", name}, {"histogram", encode_histogram(hist)}});
+  }
+  return {{"schema", kSnapshotSchema},
+          {"version", kSnapshotVersion},
+          {"written_at_ns", view.now_ns()},
+          {"processes", std::move(processes)},
+          {"retired", std::move(retired)},
+          {"counters", counters_json(view.counters())},
+          {"ledger", ledger_json(state.ledger.state())}};
+}
+
+std::optional<RestoredState> decode_snapshot(const json& doc, const Limits& limits,
+                                             std::string& error) {
+  JsonReader reader;
+  RestoredState out;
+  if (!read_snapshot(reader, doc, limits, out)) {
+    error = error_text(reader);
+    return std::nullopt;
+  }
+  return out;
+}
+
+std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
+  std::string error;
+  auto restored = decode_snapshot(doc, collector.limits(), error);
+  if (!restored) {
+    // The caller gets the code; the reason goes to the log.
+    spdlog::warn("snapshot rejected: {}", error);
+    return make_error_code(errc::bad_snapshot);
+  }
+  return collector.adopt(std::move(*restored));
+}
+
+}  // namespace steptrace::daemon

@@ -1,0 +1,63 @@
+// The snapshot codec: the daemon's state as a "steptrace.snapshot/v1" JSON document and
+// back, for the snapshot file (daemon/persist/snapshot.h).
+//
+// Data flow: the server renders encode_snapshot(view) from a CollectorView (on the render
+// thread, or at shutdown) and saves it; at start it loads the file and calls
+// restore_from_snapshot(collector, doc), which decodes the document with the strict
+// reader (daemon/persist/json_reader.h) into a RestoredState and hands that to
+// Collector::adopt(). The state classes only hand their state over (CollectorView::state,
+// LedgerView::state, Histogram::parts) and adopt a decoded one (Collector::adopt,
+// LedgerView::adopt, Histogram::from_parts); the document's layout lives here, except the
+// ledger rows it shares with the `ledger --json` report (ledger::steps_json and friends,
+// daemon/state/ledger_state.h).
+//
+// The format is fixed: files earlier builds wrote restore, and encoding what was decoded
+// gives the same bytes (tests/daemon/persist/snapshot_v1.json is such a file). A document
+// is rejected whole, naming the first bad field as "path: reason"
+// (`processes[0].steps[1].histogram.prom: must be an array of 23 elements`); unknown keys
+// are errors.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <system_error>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "daemon/state/histogram.h"
+#include "daemon/state/types.h"
+#include "proto/errc.h"
+
+namespace steptrace::daemon {
+
+class Collector;
+class CollectorView;
+class LedgerView;
+struct RestoredState;
+namespace ledger {
+struct State;
+}  // namespace ledger
+
+// ---- the whole snapshot ----------------------------------------------------------------
+// Spans open in `view` are written as abandoned: whoever restores the snapshot has no
+// connection to end them.
+nlohmann::json encode_snapshot(const CollectorView& view);
+// The state `doc` holds (RestoredState, daemon/state/collector_state.h), checked against
+// `limits` (the ledger's tables); nullopt with `error` set to "path: reason" when `doc` is
+// not a snapshot this build reads.
+std::optional<RestoredState> decode_snapshot(const nlohmann::json& doc, const Limits& limits,
+                                             std::string& error);
+// decode_snapshot() under collector.limits(), then collector.adopt(). Fails (state
+// unchanged) with errc::bad_snapshot when the document is rejected (the reason goes to
+// the log), or as Collector::adopt() does while connections are attached.
+std::error_code restore_from_snapshot(Collector& collector, const nlohmann::json& doc);
+
+// ---- sections (the snapshot's "ledger" and each "histogram"), on their own -------------
+nlohmann::json encode_ledger(const LedgerView& ledger);
+// Paths in `error` start at the section ("gpus[0].sample.free_bytes: ...").
+std::optional<ledger::State> decode_ledger(const nlohmann::json& doc, const Limits& limits,
+                                           std::string& error);
+nlohmann::json encode_histogram(const Histogram& histogram);
+std::optional<Histogram> decode_histogram(const nlohmann::json& doc, std::string& error);
+
+}  // namespace steptrace::daemon

@@ -1,0 +1,433 @@
+// The snapshot codec (daemon/persist/snapshot_codec.h): the v1 format byte for byte (a
+// file the previous build wrote), state -> encode -> decode -> encode round trips, and
+// each section (histogram, ledger) on its own with errors named by path.
+#include "daemon/persist/snapshot_codec.h"
+#include "daemon/report/report.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "daemon/report/ledger_report.h"
+#include "daemon/state/collector.h"
+#include "daemon/state/collector_state.h"
+#include "daemon/state/ledger_state.h"
+#include "daemon/state/ledger_view.h"
+#include "tests/daemon/daemon_test_util.h"
+#include "tests/daemon/state/ledger_test_util.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+using test::Connection;
+using test::end;
+using test::FakeWorld;
+using test::start;
+
+// ---- the whole snapshot ------------------------------------------------------------------
+
+proto::LedgerRecord ledger_record(proto::LedgerOp op, std::string_view gpu, std::uint64_t id,
+                                  std::uint64_t bytes, std::uint64_t total, std::uint32_t tid,
+                                  std::uint64_t ts) {
+  proto::LedgerRecord r{};
+  r.op = static_cast<std::uint8_t>(op);
+  r.timestamp_ns = ts;
+  r.reservation_id = id;
+  r.bytes = bytes;
+  r.total_bytes = total;
+  r.thread_id = tid;
+  proto::set_field(r.gpu_uuid, gpu);
+  return r;
+}
+
+Limits golden_limits() {
+  Limits l;
+  l.max_exited_processes = 1;  // a second exit evicts the first: "retired" histograms
+  l.max_open_depth = 2;        // a third nested start is dropped: depth_dropped, limits_hit
+  return l;
+}
+
+// The state tests/daemon/persist/snapshot_v1.json was written from, by the build before
+// the codec moved out of the state classes: custom steps (one without data), unmatched
+// ends, abandoned and depth-dropped spans, drops by cause, an exited and an evicted
+// process, two GPUs (a sample, step time, an empty task, no sample), an anomaly, counters.
+void populate_golden(Collector& c, FakeWorld& world) {
+  Connection a(c, world.spawn(4242, 100, "python3"));
+  ASSERT_FALSE(a.register_step(256, "Tokenize"));
+  ASSERT_FALSE(a.register_step(257, "Eval loop"));
+  ASSERT_FALSE(a.events({start(1, 0, 0), end(1, 0, 1500), start(1, 0, 2000), end(1, 0, 9'000'000),
+                         start(1, 256, 0), end(1, 256, 90'000), end(2, 2, 10), start(1, 7, 100)}));
+  a.ledger(test::reserve_record("GPU-1", 9, 1 << 20, "qlora-7b", 1, 150));
+  ASSERT_FALSE(a.events({end(1, 7, 400)}));
+  a.ledger(ledger_record(proto::LedgerOp::kVramSample, "GPU-1", 0, 3ull << 30, 8ull << 30, 1, 500));
+  a.ledger(test::reserve_record("GPU-2", 1, 4096, "", 2, 600));
+  a.ledger(ledger_record(proto::LedgerOp::kRelease, "GPU-2", 77, 0, 0, 2, 700));  // unknown
+  ASSERT_FALSE(a.events({start(3, 1, 0), start(3, 1, 1), start(3, 1, 2), end(3, 1, 5)}));
+  a.dropped(11);
+  a.dropped_by_cause({{3, 9, 1, 2}});
+  {
+    Connection b(c, world.spawn(5000, 200, "trainer"));
+    ASSERT_FALSE(b.register_step(300, "Tokenize"));
+    ASSERT_FALSE(b.events({start(3, 300, 0), end(3, 300, 7), start(3, 1, 0), end(3, 1, 70)}));
+    world.kill(5000);
+    world.now_ns += 10;
+  }
+  {
+    Connection d(c, world.spawn(6000, 300, "eval"));
+    ASSERT_FALSE(d.events({start(1, 3, 0), end(1, 3, 123'456), start(1, 4, 0)}));
+    world.kill(6000);
+    world.now_ns += 10;
+  }
+  c.counters().protocol_errors["bad_magic"] = 2;
+  a.close();
+  // Bytes and frames are counted by whatever feeds the frames (the test harness, which
+  // did not count them when the file was written): as the file has them.
+  c.counters().bytes_received = 0;
+  c.counters().frames_received = 0;
+}
+
+std::string golden_text() {
+  std::ifstream in(STEPTRACE_SNAPSHOT_V1);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// What save_snapshot writes for `doc`.
+std::string file_text(const json& doc) { return doc.dump() + "\n"; }
+
+TEST(SnapshotCodecTest, EncodesTheV1FormatByteForByte) {
+  const std::string golden = golden_text();
+  ASSERT_FALSE(golden.empty());
+  FakeWorld world;
+  Collector c(golden_limits(), world.env());
+  populate_golden(c, world);
+  EXPECT_EQ(file_text(encode_snapshot(*c.freeze())), golden);
+}
+
+TEST(SnapshotCodecTest, AFileTheOldBuildWroteRestoresAndEncodesToTheSameBytes) {
+  const std::string golden = golden_text();
+  const json doc = json::parse(golden);
+  FakeWorld world;
+  world.spawn(4242, 100, "python3");  // still running, as when the file was written
+  world.now_ns = doc["written_at_ns"].get<std::uint64_t>();
+  Collector c(golden_limits(), world.env());
+  ASSERT_FALSE(restore_from_snapshot(c, doc));
+  EXPECT_EQ(file_text(encode_snapshot(*c.freeze())), golden);
+  EXPECT_EQ(c.counters().events_received, 20u);
+  EXPECT_EQ(c.counters().protocol_errors.at("bad_magic"), 2u);
+}
+
+TEST(SnapshotCodecTest, StateEncodeDecodeEncodeIsTheSame) {
+  FakeWorld world;
+  Collector original(golden_limits(), world.env());
+  populate_golden(original, world);
+  const json first = encode_snapshot(*original.freeze());
+
+  std::string error;
+  auto decoded = decode_snapshot(json::parse(first.dump()), golden_limits(), error);
+  ASSERT_TRUE(decoded) << error;
+  EXPECT_EQ(decoded->processes.size(), 2u);
+  EXPECT_EQ(decoded->retired.size(), 2u);
+  EXPECT_EQ(decoded->ledger.gpus.size(), 2u);
+  EXPECT_EQ(decoded->counters.events_dropped_by_clients, 15u);
+
+  Collector restored(golden_limits(), world.env());
+  ASSERT_FALSE(restored.adopt(std::move(*decoded)));
+  EXPECT_EQ(encode_snapshot(*restored.freeze()), first);
+  EXPECT_EQ(report::ledger_json(*restored.freeze()), report::ledger_json(*original.freeze()));
+}
+
+// decode_snapshot's error for `doc` ("" when it decodes).
+std::string decode_error(const json& doc) {
+  std::string error;
+  const auto decoded = decode_snapshot(doc, golden_limits(), error);
+  return decoded ? "" : error;
+}
+
+TEST(SnapshotCodecTest, ABadHistogramIsNamedByItsPath) {
+  const json good = json::parse(golden_text());
+  ASSERT_EQ(decode_error(good), "");
+  json d = good;
+  d["processes"][0]["steps"][1]["histogram"]["prom"].erase(0);
+  EXPECT_EQ(decode_error(d),
+            "processes[0].steps[1].histogram.prom: must be an array of 23 elements");
+  d = good;
+  d["processes"][1]["steps"][0]["histogram"]["buckets"][0][0] = 5000;
+  EXPECT_EQ(decode_error(d),
+            "processes[1].steps[0].histogram.buckets[0][0]: must be an integer in 0..1919");
+  d = good;
+  d["retired"][1]["histogram"]["count"] = 2;
+  EXPECT_EQ(decode_error(d), "retired[1].histogram: bucket counts do not add up to count");
+  d = good;
+  d["retired"][0]["histogram"]["mean_ns"] = 1;
+  EXPECT_EQ(decode_error(d), "retired[0].histogram.mean_ns: unknown key");
+}
+
+TEST(SnapshotCodecTest, ABadLedgerFieldIsNamedByItsPath) {
+  const json good = json::parse(golden_text());
+  json d = good;
+  d["ledger"]["gpus"][0]["reservations"][0]["bytes"] = 0;
+  EXPECT_EQ(decode_error(d),
+            "ledger.gpus[0].reservations[0].bytes: must be an integer in 1..18446744073709551615");
+  d = good;
+  d["ledger"]["gpus"][1]["processes"][0]["comm"] = "bad\ncomm";
+  EXPECT_EQ(
+      decode_error(d),
+      "ledger.gpus[1].processes[0].comm: must be a string of at most 63 printable characters");
+  d = good;
+  d["ledger"]["anomalies"]["made_up"] = 1;
+  EXPECT_EQ(decode_error(d), "ledger.anomalies.made_up: unknown key");
+
+  // And the collector refuses it whole, with the snapshot code.
+  FakeWorld world;
+  Collector c(golden_limits(), world.env());
+  EXPECT_EQ(restore_from_snapshot(c, d), make_error_code(errc::bad_snapshot));
+  EXPECT_EQ(report::report_json(*c.freeze(), std::nullopt)["processes"].size(), 0u);
+}
+
+// ---- the histogram section ---------------------------------------------------------------
+
+TEST(SnapshotCodecHistogramTest, RoundTrip) {
+  Histogram h;
+  for (std::uint64_t v : {5u, 700u, 70'000u, 7'000'000u, 7'000'000u}) h.record(v);
+  std::string error;
+  auto back = decode_histogram(json::parse(encode_histogram(h).dump()), error);
+  ASSERT_TRUE(back) << error;
+  EXPECT_EQ(encode_histogram(*back), encode_histogram(h));
+  EXPECT_EQ(back->percentile(0.5), h.percentile(0.5));
+  EXPECT_EQ(back->prom_buckets(), h.prom_buckets());
+  // The layout: totals, [index, count] pairs and the Prometheus buckets.
+  const json j = encode_histogram(h);
+  EXPECT_EQ(j["count"], 5);
+  EXPECT_EQ(j["min_ns"], 5);
+  EXPECT_EQ(j["buckets"][0], json({5, 1}));
+  EXPECT_EQ(j["prom"].size(), Histogram::kPromBuckets);
+}
+
+TEST(SnapshotCodecHistogramTest, CountsPastTwoToTheThirtyTwoSurvive) {
+  const std::uint64_t big = 5'000'000'000;  // > 2^32
+  const unsigned index = Histogram::bucket_index(1000);
+  std::vector<std::uint64_t> prom(Histogram::kPromBuckets, 0);
+  prom[0] = big + 1;
+  const json j = {{"count", big + 1}, {"sum_ns", big * 1000 + 7},          {"min_ns", 7},
+                  {"max_ns", 1000},   {"buckets", {{7, 1}, {index, big}}}, {"prom", prom}};
+  std::string error;
+  auto h = decode_histogram(j, error);
+  ASSERT_TRUE(h) << error;
+  EXPECT_EQ(encode_histogram(*h), j);
+  EXPECT_EQ(h->count(), big + 1);
+}
+
+TEST(SnapshotCodecHistogramTest, ErrorsNameTheField) {
+  Histogram h;
+  for (std::uint64_t v : {5u, 700u, 70'000u, 7'000'000u, 7'000'000u}) h.record(v);
+  const json good = encode_histogram(h);
+  using Mutation = std::function<void(json&)>;
+  const std::vector<std::pair<std::string, Mutation>> cases = {
+      {"must be an object", [](json& d) { d = json::array(); }},
+      {"count: missing", [](json& d) { d.erase("count"); }},
+      {"min_ns: must be an unsigned integer", [](json& d) { d["min_ns"] = -1; }},
+      {"extra: unknown key", [](json& d) { d["extra"] = 0; }},
+      {"prom: must be an array of 23 elements",
+       [](json& d) {
+         d["prom"] = {1, 2};
+       }},
+      {"prom[3]: must be an unsigned integer", [](json& d) { d["prom"][3] = "x"; }},
+      {"buckets: must be an array of at most 1920 elements", [](json& d) { d["buckets"] = 1; }},
+      {"buckets[4]: must be an array of 2 elements", [](json& d) { d["buckets"].push_back({1}); }},
+      {"buckets[4][0]: must be an integer in 0..1919",
+       [](json& d) {
+         d["buckets"].push_back({Histogram::kBuckets, 1});
+       }},
+      {"buckets[0][1]: must be an integer in 1..18446744073709551615",
+       [](json& d) { d["buckets"][0][1] = 0; }},
+      {"bucket counts do not add up to count", [](json& d) { d["count"] = 6; }},
+      {"bucket indices must be increasing, below 1920, with nonzero counts",
+       [](json& d) { std::swap(d["buckets"][0], d["buckets"][1]); }},
+      {"min_ns > max_ns", [](json& d) { d["min_ns"] = 8'000'000; }},
+  };
+  for (const auto& [expected, mutate] : cases) {
+    json d = good;
+    mutate(d);
+    std::string error;
+    EXPECT_FALSE(decode_histogram(d, error)) << expected;
+    EXPECT_EQ(error, expected);
+  }
+}
+
+// ---- the ledger section ------------------------------------------------------------------
+
+using namespace ledger_test;
+
+class SnapshotCodecLedgerTest : public ::testing::Test {
+ protected:
+  Limits limits_;
+  DaemonCounters counters_;
+  LedgerView view_{limits_, counters_};
+  const LedgerActor a_{{1001, 5001}, "trainer-a"};
+  const LedgerActor b_{{1002, 5002}, "trainer-b"};
+};
+
+TEST_F(SnapshotCodecLedgerTest, RestoresIntoAFreshViewIdentically) {
+  populate(view_, a_, b_);
+  // Through text, as the snapshot file goes.
+  const json doc = json::parse(encode_ledger(view_).dump());
+  std::string error;
+  auto state = decode_ledger(doc, limits_, error);
+  ASSERT_TRUE(state) << error;
+
+  DaemonCounters counters;
+  LedgerView fresh(limits_, counters);
+  fresh.adopt(std::move(*state));
+  EXPECT_EQ(report::ledger_json(fresh.state(), kNow), report::ledger_json(view_.state(), kNow));
+  EXPECT_EQ(report::ledger_anomalies_json(fresh.state()),
+            report::ledger_anomalies_json(view_.state()));
+  EXPECT_EQ(report::ledger_text(fresh.state(), kNow), report::ledger_text(view_.state(), kNow));
+  std::string m1, m2;
+  report::append_ledger_metrics(view_.state(), m1);
+  report::append_ledger_metrics(fresh.state(), m2);
+  EXPECT_EQ(m2, m1);
+  EXPECT_EQ(encode_ledger(fresh), encode_ledger(view_));
+  // The restored view keeps working: a release of the restored entry applies.
+  fresh.apply(a_, release("GPU-A", 2, 30 * kSecond), kNow);
+  EXPECT_EQ(report::ledger_json(fresh.state(), kNow)["gpus"][0]["reserved_bytes"], 3 * kGiB);
+  // And the overcommit state was rebuilt, not re-counted.
+  EXPECT_EQ(report::ledger_anomalies_json(fresh.state())["overcommitted"],
+            report::ledger_anomalies_json(view_.state())["overcommitted"]);
+  EXPECT_EQ(report::ledger_json(view_.state(), kNow)["gpus"][0]["overcommitted"], true);
+}
+
+TEST_F(SnapshotCodecLedgerTest, AdoptDropsAttributionMarks) {
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", 10 * kSecond, 5), kNow);
+  std::string error;
+  auto state = decode_ledger(encode_ledger(view_), limits_, error);
+  ASSERT_TRUE(state) << error;
+  LedgerView fresh(limits_, counters_);
+  fresh.adopt(std::move(*state));
+  // The mark of thread 5 inside this span would have credited GPU-A; after a restore
+  // there is none, so nothing is attributed.
+  fresh.attribute_span(a_.key, 5, kLedgerReserve, 9 * kSecond, 11 * kSecond);
+  EXPECT_EQ(report::ledger_json(fresh.state(), kNow)["gpus"][0]["steps"].size(), 0u);
+}
+
+TEST_F(SnapshotCodecLedgerTest, RejectsMalformedSectionsNamingTheField) {
+  populate(view_, a_, b_);
+  const json good = encode_ledger(view_);
+  ASSERT_EQ(good["gpus"][0]["reservations"].size(), 2u);
+
+  using Mutation = std::function<void(json&)>;
+  const std::vector<std::pair<std::string, Mutation>> mutations = {
+      {"must be an object", [](json& d) { d = json::array(); }},
+      {"version: ledger version 2 is not one this build reads", [](json& d) { d["version"] = 2; }},
+      {"version: must be an unsigned integer", [](json& d) { d["version"] = "1"; }},
+      {"gpus: missing", [](json& d) { d.erase("gpus"); }},
+      {"extra: unknown key", [](json& d) { d["extra"] = 1; }},
+      {"gpus: must be an array of at most 64 elements",
+       [](json& d) { d["gpus"] = json::object(); }},
+      {"gpus[0].gpu: must be a string of 1..63 printable characters",
+       [](json& d) { d["gpus"][0]["gpu"] = ""; }},
+      {"gpus[0].gpu: must be a string of 1..63 printable characters",
+       [](json& d) { d["gpus"][0]["gpu"] = std::string(64, 'x'); }},
+      {"gpus[0].gpu: must be a string of 1..63 printable characters",
+       [](json& d) { d["gpus"][0]["gpu"] = "GPU-\n"; }},
+      {"gpus[1].gpu: \"GPU-A\" appears twice",
+       [](json& d) { d["gpus"][1]["gpu"] = d["gpus"][0]["gpu"]; }},
+      {"gpus[0].x: unknown key", [](json& d) { d["gpus"][0]["x"] = 0; }},
+      {"gpus[0].reservations[1].id: reservation 1 appears twice",
+       [](json& d) {
+         d["gpus"][0]["reservations"][1]["id"] = d["gpus"][0]["reservations"][0]["id"];
+       }},
+      {"gpus[0].reservations[0].bytes: must be an integer in 1..18446744073709551615",
+       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 0; }},
+      {"gpus[0].reservations[0].bytes: must be an integer in 1..18446744073709551615",
+       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = -1; }},
+      {"gpus[0].reservations[0].bytes: must be an integer in 1..18446744073709551615",
+       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 1.5; }},
+      {"gpus[0].reservations[0].bytes: must be an integer in 1..18446744073709551615",
+       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = "1"; }},
+      {"gpus[0].reservations[0].pid: must be an integer in 1..2147483647",
+       [](json& d) { d["gpus"][0]["reservations"][0]["pid"] = 0; }},
+      {"gpus[0].reservations[0].pid: must be an integer in 1..2147483647",
+       [](json& d) { d["gpus"][0]["reservations"][0]["pid"] = 1ll << 40; }},
+      {"gpus[0].reservations[0].holder_alive: must be a boolean",
+       [](json& d) { d["gpus"][0]["reservations"][0]["holder_alive"] = 1; }},
+      {"gpus[0].reservations[0].task: must be a string of at most 63 printable characters",
+       [](json& d) { d["gpus"][0]["reservations"][0]["task"] = std::string(80, 't'); }},
+      {"gpus[0].reservations[1].bytes: the GPU's reservations add up to more than 2^64-1 bytes",
+       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = ~std::uint64_t{0}; }},
+      {"gpus[0].high_water_bytes: is below the bytes the reservations hold",
+       [](json& d) { d["gpus"][0]["high_water_bytes"] = 1; }},
+      {"gpus[0].sample.free_bytes: exceeds total_bytes",
+       [](json& d) { d["gpus"][0]["sample"]["free_bytes"] = 100 * kGiB; }},
+      {"gpus[0].sample.total_bytes: must be an integer in 1..18446744073709551615",
+       [](json& d) { d["gpus"][0]["sample"]["total_bytes"] = 0; }},
+      {"gpus[0].sample.at_ns: missing", [](json& d) { d["gpus"][0]["sample"].erase("at_ns"); }},
+      {"gpus[0].operations.cleanup: missing",
+       [](json& d) { d["gpus"][0]["operations"].erase("cleanup"); }},
+      {"gpus[0].processes[0].steps[0].step: \"Nope\" is not a ledger step",
+       [](json& d) { d["gpus"][0]["processes"][0]["steps"][0]["step"] = "Nope"; }},
+      {"gpus[0].processes[0].steps[0].step: \"Forward\" is not a ledger step",
+       [](json& d) { d["gpus"][0]["processes"][0]["steps"][0]["step"] = "Forward"; }},
+      {"gpus[0].steps[0].step: \"Forward\" is not a ledger step",
+       [](json& d) { d["gpus"][0]["steps"][0]["step"] = "Forward"; }},
+      {"gpus[0].steps: must be an array of at most 12 elements",
+       [](json& d) { d["gpus"][0]["steps"] = 1; }},
+      {"gpus[0].steps[2].step: \"LedgerReserve\" appears twice",
+       [](json& d) { d["gpus"][0]["steps"].push_back(d["gpus"][0]["steps"][0]); }},
+      {"gpus[0].processes[1].pid: process 1001 appears twice",
+       [](json& d) { d["gpus"][0]["processes"][1] = d["gpus"][0]["processes"][0]; }},
+      {"anomalies.made_up: unknown key", [](json& d) { d["anomalies"]["made_up"] = 1; }},
+      {"anomalies.unknown_release: must be an unsigned integer",
+       [](json& d) { d["anomalies"]["unknown_release"] = -3; }},
+  };
+  for (const auto& [expected, mutate] : mutations) {
+    SCOPED_TRACE(expected);
+    json doc = good;
+    mutate(doc);
+    ASSERT_NE(doc, good);
+    std::string error;
+    EXPECT_FALSE(decode_ledger(doc, limits_, error));
+    EXPECT_EQ(error, expected);
+  }
+  // The unmutated section decodes.
+  std::string error;
+  EXPECT_TRUE(decode_ledger(good, limits_, error)) << error;
+}
+
+TEST_F(SnapshotCodecLedgerTest, LimitsBoundWhatASectionMayHold) {
+  populate(view_, a_, b_);
+  const json good = encode_ledger(view_);
+  Limits small = limits_;
+  small.max_gpus = 1;
+  std::string error;
+  EXPECT_FALSE(decode_ledger(good, small, error));
+  EXPECT_EQ(error, "gpus: must be an array of at most 1 elements");
+  small = limits_;
+  small.max_reservations_per_gpu = 1;
+  EXPECT_FALSE(decode_ledger(good, small, error));
+  EXPECT_EQ(error, "gpus[0].reservations: must be an array of at most 1 elements");
+}
+
+TEST_F(SnapshotCodecLedgerTest, AnomalyKindsMissingFromOlderSnapshotsAreZero) {
+  populate(view_, a_, b_);
+  json doc = encode_ledger(view_);
+  ASSERT_GT(doc["anomalies"]["unknown_release"], 0);
+  doc["anomalies"].erase("attribution_threads_full");
+  doc["anomalies"].erase("unknown_release");
+  std::string error;
+  auto state = decode_ledger(doc, limits_, error);
+  ASSERT_TRUE(state) << error;
+  EXPECT_EQ(state->anomalies[ledger::kUnknownRelease], 0u);
+  EXPECT_EQ(state->anomalies[ledger::kOvercommitted], 1u);
+}
+
+}  // namespace
+}  // namespace steptrace::daemon
