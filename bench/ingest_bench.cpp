@@ -44,6 +44,7 @@
 
 #include "bench/bench_support.h"
 #include "bench/median_reporter.h"
+#include "daemon/report/report.h"
 #include "daemon/state/collector.h"
 #include "proto/codec.h"
 
@@ -195,8 +196,8 @@ std::string feed_all(IngestFixture& fx) {
 // Spans the first process's report counts (every frame adds kEventsPerFrame / 2).
 std::uint64_t first_process_spans(const daemon::Collector& collector) {
   std::uint64_t spans = 0;
-  const auto report = collector.report_json(kFirstPid);
-  for (const auto& proc : report.value("processes", nlohmann::json::array())) {
+  const auto doc = steptrace::daemon::report::report_json(*collector.freeze(), kFirstPid);
+  for (const auto& proc : doc.value("processes", nlohmann::json::array())) {
     for (const auto& step : proc.value("steps", nlohmann::json::array())) {
       spans += step.value("count", std::uint64_t{0});
     }
@@ -324,7 +325,9 @@ class RenderLoop {
       if (phase == kStop) return;
       const daemon::CollectorView& view = *handed_;
       const auto t0 = std::chrono::steady_clock::now();
-      std::string out = kind == 0 ? view.report_json(std::nullopt).dump() : view.metrics_text();
+      std::string out = kind == 0
+                            ? steptrace::daemon::report::report_json(view, std::nullopt).dump()
+                            : steptrace::daemon::report::metrics_text(view);
       benchmark::DoNotOptimize(out.data());
       render_ns_[kind] +=
           static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -446,11 +449,11 @@ void bm_render(benchmark::State& state) {
   for (auto _ : state) {
     std::string out;
     if constexpr (kWhat == Render::kMetrics) {
-      out = fx.collector.metrics_text();
+      out = steptrace::daemon::report::metrics_text(*fx.collector.freeze());
     } else if constexpr (kWhat == Render::kReportJson) {
-      out = fx.collector.report_json(std::nullopt).dump();
+      out = steptrace::daemon::report::report_json(*fx.collector.freeze(), std::nullopt).dump();
     } else {
-      out = fx.collector.report_text(std::nullopt);
+      out = steptrace::daemon::report::report_text(*fx.collector.freeze(), std::nullopt);
     }
     bytes = out.size();
     benchmark::DoNotOptimize(out.data());

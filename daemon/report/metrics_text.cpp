@@ -9,12 +9,16 @@
 // stale series.
 #include <array>
 #include <map>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "daemon/report/ledger_report.h"
+#include "daemon/report/report.h"
+#include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
 #include "daemon/state/collector_state.h"
-#include "daemon/report/report_format.h"
+#include "proto/errc.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -37,34 +41,21 @@ const std::array<std::string, Histogram::kPromBuckets>& le_labels() {
 
 double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
 
-// Protocol error kinds always exported (zero until seen), so rate() works from the
-// start; any other kind the server counts is exported as well.
-constexpr std::array<errc, 14> kProtocolErrorKinds = {
-    errc::truncated,         errc::bad_magic,       errc::unsupported_version,
-    errc::bad_hello,         errc::frame_too_large, errc::unknown_frame_type,
-    errc::bad_frame_size,    errc::bad_reserved,    errc::bad_step_id,
-    errc::bad_event_kind,    errc::bad_string,      errc::bad_ledger_op,
-    errc::unregistered_step, errc::timed_out};
 // Step names with a series of their own in steptrace_step_duration_seconds (built-in
 // steps included); the others share the "(other)" series.
 constexpr std::size_t kMaxStepSeries = 4096;
 constexpr std::string_view kOtherStep = "(other)";
-// Limits always exported, for the same reason.
-constexpr std::array<std::string_view, 6> kLimitNames = {
-    "max_connections",  "max_processes",  "max_exited_processes",
-    "max_custom_steps", "max_open_depth", "max_threads_per_process"};
-
 }  // namespace
 
-std::string CollectorView::metrics_text() const {
-  const CollectorState& state = *state_;
+std::string report::metrics_text(const CollectorView& view) {
+  const CollectorState& state = view.state();
   std::string out;
   out.reserve(16 * 1024);
 
   // ---- per step, all processes -------------------------------------------------------
   std::map<std::string, Histogram, std::less<>> by_step;
-  for (std::uint32_t i = 0; i < proto::kBuiltinStepCount; ++i) {
-    by_step.try_emplace(std::string(proto::kBuiltinStepNames[i]));
+  for (const proto::BuiltinStep& step : proto::kBuiltinSteps) {
+    by_step.try_emplace(std::string(step.name));
   }
   // Custom step names are chosen by clients: past kMaxStepSeries names, the rest are
   // merged into "(other)", so the family's cardinality stays bounded whatever they send.
@@ -165,7 +156,7 @@ std::string CollectorView::metrics_text() const {
   }
 
   // ---- daemon -----------------------------------------------------------------------------
-  const DaemonCounters& c = counters_;
+  const DaemonCounters& c = view.counters();
   MetricFamily(out, "steptrace_events_received_total", "counter",
                "Span events received from clients.")
       .sample({}, c.events_received);
@@ -183,11 +174,13 @@ std::string CollectorView::metrics_text() const {
       f.sample({{"cause", std::string(proto::kDropCauseNames[i])}}, c.events_dropped_by_cause[i]);
   }
   {
-    std::map<std::string, std::uint64_t> errors;
-    for (const errc e : kProtocolErrorKinds) errors[errc_name(e)] = 0;
-    errors[kLineTooLongKind] = 0;  // counted by sessions, not errcs
-    errors[kWriteTimeoutKind] = 0;
-    for (const auto& [kind, n] : c.protocol_errors) errors[kind] = n;
+    // The kinds of protocol error (proto/errc.h, and those sessions count that are not
+    // errcs) are always exported, zero until seen; any other kind counted is exported too.
+    std::vector<std::string_view> kinds(kSessionErrorKinds.begin(), kSessionErrorKinds.end());
+    for (const ErrcInfo& e : kErrcTable) {
+      if (e.protocol_error) kinds.push_back(e.name);
+    }
+    const auto errors = with_known_kinds(kinds, c.protocol_errors);
     MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
                    "Connections closed for a protocol error, by kind.");
     for (const auto& [kind, n] : errors) f.sample({{"kind", kind}}, n);
@@ -210,9 +203,8 @@ std::string CollectorView::metrics_text() const {
     f.sample({{"state", "exited"}}, static_cast<std::uint64_t>(state.exited));
   }
   {
-    std::map<std::string, std::uint64_t> limits;
-    for (const std::string_view name : kLimitNames) limits[std::string(name)] = 0;
-    for (const auto& [name, n] : c.limits_hit) limits[name] = n;
+    // Every limit (state/types.h), at zero until hit.
+    const auto limits = with_known_kinds(kLimitNames, c.limits_hit);
     MetricFamily f(out, "steptrace_limit_hits_total", "counter",
                    "Times a configured limit refused or dropped something, by limit.");
     for (const auto& [name, n] : limits) f.sample({{"limit", name}}, n);
@@ -224,9 +216,9 @@ std::string CollectorView::metrics_text() const {
       .sample({}, c.snapshot_errors);
   {
     MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
-        .sample({}, std::chrono::duration<double>(uptime_).count());
+        .sample({}, std::chrono::duration<double>(view.uptime()).count());
   }
-  state.ledger.append_metrics(out);
+  report::append_ledger_metrics(state.ledger.state(), out);
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -72,5 +73,17 @@ class MetricFamily {
   std::string& out_;
   std::string name_;
 };
+
+// Counts by kind with every known kind present: each of `known` at zero, then what was
+// counted on top (kinds outside `known` included). A labelled family or a stats object
+// built from it shows every series before its first hit, so rate() works from the start.
+template <class Known>
+std::map<std::string, std::uint64_t> with_known_kinds(
+    const Known& known, const std::map<std::string, std::uint64_t>& counted) {
+  std::map<std::string, std::uint64_t> out;
+  for (const auto& kind : known) out.emplace(std::string(kind), 0);
+  for (const auto& [kind, n] : counted) out[kind] = n;
+  return out;
+}
 
 }  // namespace steptrace::daemon::report

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "daemon/report/ledger_report.h"
+#include "daemon/report/report.h"
 #include "daemon/state/collector.h"
 #include "daemon/state/collector_state.h"
 
@@ -108,9 +110,9 @@ std::uint64_t rss_bytes() {
 
 }  // namespace
 
-nlohmann::json CollectorView::report_json(std::optional<std::int32_t> pid) const {
-  const std::uint64_t now = now_ns_;
-  const auto processes = select_processes(*state_, pid);
+nlohmann::json report::report_json(const CollectorView& view, std::optional<std::int32_t> pid) {
+  const std::uint64_t now = view.now_ns();
+  const auto processes = select_processes(view.state(), pid);
   nlohmann::json procs = nlohmann::json::array();
   for (const ProcessRecord* rec : processes) procs.push_back(process_json(*rec, now));
   nlohmann::json totals = nlohmann::json::array();
@@ -122,20 +124,22 @@ nlohmann::json CollectorView::report_json(std::optional<std::int32_t> pid) const
   return {{"schema", "steptrace.report/v1"},
           {"processes", std::move(procs)},
           {"totals", std::move(totals)},
-          {"ledger", state_->ledger.to_json(now)},
+          {"ledger", report::ledger_json(view.state().ledger.state(), now)},
           {"daemon",
-           {{"events_received", counters_.events_received},
-            {"events_dropped_by_clients", counters_.events_dropped_by_clients},
-            {"events_dropped_by_cause", drop_causes_json(counters_.events_dropped_by_cause)},
-            {"protocol_errors", counters_.protocol_errors_total()},
-            {"clients_connected", counters_.connections_now},
-            {"uptime_s", uptime_s(uptime_)}}}};
+           {{"events_received", view.counters().events_received},
+            {"events_dropped_by_clients", view.counters().events_dropped_by_clients},
+            {"events_dropped_by_cause", drop_causes_json(view.counters().events_dropped_by_cause)},
+            {"protocol_errors", view.counters().protocol_errors_total()},
+            {"clients_connected", view.counters().connections_now},
+            {"uptime_s", uptime_s(view.uptime())}}}};
 }
 
-nlohmann::json CollectorView::ledger_json() const { return state_->ledger.to_json(now_ns_); }
+nlohmann::json report::ledger_json(const CollectorView& view) {
+  return report::ledger_json(view.state().ledger.state(), view.now_ns());
+}
 
-nlohmann::json CollectorView::stats_json() const {
-  const CollectorState& state = *state_;
+nlohmann::json report::stats_json(const CollectorView& view) {
+  const CollectorState& state = view.state();
   std::size_t state_bytes = sizeof(CollectorState) +
                             state.slots.capacity() * sizeof(state.slots[0]) +
                             state.by_key.size() * 64;
@@ -149,31 +153,33 @@ nlohmann::json CollectorView::stats_json() const {
   }
   for (const auto& [name, hist] : *state.retired)
     state_bytes += name.capacity() + hist.memory_bytes() + 48;
-  nlohmann::json protocol_errors = counters_.protocol_errors;
-  return {{"events_received", counters_.events_received},
-          {"frames_received", counters_.frames_received},
-          {"bytes_received", counters_.bytes_received},
-          {"events_dropped_by_clients", counters_.events_dropped_by_clients},
-          {"events_dropped_by_cause", drop_causes_json(counters_.events_dropped_by_cause)},
+  nlohmann::json protocol_errors = view.counters().protocol_errors;
+  return {{"events_received", view.counters().events_received},
+          {"frames_received", view.counters().frames_received},
+          {"bytes_received", view.counters().bytes_received},
+          {"events_dropped_by_clients", view.counters().events_dropped_by_clients},
+          {"events_dropped_by_cause", drop_causes_json(view.counters().events_dropped_by_cause)},
           {"protocol_errors",
-           {{"total", counters_.protocol_errors_total()}, {"by_kind", std::move(protocol_errors)}}},
+           {{"total", view.counters().protocol_errors_total()},
+            {"by_kind", std::move(protocol_errors)}}},
           {"connections",
-           {{"now", counters_.connections_now},
-            {"total", counters_.connections_total},
-            {"rejected", counters_.connections_rejected}}},
-          {"commands_served", counters_.commands_served},
+           {{"now", view.counters().connections_now},
+            {"total", view.counters().connections_total},
+            {"rejected", view.counters().connections_rejected}}},
+          {"commands_served", view.counters().commands_served},
           {"processes",
            {{"tracked", state.by_key.size()},
             {"live", live},
             {"exited", state.exited},
             {"connected", connected}}},
           {"custom_steps", custom_steps},
-          {"limits_hit", counters_.limits_hit},
+          {"limits_hit", view.counters().limits_hit},
           {"snapshots",
-           {{"written", counters_.snapshots_written}, {"errors", counters_.snapshot_errors}}},
+           {{"written", view.counters().snapshots_written},
+            {"errors", view.counters().snapshot_errors}}},
           {"memory", {{"rss_bytes", rss_bytes()}, {"state_bytes_estimate", state_bytes}}},
-          {"uptime_s", uptime_s(uptime_)},
-          {"ledger_anomalies", state.ledger.anomalies_json()}};
+          {"uptime_s", uptime_s(view.uptime())},
+          {"ledger_anomalies", report::ledger_anomalies_json(state.ledger.state())}};
 }
 
 }  // namespace steptrace::daemon

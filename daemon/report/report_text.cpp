@@ -7,9 +7,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "daemon/report/ledger_report.h"
+#include "daemon/report/report.h"
+#include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
 #include "daemon/state/collector_state.h"
-#include "daemon/report/report_format.h"
+#include "proto/steps.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -18,9 +21,9 @@ using report::Align;
 using report::Column;
 using report::format_duration;
 
-constexpr std::uint32_t kMatmul = 2;
-constexpr std::uint32_t kTranspose = 4;
-constexpr std::uint32_t kAlloc = 5;
+constexpr std::uint32_t kMatmul = proto::builtin_step_id("Matmul");
+constexpr std::uint32_t kTranspose = proto::builtin_step_id("Transpose");
+constexpr std::uint32_t kAlloc = proto::builtin_step_id("Alloc");
 
 struct Row {
   std::string_view name;
@@ -43,9 +46,9 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
     total_time += h.sum();
     name_width = std::max(name_width, report::display_width(t.name));
     // Built-in names are unique; a custom step can not take a built-in's name slot.
-    if (t.name == proto::kBuiltinStepNames[kMatmul]) compute += h.sum();
-    if (t.name == proto::kBuiltinStepNames[kTranspose] ||
-        t.name == proto::kBuiltinStepNames[kAlloc]) {
+    if (t.name == proto::builtin_step_name(kMatmul)) compute += h.sum();
+    if (t.name == proto::builtin_step_name(kTranspose) ||
+        t.name == proto::builtin_step_name(kAlloc)) {
       overhead += h.sum();
     }
   }
@@ -138,9 +141,9 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::string& ou
 
 }  // namespace
 
-std::string CollectorView::report_text(std::optional<std::int32_t> pid) const {
-  const std::uint64_t now = now_ns_;
-  const auto processes = select_processes(*state_, pid);
+std::string report::report_text(const CollectorView& view, std::optional<std::int32_t> pid) {
+  const std::uint64_t now = view.now_ns();
+  const auto processes = select_processes(view.state(), pid);
   std::string out =
       "\n" + report::boxed_title(pid ? "STEPTRACE REPORT (pid " + std::to_string(*pid) + ")"
                                      : std::string("STEPTRACE REPORT"));
@@ -157,15 +160,17 @@ std::string CollectorView::report_text(std::optional<std::int32_t> pid) const {
     }
   }
   out += "\n[VRAM Ledger]\n";
-  out += state_->ledger.to_text(now);
+  out += report::ledger_text(view.state().ledger.state(), now);
   return out;
 }
 
-std::string CollectorView::ledger_text() const { return state_->ledger.to_text(now_ns_); }
+std::string report::ledger_text(const CollectorView& view) {
+  return report::ledger_text(view.state().ledger.state(), view.now_ns());
+}
 
-std::string CollectorView::stats_text() const {
+std::string report::stats_text(const CollectorView& view) {
   std::string out;
-  flatten(stats_json(), "", out);
+  flatten(stats_json(view), "", out);
   return out;
 }
 

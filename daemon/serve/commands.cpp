@@ -1,5 +1,7 @@
 #include "daemon/serve/commands.h"
+#include "daemon/report/report.h"
 
+#include <steptrace/version.h>
 #include <charconv>
 #include <exception>
 #include <nlohmann/json.hpp>
@@ -164,27 +166,30 @@ CommandTable::CommandTable() {
                      "per-step timing for all processes (or one pid), then the VRAM ledger",
                      [](const ReportRequest& r, const CommandContext&) -> Reply {
                        return RenderJob([r](const CollectorView& v) {
-                         return r.json ? json_line(v.report_json(r.pid))
-                                       : text_reply(v.report_text(r.pid));
+                         return r.json ? json_line(report::report_json(v, r.pid))
+                                       : text_reply(report::report_text(v, r.pid));
                        });
                      });
   add<LedgerRequest>("ledger", "ledger [--json]", "the VRAM ledger view per GPU",
                      [](const LedgerRequest& r, const CommandContext&) -> Reply {
                        return RenderJob([r](const CollectorView& v) {
-                         return r.json ? json_line(v.ledger_json()) : text_reply(v.ledger_text());
+                         return r.json ? json_line(report::ledger_json(v))
+                                       : text_reply(report::ledger_text(v));
                        });
                      });
   add<StatsRequest>("stats", "stats [--json]", "the daemon's own counters",
                     [](const StatsRequest& r, const CommandContext&) -> Reply {
                       return RenderJob([r](const CollectorView& v) {
-                        return r.json ? json_line(v.stats_json()) : text_reply(v.stats_text());
+                        return r.json ? json_line(report::stats_json(v))
+                                      : text_reply(report::stats_text(v));
                       });
                     });
-  add<MetricsRequest>(
-      "metrics", "metrics", "Prometheus text exposition (format 0.0.4)",
-      [](const MetricsRequest&, const CommandContext&) -> Reply {
-        return RenderJob([](const CollectorView& v) { return text_reply(v.metrics_text()); });
-      });
+  add<MetricsRequest>("metrics", "metrics", "Prometheus text exposition (format 0.0.4)",
+                      [](const MetricsRequest&, const CommandContext&) -> Reply {
+                        return RenderJob([](const CollectorView& v) {
+                          return text_reply(report::metrics_text(v));
+                        });
+                      });
   add<ResetRequest>("reset", "reset [--pid N]",
                     "clear the aggregates (all, or one pid's); root or the daemon's uid only",
                     [](const ResetRequest& r, const CommandContext& c) {
@@ -199,7 +204,8 @@ CommandTable::CommandTable() {
   add<VersionRequest>(
       "version", "version", "daemon version, protocol version and commands, as one JSON line",
       [this](const VersionRequest&, const CommandContext&) {
-        return VersionResponse{STEPTRACE_VERSION, proto::kProtocolVersion, names()}.to_json_line();
+        return VersionResponse{STEPTRACE_VERSION_STRING, proto::kProtocolVersion, names()}
+            .to_json_line();
       });
   add<HelpRequest>("help", "help", "this list",
                    [this](const HelpRequest&, const CommandContext&) { return help_text(); });

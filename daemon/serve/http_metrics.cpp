@@ -1,4 +1,5 @@
 #include "daemon/serve/http_metrics.h"
+#include "daemon/report/report.h"
 
 #include <spdlog/spdlog.h>
 #include <boost/beast/core.hpp>
@@ -83,7 +84,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
       RenderWorker* renderer = shared_->renderer;
       if (renderer == nullptr) return;  // shutting down
       const bool head = req.method() == http::verb::head;
-      renderer->submit([](const CollectorView& view) { return view.metrics_text(); },
+      renderer->submit([](const CollectorView& view) { return report::metrics_text(view); },
                        [self = shared_from_this(), head](std::string body) {
                          self->respond_metrics(head, std::move(body));
                        });

@@ -1,5 +1,5 @@
 // The optional HTTP listener for Prometheus: `GET /metrics` (and HEAD) answers
-// collector.metrics_text() in the text exposition format 0.0.4.
+// report::metrics_text(*collector.freeze()) in the text exposition format 0.0.4.
 //
 // Data flow: Server builds it on its io_context when metrics_listen is set -> accept loop
 // -> one HttpConnection per TCP client (keep-alive; header limit 8 KiB, tiny body limit,
@@ -17,9 +17,9 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
 
-#include "daemon/state/collector.h"
 #include "daemon/serve/config.h"
 #include "daemon/serve/render_worker.h"
+#include "daemon/state/collector.h"
 
 namespace steptrace::daemon {
 

@@ -1,16 +1,15 @@
 // Collector: the process table, ingest (the hot path), liveness, limits, reset and
-// snapshot/restore. Reports are in report_json.cpp, report_text.cpp, metrics_text.cpp.
+// adopting a restored snapshot. Reports are rendered by daemon/report/ from a CollectorView; the
+// snapshot codec is in daemon/persist/snapshot_codec.cpp.
 #include "daemon/state/collector.h"
 
 #include <algorithm>
 #include <limits>
 #include <utility>
 
-#include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
 
 #include "daemon/state/collector_state.h"
-#include "daemon/persist/snapshot.h"
 
 namespace steptrace::daemon {
 
@@ -157,7 +156,7 @@ bool evict_oldest_exited(CollectorState& state) {
 // counted as a hit of that limit.
 void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCounters& counters) {
   while (state.exited > limits.max_exited_processes && evict_oldest_exited(state)) {
-    ++counters.limits_hit["max_exited_processes"];
+    counters.hit(LimitKind::kMaxExitedProcesses);
   }
 }
 
@@ -185,7 +184,7 @@ ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& li
     rec.last_thread = nullptr;
     rec.last_tid = 0;
     if (rec.threads.size() >= limits.max_threads_per_process) {
-      ++counters.limits_hit["max_threads_per_process"];
+      counters.hit(LimitKind::kMaxThreadsPerProcess);
       return nullptr;
     }
   }
@@ -238,7 +237,7 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
   if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
     refresh_liveness();  // a disconnected process may have died since the last check
     if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
-      ++counters_.limits_hit["max_processes"];
+      counters_.hit(LimitKind::kMaxProcesses);
       return make_error_code(errc::limit_reached);
     }
   }
@@ -331,7 +330,7 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       break;
     }
   }
-  if (depth_hits != 0) counters_.limits_hit["max_open_depth"] += depth_hits;
+  if (depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, depth_hits);
   return result;
 }
 
@@ -349,7 +348,7 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
                                                             : make_error_code(errc::bad_string);
   }
   if (rec.custom_ids.size() >= limits_.max_custom_steps) {
-    ++counters_.limits_hit["max_custom_steps"];
+    counters_.hit(LimitKind::kMaxCustomSteps);
     return make_error_code(errc::limit_reached);
   }
   if (!rec.custom_slot) {
@@ -448,19 +447,6 @@ std::shared_ptr<const CollectorView> Collector::freeze() const {
       new CollectorView(*state_, counters_, env_.monotonic_now_ns()));
 }
 
-nlohmann::json Collector::report_json(std::optional<std::int32_t> pid) const {
-  return freeze()->report_json(pid);
-}
-std::string Collector::report_text(std::optional<std::int32_t> pid) const {
-  return freeze()->report_text(pid);
-}
-nlohmann::json Collector::ledger_json() const { return freeze()->ledger_json(); }
-std::string Collector::ledger_text() const { return freeze()->ledger_text(); }
-nlohmann::json Collector::stats_json() const { return freeze()->stats_json(); }
-std::string Collector::stats_text() const { return freeze()->stats_text(); }
-std::string Collector::metrics_text() const { return freeze()->metrics_text(); }
-nlohmann::json Collector::snapshot() const { return freeze()->snapshot(); }
-
 // ---- selection shared by the reports ---------------------------------------------------
 
 std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
@@ -506,348 +492,42 @@ std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>&
   return out;
 }
 
-// ---- snapshot / restore ------------------------------------------------------------------
+// ---- adopt (a snapshot's state, from daemon/persist/snapshot_codec.cpp) -------------------
 
-namespace {
-
-constexpr int kSnapshotVersion = 1;
-
-nlohmann::json step_agg_json(const StepAgg& agg) {
-  return {{"unmatched_ends", agg.unmatched_ends},
-          {"abandoned", agg.abandoned},
-          {"depth_dropped", agg.depth_dropped},
-          {"histogram", agg.hist.to_json()}};
-}
-
-nlohmann::json counters_json(const DaemonCounters& c) {
-  return {{"events_received", c.events_received},
-          {"frames_received", c.frames_received},
-          {"bytes_received", c.bytes_received},
-          {"events_dropped_by_clients", c.events_dropped_by_clients},
-          {"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
-          {"connections_total", c.connections_total},
-          {"connections_rejected", c.connections_rejected},
-          {"commands_served", c.commands_served},
-          {"protocol_errors", c.protocol_errors},
-          {"limits_hit", c.limits_hit}};
-}
-
-// Typed field access for restore: each returns false and sets `error` naming the field.
-class Reader {
- public:
-  explicit Reader(std::string& error) : error_(error) {}
-
-  const nlohmann::json* field(const nlohmann::json& j, const char* key, const char* what) {
-    if (!j.is_object()) return fail(std::string(what) + " is not an object"), nullptr;
-    const auto it = j.find(key);
-    if (it == j.end()) return fail(std::string(what) + ": \"" + key + "\" is missing"), nullptr;
-    return &*it;
-  }
-  template <typename T>
-  bool get_unsigned(const nlohmann::json& j, const char* key, const char* what, T& out) {
-    const auto* v = field(j, key, what);
-    if (!v) return false;
-    // In-memory documents keep signed integers signed; parsed ones make them unsigned.
-    const bool non_negative =
-        v->is_number_unsigned() || (v->is_number_integer() && v->get<std::int64_t>() >= 0);
-    if (!non_negative || v->get<std::uint64_t>() > std::numeric_limits<T>::max()) {
-      return fail(std::string(what) + ": \"" + key + "\" must be an unsigned integer in range");
-    }
-    out = static_cast<T>(v->get<std::uint64_t>());
-    return true;
-  }
-  bool get_bool(const nlohmann::json& j, const char* key, const char* what, bool& out) {
-    const auto* v = field(j, key, what);
-    if (!v) return false;
-    if (!v->is_boolean()) return fail(std::string(what) + ": \"" + key + "\" must be a boolean");
-    out = v->get<bool>();
-    return true;
-  }
-  // A printable ASCII string of at most max_len bytes (and at least min_len).
-  bool get_string(const nlohmann::json& j, const char* key, const char* what, std::string& out,
-                  std::size_t min_len, std::size_t max_len) {
-    const auto* v = field(j, key, what);
-    if (!v) return false;
-    if (!v->is_string()) return fail(std::string(what) + ": \"" + key + "\" must be a string");
-    out = v->get<std::string>();
-    if (out.size() < min_len || out.size() > max_len ||
-        !std::all_of(out.begin(), out.end(), proto::is_printable)) {
-      return fail(std::string(what) + ": \"" + key + "\" must be " + std::to_string(min_len) +
-                  ".." + std::to_string(max_len) + " printable characters");
-    }
-    return true;
-  }
-  const nlohmann::json* array(const nlohmann::json& j, const char* key, const char* what) {
-    const auto* v = field(j, key, what);
-    if (v && !v->is_array())
-      return fail(std::string(what) + ": \"" + key + "\" must be an array"), nullptr;
-    return v;
-  }
-  bool fail(std::string message) {
-    if (error_.empty()) error_ = std::move(message);
-    return false;
-  }
-  // An object of the drop cause names (snapshots before causes existed have none: zeros).
-  bool get_drop_causes(const nlohmann::json& j, const char* key, const char* what,
-                       DropCounts& out) {
-    out = {};
-    if (!j.is_object() || !j.contains(key)) return true;
-    const auto* v = field(j, key, what);
-    if (!v->is_object() || v->size() != proto::kDropCauseCount) {
-      return fail(std::string(what) + ": \"" + key + "\" must be an object of the " +
-                  std::to_string(proto::kDropCauseCount) + " drop causes");
-    }
-    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
-      const std::string name(proto::kDropCauseNames[i]);
-      if (!get_unsigned(*v, name.c_str(), key, out[i])) return false;
-    }
-    return true;
-  }
-
- private:
-  std::string& error_;
-};
-
-bool read_step_agg(Reader& r, const nlohmann::json& j, StepAgg& agg, std::string& error) {
-  if (!r.get_unsigned(j, "unmatched_ends", "step", agg.unmatched_ends) ||
-      !r.get_unsigned(j, "abandoned", "step", agg.abandoned) ||
-      !r.get_unsigned(j, "depth_dropped", "step", agg.depth_dropped)) {
-    return false;
-  }
-  const auto* hist = r.field(j, "histogram", "step");
-  if (!hist) return false;
-  std::string hist_error;
-  auto h = Histogram::from_json(*hist, hist_error);
-  if (!h) return r.fail(hist_error), false;
-  agg.hist = std::move(*h);
-  (void)error;
-  return true;
-}
-
-bool read_process(Reader& r, const nlohmann::json& j, ProcessRecord& rec, std::string& error) {
-  const char* what = "process";
-  std::uint32_t pid = 0;
-  if (!r.get_unsigned(j, "pid", what, pid) || pid == 0 ||
-      pid > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max())) {
-    return r.fail("process: \"pid\" must be a positive pid");
-  }
-  rec.peer.key.pid = static_cast<std::int32_t>(pid);
-  if (!r.get_unsigned(j, "start_time", what, rec.peer.key.start_time) ||
-      !r.get_unsigned(j, "uid", what, rec.peer.uid) ||
-      !r.get_unsigned(j, "gid", what, rec.peer.gid) ||
-      !r.get_string(j, "comm", what, rec.peer.comm, 0, 64) ||
-      !r.get_string(j, "client", what, rec.client_name, 0, proto::kProcessNameField - 1) ||
-      !r.get_string(j, "library_version", what, rec.library_version, 0,
-                    proto::kLibraryVersionField - 1) ||
-      !r.get_bool(j, "alive", what, rec.alive) ||
-      !r.get_unsigned(j, "exited_at_ns", what, rec.exited_at_ns) ||
-      !r.get_unsigned(j, "exit_order", what, rec.exit_order) ||
-      !r.get_unsigned(j, "dropped", what, rec.dropped) ||
-      !r.get_drop_causes(j, "dropped_by_cause", what, rec.dropped_by_cause)) {
-    return false;
-  }
-  const auto* custom = r.array(j, "custom_steps", what);
-  if (!custom) return false;
-  if (custom->size() > proto::kMaxCustomSteps) return r.fail("process: too many custom steps");
-  for (const auto& c : *custom) {
-    std::uint32_t id = 0;
-    std::string name;
-    if (!r.get_unsigned(c, "id", "custom step", id) ||
-        !r.get_string(c, "name", "custom step", name, 1, proto::kMaxNameLength)) {
-      return false;
-    }
-    if (!proto::is_custom_step(id)) return r.fail("custom step: \"id\" out of the custom range");
-    if (!rec.custom_slot) {
-      rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
-      rec.custom_slot->fill(0);
-    }
-    auto& slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
-    if (slot != 0) return r.fail("custom step: id " + std::to_string(id) + " registered twice");
-    slot = static_cast<std::uint16_t>(rec.steps.size());
-    rec.steps.emplace_back();
-    rec.custom_ids.push_back(id);
-    rec.custom_names.push_back(std::move(name));
-  }
-  const auto* steps = r.array(j, "steps", what);
-  if (!steps) return false;
-  std::vector<bool> seen(rec.steps.size(), false);
-  for (const auto& s : *steps) {
-    std::uint32_t id = 0;
-    if (!r.get_unsigned(s, "id", "step", id)) return false;
-    std::size_t slot;
-    if (proto::is_builtin_step(id)) {
-      slot = id;
-    } else if (proto::is_custom_step(id) && rec.custom_slot &&
-               (*rec.custom_slot)[id - proto::kFirstCustomStep] != 0) {
-      slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
-    } else {
-      return r.fail("step: id " + std::to_string(id) + " is neither built-in nor registered");
-    }
-    if (seen[slot]) return r.fail("step: id " + std::to_string(id) + " appears twice");
-    seen[slot] = true;
-    if (!read_step_agg(r, s, rec.steps[slot], error)) return false;
-  }
-  if (!rec.alive && rec.exit_order == 0)
-    return r.fail("process: an exited process needs \"exit_order\"");
-  return true;
-}
-
-}  // namespace
-
-nlohmann::json CollectorView::snapshot() const {
-  const CollectorState& state = *state_;
-  nlohmann::json processes = nlohmann::json::array();
-  for (const auto& [key, handle] : state.by_key) {
-    const ProcessRecord& rec = *state.slots[handle];
-    nlohmann::json custom = nlohmann::json::array();
-    for (std::size_t i = 0; i < rec.custom_ids.size(); ++i) {
-      custom.push_back({{"id", rec.custom_ids[i]}, {"name", rec.custom_names[i]}});
-    }
-    // Open spans cannot survive: whoever restores this has no connection to end them.
-    const auto open = rec.open_per_slot();
-    nlohmann::json steps = nlohmann::json::array();
-    for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
-      StepAgg agg = rec.steps[slot];
-      agg.abandoned += open[slot];
-      if (!agg.has_data()) continue;
-      nlohmann::json s = step_agg_json(agg);
-      s["id"] = rec.step_id(slot);
-      s["name"] = rec.step_name(slot);
-      steps.push_back(std::move(s));
-    }
-    processes.push_back({{"pid", key.pid},
-                         {"start_time", key.start_time},
-                         {"uid", rec.peer.uid},
-                         {"gid", rec.peer.gid},
-                         {"comm", rec.peer.comm},
-                         {"client", rec.client_name},
-                         {"library_version", rec.library_version},
-                         {"alive", rec.alive},
-                         {"exited_at_ns", rec.exited_at_ns},
-                         {"exit_order", rec.exit_order},
-                         {"dropped", rec.dropped},
-                         {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
-                         {"custom_steps", std::move(custom)},
-                         {"steps", std::move(steps)}});
-  }
-  nlohmann::json retired = nlohmann::json::array();
-  for (const auto& [name, hist] : *state.retired) {
-    retired.push_back({{"step", name}, {"histogram", hist.to_json()}});
-  }
-  return {{"schema", kSnapshotSchema},        {"version", kSnapshotVersion},
-          {"written_at_ns", now_ns_},         {"processes", std::move(processes)},
-          {"retired", std::move(retired)},    {"counters", counters_json(counters_)},
-          {"ledger", state.ledger.snapshot()}};
-}
-
-std::error_code Collector::restore(const nlohmann::json& doc) {
+std::error_code Collector::adopt(RestoredState restored) {
   for (const auto& slot : state_->slots) {
-    // Live sessions hold handles into the table that a restore would invalidate.
+    // Live sessions hold handles into the table that this would invalidate.
     if (slot && slot->connections > 0)
       return std::make_error_code(std::errc::device_or_resource_busy);
   }
-  std::string error;
-  Reader r(error);
-  // The caller only gets errc::bad_config; the reason goes to the log.
-  const auto bad = [&error] {
-    spdlog::warn("snapshot rejected: {}",
-                 error.empty() ? std::string("malformed document") : error);
-    return make_error_code(errc::bad_config);
-  };
-  if (!doc.is_object() || !doc.contains("schema") || doc["schema"] != kSnapshotSchema) {
-    r.fail(std::string("not a ") + kSnapshotSchema + " document");
-    return bad();
-  }
-  std::uint32_t version = 0;
-  if (!r.get_unsigned(doc, "version", "snapshot", version) || version != kSnapshotVersion) {
-    r.fail("snapshot version " + std::to_string(version) + " is not one this build reads");
-    return bad();
-  }
-
   auto next = std::make_unique<State>(limits_, counters_);
-  const auto* processes = r.array(doc, "processes", "snapshot");
-  if (!processes) return bad();
-  for (const auto& p : *processes) {
-    auto rec = std::make_shared<ProcessRecord>();
-    if (!read_process(r, p, *rec, error)) return bad();
-    if (next->by_key.count(rec->key())) {
-      r.fail("process " + std::to_string(rec->key().pid) + " appears twice");
-      return bad();
+  std::uint64_t max_order = 0;
+  for (auto& rec : restored.processes) {
+    if (!rec->alive) {
+      ++next->exited;
+      max_order = std::max(max_order, rec->exit_order);
     }
     next->by_key.emplace(rec->key(), static_cast<ProcessHandle>(next->slots.size()));
     next->slots.push_back(std::move(rec));
   }
-  if (const auto it = doc.find("retired"); it != doc.end()) {
-    if (!it->is_array() || it->size() > CollectorState::kMaxRetiredNames + 1) return bad();
-    for (const auto& entry : *it) {
-      std::string name;
-      if (!r.get_string(entry, "step", "retired", name, 1, proto::kMaxNameLength)) return bad();
-      const auto* hist = r.field(entry, "histogram", "retired");
-      if (!hist) return bad();
-      std::string hist_error;
-      auto h = Histogram::from_json(*hist, hist_error);
-      if (!h) r.fail("retired: " + hist_error);
-      if (!h || !next->retired->try_emplace(name, std::move(*h)).second) return bad();
-    }
-  }
-  DaemonCounters restored_counters;
-  const auto* counters = r.field(doc, "counters", "snapshot");
-  if (!counters || !counters->is_object()) return bad();
-  {
-    const char* what = "counters";
-    DaemonCounters& c = restored_counters;
-    if (!r.get_unsigned(*counters, "events_received", what, c.events_received) ||
-        !r.get_unsigned(*counters, "frames_received", what, c.frames_received) ||
-        !r.get_unsigned(*counters, "bytes_received", what, c.bytes_received) ||
-        !r.get_unsigned(*counters, "events_dropped_by_clients", what,
-                        c.events_dropped_by_clients) ||
-        !r.get_drop_causes(*counters, "events_dropped_by_cause", what, c.events_dropped_by_cause) ||
-        !r.get_unsigned(*counters, "connections_total", what, c.connections_total) ||
-        !r.get_unsigned(*counters, "connections_rejected", what, c.connections_rejected) ||
-        !r.get_unsigned(*counters, "commands_served", what, c.commands_served)) {
-      return bad();
-    }
-    for (const char* map_name : {"protocol_errors", "limits_hit"}) {
-      const auto* m = r.field(*counters, map_name, what);
-      if (!m || !m->is_object() || m->size() > 256) return bad();
-      auto& target = std::string_view(map_name) == "limits_hit" ? c.limits_hit : c.protocol_errors;
-      for (const auto& [name, value] : m->items()) {
-        const bool non_negative = value.is_number_unsigned() ||
-                                  (value.is_number_integer() && value.get<std::int64_t>() >= 0);
-        if (!non_negative || name.empty() || name.size() > 64) return bad();
-        target[name] = value.get<std::uint64_t>();
-      }
-    }
-  }
-  const auto* ledger = r.field(doc, "ledger", "snapshot");
-  if (!ledger) return bad();
-  if (const std::error_code ec = next->ledger.restore(*ledger)) {
-    r.fail("ledger: " + ec.message());
-    return bad();
-  }
-
-  // Everything validated: install it.
-  std::uint64_t max_order = 0;
-  for (auto& slot : next->slots) {
-    if (!slot->alive) {
-      ++next->exited;
-      max_order = std::max(max_order, slot->exit_order);
-    }
-  }
   next->next_exit_order = max_order + 1;
+  *next->retired = std::move(restored.retired);
+  next->ledger.adopt(std::move(restored.ledger));
   state_ = std::move(next);
+
   DaemonCounters& c = counters_;
-  c.events_received += restored_counters.events_received;
-  c.frames_received += restored_counters.frames_received;
-  c.bytes_received += restored_counters.bytes_received;
-  c.events_dropped_by_clients += restored_counters.events_dropped_by_clients;
+  const DaemonCounters& r = restored.counters;
+  c.events_received += r.events_received;
+  c.frames_received += r.frames_received;
+  c.bytes_received += r.bytes_received;
+  c.events_dropped_by_clients += r.events_dropped_by_clients;
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
-    c.events_dropped_by_cause[i] += restored_counters.events_dropped_by_cause[i];
-  c.connections_total += restored_counters.connections_total;
-  c.connections_rejected += restored_counters.connections_rejected;
-  c.commands_served += restored_counters.commands_served;
-  for (const auto& [k, v] : restored_counters.protocol_errors) c.protocol_errors[k] += v;
-  for (const auto& [k, v] : restored_counters.limits_hit) c.limits_hit[k] += v;
+    c.events_dropped_by_cause[i] += r.events_dropped_by_cause[i];
+  c.connections_total += r.connections_total;
+  c.connections_rejected += r.connections_rejected;
+  c.commands_served += r.commands_served;
+  for (const auto& [k, v] : r.protocol_errors) c.protocol_errors[k] += v;
+  for (const auto& [k, v] : r.limits_hit) c.limits_hit[k] += v;
   // Restored processes have no connection: ask /proc who is still there.
   refresh_liveness();
   while (state_->by_key.size() > limits_.max_processes && evict_oldest_exited(*state_)) {

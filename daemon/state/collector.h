@@ -5,6 +5,9 @@
 // proto::Decoder and hands each validated message to the Collector through the
 // ProcessHandle it got from attach(). Everything runs on the one io_context thread, so
 // the Collector takes no locks. Reports, metrics and snapshots read the same state.
+// Snapshots are not made here: the snapshot codec (daemon/persist/snapshot_codec.h)
+// encodes a CollectorView's state() and decodes a document into a RestoredState, which
+// Collector::adopt() installs.
 //
 // A process is identified by (pid, start_time) from SO_PEERCRED and /proc, never by a
 // pid the client claims; a recycled pid is a new process. Several connections of one
@@ -30,6 +33,7 @@
 namespace steptrace::daemon {
 
 struct CollectorState;
+struct RestoredState;
 class CollectorView;
 
 // Text rendered from a view, possibly on another thread (daemon/serve/render_worker.h).
@@ -45,22 +49,12 @@ class CollectorView {
   CollectorView(const CollectorView&) = delete;
   CollectorView& operator=(const CollectorView&) = delete;
 
-  // Each process object also carries "current": per thread the innermost open span and
-  // how long it has been open (what the CLI's `top` shows), plus "unmatched_ends" and
-  // "abandoned" per step. Schema: proto/PROTOCOL.md section 10.4.
-  nlohmann::json report_json(std::optional<std::int32_t> pid) const;
-  std::string report_text(std::optional<std::int32_t> pid) const;
-  nlohmann::json ledger_json() const;
-  std::string ledger_text() const;
-  nlohmann::json stats_json() const;
-  std::string stats_text() const;
-  // Prometheus text exposition format 0.0.4.
-  std::string metrics_text() const;
-  // The persistent state (Collector::restore reads it back).
-  nlohmann::json snapshot() const;
-
   // CLOCK_MONOTONIC when the view was made: "open for" and "exited ago" count to it.
   std::uint64_t now_ns() const { return now_ns_; }
+  // What the renderers (daemon/report/report.h) and the snapshot codec read.
+  const CollectorState& state() const { return *state_; }
+  const DaemonCounters& counters() const { return counters_; }
+  std::chrono::steady_clock::duration uptime() const { return uptime_; }
 
  private:
   friend class Collector;
@@ -108,24 +102,18 @@ class Collector {
   std::size_t reset(std::optional<std::int32_t> pid);
 
   // ---- reports ---------------------------------------------------------------------
-  // The state now, to render (on any thread). The daemon renders every report from a
-  // view on its render thread; the functions below render one on the caller's thread.
+  // The state now, to render on any thread with the functions of daemon/report/report.h.
+  // The daemon renders every report from a view on its render thread.
   std::shared_ptr<const CollectorView> freeze() const;
 
-  nlohmann::json report_json(std::optional<std::int32_t> pid) const;
-  std::string report_text(std::optional<std::int32_t> pid) const;
-  nlohmann::json ledger_json() const;
-  std::string ledger_text() const;
-  nlohmann::json stats_json() const;
-  std::string stats_text() const;
-  // Prometheus text exposition format 0.0.4.
-  std::string metrics_text() const;
-
   // ---- persistence -------------------------------------------------------------------
-  nlohmann::json snapshot() const;
-  // Replaces the state with a snapshot's. Fails (state unchanged) with errc::bad_config
-  // when the document is not a steptrace snapshot of a version this build reads.
-  std::error_code restore(const nlohmann::json& snapshot);
+  // Replaces the state with one the snapshot codec decoded (restore_from_snapshot,
+  // daemon/persist/snapshot_codec.h) and adds its counters to the daemon's. Restored
+  // processes have no connection, so their liveness is checked against /proc at once,
+  // and exited ones beyond the limits are evicted. Fails (state unchanged) with
+  // std::errc::device_or_resource_busy while a connection is attached: its session holds
+  // a handle into the table this replaces.
+  std::error_code adopt(RestoredState restored);
 
   DaemonCounters& counters() { return counters_; }
   const DaemonCounters& counters() const { return counters_; }

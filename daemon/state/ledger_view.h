@@ -6,7 +6,9 @@
 // named by the last annotation the same thread recorded inside the span. Holders whose
 // process died without releasing are flagged (holder_alive = false, a leak) until a
 // release or a cleanup removes them. Anomalies are counted per kind, never fatal.
-// Owned by the Collector; single-threaded like it.
+// Owned by the Collector; single-threaded like it. Its state is ledger::State
+// (ledger_state.h); the snapshot codec (daemon/persist/snapshot_codec.h) writes it from
+// state() and restores it through adopt().
 #pragma once
 
 #include <cstdint>
@@ -14,13 +16,16 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <system_error>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "daemon/state/types.h"
 
 namespace steptrace::daemon {
+
+namespace ledger {
+struct State;
+}  // namespace ledger
 
 // The process that sent an annotation, as the collector knows it.
 struct LedgerActor {
@@ -50,24 +55,18 @@ class LedgerView {
   // (reservations it holds stay, since they still hold VRAM).
   void forget_process(const ProcessKey& process);
 
-  // {"gpus": [...]}: the `ledger --json` document of proto/PROTOCOL.md section 10.4.
-  nlohmann::json to_json(std::uint64_t now_ns) const;
-  std::string to_text(std::uint64_t now_ns) const;
-  // Appends the ledger's Prometheus families (HELP/TYPE lines included).
-  void append_metrics(std::string& out) const;
-  // Anomaly counts by kind, for stats.
-  nlohmann::json anomalies_json() const;
-
-  nlohmann::json snapshot() const;
-  std::error_code restore(const nlohmann::json& snapshot);
+  // ---- hand-over to the renderers (daemon/report/ledger_report.h) and the snapshot codec
+  const ledger::State& state() const { return *state_; }
+  // Replaces the state with a restored one, validated by the codec (attribution marks
+  // are dropped: the spans they were for ended with the daemon that wrote the snapshot).
+  void adopt(ledger::State state);
 
  private:
-  struct State;
-  State& write_state();  // clones a state a copy still shares
+  ledger::State& write_state();  // clones a state a copy still shares
 
   const Limits& limits_;
   DaemonCounters& counters_;
-  std::shared_ptr<State> state_;
+  std::shared_ptr<ledger::State> state_;
 };
 
 }  // namespace steptrace::daemon

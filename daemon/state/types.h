@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 
 #include "proto/codec.h"
 
@@ -39,12 +40,36 @@ struct Limits {
   std::size_t max_reservations_per_gpu = 4096;
 };
 
+// Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config
+// and in stats, metrics and snapshots. Metrics export each at zero before any is hit.
+enum class LimitKind : std::uint8_t {
+  kMaxConnections,  // ServerLimits (serve/config.h)
+  kMaxProcesses,
+  kMaxExitedProcesses,
+  kMaxCustomSteps,
+  kMaxOpenDepth,
+  kMaxThreadsPerProcess,
+  kMaxGpus,
+  kMaxReservationsPerGpu,
+};
+inline constexpr std::array<std::string_view, 8> kLimitNames = {
+    "max_connections",  "max_processes",           "max_exited_processes",
+    "max_custom_steps", "max_open_depth",          "max_threads_per_process",
+    "max_gpus",         "max_reservations_per_gpu"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxReservationsPerGpu) + 1 ==
+              kLimitNames.size());
+constexpr std::string_view limit_name(LimitKind kind) {
+  return kLimitNames[static_cast<std::size_t>(kind)];
+}
+
 // Counters the server and the collector both add to; shown by stats, metrics and the
 // "daemon" object of report --json.
 // The protocol_errors kinds a session counts that are not errcs: a command line over
 // limits.max_line_bytes, and a client that did not read its replies in time.
 inline constexpr const char* kLineTooLongKind = "line_too_long";
 inline constexpr const char* kWriteTimeoutKind = "write_timeout";
+inline constexpr std::array<std::string_view, 2> kSessionErrorKinds = {kLineTooLongKind,
+                                                                       kWriteTimeoutKind};
 
 struct DaemonCounters {
   std::uint64_t events_received = 0;
@@ -65,6 +90,7 @@ struct DaemonCounters {
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 
   std::uint64_t protocol_errors_total() const;
+  void hit(LimitKind kind, std::uint64_t n = 1) { limits_hit[std::string(limit_name(kind))] += n; }
 };
 
 // An index into the collector's process table, valid while the connection lives.

@@ -8,8 +8,9 @@
 #include <set>
 #include <sstream>
 
-#include "daemon/state/collector.h"
+#include "daemon/report/report.h"
 #include "daemon/report/report_format.h"
+#include "daemon/state/collector.h"
 #include "tests/daemon/daemon_test_util.h"
 
 namespace steptrace::daemon {
@@ -56,7 +57,7 @@ TEST_F(ReportTest, JsonReportHasEveryFieldOfTheSchemaWithRealValues) {
   collector_.counters().protocol_errors["bad_magic"] = 3;
   world_.now_ns = 9000 + 250;
 
-  const json r = collector_.report_json(std::nullopt);
+  const json r = report::report_json(*collector_.freeze(), std::nullopt);
   EXPECT_EQ(r["schema"], "steptrace.report/v1");
   ASSERT_EQ(r["processes"].size(), 2u);
   const json& p = r["processes"][0];
@@ -111,13 +112,13 @@ TEST_F(ReportTest, JsonReportHasEveryFieldOfTheSchemaWithRealValues) {
   EXPECT_TRUE(d["uptime_s"].is_number_unsigned());
 
   // pid filter: only that pid's processes, totals over them.
-  const json only = collector_.report_json(5000);
+  const json only = report::report_json(*collector_.freeze(), 5000);
   ASSERT_EQ(only["processes"].size(), 1u);
   EXPECT_EQ(only["processes"][0]["pid"], 5000);
   ASSERT_EQ(only["totals"].size(), 1u);
   EXPECT_EQ(only["totals"][0]["count"], 1);
   EXPECT_EQ(only["totals"][0]["processes"], 1);
-  EXPECT_TRUE(collector_.report_json(1)["processes"].empty());
+  EXPECT_TRUE(report::report_json(*collector_.freeze(), 1)["processes"].empty());
 }
 
 TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
@@ -132,7 +133,7 @@ TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
       b.events({start(2, kMatmul, 0), end(2, kMatmul, 1'000'000), start(2, kAlloc, 0),
                 end(2, kAlloc, 3'000'000), start(2, kBackward, 0), end(2, kBackward, 850)}));
   b.dropped(4);
-  const std::string text = collector_.report_text(std::nullopt);
+  const std::string text = report::report_text(*collector_.freeze(), std::nullopt);
 
   EXPECT_NE(text.find("╔══════════════════════════════════════════════════════════════╗\n"
                       "║       STEPTRACE REPORT"),
@@ -189,18 +190,19 @@ TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
 }
 
 TEST_F(ReportTest, TextReportWithoutComputeHasNoAnalysisAndEmptySaysHowToRecord) {
-  std::string text = collector_.report_text(std::nullopt);
+  std::string text = report::report_text(*collector_.freeze(), std::nullopt);
   EXPECT_NE(text.find("STEPTRACE REPORT"), std::string::npos);
   EXPECT_NE(text.find("No process has connected yet"), std::string::npos) << text;
   Connection a(collector_, world_.spawn(1, 1, "a"));
-  text = collector_.report_text(std::nullopt);
+  text = report::report_text(*collector_.freeze(), std::nullopt);
   EXPECT_NE(text.find("No measurements recorded."), std::string::npos) << text;
   EXPECT_NE(text.find("steptrace_start"), std::string::npos) << text;
   ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
-  text = collector_.report_text(std::nullopt);
+  text = report::report_text(*collector_.freeze(), std::nullopt);
   EXPECT_EQ(text.find("No measurements recorded."), std::string::npos) << text;
   EXPECT_EQ(text.find("Dr. Popper"), std::string::npos) << text;
-  EXPECT_NE(collector_.report_text(77).find("No process with pid 77"), std::string::npos);
+  EXPECT_NE(report::report_text(*collector_.freeze(), 77).find("No process with pid 77"),
+            std::string::npos);
 }
 
 // ---- Prometheus ----------------------------------------------------------------------
@@ -281,7 +283,7 @@ TEST_F(ReportTest, MetricsAreWellFormedPrometheusText) {
   b.close();  // exited: no per-process series, still in the per-step histogram
   collector_.counters().protocol_errors["bad_magic"] = 2;
 
-  const std::string text = collector_.metrics_text();
+  const std::string text = report::metrics_text(*collector_.freeze());
   const Exposition e(text);
   EXPECT_TRUE(e.errors.empty()) << e.errors.front() << "\n" << text;
   for (const auto& s : e.samples) {
@@ -362,7 +364,7 @@ TEST_F(ReportTest, StepHistogramSeriesAreBoundedWhateverNamesClientsChoose) {
     }
     ASSERT_FALSE(conns.back()->events(events));
   }
-  const Exposition e(collector_.metrics_text());
+  const Exposition e(report::metrics_text(*collector_.freeze()));
   ASSERT_TRUE(e.errors.empty()) << e.errors.front();
   std::set<std::string> steps;
   std::uint64_t counted = 0;
@@ -386,7 +388,7 @@ TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   collector_.counters().protocol_errors["truncated"] = 1;
   collector_.counters().limits_hit["max_open_depth"] = 4;
   collector_.counters().connections_total = 5;
-  const json s = collector_.stats_json();
+  const json s = report::stats_json(*collector_.freeze());
   EXPECT_EQ(s["events_received"], 2);
   EXPECT_EQ(s["protocol_errors"]["total"], 3);
   EXPECT_EQ(s["protocol_errors"]["by_kind"]["bad_step_id"], 2);
@@ -400,7 +402,7 @@ TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   EXPECT_GT(s["memory"]["state_bytes_estimate"].get<std::uint64_t>(), 0u);
   EXPECT_TRUE(s.contains("ledger_anomalies"));
   EXPECT_TRUE(s.contains("snapshots"));
-  const std::string text = collector_.stats_text();
+  const std::string text = report::stats_text(*collector_.freeze());
   EXPECT_NE(text.find("events_received: 2\n"), std::string::npos) << text;
   EXPECT_NE(text.find("protocol_errors.total: 3\n"), std::string::npos) << text;
 }

@@ -3,6 +3,7 @@
 // Error frame naming its errc as PROTOCOL.md 4.9 says), timeouts, replies in order while
 // a render is out, back-pressure, rejection and the shutdown drain.
 #include "daemon/serve/client_stream.h"
+#include "daemon/report/report.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -34,6 +35,16 @@ std::vector<proto::Message> client_view(const std::string& sent) {
     out.push_back(*r.message);
   }
   return out;
+}
+
+// A client's hello, read by `stream` in one piece.
+void send_hello(ClientStream& stream, std::string_view name) {
+  std::array<std::byte, sizeof(proto::Hello)> hello{};
+  proto::Encoder enc(hello);
+  ASSERT_TRUE(enc.hello("0.1.0", name));
+  const auto buffer = stream.read_buffer();
+  std::memcpy(buffer.data(), hello.data(), hello.size());
+  stream.received(hello.size());
 }
 
 std::string error_text(const proto::Message& m) {
@@ -91,12 +102,7 @@ TEST_F(ClientStreamTest, FirstByteChoosesTheDialect) {
 
   RecordingTransport other(collector_);
   ClientStream binary(streams_.shared, other, world_.spawn(101, 5, "b"), false, start_);
-  std::array<std::byte, sizeof(proto::Hello)> hello{};
-  proto::Encoder enc(hello);
-  ASSERT_TRUE(enc.hello("0.1.0", "b"));
-  const auto buffer = binary.read_buffer();
-  std::memcpy(buffer.data(), hello.data(), hello.size());
-  binary.received(hello.size());
+  send_hello(binary, "b");
   EXPECT_EQ(binary.state(), State::kBinary);
   EXPECT_TRUE(binary.handle().has_value());
   binary.closed();
@@ -232,12 +238,7 @@ TEST_F(ClientStreamTest, OverMaxConnectionsIsAnsweredInTheClientsDialect) {
 
   RecordingTransport other(collector_);
   ClientStream binary(streams_.shared, other, world_.spawn(101, 5, "b"), true, start_);
-  std::array<std::byte, sizeof(proto::Hello)> hello{};
-  proto::Encoder enc(hello);
-  ASSERT_TRUE(enc.hello("0.1.0", "b"));
-  const auto buffer = binary.read_buffer();
-  std::memcpy(buffer.data(), hello.data(), hello.size());
-  binary.received(hello.size());
+  send_hello(binary, "b");
   const auto sent = client_view(other.sent);
   ASSERT_EQ(sent.size(), 1u);
   EXPECT_EQ(std::get<proto::ErrorReport>(sent[0]).code,
@@ -279,9 +280,9 @@ TEST_F(ClientStreamTest, ClosingDetachesTheProcessSoItsOpenSpansAreAbandoned) {
   c.close();
   EXPECT_EQ(c.stream().state(), State::kClosed);
   EXPECT_FALSE(c.stream().handle().has_value());
-  const auto report = collector_.report_json(std::nullopt);
-  ASSERT_EQ(report["processes"].size(), 1u);
-  EXPECT_EQ(report["processes"][0]["abandoned"], 1);
+  const auto doc = report::report_json(*collector_.freeze(), std::nullopt);
+  ASSERT_EQ(doc["processes"].size(), 1u);
+  EXPECT_EQ(doc["processes"][0]["abandoned"], 1);
 }
 
 }  // namespace

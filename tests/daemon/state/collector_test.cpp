@@ -1,4 +1,5 @@
 #include "daemon/state/collector.h"
+#include "daemon/report/report.h"
 
 #include <sys/wait.h>
 #include <time.h>
@@ -66,7 +67,7 @@ TEST_F(CollectorTest, CountsTotalsMinMaxAreExact) {
   ASSERT_FALSE(c.events({start(1, kForward, 1000), end(1, kForward, 1100), start(1, kForward, 2000),
                          end(1, kForward, 2300), start(1, kForward, 3000), end(1, kForward, 3200),
                          start(1, kMatmul, 4000), end(1, kMatmul, 9000)}));
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   const json f = step_of(r, 100, "Forward");
   ASSERT_FALSE(f.is_null());
   EXPECT_EQ(f["count"], 3);
@@ -84,7 +85,7 @@ TEST_F(CollectorTest, NestedSpansOfOneStepMatchAsAStack) {
   Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kForward, 10), end(1, kForward, 30),
                          end(1, kForward, 100)}));
-  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(report::report_json(*collector_->freeze(), std::nullopt), 100, "Forward");
   EXPECT_EQ(f["count"], 2);
   EXPECT_EQ(f["min_ns"], 20);   // inner
   EXPECT_EQ(f["max_ns"], 100);  // outer
@@ -95,7 +96,7 @@ TEST_F(CollectorTest, ThreadsHaveTheirOwnStacks) {
   Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(2, kForward, 5), end(1, kForward, 10),
                          start(3, kForward, 20), end(2, kForward, 50), end(3, kForward, 21)}));
-  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(report::report_json(*collector_->freeze(), std::nullopt), 100, "Forward");
   EXPECT_EQ(f["count"], 3);
   EXPECT_EQ(f["total_ns"], 10 + 45 + 1);
   EXPECT_EQ(f["min_ns"], 1);
@@ -105,7 +106,7 @@ TEST_F(CollectorTest, ThreadsHaveTheirOwnStacks) {
 TEST_F(CollectorTest, EndWithoutStartIsUnmatched) {
   Connection c(*collector_, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(c.events({end(1, kForward, 10), start(2, kForward, 0), end(1, kForward, 20)}));
-  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(report::report_json(*collector_->freeze(), std::nullopt), 100, "Forward");
   EXPECT_EQ(f["unmatched_ends"], 2);  // thread 1 never started one
   EXPECT_EQ(f["count"], 0);
   EXPECT_EQ(f["open"], 1);  // thread 2's start
@@ -118,11 +119,11 @@ TEST_F(CollectorTest, OpenSpansAreAbandonedWhenTheLastConnectionCloses) {
   ASSERT_EQ(a.handle(), b.handle());  // one process record for both
   ASSERT_FALSE(a.events({start(1, kForward, 0), start(1, kWaitPoll, 5)}));
   a.close();
-  json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  json f = step_of(report::report_json(*collector_->freeze(), std::nullopt), 100, "Forward");
   EXPECT_EQ(f["open"], 1);  // b still connected
   EXPECT_EQ(f["abandoned"], 0);
   b.close();
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   f = step_of(r, 100, "Forward");
   EXPECT_EQ(f["open"], 0);
   EXPECT_EQ(f["abandoned"], 1);
@@ -139,7 +140,7 @@ TEST_F(CollectorTest, CustomStepsMergeByNameAcrossProcesses) {
   ASSERT_FALSE(p2.register_step(301, "Shuffle"));
   ASSERT_FALSE(p1.events({start(1, 256, 0), end(1, 256, 100)}));
   ASSERT_FALSE(p2.events({start(7, 300, 0), end(7, 300, 300), start(7, 301, 0), end(7, 301, 1)}));
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(step_of(r, 100, "Tokenize")["count"], 1);
   EXPECT_EQ(step_of(r, 200, "Tokenize")["count"], 1);
   const json t = total_of(r, "Tokenize");
@@ -164,7 +165,7 @@ TEST_F(CollectorTest, EventForUnregisteredCustomStepFailsAndKeepsEarlierEvents) 
   EXPECT_EQ(
       c.events({start(1, kForward, 0), end(1, kForward, 50), start(1, 257, 60), end(1, 257, 70)}),
       make_error_code(errc::unregistered_step));
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(step_of(r, 100, "Forward")["count"], 1);
   EXPECT_EQ(process_of(r, 100)["steps"].size(), 1u);
 }
@@ -188,7 +189,7 @@ TEST_F(CollectorTest, OpenDepthLimitDropsTheStartAndCountsIt) {
   Connection c(*collector_, world_.spawn(100, 5, "a"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kForward, 1), start(1, kForward, 2),
                          end(1, kForward, 10), end(1, kForward, 20), end(1, kForward, 30)}));
-  const json f = step_of(collector_->report_json(std::nullopt), 100, "Forward");
+  const json f = step_of(report::report_json(*collector_->freeze(), std::nullopt), 100, "Forward");
   EXPECT_EQ(f["count"], 2);
   EXPECT_EQ(f["depth_dropped"], 1);
   EXPECT_EQ(f["unmatched_ends"], 1);  // the end of the dropped start
@@ -204,10 +205,10 @@ TEST_F(CollectorTest, OpenDepthLimitCountsEveryStepOfTheThread) {
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(1, kBackward, 1), start(1, kMatmul, 2),
                          start(2, kMatmul, 3), end(1, kMatmul, 10), end(1, kBackward, 20),
                          end(1, kForward, 30), end(2, kMatmul, 40)}));
-  const json report = collector_->report_json(std::nullopt);
-  EXPECT_EQ(step_of(report, 100, "Forward")["count"], 1);
-  EXPECT_EQ(step_of(report, 100, "Backward")["count"], 1);
-  const json m = step_of(report, 100, "Matmul");
+  const json doc = report::report_json(*collector_->freeze(), std::nullopt);
+  EXPECT_EQ(step_of(doc, 100, "Forward")["count"], 1);
+  EXPECT_EQ(step_of(doc, 100, "Backward")["count"], 1);
+  const json m = step_of(doc, 100, "Matmul");
   EXPECT_EQ(m["count"], 1);  // thread 2's
   EXPECT_EQ(m["depth_dropped"], 1);
   EXPECT_EQ(m["unmatched_ends"], 1);  // thread 1's end of the dropped start
@@ -230,7 +231,7 @@ TEST_F(CollectorTest, ProcessLimitRefusesWhenFullOfLiveProcesses) {
   a.reset();  // detach: process 1 is gone, so it is exited and can make room
   Connection d(*collector_, world_.spawn(4, 1, "d"));
   EXPECT_FALSE(d.attach_error());
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_TRUE(process_of(r, 1).is_null());
   EXPECT_FALSE(process_of(r, 4).is_null());
 }
@@ -241,10 +242,13 @@ TEST_F(CollectorTest, ThreadLimitIsCounted) {
   Connection c(*collector_, world_.spawn(100, 5, "a"));
   ASSERT_FALSE(c.events({start(1, kForward, 0), start(2, kForward, 0), start(3, kForward, 0)}));
   EXPECT_EQ(collector_->counters().limits_hit.at("max_threads_per_process"), 1u);
-  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 100, "Forward")["open"], 2);
+  EXPECT_EQ(
+      step_of(report::report_json(*collector_->freeze(), std::nullopt), 100, "Forward")["open"], 2);
   // Threads with nothing open make room.
   ASSERT_FALSE(c.events({end(1, kForward, 5), start(4, kForward, 6), end(4, kForward, 9)}));
-  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 100, "Forward")["count"], 2);
+  EXPECT_EQ(
+      step_of(report::report_json(*collector_->freeze(), std::nullopt), 100, "Forward")["count"],
+      2);
 }
 
 TEST_F(CollectorTest, DroppedKeepsTheMaximumAndCountersSumProcesses) {
@@ -254,7 +258,7 @@ TEST_F(CollectorTest, DroppedKeepsTheMaximumAndCountersSumProcesses) {
   a.dropped(5);  // a late, smaller cumulative report
   a.dropped(12);
   b.dropped(3);
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(process_of(r, 1)["dropped"], 12);
   EXPECT_EQ(process_of(r, 2)["dropped"], 3);
   EXPECT_EQ(collector_->counters().events_dropped_by_clients, 15u);
@@ -267,7 +271,7 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
   ASSERT_FALSE(a.dropped_by_cause({{5, 0, 1, 0}}));
   ASSERT_FALSE(a.dropped_by_cause({{3, 7, 1, 2}}));  // buffer_full went "back": kept at 5
   ASSERT_FALSE(b.dropped_by_cause({{0, 4, 0, 0}}));
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   const json causes = process_of(r, 1)["dropped_by_cause"];
   EXPECT_EQ(causes,
             (json{{"buffer_full", 5}, {"not_connected", 7}, {"in_flight", 1}, {"invalid", 2}}));
@@ -275,13 +279,13 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
   EXPECT_EQ(process_of(r, 2)["dropped"], 4);
   EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 19);
   EXPECT_EQ(r["daemon"]["events_dropped_by_cause"]["not_connected"], 11);
-  EXPECT_EQ(collector_->stats_json()["events_dropped_by_cause"]["buffer_full"], 5);
+  EXPECT_EQ(report::stats_json(*collector_->freeze())["events_dropped_by_cause"]["buffer_full"], 5);
   // Text and Prometheus say it too.
-  EXPECT_NE(collector_->report_text(1).find(
-                "dropped 15 (buffer full 5, not connected 7, in flight 1, invalid 2)"),
+  EXPECT_NE(report::report_text(*collector_->freeze(), 1)
+                .find("dropped 15 (buffer full 5, not connected 7, in flight 1, invalid 2)"),
             std::string::npos)
-      << collector_->report_text(1);
-  const std::string metrics = collector_->metrics_text();
+      << report::report_text(*collector_->freeze(), 1);
+  const std::string metrics = report::metrics_text(*collector_->freeze());
   EXPECT_NE(metrics.find("steptrace_process_dropped_events_by_cause_total{pid=\"1\",comm=\"a\","
                          "cause=\"not_connected\"} 7"),
             std::string::npos);
@@ -290,7 +294,7 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
       std::string::npos);
   // Counts near 2^64 saturate instead of wrapping the total.
   ASSERT_FALSE(a.dropped_by_cause({{~0ull, ~0ull, 1, 2}}));
-  EXPECT_EQ(process_of(collector_->report_json(1), 1)["dropped"], ~0ull);
+  EXPECT_EQ(process_of(report::report_json(*collector_->freeze(), 1), 1)["dropped"], ~0ull);
 }
 
 TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
@@ -298,8 +302,8 @@ TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
   ASSERT_FALSE(a.events({start(1, kMatmul, 0), end(1, kMatmul, 100), start(1, kForward, 100)}));
   a.ledger(test::reserve_record("GPU-x", 1, 4096, "t", 1, 150));
   const auto view = collector_->freeze();
-  const json before = view->report_json(std::nullopt);
-  const std::string metrics_before = view->metrics_text();
+  const json before = report::report_json(*view, std::nullopt);
+  const std::string metrics_before = report::metrics_text(*view);
   EXPECT_EQ(step_of(before, 1, "Matmul")["count"], 1);
 
   // Everything a record or the ledger can go through after the view was taken.
@@ -314,16 +318,16 @@ TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
   b.close();
   world_.now_ns += 5'000'000'000;
 
-  EXPECT_EQ(view->report_json(std::nullopt), before);
-  EXPECT_EQ(view->metrics_text(), metrics_before);
+  EXPECT_EQ(report::report_json(*view, std::nullopt), before);
+  EXPECT_EQ(report::metrics_text(*view), metrics_before);
   // The live state has all of it.
-  const json now = collector_->report_json(std::nullopt);
+  const json now = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(step_of(now, 1, "Matmul"), nullptr);  // reset
   EXPECT_EQ(process_of(now, 1)["dropped"], 10);
   EXPECT_EQ(process_of(now, 2)["alive"], false);
   EXPECT_EQ(step_of(now, 2, "Backward")["count"], 1);
-  EXPECT_EQ(collector_->ledger_json()["gpus"][0]["reserved_bytes"], 4096 + 1024);
-  EXPECT_EQ(view->ledger_json()["gpus"][0]["reserved_bytes"], 4096);
+  EXPECT_EQ(report::ledger_json(*collector_->freeze())["gpus"][0]["reserved_bytes"], 4096 + 1024);
+  EXPECT_EQ(report::ledger_json(*view)["gpus"][0]["reserved_bytes"], 4096);
 }
 
 TEST_F(CollectorTest, ViewsRenderOnAnotherThreadWhileIngestMutates) {
@@ -343,7 +347,8 @@ TEST_F(CollectorTest, ViewsRenderOnAnotherThreadWhileIngestMutates) {
         std::this_thread::yield();
         continue;
       }
-      const std::string text = v->metrics_text() + v->report_json(std::nullopt).dump();
+      const std::string text =
+          report::metrics_text(*v) + report::report_json(*v, std::nullopt).dump();
       EXPECT_FALSE(text.empty());
       renders.fetch_add(1);
       handed.store(nullptr);
@@ -367,8 +372,9 @@ TEST_F(CollectorTest, ViewsRenderOnAnotherThreadWhileIngestMutates) {
   renderer.join();
   held.reset();
   EXPECT_GT(renders.load(), 0);
-  EXPECT_EQ(step_of(collector_->report_json(1), 1, "Matmul")["count"], kBatches);
-  EXPECT_EQ(step_of(collector_->report_json(1), 1, "custom300")["count"], kBatches / 100);
+  EXPECT_EQ(step_of(report::report_json(*collector_->freeze(), 1), 1, "Matmul")["count"], kBatches);
+  EXPECT_EQ(step_of(report::report_json(*collector_->freeze(), 1), 1, "custom300")["count"],
+            kBatches / 100);
 }
 
 TEST_F(CollectorTest, ExitedProcessesAreKeptUpToTheLimitOldestFirstOut) {
@@ -381,14 +387,14 @@ TEST_F(CollectorTest, ExitedProcessesAreKeptUpToTheLimitOldestFirstOut) {
     world_.now_ns += 1000;
     c.close();
   }
-  const json r = collector_->report_json(std::nullopt);
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
   ASSERT_EQ(r["processes"].size(), 2u);
   EXPECT_TRUE(process_of(r, 1).is_null());  // exited first, evicted first
   EXPECT_EQ(process_of(r, 2)["alive"], false);
   EXPECT_EQ(process_of(r, 3)["alive"], false);
   EXPECT_EQ(collector_->counters().limits_hit.at("max_exited_processes"), 1u);
-  EXPECT_NE(collector_->metrics_text().find(
-                "steptrace_limit_hits_total{limit=\"max_exited_processes\"} 1\n"),
+  EXPECT_NE(report::metrics_text(*collector_->freeze())
+                .find("steptrace_limit_hits_total{limit=\"max_exited_processes\"} 1\n"),
             std::string::npos);
 }
 
@@ -399,30 +405,32 @@ TEST_F(CollectorTest, LivenessFollowsProcThroughTheInjectedProbe) {
   a.close();
   b.close();
   c.close();
-  json r = collector_->report_json(std::nullopt);
+  json r = report::report_json(*collector_->freeze(), std::nullopt);
   for (int pid = 1; pid <= 3; ++pid) EXPECT_EQ(process_of(r, pid)["alive"], true) << pid;
 
   world_.now_ns = 5'000'000'000'000;
   world_.zombify(1);                // zombie: dead
   world_.procs[2].start_time = 99;  // pid reused by another process: dead
   collector_->refresh_liveness();
-  r = collector_->report_json(std::nullopt);
+  r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(process_of(r, 1)["alive"], false);
   EXPECT_EQ(process_of(r, 1)["exited_at_ns"], 5'000'000'000'000u);
   EXPECT_EQ(process_of(r, 2)["alive"], false);
   EXPECT_EQ(process_of(r, 3)["alive"], true);  // still running, just disconnected
   world_.kill(3);
   collector_->refresh_liveness();
-  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 3)["alive"], false);
+  EXPECT_EQ(process_of(report::report_json(*collector_->freeze(), std::nullopt), 3)["alive"],
+            false);
 }
 
 TEST_F(CollectorTest, ProcessWithAConnectionIsAliveWhateverProcSays) {
   Connection a(*collector_, world_.spawn(1, 1, "a"));
   world_.kill(1);
   collector_->refresh_liveness();
-  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 1)["alive"], true);
+  EXPECT_EQ(process_of(report::report_json(*collector_->freeze(), std::nullopt), 1)["alive"], true);
   a.close();
-  EXPECT_EQ(process_of(collector_->report_json(std::nullopt), 1)["alive"], false);
+  EXPECT_EQ(process_of(report::report_json(*collector_->freeze(), std::nullopt), 1)["alive"],
+            false);
 }
 
 TEST_F(CollectorTest, RecycledPidIsANewProcess) {
@@ -432,7 +440,7 @@ TEST_F(CollectorTest, RecycledPidIsANewProcess) {
   }
   Connection b(*collector_, world_.spawn(100, 2, "new"));
   ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 30)}));
-  const json r = collector_->report_json(100);
+  const json r = report::report_json(*collector_->freeze(), 100);
   ASSERT_EQ(r["processes"].size(), 2u);
   EXPECT_EQ(r["processes"][0]["start_time"], 1);
   EXPECT_EQ(r["processes"][0]["alive"], false);
@@ -447,15 +455,17 @@ TEST_F(CollectorTest, ResetClearsAllOrOnePid) {
   ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10), start(1, kMatmul, 20)}));
   ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 10)}));
   collector_->reset(1);
-  json r = collector_->report_json(std::nullopt);
+  json r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_TRUE(step_of(r, 1, "Forward").is_null());
   EXPECT_EQ(step_of(r, 1, "Matmul")["open"], 1);  // open spans are not aggregates
   EXPECT_EQ(step_of(r, 2, "Forward")["count"], 1);
   EXPECT_EQ(collector_->counters().events_received, 5u);  // counters stay
   ASSERT_FALSE(a.events({end(1, kMatmul, 70)}));
-  EXPECT_EQ(step_of(collector_->report_json(std::nullopt), 1, "Matmul")["total_ns"], 50);
+  EXPECT_EQ(
+      step_of(report::report_json(*collector_->freeze(), std::nullopt), 1, "Matmul")["total_ns"],
+      50);
   collector_->reset(std::nullopt);
-  r = collector_->report_json(std::nullopt);
+  r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_TRUE(r["totals"].empty());
   EXPECT_EQ(r["processes"].size(), 2u);
 }
@@ -465,7 +475,7 @@ TEST_F(CollectorTest, LedgerStepSpansAndAnnotationsReachTheLedgerView) {
   ASSERT_FALSE(c.events({start(1, 7 /*LedgerReserve*/, 100)}));
   c.ledger(test::reserve_record("GPU-abc", 1, 4096, "qlora", 1, 150));
   ASSERT_FALSE(c.events({end(1, 7, 200)}));
-  const json ledger = collector_->ledger_json();
+  const json ledger = report::ledger_json(*collector_->freeze());
   ASSERT_EQ(ledger["gpus"].size(), 1u);
   EXPECT_EQ(ledger["gpus"][0]["gpu"], "GPU-abc");
   EXPECT_EQ(ledger["gpus"][0]["reserved_bytes"], 4096);
@@ -475,7 +485,9 @@ TEST_F(CollectorTest, LedgerStepSpansAndAnnotationsReachTheLedgerView) {
   // The holder dies without releasing: flagged.
   world_.kill(100);
   c.close();
-  EXPECT_EQ(collector_->ledger_json()["gpus"][0]["reservations"][0]["holder_alive"], false);
+  EXPECT_EQ(
+      report::ledger_json(*collector_->freeze())["gpus"][0]["reservations"][0]["holder_alive"],
+      false);
 }
 
 TEST(ProcStatTest, ParsesAfterTheLastParenthesis) {

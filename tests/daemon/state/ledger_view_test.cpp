@@ -1,7 +1,9 @@
 // Unit tests of the daemon's VRAM ledger view (daemon/state/ledger_view.h): per-GPU sums and
-// holders, leaks, anomalies, over-commitment, limits, ledger-step attribution,
-// snapshot/restore and the three report forms.
+// holders, leaks, anomalies, over-commitment, limits, ledger-step attribution and the
+// three report forms. Its snapshot form is tested with the codec
+// (tests/daemon/persist/snapshot_codec_test.cpp).
 #include "daemon/state/ledger_view.h"
+#include "daemon/report/ledger_report.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "proto/codec.h"
+#include "tests/daemon/state/ledger_test_util.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -22,56 +25,7 @@ namespace {
 using nlohmann::json;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-constexpr std::uint64_t kGiB = 1024ull * 1024 * 1024;
-constexpr std::uint64_t kMiB = 1024ull * 1024;
-constexpr std::uint64_t kSecond = 1'000'000'000;
-constexpr std::uint64_t kNow = 100 * kSecond;
-
-constexpr std::uint32_t kLedgerReserve = 7;
-constexpr std::uint32_t kWaitPoll = 10;
-
-proto::LedgerRecord make_record(proto::LedgerOp op, std::string_view gpu, std::uint64_t ts,
-                                std::uint32_t thread = 1) {
-  proto::LedgerRecord r{};
-  r.op = static_cast<std::uint8_t>(op);
-  r.timestamp_ns = ts;
-  r.thread_id = thread;
-  EXPECT_TRUE(proto::set_field(r.gpu_uuid, gpu));
-  return r;
-}
-
-proto::LedgerRecord reserve(std::string_view gpu, std::uint64_t id, std::uint64_t bytes,
-                            std::string_view task, std::uint64_t ts, std::uint32_t thread = 1) {
-  auto r = make_record(proto::LedgerOp::kReserve, gpu, ts, thread);
-  r.reservation_id = id;
-  r.bytes = bytes;
-  EXPECT_TRUE(proto::set_field(r.task, task));
-  return r;
-}
-
-proto::LedgerRecord release(std::string_view gpu, std::uint64_t id, std::uint64_t ts,
-                            std::uint32_t thread = 1) {
-  auto r = make_record(proto::LedgerOp::kRelease, gpu, ts, thread);
-  r.reservation_id = id;
-  return r;
-}
-
-proto::LedgerRecord cleanup(std::string_view gpu, std::uint64_t id, std::uint32_t holder_pid,
-                            std::uint64_t ts, std::uint32_t thread = 1) {
-  auto r = make_record(proto::LedgerOp::kCleanup, gpu, ts, thread);
-  r.reservation_id = id;
-  r.holder_pid = holder_pid;
-  return r;
-}
-
-proto::LedgerRecord sample(std::string_view gpu, std::uint64_t free, std::uint64_t total,
-                           std::uint64_t ts, std::uint32_t thread = 1) {
-  auto r = make_record(proto::LedgerOp::kVramSample, gpu, ts, thread);
-  r.bytes = free;
-  r.total_bytes = total;
-  return r;
-}
+using namespace ledger_test;
 
 const json* find_gpu(const json& ledger, std::string_view uuid) {
   for (const auto& g : ledger.at("gpus")) {
@@ -103,9 +57,9 @@ class LedgerViewTest : public ::testing::Test {
   const LedgerActor b_{{1002, 5002}, "trainer-b"};
   const LedgerActor c_{{1003, 5003}, "janitor"};
 
-  json ledger() const { return view_.to_json(kNow); }
+  json ledger() const { return report::ledger_json(view_.state(), kNow); }
   std::uint64_t anomaly(const char* kind) const {
-    return view_.anomalies_json().at(kind).get<std::uint64_t>();
+    return report::ledger_anomalies_json(view_.state()).at(kind).get<std::uint64_t>();
   }
 };
 
@@ -201,11 +155,11 @@ TEST_F(LedgerViewTest, DeadHolderIsFlaggedLeakedUntilACleanup) {
   EXPECT_EQ((*find_reservation(gpu, 1))["holder_alive"], false);
   EXPECT_EQ((*find_reservation(gpu, 2))["holder_alive"], true);
   EXPECT_EQ(gpu["leaked_reservations"], 1);
-  const std::string text = view_.to_text(kNow);
+  const std::string text = report::ledger_text(view_.state(), kNow);
   EXPECT_THAT(text, HasSubstr("LEAKED"));
   EXPECT_THAT(text, HasSubstr("1 leaked"));
   std::string metrics;
-  view_.append_metrics(metrics);
+  report::append_ledger_metrics(view_.state(), metrics);
   EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_leaked_reservations{gpu=\"GPU-A\"} 1\n"));
 
   // A later check does not resurrect it on its own, and the entry stays until cleaned.
@@ -217,11 +171,11 @@ TEST_F(LedgerViewTest, DeadHolderIsFlaggedLeakedUntilACleanup) {
   EXPECT_EQ(find_reservation(gpu, 1), nullptr);
   EXPECT_EQ(gpu["leaked_reservations"], 0);
   EXPECT_EQ(gpu["reserved_bytes"], kGiB);
-  EXPECT_THAT(view_.to_text(kNow), Not(HasSubstr("LEAKED")));
+  EXPECT_THAT(report::ledger_text(view_.state(), kNow), Not(HasSubstr("LEAKED")));
 }
 
 TEST_F(LedgerViewTest, AnomaliesJsonListsEveryKindStartingAtZero) {
-  const json a = view_.anomalies_json();
+  const json a = report::ledger_anomalies_json(view_.state());
   for (const char* kind :
        {"unknown_release", "unknown_cleanup", "duplicate_reservation", "zero_byte_reserve",
         "gpu_uuid_truncated", "task_truncated", "cleanup_holder_mismatch", "max_gpus",
@@ -256,11 +210,11 @@ TEST_F(LedgerViewTest, EveryRejectedAnomalyIsCountedAndChangesNothingElse) {
   for (const auto& c : cases) {
     SCOPED_TRACE(c.kind);
     const json before = ledger();
-    json expected = view_.anomalies_json();
+    json expected = report::ledger_anomalies_json(view_.state());
     expected[c.kind] = expected[c.kind].get<std::uint64_t>() + 1;
     view_.apply(b_, c.record(), kNow);
     EXPECT_EQ(ledger(), before);
-    EXPECT_EQ(view_.anomalies_json(), expected);
+    EXPECT_EQ(report::ledger_anomalies_json(view_.state()), expected);
   }
   // The existing entry of a duplicate id stays as it was.
   const json final_state = ledger();
@@ -313,9 +267,9 @@ TEST_F(LedgerViewTest, OvercommitmentIsFlaggedAndCountedOncePerTransition) {
   EXPECT_EQ(gpu["overcommitted"], true);
   EXPECT_EQ(gpu["available_bytes"], -static_cast<std::int64_t>(2 * kGiB));
   EXPECT_EQ(anomaly("overcommitted"), 1u);
-  EXPECT_THAT(view_.to_text(kNow), HasSubstr("OVERCOMMITTED"));
+  EXPECT_THAT(report::ledger_text(view_.state(), kNow), HasSubstr("OVERCOMMITTED"));
   std::string metrics;
-  view_.append_metrics(metrics);
+  report::append_ledger_metrics(view_.state(), metrics);
   EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_overcommitted{gpu=\"GPU-A\"} 1\n"));
 
   // Staying over-committed is not a new transition.
@@ -327,7 +281,7 @@ TEST_F(LedgerViewTest, OvercommitmentIsFlaggedAndCountedOncePerTransition) {
   view_.apply(b_, release("GPU-A", 3, 3 * kSecond), kNow);
   gpu = *find_gpu(ledger(), "GPU-A");
   EXPECT_EQ(gpu["overcommitted"], false);
-  EXPECT_THAT(view_.to_text(kNow), Not(HasSubstr("OVERCOMMITTED")));
+  EXPECT_THAT(report::ledger_text(view_.state(), kNow), Not(HasSubstr("OVERCOMMITTED")));
 
   view_.apply(b_, reserve("GPU-A", 4, 5 * kGiB, "t", 4 * kSecond), kNow);
   EXPECT_EQ(anomaly("overcommitted"), 2u);
@@ -419,125 +373,14 @@ TEST_F(LedgerViewTest, AnnotationDroppedByALimitIsNotUsedForAttribution) {
   EXPECT_EQ((*find_process(*find_gpu(j, "GPU-A"), a_.key.pid))["steps"].size(), 0u);
 }
 
-// A ledger with something in every field: two GPUs, a sample, a leak, step time,
-// anomalies and an over-commitment.
-void populate(LedgerView& view, const LedgerActor& a, const LedgerActor& b) {
-  view.apply(a, reserve("GPU-A", 1, 3 * kGiB, "qlora-7b", 10 * kSecond, 5), kNow);
-  view.attribute_span(a.key, 5, kLedgerReserve, 9 * kSecond, 11 * kSecond);
-  view.apply(b, reserve("GPU-A", 2, 2 * kGiB, "", 12 * kSecond, 6), kNow);
-  view.apply(b, sample("GPU-A", kGiB, 4 * kGiB, 13 * kSecond, 6), kNow);
-  view.attribute_span(b.key, 6, kWaitPoll, 12 * kSecond, 14 * kSecond);
-  view.apply(b, reserve("GPU-B", 7, 100 * kMiB, "eval", 20 * kSecond), kNow);
-  view.apply(a, release("GPU-B", 7, 21 * kSecond), kNow);
-  view.apply(a, release("GPU-B", 8, 21 * kSecond), kNow);  // unknown_release
-  view.apply(b, reserve("GPU-B", 9, 1, "x", 22 * kSecond), kNow);
-  view.check_holders([&](const ProcessKey& key) { return key != b.key; });
-}
-
-TEST_F(LedgerViewTest, SnapshotRestoresIntoAFreshViewIdentically) {
-  populate(view_, a_, b_);
-  // Through text, as the snapshot file goes.
-  const json doc = json::parse(view_.snapshot().dump());
-
-  DaemonCounters counters;
-  LedgerView fresh(limits_, counters);
-  ASSERT_FALSE(fresh.restore(doc));
-  EXPECT_EQ(fresh.to_json(kNow), view_.to_json(kNow));
-  EXPECT_EQ(fresh.anomalies_json(), view_.anomalies_json());
-  EXPECT_EQ(fresh.to_text(kNow), view_.to_text(kNow));
-  std::string m1, m2;
-  view_.append_metrics(m1);
-  fresh.append_metrics(m2);
-  EXPECT_EQ(m2, m1);
-  EXPECT_EQ(fresh.snapshot(), view_.snapshot());
-  // The restored view keeps working: a release of the restored entry applies.
-  fresh.apply(a_, release("GPU-A", 2, 30 * kSecond), kNow);
-  EXPECT_EQ((*find_gpu(fresh.to_json(kNow), "GPU-A"))["reserved_bytes"], 3 * kGiB);
-  // And the overcommit state was rebuilt, not re-counted.
-  EXPECT_EQ(fresh.anomalies_json()["overcommitted"], view_.anomalies_json()["overcommitted"]);
-}
-
-TEST_F(LedgerViewTest, RestoreRejectsMalformedSnapshotsAndKeepsState) {
-  populate(view_, a_, b_);
-  const json good = view_.snapshot();
-  ASSERT_EQ(good["gpus"][0]["reservations"].size(), 2u);
-
-  using Mutation = std::function<void(json&)>;
-  const std::vector<std::pair<const char*, Mutation>> mutations = {
-      {"not an object", [](json& d) { d = json::array(); }},
-      {"wrong version", [](json& d) { d["version"] = 2; }},
-      {"version as string", [](json& d) { d["version"] = "1"; }},
-      {"missing gpus", [](json& d) { d.erase("gpus"); }},
-      {"unknown top-level key", [](json& d) { d["extra"] = 1; }},
-      {"gpus not array", [](json& d) { d["gpus"] = json::object(); }},
-      {"empty uuid", [](json& d) { d["gpus"][0]["gpu"] = ""; }},
-      {"overlong uuid", [](json& d) { d["gpus"][0]["gpu"] = std::string(64, 'x'); }},
-      {"unprintable uuid", [](json& d) { d["gpus"][0]["gpu"] = "GPU-\n"; }},
-      {"duplicate gpu", [](json& d) { d["gpus"][1]["gpu"] = d["gpus"][0]["gpu"]; }},
-      {"unknown gpu key", [](json& d) { d["gpus"][0]["x"] = 0; }},
-      {"duplicate reservation id",
-       [](json& d) {
-         d["gpus"][0]["reservations"][1]["id"] = d["gpus"][0]["reservations"][0]["id"];
-       }},
-      {"zero bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 0; }},
-      {"negative bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = -1; }},
-      {"fractional bytes", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = 1.5; }},
-      {"bytes as string", [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = "1"; }},
-      {"pid zero", [](json& d) { d["gpus"][0]["reservations"][0]["pid"] = 0; }},
-      {"pid too large", [](json& d) { d["gpus"][0]["reservations"][0]["pid"] = 1ll << 40; }},
-      {"holder_alive not bool",
-       [](json& d) { d["gpus"][0]["reservations"][0]["holder_alive"] = 1; }},
-      {"overlong task",
-       [](json& d) { d["gpus"][0]["reservations"][0]["task"] = std::string(80, 't'); }},
-      {"reservations overflow u64",
-       [](json& d) { d["gpus"][0]["reservations"][0]["bytes"] = ~std::uint64_t{0}; }},
-      {"high water below reserved", [](json& d) { d["gpus"][0]["high_water_bytes"] = 1; }},
-      {"sample free above total",
-       [](json& d) { d["gpus"][0]["sample"]["free_bytes"] = 100 * kGiB; }},
-      {"sample missing field", [](json& d) { d["gpus"][0]["sample"].erase("at_ns"); }},
-      {"operations missing op", [](json& d) { d["gpus"][0]["operations"].erase("cleanup"); }},
-      {"unknown step", [](json& d) { d["gpus"][0]["processes"][0]["steps"][0]["step"] = "Nope"; }},
-      {"gpu step unknown", [](json& d) { d["gpus"][0]["steps"][0]["step"] = "Forward"; }},
-      {"gpu steps not array", [](json& d) { d["gpus"][0]["steps"] = 1; }},
-      {"non-ledger step",
-       [](json& d) { d["gpus"][0]["processes"][0]["steps"][0]["step"] = "Forward"; }},
-      {"duplicate process",
-       [](json& d) { d["gpus"][0]["processes"][1] = d["gpus"][0]["processes"][0]; }},
-      {"unknown anomaly kind", [](json& d) { d["anomalies"]["made_up"] = 1; }},
-      {"negative anomaly", [](json& d) { d["anomalies"]["unknown_release"] = -3; }},
-  };
-
-  const json state_before = view_.to_json(kNow);
-  const json anomalies_before = view_.anomalies_json();
-  for (const auto& [name, mutate] : mutations) {
-    SCOPED_TRACE(name);
-    json doc = good;
-    mutate(doc);
-    ASSERT_NE(doc, good);
-    EXPECT_EQ(view_.restore(doc), make_error_code(errc::bad_config));
-    EXPECT_EQ(view_.to_json(kNow), state_before);
-    EXPECT_EQ(view_.anomalies_json(), anomalies_before);
-  }
-
-  // Limits apply to what a snapshot may hold.
-  Limits small = limits_;
-  small.max_gpus = 1;
-  DaemonCounters counters;
-  LedgerView narrow(small, counters);
-  EXPECT_EQ(narrow.restore(good), make_error_code(errc::bad_config));
-  EXPECT_EQ(narrow.to_json(kNow)["gpus"].size(), 0u);
-  // The unmutated document is accepted.
-  EXPECT_FALSE(view_.restore(good));
-}
-
 TEST_F(LedgerViewTest, TextReportShowsTotalsReservationsAndStepTime) {
-  EXPECT_THAT(view_.to_text(kNow), HasSubstr("empty"));
+  EXPECT_THAT(report::ledger_text(view_.state(), kNow), HasSubstr("empty"));
 
   view_.apply(a_, sample("GPU-A", 10 * kGiB, 24 * kGiB, 95 * kSecond), kNow);
   view_.apply(a_, reserve("GPU-A", 42, 8 * kGiB, "qlora-7b", 40 * kSecond, 3), kNow);
   view_.attribute_span(a_.key, 3, kLedgerReserve, 40 * kSecond - 1'500'000, 40 * kSecond);
   view_.apply(b_, reserve("GPU-B", 7, 512 * kMiB, "", 90 * kSecond), kNow);
-  const std::string text = view_.to_text(kNow);
+  const std::string text = report::ledger_text(view_.state(), kNow);
 
   EXPECT_THAT(text, HasSubstr("GPU GPU-A\n"));
   EXPECT_THAT(text, HasSubstr("total 24.00 GiB"));
@@ -573,7 +416,7 @@ TEST_F(LedgerViewTest, MetricsHaveHelpAndTypeForEveryFamilyAndEscapeLabels) {
   populate(view_, a_, b_);
   view_.apply(a_, reserve("GPU-\"q\\", 1, 5, "t", kSecond), kNow);
   std::string metrics;
-  view_.append_metrics(metrics);
+  report::append_ledger_metrics(view_.state(), metrics);
 
   std::set<std::string> helped, typed;
   std::istringstream lines(metrics);

@@ -1,0 +1,274 @@
+// The VRAM ledger's renderers: `ledger`, `ledger --json`, its Prometheus families and
+// the anomaly counts of `stats`, as functions of a ledger state (ledger_state.h) that a
+// CollectorView holds frozen, so they run on the render thread.
+#include "daemon/report/ledger_report.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/report/report_format.h"
+#include "daemon/state/ledger_state.h"
+
+namespace steptrace::daemon::report {
+namespace {
+
+using nlohmann::json;
+using namespace ledger;
+
+double seconds_between(std::uint64_t from_ns, std::uint64_t to_ns) {
+  return to_ns > from_ns ? static_cast<double>(to_ns - from_ns) / 1e9 : 0.0;
+}
+
+// An age: 4.20s, 3m 07s, 2h 05m, 3d 04h.
+std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns) {
+  const std::uint64_t ns = now_ns > from_ns ? now_ns - from_ns : 0;
+  const std::uint64_t s = ns / 1'000'000'000;
+  char buf[64];
+  if (s < 60) {
+    std::snprintf(buf, sizeof buf, "%.2fs", static_cast<double>(ns) / 1e9);
+  } else if (s < 3600) {
+    std::snprintf(buf, sizeof buf, "%" PRIu64 "m %02" PRIu64 "s", s / 60, s % 60);
+  } else if (s < 86400) {
+    std::snprintf(buf, sizeof buf, "%" PRIu64 "h %02" PRIu64 "m", s / 3600, s % 3600 / 60);
+  } else {
+    std::snprintf(buf, sizeof buf, "%" PRIu64 "d %02" PRIu64 "h", s / 86400, s % 86400 / 3600);
+  }
+  return buf;
+}
+
+// Left-aligned columns joined with " | " (as the other reports' tables), widths by
+// display width since durations carry "µ"; each row prefixed by `indent`, no trailing
+// blanks.
+void append_table(std::string& out, std::string_view indent,
+                  const std::vector<std::vector<std::string>>& rows) {
+  std::vector<std::size_t> widths;
+  for (const auto& row : rows) {
+    widths.resize(std::max(widths.size(), row.size()));
+    for (std::size_t i = 0; i < row.size(); ++i) {
+      widths[i] = std::max(widths[i], display_width(row[i]));
+    }
+  }
+  for (const auto& row : rows) {
+    std::string line(indent);
+    for (std::size_t i = 0; i < row.size(); ++i) {
+      if (i > 0) line += " | ";
+      line += i + 1 < row.size() ? pad_right(row[i], widths[i]) : row[i];
+    }
+    line.erase(line.find_last_not_of(' ') + 1);
+    out += line;
+    out += '\n';
+  }
+}
+
+}  // namespace
+
+nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
+  json gpus = json::array();
+  for (const auto& [uuid, gpu] : state.gpus) {
+    json reservations = json::array();
+    for (const auto& [id, r] : gpu.reservations) {
+      reservations.push_back({{"id", id},
+                              {"pid", r.holder.pid},
+                              {"start_time", r.holder.start_time},
+                              {"comm", r.comm},
+                              {"bytes", r.bytes},
+                              {"task", r.task},
+                              {"holder_alive", r.holder_alive},
+                              {"age_s", seconds_between(r.reserved_ns, now_ns)}});
+    }
+    json processes = processes_json(gpu);
+    json operations = operations_json(gpu);
+    // Without a sample, total/free/available are unknown: null rather than a false 0.
+    json g = {{"gpu", uuid},
+              {"total_bytes", nullptr},
+              {"free_bytes", nullptr},
+              {"reserved_bytes", gpu.reserved_bytes},
+              {"available_bytes", nullptr},
+              {"high_water_bytes", gpu.high_water_bytes},
+              {"sample_age_s", nullptr},
+              {"overcommitted", gpu.overcommitted},
+              {"overcommit_events", gpu.overcommit_events},
+              {"leaked_reservations", gpu.leaked()},
+              {"operations", std::move(operations)},
+              {"steps", steps_json(gpu.steps)},
+              {"reservations", std::move(reservations)},
+              {"processes", std::move(processes)}};
+    if (gpu.sample) {
+      g["total_bytes"] = gpu.sample->total_bytes;
+      g["free_bytes"] = gpu.sample->free_bytes;
+      // Signed: negative when over-committed.
+      const std::uint64_t total = gpu.sample->total_bytes;
+      if (total >= gpu.reserved_bytes) {
+        g["available_bytes"] = total - gpu.reserved_bytes;
+      } else {
+        constexpr auto kMax = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+        g["available_bytes"] =
+            -static_cast<std::int64_t>(std::min(gpu.reserved_bytes - total, kMax));
+      }
+      g["sample_age_s"] = seconds_between(gpu.sample->at_ns, now_ns);
+    }
+    gpus.push_back(std::move(g));
+  }
+  return json{{"gpus", std::move(gpus)}};
+}
+
+std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
+  const auto& gpus = state.gpus;
+  if (gpus.empty()) return "VRAM ledger: empty (no GPU annotated yet)\n";
+  std::string out;
+  for (const auto& [uuid, gpu] : gpus) {
+    if (!out.empty()) out += '\n';
+    out += "GPU " + uuid + "\n";
+    std::string line = "  total ";
+    if (gpu.sample) {
+      line += format_bytes(gpu.sample->total_bytes) + "   free " +
+              format_bytes(gpu.sample->free_bytes) + " (sampled " +
+              format_age(gpu.sample->at_ns, now_ns) + " ago)";
+    } else {
+      line += "unknown   free unknown (no VRAM sample)";
+    }
+    line += "   reserved " + format_bytes(gpu.reserved_bytes) + " (high-water " +
+            format_bytes(gpu.high_water_bytes) + ")   available ";
+    if (!gpu.sample) {
+      line += "unknown";
+    } else if (gpu.overcommitted) {
+      line += "none (-" + format_bytes(gpu.reserved_bytes - gpu.sample->total_bytes) + ")";
+    } else {
+      line += format_bytes(gpu.sample->total_bytes - gpu.reserved_bytes);
+    }
+    out += line + "\n";
+    if (gpu.overcommitted) {
+      out += "  OVERCOMMITTED: " + format_bytes(gpu.reserved_bytes) + " reserved exceeds " +
+             format_bytes(gpu.sample->total_bytes) + " total\n";
+    }
+
+    const std::size_t leaked = gpu.leaked();
+    out += "  Reservations: " + std::to_string(gpu.reservations.size());
+    if (leaked != 0) out += " (" + std::to_string(leaked) + " leaked)";
+    out += "\n";
+    if (!gpu.reservations.empty()) {
+      std::vector<std::vector<std::string>> rows = {
+          {"ID", "PID", "Process", "Task", "Size", "Age", "Holder"}};
+      for (const auto& [id, r] : gpu.reservations) {
+        rows.push_back({std::to_string(id), std::to_string(r.holder.pid), r.comm,
+                        r.task.empty() ? "-" : r.task, format_bytes(r.bytes),
+                        format_age(r.reserved_ns, now_ns), r.holder_alive ? "alive" : "LEAKED"});
+      }
+      append_table(out, "    ", rows);
+    }
+
+    if (!gpu.processes.empty()) {
+      out += "  Ledger activity per process:\n";
+      std::vector<std::vector<std::string>> rows = {
+          {"PID", "Process", "Reserves", "Releases", "Cleanups", "Step", "Count", "Time"}};
+      for (const auto& [key, row] : gpu.processes) {
+        std::vector<std::string> head = {std::to_string(key.pid), row.comm,
+                                         std::to_string(row.reserves), std::to_string(row.releases),
+                                         std::to_string(row.cleanups)};
+        if (row.steps.empty()) {
+          head.push_back("-");
+          rows.push_back(std::move(head));
+          continue;
+        }
+        bool first = true;
+        for (const auto& [step, time] : row.steps) {
+          std::vector<std::string> cells =
+              first ? head : std::vector<std::string>{"", "", "", "", ""};
+          cells.insert(cells.end(), {std::string(proto::kBuiltinStepNames[step]),
+                                     std::to_string(time.count), format_duration(time.total_ns)});
+          rows.push_back(std::move(cells));
+          first = false;
+        }
+      }
+      append_table(out, "    ", rows);
+    }
+  }
+  return out;
+}
+
+void append_ledger_metrics(const ledger::State& state, std::string& out) {
+  const auto& gpus = state.gpus;
+  struct Gauge {
+    std::string_view name;
+    std::string_view help;
+    std::optional<std::uint64_t> (*value)(const Gpu&);
+  };
+  static constexpr Gauge kGauges[] = {
+      {"steptrace_gpu_reserved_bytes", "Bytes reserved in the VRAM ledger.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> { return g.reserved_bytes; }},
+      {"steptrace_gpu_reserved_high_water_bytes", "Highest reserved bytes seen in the VRAM ledger.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> { return g.high_water_bytes; }},
+      {"steptrace_gpu_free_bytes", "Free VRAM bytes at the last sample.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> {
+         if (!g.sample) return std::nullopt;
+         return g.sample->free_bytes;
+       }},
+      {"steptrace_gpu_total_bytes", "Total VRAM bytes at the last sample.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> {
+         if (!g.sample) return std::nullopt;
+         return g.sample->total_bytes;
+       }},
+      {"steptrace_gpu_reservations", "Reservations held in the VRAM ledger.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> { return g.reservations.size(); }},
+      {"steptrace_gpu_leaked_reservations",
+       "Reservations whose holder exited without releasing them.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> { return g.leaked(); }},
+      {"steptrace_gpu_overcommitted", "1 when reserved bytes exceed the sampled total.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> { return g.overcommitted ? 1 : 0; }},
+  };
+  for (const Gauge& gauge : kGauges) {
+    MetricFamily family(out, gauge.name, "gauge", gauge.help);
+    for (const auto& [uuid, gpu] : gpus) {
+      if (const auto value = gauge.value(gpu)) family.sample({{"gpu", uuid}}, *value);
+    }
+  }
+  {
+    MetricFamily family(out, "steptrace_ledger_operations_total", "counter",
+                        "VRAM ledger operations applied, by GPU and op.");
+    for (const auto& [uuid, gpu] : gpus) {
+      for (std::size_t op = 0; op < kOpCount; ++op) {
+        family.sample({{"gpu", uuid}, {"op", kOpNames[op]}}, gpu.operations[op]);
+      }
+    }
+  }
+  {
+    MetricFamily seconds(out, "steptrace_ledger_step_seconds_total", "counter",
+                         "Time in ledger-step spans attributed to the GPU, by step.");
+    for (const auto& [uuid, gpu] : gpus) {
+      for (const auto& [step, time] : gpu.steps) {
+        seconds.sample({{"gpu", uuid}, {"step", proto::kBuiltinStepNames[step]}},
+                       static_cast<double>(time.total_ns) / 1e9);
+      }
+    }
+  }
+  {
+    MetricFamily spans(out, "steptrace_ledger_step_spans_total", "counter",
+                       "Ledger-step spans attributed to the GPU, by step.");
+    for (const auto& [uuid, gpu] : gpus) {
+      for (const auto& [step, time] : gpu.steps) {
+        spans.sample({{"gpu", uuid}, {"step", proto::kBuiltinStepNames[step]}}, time.count);
+      }
+    }
+  }
+  MetricFamily anomalies(out, "steptrace_ledger_anomalies_total", "counter",
+                         "VRAM ledger anomalies, by kind.");
+  for (std::size_t kind = 0; kind < kAnomalyCount; ++kind) {
+    anomalies.sample({{"kind", kAnomalyNames[kind]}}, state.anomalies[kind]);
+  }
+}
+
+nlohmann::json ledger_anomalies_json(const ledger::State& state) {
+  json out = json::object();
+  for (std::size_t kind = 0; kind < kAnomalyCount; ++kind) {
+    out[std::string(kAnomalyNames[kind])] = state.anomalies[kind];
+  }
+  return out;
+}
+
+}  // namespace steptrace::daemon::report

@@ -1,0 +1,36 @@
+// The daemon's renderers: every report, stats and metrics text is a function of a frozen
+// CollectorView (daemon/state/collector.h), so it runs on the render thread while ingest
+// goes on (daemon/serve/render_worker.h), and reads nothing else.
+//
+// Data flow: a command's RenderJob (daemon/serve/commands.cpp), the HTTP scrape or a test
+// calls Collector::freeze() -> one of these -> text or JSON. The ledger's own renderers
+// are in ledger_report.h; the number, size and table formats they share in
+// report_format.h. Schemas: proto/PROTOCOL.md section 10.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace steptrace::daemon {
+
+class CollectorView;
+
+namespace report {
+
+// `report --json`: each process object also carries "current" (per thread the innermost
+// open span and how long it has been open, what the CLI's `top` shows), plus
+// "unmatched_ends" and "abandoned" per step. Schema: proto/PROTOCOL.md section 10.4.
+nlohmann::json report_json(const CollectorView& view, std::optional<std::int32_t> pid);
+std::string report_text(const CollectorView& view, std::optional<std::int32_t> pid);
+nlohmann::json ledger_json(const CollectorView& view);
+std::string ledger_text(const CollectorView& view);
+nlohmann::json stats_json(const CollectorView& view);
+std::string stats_text(const CollectorView& view);
+// Prometheus text exposition format 0.0.4.
+std::string metrics_text(const CollectorView& view);
+
+}  // namespace report
+}  // namespace steptrace::daemon
