@@ -11,6 +11,7 @@
 #include "daemon/report/report.h"
 #include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
+#include "proto/errc.h"
 #include "tests/daemon/daemon_test_util.h"
 
 namespace steptrace::daemon {
@@ -347,6 +348,33 @@ TEST_F(ReportTest, MetricsAreWellFormedPrometheusText) {
   EXPECT_EQ(processes["live"], "1");
   EXPECT_EQ(processes["exited"], "1");
   EXPECT_EQ(e.type.at("steptrace_uptime_seconds"), "gauge");
+}
+
+TEST_F(ReportTest, EveryLimitAndErrorKindHasASeriesFromTheStart) {
+  const Exposition fresh(report::metrics_text(*collector_.freeze()));
+  std::map<std::string, std::string> limits;
+  for (const auto& s : fresh.of("steptrace_limit_hits_total"))
+    limits[s.labels.at("limit")] = s.value;
+  ASSERT_EQ(limits.size(), kLimitNames.size());
+  for (const std::string_view name : kLimitNames) EXPECT_EQ(limits[std::string(name)], "0") << name;
+  EXPECT_TRUE(limits.contains("max_gpus"));
+  EXPECT_TRUE(limits.contains("max_reservations_per_gpu"));
+  std::map<std::string, std::string> errors;
+  for (const auto& s : fresh.of("steptrace_protocol_errors_total"))
+    errors[s.labels.at("kind")] = s.value;
+  for (const ErrcInfo& e : kErrcTable) {
+    if (e.protocol_error) {
+      EXPECT_EQ(errors[e.name], "0") << e.name;
+    }
+  }
+  for (const std::string_view kind : kSessionErrorKinds) EXPECT_EQ(errors[std::string(kind)], "0");
+
+  // A hit shows on top of the zeros, under its own name.
+  collector_.counters().hit(LimitKind::kMaxGpus, 3);
+  const Exposition hit(report::metrics_text(*collector_.freeze()));
+  for (const auto& s : hit.of("steptrace_limit_hits_total")) {
+    EXPECT_EQ(s.value, s.labels.at("limit") == "max_gpus" ? "3" : "0") << s.labels.at("limit");
+  }
 }
 
 TEST_F(ReportTest, StepHistogramSeriesAreBoundedWhateverNamesClientsChoose) {
