@@ -8,9 +8,9 @@
 #include <cstdlib>
 #include <exception>
 
-#include "daemon/state/collector.h"
 #include "daemon/serve/config.h"
 #include "daemon/serve/server.h"
+#include "daemon/state/collector.h"
 
 namespace {
 

@@ -107,7 +107,7 @@ void ClientStream::received(std::size_t n) {
     line_buf_.append(text_buf_.data(), n);
   }
   if (dialect_ == Dialect::kBinary) {
-    shared_.collector.counters().bytes_received += n;
+    shared_.counters.bytes_received += n;
     process_binary();
   } else {
     process_text();
@@ -158,7 +158,7 @@ void ClientStream::input_ended() {
 // ---- failing -----------------------------------------------------------------------
 
 void ClientStream::fail(const std::string& kind, const std::string& log_line, std::string reply) {
-  ++shared_.collector.counters().protocol_errors[kind];
+  ++shared_.counters.protocol_errors[kind];
   shared_.log.warn(kind, "client " + describe_peer() + ": " + log_line + "; connection closed");
   handshake_deadline_.reset();
   frame_deadline_.reset();
@@ -195,7 +195,7 @@ void ClientStream::process_binary() {
     if (!result.message) break;
     frame_finished = true;
     if (!std::holds_alternative<proto::Hello>(*result.message)) {
-      ++shared_.collector.counters().frames_received;
+      ++shared_.counters.frames_received;
     }
     if (const auto ec = apply(*result.message)) {
       fail(ec);
@@ -292,6 +292,7 @@ void ClientStream::process_text() {
 void ClientStream::answer_line(std::string_view line) {
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
   if (line.find_first_not_of(" \t") == std::string_view::npos) return;  // blank: no reply
+  ++shared_.counters.commands_served;
   const CommandContext context{shared_.collector, peer_.uid, shared_.daemon_euid};
   Reply reply = shared_.commands.dispatch(line, context);
   if (!reply.render) {

@@ -77,6 +77,7 @@ class RateLimitedLog {
 // What every connection shares; owned by the Server, which outlives its sessions.
 struct SessionShared {
   Collector& collector;
+  ServerCounters& counters;  // the Server's: bytes, frames, protocol errors, commands
   const Config& config;
   const CommandTable& commands;
   RateLimitedLog& log;

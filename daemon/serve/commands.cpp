@@ -236,7 +236,6 @@ std::string CommandTable::execute(std::string_view line, const CommandContext& c
 
 Reply CommandTable::dispatch(std::string_view line, const CommandContext& context) const {
   const auto words = split_words(line);
-  ++context.collector.counters().commands_served;
   if (words.empty()) return "error: empty command (try help)\n";
   auto it = entries_.find(words.front());
   if (it == entries_.end()) {

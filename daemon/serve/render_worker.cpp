@@ -18,8 +18,9 @@ std::string run_render_job(const RenderJob& job, const CollectorView& view) {
   }
 }
 
-RenderWorker::RenderWorker(boost::asio::io_context& io, Collector& collector)
-    : io_(io), collector_(collector), pace_timer_(io) {}
+RenderWorker::RenderWorker(boost::asio::io_context& io, Collector& collector,
+                           const ServerCounters* server)
+    : io_(io), collector_(collector), server_(server), pace_timer_(io) {}
 
 RenderWorker::~RenderWorker() { stop(); }
 
@@ -55,7 +56,7 @@ void RenderWorker::start_next() {
     queue_.pop_front();
   }
   collector_.refresh_liveness();
-  std::shared_ptr<const CollectorView> view = collector_.freeze();
+  std::shared_ptr<const CollectorView> view = collector_.freeze(server_);
   boost::asio::post(pool_, [this, batch = std::move(batch), view = std::move(view)]() mutable {
     for (auto& [job, done] : batch) {
       std::string text = run_render_job(job, *view);

@@ -38,7 +38,9 @@ class RenderWorker {
   static constexpr std::size_t kMaxBatch = 64;  // jobs rendered from one view
   static constexpr std::chrono::milliseconds kMinViewInterval{10};
 
-  RenderWorker(boost::asio::io_context& io, Collector& collector);
+  // `server`: the server's counters, which every view shows beside the collector's.
+  RenderWorker(boost::asio::io_context& io, Collector& collector,
+               const ServerCounters* server = nullptr);
   ~RenderWorker();  // stop()
   RenderWorker(const RenderWorker&) = delete;
   RenderWorker& operator=(const RenderWorker&) = delete;
@@ -56,6 +58,7 @@ class RenderWorker {
 
   boost::asio::io_context& io_;
   Collector& collector_;
+  const ServerCounters* server_;
   boost::asio::steady_timer pace_timer_;
   std::chrono::steady_clock::time_point last_freeze_{};
   boost::asio::thread_pool pool_{1};

@@ -61,8 +61,9 @@ Server::Server(const Config& config, Collector& collector)
       accept_retry_timer_(io_),
       liveness_timer_(io_),
       snapshot_timer_(io_),
-      renderer_(io_, collector),
+      renderer_(io_, collector, &counters_),
       shared_{collector,
+              counters_,
               config,
               commands_,
               log_,
@@ -198,7 +199,7 @@ void Server::restore_snapshot() {
       spdlog::info("no snapshot in {}; starting empty", config_.state_dir);
       return;
     case LoadedSnapshot::Status::kCorrupt:
-      ++collector_.counters().snapshot_errors;
+      ++counters_.snapshot_errors;
       spdlog::error("snapshot unusable: {}{}; starting empty", loaded.error,
                     loaded.moved_to.empty() ? "" : "; moved to " + loaded.moved_to.string());
       return;
@@ -206,7 +207,7 @@ void Server::restore_snapshot() {
       break;
   }
   if (const auto ec = restore_from_snapshot(collector_, loaded.doc)) {
-    ++collector_.counters().snapshot_errors;
+    ++counters_.snapshot_errors;
     std::error_code move_ec;
     const fs::path moved = move_snapshot_aside(config_.state_dir, move_ec);
     spdlog::error(
@@ -232,16 +233,16 @@ std::string write_snapshot(const std::string& state_dir, const CollectorView& vi
 
 void Server::snapshot_written(const std::string& error) {
   if (!error.empty()) {
-    ++collector_.counters().snapshot_errors;
+    ++counters_.snapshot_errors;
     spdlog::error("{}", error);
   } else {
-    ++collector_.counters().snapshots_written;
+    ++counters_.snapshots_written;
   }
 }
 
 void Server::save_snapshot_now() {
   if (config_.state_dir.empty()) return;
-  snapshot_written(write_snapshot(config_.state_dir, *collector_.freeze()));
+  snapshot_written(write_snapshot(config_.state_dir, *collector_.freeze(&counters_)));
 }
 
 void Server::save_snapshot_later() {
@@ -289,12 +290,11 @@ void Server::on_accept(const boost::system::error_code& ec, StreamProtocol::sock
 }
 
 void Server::admit(StreamProtocol::socket socket) {
-  auto& counters = collector_.counters();
+  ServerCounters& counters = counters_;
   ++counters.connections_total;
   const bool reject = counters.connections_now >= config_.server_limits.max_connections;
   if (reject) {
-    ++counters.connections_rejected;
-    counters.hit(LimitKind::kMaxConnections);
+    ++counters.connections_rejected;  // a max_connections hit too (DaemonCounters::add)
     log_.warn("max_connections", "connection rejected: max_connections (" +
                                      std::to_string(config_.server_limits.max_connections) +
                                      ") reached");
@@ -315,7 +315,7 @@ void Server::admit(StreamProtocol::socket socket) {
         if (it->second.rejected) {
           --rejecting_;
         } else {
-          --collector_.counters().connections_now;
+          --counters_.connections_now;
         }
         sessions_.erase(it);
       },

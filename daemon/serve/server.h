@@ -25,12 +25,12 @@
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 
-#include "daemon/state/collector.h"
 #include "daemon/serve/commands.h"
 #include "daemon/serve/config.h"
 #include "daemon/serve/http_metrics.h"
 #include "daemon/serve/render_worker.h"
 #include "daemon/serve/session.h"
+#include "daemon/state/collector.h"
 
 namespace steptrace::daemon {
 
@@ -72,6 +72,7 @@ class Server {
   boost::asio::steady_timer liveness_timer_;
   boost::asio::steady_timer snapshot_timer_;
   RateLimitedLog log_;
+  ServerCounters counters_;  // connections, bytes, frames, protocol errors, commands, snapshots
   RenderWorker renderer_;
   bool snapshot_pending_ = false;  // a snapshot job is queued or writing
   CommandTable commands_;

@@ -20,6 +20,20 @@ nlohmann::json drop_causes_json(const DropCounts& counts) {
   return j;
 }
 
+void DaemonCounters::add(const ServerCounters& server) {
+  frames_received += server.frames_received;
+  bytes_received += server.bytes_received;
+  connections_now += server.connections_now;
+  connections_total += server.connections_total;
+  connections_rejected += server.connections_rejected;
+  if (server.connections_rejected != 0)
+    hit(LimitKind::kMaxConnections, server.connections_rejected);
+  commands_served += server.commands_served;
+  snapshots_written += server.snapshots_written;
+  snapshot_errors += server.snapshot_errors;
+  for (const auto& [kind, n] : server.protocol_errors) protocol_errors[kind] += n;
+}
+
 std::uint64_t DaemonCounters::protocol_errors_total() const {
   std::uint64_t total = 0;
   for (const auto& [kind, n] : protocol_errors) total += n;
@@ -442,9 +456,11 @@ CollectorView::CollectorView(const CollectorState& state, const DaemonCounters& 
 
 CollectorView::~CollectorView() = default;
 
-std::shared_ptr<const CollectorView> Collector::freeze() const {
+std::shared_ptr<const CollectorView> Collector::freeze(const ServerCounters* server) const {
+  DaemonCounters counters = counters_;
+  if (server != nullptr) counters.add(*server);
   return std::shared_ptr<const CollectorView>(
-      new CollectorView(*state_, counters_, env_.monotonic_now_ns()));
+      new CollectorView(*state_, counters, env_.monotonic_now_ns()));
 }
 
 // ---- selection shared by the reports ---------------------------------------------------

@@ -1,5 +1,5 @@
 // The daemon's state: every process seen, its per-step aggregates and open spans, the
-// VRAM ledger view, and the daemon's counters; plus the reports built from them.
+// VRAM ledger view, and the counters of ingest (reports: daemon/report/).
 //
 // Data flow: Session (one per connection, daemon/serve/session.*) decodes frames with
 // proto::Decoder and hands each validated message to the Collector through the
@@ -104,7 +104,8 @@ class Collector {
   // ---- reports ---------------------------------------------------------------------
   // The state now, to render on any thread with the functions of daemon/report/report.h.
   // The daemon renders every report from a view on its render thread.
-  std::shared_ptr<const CollectorView> freeze() const;
+  // `server`: the server's counters, added to the view's (none in unit tests of state).
+  std::shared_ptr<const CollectorView> freeze(const ServerCounters* server = nullptr) const;
 
   // ---- persistence -------------------------------------------------------------------
   // Replaces the state with one the snapshot codec decoded (restore_from_snapshot,
@@ -115,7 +116,7 @@ class Collector {
   // a handle into the table this replaces.
   std::error_code adopt(RestoredState restored);
 
-  DaemonCounters& counters() { return counters_; }
+  // Ingest's own counts and limit hits, plus what a snapshot restored of the server's.
   const DaemonCounters& counters() const { return counters_; }
   const Limits& limits() const { return limits_; }
 

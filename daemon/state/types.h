@@ -62,8 +62,6 @@ constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
 
-// Counters the server and the collector both add to; shown by stats, metrics and the
-// "daemon" object of report --json.
 // The protocol_errors kinds a session counts that are not errcs: a command line over
 // limits.max_line_bytes, and a client that did not read its replies in time.
 inline constexpr const char* kLineTooLongKind = "line_too_long";
@@ -71,6 +69,23 @@ inline constexpr const char* kWriteTimeoutKind = "write_timeout";
 inline constexpr std::array<std::string_view, 2> kSessionErrorKinds = {kLineTooLongKind,
                                                                        kWriteTimeoutKind};
 
+// What the server and its sessions count (daemon/serve/): they own these, the collector
+// never touches them. A CollectorView adds them to the collector's own (Collector::freeze).
+struct ServerCounters {
+  std::uint64_t frames_received = 0;
+  std::uint64_t bytes_received = 0;
+  std::uint64_t connections_now = 0;
+  std::uint64_t connections_total = 0;
+  std::uint64_t connections_rejected = 0;  // over max_connections (also a limit hit)
+  std::uint64_t commands_served = 0;
+  std::uint64_t snapshots_written = 0;
+  std::uint64_t snapshot_errors = 0;
+  std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name() or session kind
+};
+
+// Every counter the daemon shows: stats, metrics, the "daemon" object of report --json,
+// and snapshots. The Collector owns one (ingest, limits, and what a snapshot restored of
+// the server's); a view holds that plus the server's live ServerCounters.
 struct DaemonCounters {
   std::uint64_t events_received = 0;
   std::uint64_t frames_received = 0;
@@ -90,6 +105,8 @@ struct DaemonCounters {
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 
   std::uint64_t protocol_errors_total() const;
+  // Adds what the server counted (a rejected connection is a max_connections hit).
+  void add(const ServerCounters& server);
   void hit(LimitKind kind, std::uint64_t n = 1) { limits_hit[std::string(limit_name(kind))] += n; }
 };
 

@@ -113,10 +113,12 @@ class RecordingTransport : public StreamTransport {
 struct StreamWorld {
   explicit StreamWorld(Collector& c, Config cfg = {}) : collector(c), config(std::move(cfg)) {}
   Collector& collector;
+  ServerCounters counters;  // what a Server would own
   Config config;
   CommandTable commands;
   RateLimitedLog log;
-  SessionShared shared{collector, config, commands, log, nullptr, Environment{}, 0, false};
+  SessionShared shared{collector, counters,      config, commands, log,
+                       nullptr,   Environment{}, 0,      false};
 };
 
 // One binary client connection: a hello, then frames, through the real ClientStream.

@@ -54,11 +54,12 @@ TEST_F(ReportTest, JsonReportHasEveryFieldOfTheSchemaWithRealValues) {
                          end(1, kForward, 5000), start(1, kWaitPoll, 9000)}));
   ASSERT_FALSE(b.events({start(9, kForward, 0), end(9, kForward, 500)}));
   a.dropped(7);
-  collector_.counters().connections_now = 2;
-  collector_.counters().protocol_errors["bad_magic"] = 3;
+  ServerCounters server;  // what the Server counts; views show it beside ingest's
+  server.connections_now = 2;
+  server.protocol_errors["bad_magic"] = 3;
   world_.now_ns = 9000 + 250;
 
-  const json r = report::report_json(*collector_.freeze(), std::nullopt);
+  const json r = report::report_json(*collector_.freeze(&server), std::nullopt);
   EXPECT_EQ(r["schema"], "steptrace.report/v1");
   ASSERT_EQ(r["processes"].size(), 2u);
   const json& p = r["processes"][0];
@@ -282,9 +283,10 @@ TEST_F(ReportTest, MetricsAreWellFormedPrometheusText) {
   ASSERT_FALSE(b.events({start(1, kForward, 0), end(1, kForward, 20'000'000'000)}));  // +Inf
   world_.kill(5000);
   b.close();  // exited: no per-process series, still in the per-step histogram
-  collector_.counters().protocol_errors["bad_magic"] = 2;
+  ServerCounters server;
+  server.protocol_errors["bad_magic"] = 2;
 
-  const std::string text = report::metrics_text(*collector_.freeze());
+  const std::string text = report::metrics_text(*collector_.freeze(&server));
   const Exposition e(text);
   EXPECT_TRUE(e.errors.empty()) << e.errors.front() << "\n" << text;
   for (const auto& s : e.samples) {
@@ -370,10 +372,12 @@ TEST_F(ReportTest, EveryLimitAndErrorKindHasASeriesFromTheStart) {
   for (const std::string_view kind : kSessionErrorKinds) EXPECT_EQ(errors[std::string(kind)], "0");
 
   // A hit shows on top of the zeros, under its own name.
-  collector_.counters().hit(LimitKind::kMaxGpus, 3);
-  const Exposition hit(report::metrics_text(*collector_.freeze()));
+  ServerCounters server;
+  server.connections_rejected = 3;
+  const Exposition hit(report::metrics_text(*collector_.freeze(&server)));
   for (const auto& s : hit.of("steptrace_limit_hits_total")) {
-    EXPECT_EQ(s.value, s.labels.at("limit") == "max_gpus" ? "3" : "0") << s.labels.at("limit");
+    EXPECT_EQ(s.value, s.labels.at("limit") == "max_connections" ? "3" : "0")
+        << s.labels.at("limit");
   }
 }
 
@@ -412,11 +416,12 @@ TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   Connection a(collector_, world_.spawn(1, 1, "a"));
   ASSERT_FALSE(a.register_step(256, "Tokenize"));
   ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
-  collector_.counters().protocol_errors["bad_step_id"] = 2;
-  collector_.counters().protocol_errors["truncated"] = 1;
-  collector_.counters().limits_hit["max_open_depth"] = 4;
-  collector_.counters().connections_total = 5;
-  const json s = report::stats_json(*collector_.freeze());
+  ServerCounters server;
+  server.protocol_errors["bad_step_id"] = 2;
+  server.protocol_errors["truncated"] = 1;
+  server.connections_total = 5;
+  server.connections_rejected = 4;  // each a max_connections hit
+  const json s = report::stats_json(*collector_.freeze(&server));
   EXPECT_EQ(s["events_received"], 2);
   EXPECT_EQ(s["protocol_errors"]["total"], 3);
   EXPECT_EQ(s["protocol_errors"]["by_kind"]["bad_step_id"], 2);
@@ -425,12 +430,12 @@ TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   EXPECT_EQ(s["processes"]["live"], 1);
   EXPECT_EQ(s["processes"]["exited"], 0);
   EXPECT_EQ(s["custom_steps"], 1);
-  EXPECT_EQ(s["limits_hit"]["max_open_depth"], 4);
+  EXPECT_EQ(s["limits_hit"]["max_connections"], 4);
   EXPECT_GT(s["memory"]["rss_bytes"].get<std::uint64_t>(), 0u);
   EXPECT_GT(s["memory"]["state_bytes_estimate"].get<std::uint64_t>(), 0u);
   EXPECT_TRUE(s.contains("ledger_anomalies"));
   EXPECT_TRUE(s.contains("snapshots"));
-  const std::string text = report::stats_text(*collector_.freeze());
+  const std::string text = report::stats_text(*collector_.freeze(&server));
   EXPECT_NE(text.find("events_received: 2\n"), std::string::npos) << text;
   EXPECT_NE(text.find("protocol_errors.total: 3\n"), std::string::npos) << text;
 }

@@ -80,7 +80,7 @@ class ClientStreamTest : public ::testing::Test {
     feed(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
   }
   std::uint64_t errors(const std::string& kind) const {
-    const auto& m = collector_.counters().protocol_errors;
+    const auto& m = streams_.counters.protocol_errors;
     const auto it = m.find(kind);
     return it == m.end() ? 0 : it->second;
   }
@@ -216,6 +216,15 @@ TEST_F(ClientStreamTest, LastLineWithoutNewlineIsAnsweredBeforeFinishing) {
   transport_.release_renders();
   EXPECT_EQ(stream_->state(), State::kFinishing);
   EXPECT_NE(transport_.sent.find("connections"), std::string::npos) << transport_.sent;
+}
+
+TEST_F(ClientStreamTest, EveryAnsweredLineIsACommandServedBlankOnesAreNot) {
+  open();
+  feed("ping\n\nnope\n  \nstats\n");
+  EXPECT_EQ(streams_.counters.commands_served, 3u);
+  EXPECT_EQ(collector_.counters().commands_served, 0u);  // the server's count, not ingest's
+  const auto view = collector_.freeze(&streams_.counters);
+  EXPECT_EQ(view->counters().commands_served, 3u);
 }
 
 TEST_F(ClientStreamTest, BackedUpOutputPausesAnswersAndReading) {
