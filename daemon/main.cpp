@@ -49,7 +49,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "steptraced: %s\n", error->c_str());
       return 1;
     }
-    server.run();
+    if (!server.run()) {
+      std::fprintf(stderr, "steptraced: the final snapshot could not be written (see the log)\n");
+      return 1;
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "steptraced: %s\n", e.what());

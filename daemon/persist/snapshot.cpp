@@ -1,12 +1,15 @@
 #include "daemon/persist/snapshot.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <chrono>
-#include <fstream>
-#include <sstream>
+#include <cstdio>
+#include <optional>
+#include <string>
 
 namespace steptrace::daemon {
 namespace {
@@ -25,6 +28,50 @@ std::error_code write_all(int fd, const std::string& data) {
     done += static_cast<std::size_t>(n);
   }
   return {};
+}
+
+// An open file descriptor, closed on scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  // Closes now, reporting close()'s error (a write error NFS reports late).
+  std::error_code close() {
+    const int fd = fd_;
+    fd_ = -1;
+    return ::close(fd) == 0 ? std::error_code{} : last_error();
+  }
+
+ private:
+  int fd_;
+};
+
+std::string octal_mode(mode_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
+}
+
+// The directory open as `dir_fd` is one only this process's user can write to.
+std::optional<std::string> check_private(int dir_fd, const std::filesystem::path& dir) {
+  struct stat st {};
+  if (::fstat(dir_fd, &st) != 0)
+    return "cannot stat " + dir.string() + ": " + last_error().message();
+  if (!S_ISDIR(st.st_mode)) return dir.string() + " is not a directory";
+  if (st.st_uid != ::geteuid()) {
+    return dir.string() + " is owned by uid " + std::to_string(st.st_uid) + ", not by uid " +
+           std::to_string(::geteuid()) + " that steptraced runs as";
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return dir.string() + " is writable by its group or others (mode " + octal_mode(st.st_mode) +
+           "); chmod go-w it";
+  }
+  return std::nullopt;
 }
 
 std::error_code fsync_dir(const std::filesystem::path& dir) {
@@ -48,19 +95,39 @@ std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::
     return std::make_error_code(std::errc::invalid_argument);
   }
   text.push_back('\n');
-  const std::filesystem::path tmp = dir / (std::string(kSnapshotFileName) + ".tmp");
-  const std::filesystem::path final_path = dir / kSnapshotFileName;
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return last_error();
-  std::error_code ec = write_all(fd, text);
-  if (!ec && ::fsync(fd) != 0) ec = last_error();
-  if (::close(fd) != 0 && !ec) ec = last_error();
-  if (!ec && ::rename(tmp.c_str(), final_path.c_str()) != 0) ec = last_error();
+  const std::string tmp = std::string(kSnapshotFileName) + ".tmp";
+  // Everything below goes through the directory's descriptor: no path is looked up twice.
+  Fd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dir_fd.get() < 0) return last_error();
+  if (check_private(dir_fd.get(), dir)) return std::make_error_code(std::errc::permission_denied);
+  // O_EXCL | O_NOFOLLOW: never write through a link or into a file someone else made. A
+  // leftover (a crash between create and rename, or a planted link) is removed first:
+  // unlinkat removes the link itself, never what it points to.
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+  int raw = ::openat(dir_fd.get(), tmp.c_str(), flags, 0600);
+  if (raw < 0 && errno == EEXIST && ::unlinkat(dir_fd.get(), tmp.c_str(), 0) == 0) {
+    raw = ::openat(dir_fd.get(), tmp.c_str(), flags, 0600);
+  }
+  if (raw < 0) return last_error();
+  Fd fd(raw);
+  std::error_code ec = write_all(fd.get(), text);
+  if (!ec && ::fsync(fd.get()) != 0) ec = last_error();
+  if (const auto close_ec = fd.close(); close_ec && !ec) ec = close_ec;
+  if (!ec && ::renameat(dir_fd.get(), tmp.c_str(), dir_fd.get(), kSnapshotFileName) != 0) {
+    ec = last_error();
+  }
   if (ec) {
-    ::unlink(tmp.c_str());
+    ::unlinkat(dir_fd.get(), tmp.c_str(), 0);
     return ec;
   }
-  return fsync_dir(dir);
+  if (::fsync(dir_fd.get()) != 0) return last_error();
+  return {};
+}
+
+std::optional<std::string> check_state_dir(const std::filesystem::path& dir) {
+  Fd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dir_fd.get() < 0) return "cannot open " + dir.string() + ": " + last_error().message();
+  return check_private(dir_fd.get(), dir);
 }
 
 std::filesystem::path move_snapshot_aside(const std::filesystem::path& dir, std::error_code& ec) {
@@ -100,16 +167,28 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir) {
     }
     return result;
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    // Unreadable (permissions): do not move it, just report; a fresh start follows.
+  // Not through a link: a planted one could make the daemon read any file it may read.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  if (fd.get() < 0) {
+    // Unreadable (permissions, a link): do not move it, just report; a fresh start follows.
     result.status = LoadedSnapshot::Status::kCorrupt;
-    result.error = "cannot open " + path.string();
+    result.error = "cannot open " + path.string() + ": " + last_error().message();
     return result;
   }
-  std::ostringstream content;
-  content << in.rdbuf();
-  nlohmann::json doc = nlohmann::json::parse(content.str(), nullptr, /*allow_exceptions=*/false);
+  std::string content;
+  std::array<char, 64 * 1024> buf{};
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      result.status = LoadedSnapshot::Status::kCorrupt;
+      result.error = "cannot read " + path.string() + ": " + last_error().message();
+      return result;
+    }
+    if (n == 0) break;
+    content.append(buf.data(), static_cast<std::size_t>(n));
+  }
+  nlohmann::json doc = nlohmann::json::parse(content, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) {
     result.error = path.string() + " is not valid JSON";
   } else if (!has_snapshot_schema(doc)) {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <system_error>
 
@@ -24,8 +25,10 @@ namespace steptrace::daemon {
 inline constexpr const char* kSnapshotFileName = "steptraced.snapshot.json";
 inline constexpr const char* kSnapshotSchema = "steptrace.snapshot/v1";
 
-// Writes `doc` atomically into `dir` (which must exist). Errors are the OS's
-// (std::system_category) and leave any previous snapshot in place.
+// Writes `doc` atomically into `dir` (which must exist and pass check_state_dir; else
+// permission_denied). The temporary file is created with O_EXCL | O_NOFOLLOW relative
+// to the directory's descriptor, so no link planted there is followed. Errors are the
+// OS's (std::system_category) and leave any previous snapshot in place.
 std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::json& doc);
 
 struct LoadedSnapshot {
@@ -43,7 +46,11 @@ struct LoadedSnapshot {
 // Whether `doc` is an object whose "schema" is kSnapshotSchema.
 bool has_snapshot_schema(const nlohmann::json& doc);
 
-// Reads `dir`/steptraced.snapshot.json. Never throws.
+// `dir` may hold snapshots: a directory owned by the daemon's user and writable by no
+// one else (else another user could plant links or files in it). The reason otherwise.
+std::optional<std::string> check_state_dir(const std::filesystem::path& dir);
+
+// Reads `dir`/steptraced.snapshot.json, never through a link. Never throws.
 LoadedSnapshot load_snapshot(const std::filesystem::path& dir);
 
 // Moves the snapshot file aside as `steptraced.snapshot.json.corrupt-<unix time>` and

@@ -89,6 +89,9 @@ std::optional<std::string> Server::start() {
       return "state directory " + config_.state_dir +
              " cannot be used: " + (ec ? ec.message() : "not a directory");
     }
+    if (auto unsafe = check_state_dir(config_.state_dir)) {
+      return "state directory refused: " + *unsafe;
+    }
     restore_snapshot();
   }
   if (auto err = open_socket()) return err;
@@ -227,7 +230,11 @@ std::string write_snapshot(const std::string& state_dir, const CollectorView& vi
   } catch (const std::exception& e) {
     return std::string("building the snapshot failed: ") + e.what();
   }
-  return ec ? "writing snapshot to " + state_dir + " failed: " + ec.message() : std::string();
+  if (!ec) return {};
+  if (auto unsafe = check_state_dir(state_dir)) {
+    return "snapshot not written: state directory refused: " + *unsafe;
+  }
+  return "writing snapshot to " + state_dir + " failed: " + ec.message();
 }
 }  // namespace
 
@@ -240,9 +247,11 @@ void Server::snapshot_written(const std::string& error) {
   }
 }
 
-void Server::save_snapshot_now() {
-  if (config_.state_dir.empty()) return;
-  snapshot_written(write_snapshot(config_.state_dir, *collector_.freeze(&counters_)));
+bool Server::save_snapshot_now() {
+  if (config_.state_dir.empty()) return true;
+  const std::string error = write_snapshot(config_.state_dir, *collector_.freeze(&counters_));
+  snapshot_written(error);
+  return error.empty();
 }
 
 void Server::save_snapshot_later() {
@@ -256,7 +265,7 @@ void Server::save_snapshot_later() {
       });
 }
 
-void Server::run() {
+bool Server::run() {
   signals_.async_wait([this](const boost::system::error_code& ec, int signal_number) {
     if (!ec) shutdown(signal_number);
   });
@@ -265,6 +274,7 @@ void Server::run() {
   schedule_snapshot();
   notify_ready("listening on " + socket_path_);
   io_.run();
+  return final_snapshot_written_;
 }
 
 void Server::accept() {
@@ -379,7 +389,7 @@ void Server::finish_shutdown() {
   renderer_.stop();
   // Snapshot with everything drained applied. Spans still open are saved as abandoned
   // (encode_snapshot, persist/snapshot_codec.h): after a restart no connection could end them.
-  save_snapshot_now();
+  final_snapshot_written_ = save_snapshot_now();
   for (auto& s : live) s->close();
   remove_socket_file();
   spdlog::info("stopped");

@@ -44,13 +44,14 @@ class Server {
   // Restores the snapshot, binds the socket and the HTTP listener. On failure a
   // one-line message (the daemon exits 1), with nothing left listening.
   std::optional<std::string> start();
-  // Serves until SIGTERM/SIGINT, then drains, snapshots and returns.
-  void run();
+  // Serves until SIGTERM/SIGINT, then drains, snapshots and returns. False when the
+  // final snapshot could not be written (logged; the daemon then exits non-zero).
+  bool run();
 
  private:
   std::optional<std::string> open_socket();
   void restore_snapshot();
-  void save_snapshot_now();    // on this thread (shutdown)
+  bool save_snapshot_now();    // on this thread (shutdown); false when it failed
   void save_snapshot_later();  // on the render thread (the timer)
   void snapshot_written(const std::string& error);
   void accept();
@@ -92,6 +93,7 @@ class Server {
   dev_t socket_dev_ = 0;
   ino_t socket_ino_ = 0;
   bool stopping_ = false;
+  bool final_snapshot_written_ = true;
 };
 
 }  // namespace steptrace::daemon
