@@ -43,13 +43,13 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
     if (t.agg.hist.count() == 0) continue;
     const Histogram& h = t.agg.hist;
     rows.push_back({t.name, h.count(), h.sum(), h.percentile(0.50), h.percentile(0.99)});
-    total_time += h.sum();
+    total_time = saturating_add(total_time, h.sum());
     name_width = std::max(name_width, report::display_width(t.name));
     // Built-in names are unique; a custom step can not take a built-in's name slot.
-    if (t.name == proto::builtin_step_name(kMatmul)) compute += h.sum();
+    if (t.name == proto::builtin_step_name(kMatmul)) compute = saturating_add(compute, h.sum());
     if (t.name == proto::builtin_step_name(kTranspose) ||
         t.name == proto::builtin_step_name(kAlloc)) {
-      overhead += h.sum();
+      overhead = saturating_add(overhead, h.sum());
     }
   }
   if (rows.empty()) {

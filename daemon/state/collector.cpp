@@ -387,7 +387,10 @@ void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
   ProcessRecord& rec = state_->write(process);
   // Reports are cumulative and may arrive out of order across reconnects: keep the max.
   if (total_dropped > rec.dropped) {
-    counters_.events_dropped_by_clients += total_dropped - rec.dropped;
+    // Saturating: one process's huge report must not wrap the daemon's total (which would
+    // make its Prometheus counter go down).
+    counters_.events_dropped_by_clients =
+        saturating_add(counters_.events_dropped_by_clients, total_dropped - rec.dropped);
     rec.dropped = total_dropped;
   }
 }
@@ -398,12 +401,12 @@ void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCa
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
     if (causes.count[i] > rec.dropped_by_cause[i]) {
-      counters_.events_dropped_by_cause[i] += causes.count[i] - rec.dropped_by_cause[i];
+      counters_.events_dropped_by_cause[i] = saturating_add(
+          counters_.events_dropped_by_cause[i], causes.count[i] - rec.dropped_by_cause[i]);
       rec.dropped_by_cause[i] = causes.count[i];
     }
     // Saturating: a hostile client's counts must not wrap the total.
-    constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
-    total = rec.dropped_by_cause[i] > kMax - total ? kMax : total + rec.dropped_by_cause[i];
+    total = saturating_add(total, rec.dropped_by_cause[i]);
   }
   dropped(process, total);
 }

@@ -82,6 +82,12 @@ constexpr std::array<std::uint64_t, kPromBoundsNs.size() + 1> make_prom_upper() 
 inline constexpr auto kPromUpper = make_prom_upper();
 }  // namespace histogram_detail
 
+// a + b, or 2^64-1 when that does not fit.
+constexpr std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t sum = 0;
+  return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<std::uint64_t>::max() : sum;
+}
+
 class Histogram {
  public:
   static constexpr unsigned kSubBits = 5;
@@ -92,9 +98,11 @@ class Histogram {
   static constexpr auto kPromBoundsNs = histogram_detail::kPromBoundsNs;
   static constexpr std::size_t kPromBuckets = kPromBoundsNs.size() + 1;
 
+  // Sums saturate at 2^64-1 ns (584 years): a client's durations must not wrap a total
+  // below its own maximum, nor make a Prometheus counter go down.
   void record(std::uint64_t v) {
     ++count_;
-    sum_ += v;
+    sum_ = saturating_add(sum_, v);
     min_ = v < min_ ? v : min_;
     max_ = v > max_ ? v : max_;
     const unsigned log2 = 63u - static_cast<unsigned>(std::countl_zero(v | kSubBuckets));

@@ -3,7 +3,9 @@
 
 #include <sys/wait.h>
 #include <time.h>
+
 #include <unistd.h>
+#include <limits>
 
 #include <gtest/gtest.h>
 
@@ -263,6 +265,24 @@ TEST_F(CollectorTest, DroppedKeepsTheMaximumAndCountersSumProcesses) {
   EXPECT_EQ(process_of(r, 2)["dropped"], 3);
   EXPECT_EQ(collector_->counters().events_dropped_by_clients, 15u);
   EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 15);
+}
+
+TEST_F(CollectorTest, HugeClientNumbersSaturateAndNeverWrapACounterOrTotal) {
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  Connection a(*collector_, world_.spawn(1, 1, "a"));
+  Connection b(*collector_, world_.spawn(2, 1, "b"));
+  ASSERT_FALSE(a.dropped(kMax - 1));
+  const std::uint64_t before = collector_->counters().events_dropped_by_clients;
+  ASSERT_FALSE(b.dropped(5));  // would wrap the daemon's total
+  EXPECT_EQ(collector_->counters().events_dropped_by_clients, kMax);
+  EXPECT_GE(collector_->counters().events_dropped_by_clients, before);
+  // Three spans of 2^64-1 ns: the step's total stays at its ceiling, not below its max.
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, kMax), start(1, kForward, 0),
+                         end(1, kForward, kMax), start(1, kForward, 0), end(1, kForward, kMax)}));
+  const json step = step_of(report::report_json(*collector_->freeze(), std::nullopt), 1, "Forward");
+  EXPECT_EQ(step["count"], 3);
+  EXPECT_EQ(step["total_ns"].get<std::uint64_t>(), kMax);
+  EXPECT_GE(step["total_ns"].get<std::uint64_t>(), step["max_ns"].get<std::uint64_t>());
 }
 
 TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal) {

@@ -76,6 +76,21 @@ TEST(HistogramTest, SmallValuesAreExactAndBucketsAreTight) {
   EXPECT_EQ(Histogram::bucket_index(~std::uint64_t{0}), Histogram::kBuckets - 1);
 }
 
+TEST(HistogramTest, SumsSaturateInsteadOfWrapping) {
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  Histogram h;
+  for (int i = 0; i < 3; ++i) h.record(kMax);
+  EXPECT_EQ(h.count(), 3u);
+  EXPECT_EQ(h.sum(), kMax);
+  EXPECT_EQ(h.max(), kMax);
+  Histogram merged;
+  merged.record(kMax - 1);
+  merged.merge(h);
+  EXPECT_EQ(merged.sum(), kMax);
+  EXPECT_EQ(merged.count(), 4u);
+  EXPECT_EQ(saturating_add(kMax - 2, 1), kMax - 1);
+}
+
 TEST(HistogramTest, EmptyHistogramReportsZeros) {
   Histogram h;
   EXPECT_EQ(h.count(), 0u);
