@@ -57,6 +57,7 @@ Server::Server(const Config& config, Collector& collector)
     : config_(config),
       collector_(collector),
       signals_(io_, SIGTERM, SIGINT),
+      other_signals_(io_, SIGHUP, SIGUSR1, SIGUSR2),
       acceptor_(io_),
       accept_retry_timer_(io_),
       liveness_timer_(io_),
@@ -269,6 +270,7 @@ bool Server::run() {
   signals_.async_wait([this](const boost::system::error_code& ec, int signal_number) {
     if (!ec) shutdown(signal_number);
   });
+  watch_other_signals();
   accept();
   schedule_liveness();
   schedule_snapshot();
@@ -353,8 +355,28 @@ void Server::schedule_snapshot() {
   });
 }
 
+// Signals whose default action would end the daemon without a snapshot and leave its
+// socket behind: each is logged and the daemon goes on (config/README.md, "Signals").
+void Server::watch_other_signals() {
+  boost::system::error_code ec;
+  other_signals_.add(SIGALRM, ec);
+  other_signals_.async_wait([this](const boost::system::error_code& wait_ec, int signal_number) {
+    if (wait_ec || stopping_) return;
+    if (signal_number == SIGHUP) {
+      spdlog::info(
+          "SIGHUP received: nothing to reload (steptraced logs to stderr, so no log file to "
+          "reopen, and reads its configuration only at start: restart it to apply a new one)");
+    } else {
+      spdlog::info("{} received and ignored", strsignal(signal_number));
+    }
+    watch_other_signals();
+  });
+}
+
 void Server::shutdown(int signal_number) {
   stopping_ = true;
+  boost::system::error_code signals_ec;
+  other_signals_.cancel(signals_ec);
   notify_stopping();
   spdlog::info("{} received: draining clients and stopping", strsignal(signal_number));
   boost::system::error_code ec;

@@ -60,6 +60,7 @@ class Server {
   void admit(boost::asio::local::stream_protocol::socket socket);
   void schedule_liveness();
   void schedule_snapshot();
+  void watch_other_signals();
   void shutdown(int signal_number);
   void finish_shutdown();
   void remove_socket_file();
@@ -67,7 +68,8 @@ class Server {
   const Config& config_;
   Collector& collector_;
   boost::asio::io_context io_;
-  boost::asio::signal_set signals_;
+  boost::asio::signal_set signals_;        // SIGTERM, SIGINT: stop
+  boost::asio::signal_set other_signals_;  // SIGHUP, SIGUSR1, SIGUSR2, SIGALRM: log, go on
   boost::asio::local::stream_protocol::acceptor acceptor_;
   boost::asio::steady_timer accept_retry_timer_;
   boost::asio::steady_timer liveness_timer_;
