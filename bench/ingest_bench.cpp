@@ -306,7 +306,6 @@ class RenderLoop {
     const auto now = std::chrono::steady_clock::now();
     if (now < last_freeze_ + kMinViewInterval) return;
     last_freeze_ = now;
-    collector_.refresh_liveness();  // what RenderWorker::start_next does before freezing
     view_ = collector_.freeze();
     ++views_made_;
     handed_ = view_.get();  // published by the release store below

@@ -230,7 +230,6 @@ std::string CommandTable::help_text() const {
 std::string CommandTable::execute(std::string_view line, const CommandContext& context) const {
   Reply reply = dispatch(line, context);
   if (!reply.render) return std::move(reply.text);
-  context.collector.refresh_liveness();
   return run_render_job(reply.render, *context.collector.freeze());
 }
 

@@ -55,7 +55,6 @@ void RenderWorker::start_next() {
     batch.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
-  collector_.refresh_liveness();
   std::shared_ptr<const CollectorView> view = collector_.freeze(server_);
   boost::asio::post(pool_, [this, batch = std::move(batch), view = std::move(view)]() mutable {
     for (auto& [job, done] : batch) {

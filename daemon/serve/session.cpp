@@ -87,7 +87,6 @@ void Session::send(std::string bytes) {
 
 void Session::render(RenderJob job) {
   if (shared_.renderer == nullptr) {
-    shared_.collector.refresh_liveness();
     stream_->rendered(run_render_job(job, *shared_.collector.freeze(&shared_.counters)));
     return;
   }

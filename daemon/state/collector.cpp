@@ -379,7 +379,7 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
 void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record) {
   if (process >= state_->slots.size() || !state_->slots[process]) return;
   const ProcessRecord& rec = *state_->slots[process];
-  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm}, record, env_.monotonic_now_ns());
+  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record, env_.monotonic_now_ns());
 }
 
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
@@ -446,6 +446,10 @@ std::size_t Collector::reset(std::optional<std::int32_t> pid) {
   }
   if (!pid) state.retired = std::make_shared<RetiredHistograms>();
   return cleared;
+}
+
+std::size_t Collector::reset_ledger(std::optional<std::string_view> gpu) {
+  return state_->ledger.reset(gpu);
 }
 
 // ---- views -----------------------------------------------------------------------------

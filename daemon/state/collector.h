@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <system_error>
 
 #include <nlohmann/json_fwd.hpp>
@@ -100,6 +101,9 @@ class Collector {
   // Clears aggregates (all, or one pid's); the ledger view and counters stay.
   // Returns how many processes were cleared (with `pid`: 0 when it is not tracked).
   std::size_t reset(std::optional<std::int32_t> pid);
+  // Clears the ledger's GPUs (all, or the one named); how many went. Root only: the
+  // command checks.
+  std::size_t reset_ledger(std::optional<std::string_view> gpu);
 
   // ---- reports ---------------------------------------------------------------------
   // The state now, to render on any thread with the functions of daemon/report/report.h.

@@ -328,6 +328,18 @@ void LedgerView::check_holders(const std::function<bool(const ProcessKey&)>& ali
   }
 }
 
+std::size_t LedgerView::reset(std::optional<std::string_view> gpu) {
+  if (!gpu) {
+    const std::size_t n = state_->gpus.size();
+    write_state().gpus.clear();
+    return n;
+  }
+  if (!state_->gpus.contains(*gpu)) return 0;
+  State& s = write_state();
+  s.gpus.erase(s.gpus.find(*gpu));
+  return 1;
+}
+
 void LedgerView::forget_process(const ProcessKey& process) {
   // Its per-GPU rows go too, so memory stays bounded by the collector's process table;
   // reservations it holds stay (they still hold VRAM until a release or cleanup).

@@ -15,7 +15,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -31,6 +33,7 @@ struct State;
 struct LedgerActor {
   ProcessKey key;
   std::string comm;
+  std::uint32_t uid = 65534;  // the peer's uid (SO_PEERCRED); nobody when unknown
 };
 
 class LedgerView {
@@ -54,6 +57,10 @@ class LedgerView {
   // The process record is dropped from the collector: forget per-thread attribution state
   // (reservations it holds stay, since they still hold VRAM).
   void forget_process(const ProcessKey& process);
+  // Root's `reset --ledger` (every GPU) or `reset --gpu UUID` (one): the GPUs go with
+  // their reservations, rows and samples; anomaly counts stay (metrics never go down).
+  // Returns how many GPUs were dropped.
+  std::size_t reset(std::optional<std::string_view> gpu);
 
   // ---- hand-over to the renderers (daemon/report/ledger_report.h) and the snapshot codec
   const ledger::State& state() const { return *state_; }

@@ -85,13 +85,11 @@ class RecordingTransport : public StreamTransport {
       held.push_back(std::move(job));
       return;
     }
-    collector_.refresh_liveness();
     stream_->rendered(run_render_job(job, *collector_.freeze()));
   }
   // Renders the held jobs in order, as the RenderWorker hands them back.
   void release_renders() {
     for (auto& job : held) {
-      collector_.refresh_liveness();
       stream_->rendered(run_render_job(job, *collector_.freeze()));
       stream_->resume();
     }
