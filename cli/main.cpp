@@ -55,6 +55,8 @@ struct Options {
   int pid = 0;
   double interval_s = 1.0;
   int iterations = 0;
+  bool ledger = false;  // reset --ledger
+  std::string gpu;      // reset --gpu UUID
 };
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -189,10 +191,19 @@ int main(int argc, char** argv) {
   auto* metrics =
       app.add_subcommand("metrics", "Everything in the Prometheus text exposition format");
   auto* reset = app.add_subcommand(
-      "reset", "Clear the step aggregates (all, or one process's); root or the daemon's user only");
-  reset->add_option("--pid", options.pid, "Only this process")
-      ->type_name("PID")
-      ->check(CLI::Range(1, 1 << 30));
+      "reset",
+      "Clear the step aggregates (all, or one process's), or the VRAM ledger view (--ledger: "
+      "every GPU, --gpu: one); root or the daemon's user only");
+  auto* reset_pid = reset->add_option("--pid", options.pid, "Only this process's aggregates")
+                        ->type_name("PID")
+                        ->check(CLI::Range(1, 1 << 30));
+  auto* reset_ledger = reset->add_flag(
+      "--ledger", options.ledger,
+      "Clear every GPU of the ledger view (reservations, rows, samples), not the aggregates");
+  auto* reset_gpu = reset->add_option("--gpu", options.gpu, "Clear this GPU from the ledger view")
+                        ->type_name("UUID");
+  reset_pid->excludes(reset_ledger)->excludes(reset_gpu);
+  reset_ledger->excludes(reset_gpu);
   auto* version = app.add_subcommand("version", "Versions of this CLI and of the running daemon");
   auto* top = app.add_subcommand(
       "top",
@@ -233,7 +244,18 @@ int main(int argc, char** argv) {
   if (app.got_subcommand(ledger)) return run_and_print(socket, "ledger" + json_arg, timeout);
   if (app.got_subcommand(stats)) return run_and_print(socket, "stats" + json_arg, timeout);
   if (app.got_subcommand(metrics)) return run_and_print(socket, "metrics", timeout);
-  if (app.got_subcommand(reset)) return run_and_print(socket, "reset" + pid_arg, timeout);
+  if (app.got_subcommand(reset)) {
+    if (options.ledger) return run_and_print(socket, "reset --ledger", timeout);
+    if (reset_gpu->count() > 0) {
+      // One word on the command line: the daemon refuses an empty or spaced one by name.
+      if (options.gpu.empty() || options.gpu.find_first_of(" \t\r\n") != std::string::npos) {
+        std::fprintf(stderr, "steptrace: reset --gpu: a GPU UUID has no blanks and is not empty\n");
+        return kExitUsage;
+      }
+      return run_and_print(socket, "reset --gpu " + options.gpu, timeout);
+    }
+    return run_and_print(socket, "reset" + pid_arg, timeout);
+  }
   if (app.got_subcommand(version)) {
     std::printf("steptrace %s (CLI)\n", STEPTRACE_VERSION_STRING);
     std::fflush(stdout);

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "proto/printable.h"
+
 namespace steptrace::cli {
 namespace {
 
@@ -33,11 +35,14 @@ std::uint64_t u64(const json& object, const char* key) {
   return 0;
 }
 
+// Every string of the report is client-chosen (comm, step names, task, GPU UUID) and
+// goes on a terminal: each is read through proto::printable(), so no escape code, line
+// break or other control byte gets through.
 std::string str(const json& object, const char* key, const char* fallback = "?") {
   if (!object.is_object()) return fallback;
   const auto it = object.find(key);
   if (it == object.end() || !it->is_string()) return fallback;
-  return it->get<std::string>();
+  return proto::printable(it->get_ref<const std::string&>());
 }
 
 bool flag(const json& object, const char* key, bool fallback) {
@@ -63,9 +68,8 @@ const json& object_at(const json& object, const char* key) {
   return *it;
 }
 
-// `text` padded with spaces to `width` bytes, like printf's "%-*s". fmt's "{:<N}" pads
-// to a display width instead, which differs for non-ASCII text (a process's comm can be
-// UTF-8): the report's strings are padded here, so `top` stays the same byte for byte.
+// `text` padded with spaces to `width` bytes, like printf's "%-*s" (the report's strings
+// are printable ASCII once read through str(), so bytes are columns).
 std::string pad_right(std::string text, std::size_t width) {
   if (text.size() < width) text.append(width - text.size(), ' ');
   return text;

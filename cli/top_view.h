@@ -6,7 +6,9 @@
 // VRAM so a trainer stuck on VRAM shows at a glance), its per-step totals with shares,
 // and the ledger per GPU with leaked reservations marked. Rendering is a pure function
 // of the document, so it is unit-tested without a daemon. Fields missing or of the wrong
-// type render as blanks/zeros; nothing here throws on odd input.
+// type render as blanks/zeros; nothing here throws on odd input. Every string from the
+// document is printed through proto::printable() (non-printable bytes as '?'): they are
+// chosen by clients and must not drive the terminal.
 #pragma once
 
 #include <cstdint>

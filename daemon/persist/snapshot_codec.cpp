@@ -29,7 +29,10 @@ constexpr std::size_t kMaxCounterNames = 256;  // per map of counters by kind
 constexpr std::size_t kMaxCounterName = 64;
 constexpr std::uint64_t kMaxPid = std::numeric_limits<std::int32_t>::max();
 
-constexpr StringRule kCommRule{0, 64};
+// /proc/PID/comm is any bytes a process chose (escape codes too; written as JSON escapes,
+// invalid UTF-8 as U+FFFD): kept as they are, every text output sanitises it. A printable
+// rule here would make one such process's name reject the whole snapshot.
+constexpr StringRule kCommRule{0, 64, /*printable=*/false};
 constexpr StringRule kClientRule{0, proto::kProcessNameField - 1};
 constexpr StringRule kLibraryVersionRule{0, proto::kLibraryVersionField - 1};
 constexpr StringRule kNameRule{1, proto::kMaxNameLength};        // step names, GPU UUIDs
@@ -250,6 +253,7 @@ json ledger_json(const ledger::State& state) {
       reservations.push_back({{"id", id},
                               {"pid", r.holder.pid},
                               {"start_time", r.holder.start_time},
+                              {"uid", r.uid},
                               {"comm", r.comm},
                               {"bytes", r.bytes},
                               {"task", r.task},
@@ -263,6 +267,7 @@ json ledger_json(const ledger::State& state) {
                 {"at_ns", gpu.sample->at_ns}};
     }
     gpus.push_back({{"gpu", uuid},
+                    {"creator_uid", gpu.creator_uid},
                     {"high_water_bytes", gpu.high_water_bytes},
                     {"sample", std::move(sample)},
                     {"overcommit_events", gpu.overcommit_events},
@@ -307,6 +312,9 @@ bool read_reservation(JsonObject r, ledger::Gpu& gpu) {
   }
   ledger::Reservation res;
   read_process_key(r, res.holder);
+  // Snapshots before uids were kept: kUnknownUid, which no actor has, so only the holder
+  // process itself or root may release the entry (anyone once the holder is dead).
+  r.optional_unsigned("uid", res.uid);
   r.get_string("comm", res.comm, kLedgerTextRule);
   r.get_unsigned("bytes", res.bytes, 1);
   r.get_string("task", res.task, kLedgerTextRule);
@@ -332,6 +340,7 @@ bool read_ledger_row(JsonObject p, ledger::Gpu& gpu) {
   p.get_unsigned("reserves", row.reserves);
   p.get_unsigned("releases", row.releases);
   p.get_unsigned("cleanups", row.cleanups);
+  p.optional_unsigned("refused", row.refused);  // 0 in snapshots before permissions
   if (!read_ledger_steps(p.array("steps", proto::kBuiltinStepCount), row.steps) || !p.finish()) {
     return false;
   }
@@ -344,6 +353,7 @@ bool read_gpu(JsonObject g, const Limits& limits, ledger::State& out) {
   if (!g.get_string("gpu", uuid, kNameRule)) return false;
   if (out.gpus.contains(uuid)) return g.fail_at("gpu", "\"" + uuid + "\" appears twice");
   ledger::Gpu gpu;
+  g.optional_unsigned("creator_uid", gpu.creator_uid);  // older snapshots: charged to no uid
   g.get_unsigned("high_water_bytes", gpu.high_water_bytes);
   g.get_unsigned("overcommit_events", gpu.overcommit_events);
   if (!g.is_null("sample")) {

@@ -14,12 +14,16 @@
 
 #include "daemon/report/report_format.h"
 #include "daemon/state/ledger_state.h"
+#include "proto/printable.h"
 
 namespace steptrace::daemon::report {
 namespace {
 
 using nlohmann::json;
 using namespace ledger;
+
+// A uid for the JSON documents: null when unknown (restored from an older snapshot).
+json uid_json(std::uint32_t uid) { return uid == kUnknownUid ? json(nullptr) : json(uid); }
 
 double seconds_between(std::uint64_t from_ns, std::uint64_t to_ns) {
   return to_ns > from_ns ? static_cast<double>(to_ns - from_ns) / 1e9 : 0.0;
@@ -76,6 +80,7 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
       reservations.push_back({{"id", id},
                               {"pid", r.holder.pid},
                               {"start_time", r.holder.start_time},
+                              {"uid", uid_json(r.uid)},
                               {"comm", r.comm},
                               {"bytes", r.bytes},
                               {"task", r.task},
@@ -86,6 +91,7 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
     json operations = operations_json(gpu);
     // Without a sample, total/free/available are unknown: null rather than a false 0.
     json g = {{"gpu", uuid},
+              {"creator_uid", uid_json(gpu.creator_uid)},
               {"total_bytes", nullptr},
               {"free_bytes", nullptr},
               {"reserved_bytes", gpu.reserved_bytes},
@@ -124,7 +130,9 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
   std::string out;
   for (const auto& [uuid, gpu] : gpus) {
     if (!out.empty()) out += '\n';
-    out += "GPU " + uuid + "\n";
+    // The view refuses UUIDs, tasks and names that are not printable ASCII, but a text
+    // report sanitises every client-chosen string itself rather than rely on that.
+    out += "GPU " + proto::printable(uuid) + "\n";
     std::string line = "  total ";
     if (gpu.sample) {
       line += format_bytes(gpu.sample->total_bytes) + "   free " +
@@ -156,8 +164,8 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
       std::vector<std::vector<std::string>> rows = {
           {"ID", "PID", "Process", "Task", "Size", "Age", "Holder"}};
       for (const auto& [id, r] : gpu.reservations) {
-        rows.push_back({std::to_string(id), std::to_string(r.holder.pid), r.comm,
-                        r.task.empty() ? "-" : r.task, format_bytes(r.bytes),
+        rows.push_back({std::to_string(id), std::to_string(r.holder.pid), proto::printable(r.comm),
+                        r.task.empty() ? "-" : proto::printable(r.task), format_bytes(r.bytes),
                         format_age(r.reserved_ns, now_ns), r.holder_alive ? "alive" : "LEAKED"});
       }
       append_table(out, "    ", rows);
@@ -165,12 +173,13 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
 
     if (!gpu.processes.empty()) {
       out += "  Ledger activity per process:\n";
-      std::vector<std::vector<std::string>> rows = {
-          {"PID", "Process", "Reserves", "Releases", "Cleanups", "Step", "Count", "Time"}};
+      std::vector<std::vector<std::string>> rows = {{"PID", "Process", "Reserves", "Releases",
+                                                     "Cleanups", "Refused", "Step", "Count",
+                                                     "Time"}};
       for (const auto& [key, row] : gpu.processes) {
-        std::vector<std::string> head = {std::to_string(key.pid), row.comm,
+        std::vector<std::string> head = {std::to_string(key.pid),      proto::printable(row.comm),
                                          std::to_string(row.reserves), std::to_string(row.releases),
-                                         std::to_string(row.cleanups)};
+                                         std::to_string(row.cleanups), std::to_string(row.refused)};
         if (row.steps.empty()) {
           head.push_back("-");
           rows.push_back(std::move(head));
@@ -179,7 +188,7 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
         bool first = true;
         for (const auto& [step, time] : row.steps) {
           std::vector<std::string> cells =
-              first ? head : std::vector<std::string>{"", "", "", "", ""};
+              first ? head : std::vector<std::string>{"", "", "", "", "", ""};
           cells.insert(cells.end(), {std::string(proto::kBuiltinStepNames[step]),
                                      std::to_string(time.count), format_duration(time.total_ns)});
           rows.push_back(std::move(cells));

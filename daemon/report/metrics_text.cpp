@@ -191,8 +191,14 @@ std::string report::metrics_text(const CollectorView& view) {
                "Client connections accepted.")
       .sample({}, c.connections_total);
   MetricFamily(out, "steptrace_connections_rejected_total", "counter",
-               "Client connections refused over max_connections.")
+               "Client connections refused over max_connections or max_connections_per_uid.")
       .sample({}, c.connections_rejected);
+  MetricFamily(out, "steptrace_connections_undrained_total", "counter",
+               "Connections queued at shutdown that were closed unread (no room to drain).")
+      .sample({}, c.connections_undrained);
+  MetricFamily(out, "steptrace_liveness_probe_errors_total", "counter",
+               "/proc probes that failed (EMFILE...); never taken for a process's death.")
+      .sample({}, c.liveness_probe_errors);
   MetricFamily(out, "steptrace_commands_served_total", "counter", "Text commands answered.")
       .sample({}, c.commands_served);
   {

@@ -1,5 +1,6 @@
 #include "daemon/report/report_format.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -115,24 +116,63 @@ std::string table_row(std::span<const Column> columns,
 }
 
 namespace {
+// Length of the valid UTF-8 sequence at the start of `text` (1..4), or 0 when it does
+// not start with one (a stray continuation byte, an overlong form, a surrogate, > U+10FFFF
+// or a cut sequence).
+std::size_t utf8_sequence(std::string_view text) {
+  const auto b = [&text](std::size_t i) { return static_cast<unsigned char>(text[i]); };
+  const unsigned char c = b(0);
+  if (c < 0x80) return 1;
+  std::size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // bounds of the second byte
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (text.size() < n || b(1) < lo || b(1) > hi) return 0;
+  for (std::size_t i = 2; i < n; ++i) {
+    if (b(i) < 0x80 || b(i) > 0xBF) return 0;
+  }
+  return n;
+}
+
 // Prometheus text format escaping: backslash and newline always, '"' in label values.
+// The format is UTF-8: a byte that is not part of a valid sequence (a process's comm may
+// hold any bytes) becomes U+FFFD, or one such name would make the whole scrape invalid.
 // Appends to `out` (a scrape writes hundreds of thousands of label values).
 void append_prometheus_escaped(std::string& out, std::string_view text, bool quote) {
-  if (text.find_first_of(quote ? std::string_view("\\\n\"") : std::string_view("\\\n")) ==
-      std::string_view::npos) {
+  const bool plain = std::all_of(text.begin(), text.end(), [quote](char c) {
+    return c != '\\' && c != '\n' && (c != '"' || !quote) && static_cast<unsigned char>(c) < 0x80;
+  });
+  if (plain) {
     out += text;
     return;
   }
-  for (const char c : text) {
+  for (std::size_t i = 0; i < text.size();) {
+    const char c = text[i];
     if (c == '\\') {
       out += "\\\\";
     } else if (c == '\n') {
       out += "\\n";
     } else if (c == '"' && quote) {
       out += "\\\"";
+    } else if (const std::size_t n = utf8_sequence(text.substr(i)); n == 0) {
+      out += "\xEF\xBF\xBD";  // U+FFFD
     } else {
-      out += c;
+      out += text.substr(i, n);
+      i += n;
+      continue;
     }
+    ++i;
   }
 }
 }  // namespace

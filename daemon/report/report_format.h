@@ -50,9 +50,10 @@ std::string table_row(std::span<const Column> columns,
                       std::initializer_list<std::string_view> cells);
 
 // ---- Prometheus text exposition ---------------------------------------------------
-// Label values escape backslash, double quote and line feed.
+// Label values escape backslash, double quote and line feed; bytes that are not valid
+// UTF-8 become U+FFFD (the format is UTF-8).
 std::string escape_label_value(std::string_view value);
-// HELP text escapes backslash and line feed.
+// HELP text escapes backslash and line feed (invalid UTF-8 as U+FFFD too).
 std::string escape_help(std::string_view help);
 // Shortest round-trip decimal; "+Inf", "-Inf", "NaN" as Prometheus spells them.
 std::string format_double(double value);

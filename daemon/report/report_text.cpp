@@ -1,7 +1,9 @@
 // Text reports: `report` in the shape of the in-process tracer steptrace replaces (boxed
 // title, Step | Count | Duration | % Time sorted by time, the Dr. Popper analysis), once
 // for all processes and once per process, then the ledger; plus `ledger` and `stats` as
-// text.
+// text. Every client-chosen string (a process's comm, a custom step's name, and whatever
+// stats shows) goes through proto::printable(), so none can put escape codes or line
+// breaks on an operator's terminal.
 #include <algorithm>
 #include <array>
 
@@ -12,6 +14,7 @@
 #include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
 #include "daemon/state/collector_state.h"
+#include "proto/printable.h"
 #include "proto/steps.h"
 
 namespace steptrace::daemon {
@@ -26,7 +29,7 @@ constexpr std::uint32_t kTranspose = proto::builtin_step_id("Transpose");
 constexpr std::uint32_t kAlloc = proto::builtin_step_id("Alloc");
 
 struct Row {
-  std::string_view name;
+  std::string name;  // sanitised
   std::uint64_t count;
   std::uint64_t total_ns;
   std::uint64_t p50_ns;
@@ -42,9 +45,10 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
   for (const NamedTotals& t : totals) {
     if (t.agg.hist.count() == 0) continue;
     const Histogram& h = t.agg.hist;
-    rows.push_back({t.name, h.count(), h.sum(), h.percentile(0.50), h.percentile(0.99)});
+    rows.push_back(
+        {proto::printable(t.name), h.count(), h.sum(), h.percentile(0.50), h.percentile(0.99)});
     total_time = saturating_add(total_time, h.sum());
-    name_width = std::max(name_width, report::display_width(t.name));
+    name_width = std::max(name_width, report::display_width(rows.back().name));
     // Built-in names are unique; a custom step can not take a built-in's name slot.
     if (t.name == proto::builtin_step_name(kMatmul)) compute = saturating_add(compute, h.sum());
     if (t.name == proto::builtin_step_name(kTranspose) ||
@@ -122,21 +126,27 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now) {
         "exited " + format_duration(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) + " ago";
   }
   return "── Process " + std::to_string(rec.key().pid) + " (" +
-         (rec.peer.comm.empty() ? std::string("?") : rec.peer.comm) + ") · " + state +
-         " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) +
+         (rec.peer.comm.empty() ? std::string("?") : proto::printable(rec.peer.comm)) + ") · " +
+         state + " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) +
          " · unmatched ends " + std::to_string(unmatched) + " · abandoned " +
          std::to_string(abandoned) + " · open " + std::to_string(rec.open_total()) + "\n";
 }
 
+// `stats` as "a.b.c: value" lines; keys and string values sanitised (kinds are the
+// daemon's names today, but a line of this text must never be a client's to write).
 void flatten(const nlohmann::json& j, const std::string& prefix, std::string& out) {
   if (j.is_object()) {
     if (j.empty() && !prefix.empty()) out += prefix + ": (none)\n";
     for (const auto& [key, value] : j.items()) {
-      flatten(value, prefix.empty() ? key : prefix + "." + key, out);
+      const std::string name = proto::printable(key);
+      flatten(value, prefix.empty() ? name : prefix + "." + name, out);
     }
     return;
   }
-  out += prefix + ": " + (j.is_string() ? j.get<std::string>() : j.dump()) + "\n";
+  out += prefix + ": " +
+         (j.is_string() ? proto::printable(j.get<std::string>())
+                        : j.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace)) +
+         "\n";
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon/serve/render_worker.h"
+#include "proto/printable.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -17,17 +18,35 @@ using nlohmann::json;
 struct OptionSpec {
   bool json = false;
   bool pid = false;
+  bool ledger = false;  // reset: --ledger, --gpu UUID
 };
 struct Options {
   bool json = false;
   std::optional<std::int32_t> pid;
+  bool ledger = false;
+  std::optional<std::string> gpu;
 };
 
 std::string usage_of(std::string_view command, OptionSpec spec) {
   std::string usage(command);
   if (spec.json) usage += " [--json]";
+  if (spec.ledger) return usage + " [--pid N | --ledger | --gpu UUID]";
   if (spec.pid) usage += " [--pid N]";
   return usage;
+}
+
+// The value of an option that takes one word ("--name V" or "--name=V"), advancing `i`
+// past it; nullopt when the value is missing.
+std::optional<std::string_view> option_value(std::string_view name, Args args, std::size_t& i) {
+  const std::string_view word = args[i];
+  if (word.size() > name.size()) return word.substr(name.size() + 1);  // "--name=V"
+  if (i + 1 >= args.size()) return std::nullopt;
+  return args[++i];
+}
+
+bool is_option(std::string_view word, std::string_view name) {
+  return word == name ||
+         (word.starts_with(name) && word.size() > name.size() && word[name.size()] == '=');
 }
 
 std::optional<std::int32_t> parse_pid(std::string_view text) {
@@ -48,17 +67,27 @@ Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args ar
       options.json = true;
       continue;
     }
-    if (spec.pid && (word == "--pid" || word.starts_with("--pid="))) {
-      if (options.pid) return CommandError{std::string(command) + ": --pid given twice"};
-      std::string_view value;
-      if (word == "--pid") {
-        if (i + 1 >= args.size()) {
-          return CommandError{std::string(command) + ": --pid needs a process id"};
-        }
-        value = args[++i];
-      } else {
-        value = word.substr(6);
+    if (spec.ledger && word == "--ledger") {
+      if (options.ledger) return CommandError{std::string(command) + ": --ledger given twice"};
+      options.ledger = true;
+      continue;
+    }
+    if (spec.ledger && is_option(word, "--gpu")) {
+      if (options.gpu) return CommandError{std::string(command) + ": --gpu given twice"};
+      const auto value = option_value("--gpu", args, i);
+      if (!value) return CommandError{std::string(command) + ": --gpu needs a GPU UUID"};
+      if (value->empty() || value->size() > proto::kMaxNameLength) {
+        return CommandError{std::string(command) + ": --gpu needs a GPU UUID of 1.." +
+                            std::to_string(proto::kMaxNameLength) + " characters"};
       }
+      options.gpu = std::string(*value);
+      continue;
+    }
+    if (spec.pid && is_option(word, "--pid")) {
+      if (options.pid) return CommandError{std::string(command) + ": --pid given twice"};
+      const auto given = option_value("--pid", args, i);
+      if (!given) return CommandError{std::string(command) + ": --pid needs a process id"};
+      const std::string_view value = *given;
       auto pid = parse_pid(value);
       if (!pid) {
         return CommandError{std::string(command) +
@@ -68,8 +97,8 @@ Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args ar
       options.pid = pid;
       continue;
     }
-    return CommandError{std::string(command) + ": unexpected argument '" + std::string(word) +
-                        "' (usage: " + usage_of(command, spec) + ")"};
+    return CommandError{std::string(command) + ": unexpected argument '" +
+                        proto::printable(word, 64) + "' (usage: " + usage_of(command, spec) + ")"};
   }
   return options;
 }
@@ -135,9 +164,15 @@ Parsed<StatsRequest> StatsRequest::parse(Args args) {
   return StatsRequest{std::get<Options>(parsed).json};
 }
 Parsed<ResetRequest> ResetRequest::parse(Args args) {
-  auto parsed = parse_options("reset", {.pid = true}, args);
+  constexpr OptionSpec kSpec{.pid = true, .ledger = true};
+  auto parsed = parse_options("reset", kSpec, args);
   if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
-  return ResetRequest{std::get<Options>(parsed).pid};
+  auto& o = std::get<Options>(parsed);
+  if (int{o.pid.has_value()} + int{o.ledger} + int{o.gpu.has_value()} > 1) {
+    return CommandError{"reset: --pid, --ledger and --gpu exclude each other (usage: " +
+                        usage_of("reset", kSpec) + ")"};
+  }
+  return ResetRequest{o.pid, o.ledger, std::move(o.gpu)};
 }
 
 std::string VersionResponse::to_json_line() const {
@@ -190,17 +225,28 @@ CommandTable::CommandTable() {
                           return text_reply(report::metrics_text(v));
                         });
                       });
-  add<ResetRequest>("reset", "reset [--pid N]",
-                    "clear the aggregates (all, or one pid's); root or the daemon's uid only",
-                    [](const ResetRequest& r, const CommandContext& c) {
-                      if (!may_reset(c.peer_uid, c.daemon_euid)) {
-                        return std::string("error: permission denied\n");
-                      }
-                      if (c.collector.reset(r.pid) == 0 && r.pid) {
-                        return "error: no process with pid " + std::to_string(*r.pid) + "\n";
-                      }
-                      return std::string("ok\n");
-                    });
+  add<ResetRequest>(
+      "reset", "reset [--pid N | --ledger | --gpu UUID]",
+      "clear the aggregates (all, or one pid's), or the VRAM ledger (all GPUs, or one); root or "
+      "the daemon's uid only",
+      [](const ResetRequest& r, const CommandContext& c) {
+        if (!may_reset(c.peer_uid, c.daemon_euid)) {
+          return std::string("error: permission denied\n");
+        }
+        if (r.ledger || r.gpu) {
+          const std::size_t n = c.collector.reset_ledger(
+              r.gpu ? std::optional<std::string_view>(*r.gpu) : std::nullopt);
+          if (r.gpu && n == 0) {
+            return "error: no GPU '" + proto::printable(*r.gpu) + "' in the ledger\n";
+          }
+          return "ok: " + std::to_string(n) + (n == 1 ? " GPU" : " GPUs") +
+                 " cleared from the ledger\n";
+        }
+        if (c.collector.reset(r.pid) == 0 && r.pid) {
+          return "error: no process with pid " + std::to_string(*r.pid) + "\n";
+        }
+        return std::string("ok\n");
+      });
   add<VersionRequest>(
       "version", "version", "daemon version, protocol version and commands, as one JSON line",
       [this](const VersionRequest&, const CommandContext&) {
@@ -238,11 +284,7 @@ Reply CommandTable::dispatch(std::string_view line, const CommandContext& contex
   if (words.empty()) return "error: empty command (try help)\n";
   auto it = entries_.find(words.front());
   if (it == entries_.end()) {
-    std::string name(words.front().substr(0, 64));
-    for (char& ch : name) {
-      if (!proto::is_printable(ch)) ch = '?';
-    }
-    return "error: unknown command '" + name + "' (try help)\n";
+    return "error: unknown command '" + proto::printable(words.front(), 64) + "' (try help)\n";
   }
   try {
     return it->second.handler(Args(words).subspan(1), context);

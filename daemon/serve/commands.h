@@ -71,8 +71,12 @@ struct StatsRequest {
 struct MetricsRequest {
   static Parsed<MetricsRequest> parse(Args args);
 };
+// `reset [--pid N]` clears step aggregates; `reset --ledger` every GPU of the ledger
+// view, `reset --gpu UUID` one (at most one of the three options).
 struct ResetRequest {
   std::optional<std::int32_t> pid;
+  bool ledger = false;
+  std::optional<std::string> gpu;
   static Parsed<ResetRequest> parse(Args args);
 };
 struct VersionRequest {

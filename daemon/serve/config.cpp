@@ -73,6 +73,7 @@ void read_string_key(JsonObject& obj, std::string_view key, Apply apply) {
 void read_limits(JsonObject limits, Config& c) {
   ServerLimits& s = c.server_limits;
   limits.optional_unsigned("max_connections", s.max_connections, 1, 65536);
+  limits.optional_unsigned("max_connections_per_uid", s.max_connections_per_uid, 1, 65536);
   // A frame must at least hold the largest fixed record (a LedgerRecord).
   limits.optional_unsigned("max_frame_bytes", s.max_frame_bytes, 256, proto::kMaxFramePayload);
   limits.optional_unsigned("max_line_bytes", s.max_line_bytes, 64, 1 << 20);
@@ -84,12 +85,17 @@ void read_limits(JsonObject limits, Config& c) {
   limits.optional_unsigned("max_threads_per_process", l.max_threads_per_process, 1, 65536);
   limits.optional_unsigned("max_gpus", l.max_gpus, 1, 4096);
   limits.optional_unsigned("max_reservations_per_gpu", l.max_reservations_per_gpu, 1, 1'000'000);
+  limits.optional_unsigned("max_processes_per_uid", l.max_processes_per_uid, 1, 1'000'000);
+  limits.optional_unsigned("max_gpus_per_uid", l.max_gpus_per_uid, 1, 4096);
+  limits.optional_unsigned("max_reservations_per_uid", l.max_reservations_per_uid, 1,
+                           1'000'000'000);
   limits.finish();
 }
 
 void read_timeouts(JsonObject timeouts, Config& c) {
   timeouts.optional_unsigned("handshake_s", c.timeouts.handshake_s, 1, 3600);
   timeouts.optional_unsigned("frame_s", c.timeouts.frame_s, 1, 3600);
+  timeouts.optional_unsigned("text_idle_ms", c.timeouts.text_idle_ms, 100, 3'600'000);
   timeouts.finish();
 }
 
@@ -239,6 +245,7 @@ json config_to_json(const Config& c) {
       {"liveness_interval_ms", c.liveness_interval_ms},
       {"limits",
        {{"max_connections", c.server_limits.max_connections},
+        {"max_connections_per_uid", c.server_limits.max_connections_per_uid},
         {"max_frame_bytes", c.server_limits.max_frame_bytes},
         {"max_line_bytes", c.server_limits.max_line_bytes},
         {"max_processes", c.limits.max_processes},
@@ -247,8 +254,14 @@ json config_to_json(const Config& c) {
         {"max_open_depth", c.limits.max_open_depth},
         {"max_threads_per_process", c.limits.max_threads_per_process},
         {"max_gpus", c.limits.max_gpus},
-        {"max_reservations_per_gpu", c.limits.max_reservations_per_gpu}}},
-      {"timeouts", {{"handshake_s", c.timeouts.handshake_s}, {"frame_s", c.timeouts.frame_s}}},
+        {"max_reservations_per_gpu", c.limits.max_reservations_per_gpu},
+        {"max_processes_per_uid", c.limits.max_processes_per_uid},
+        {"max_gpus_per_uid", c.limits.max_gpus_per_uid},
+        {"max_reservations_per_uid", c.limits.max_reservations_per_uid}}},
+      {"timeouts",
+       {{"handshake_s", c.timeouts.handshake_s},
+        {"frame_s", c.timeouts.frame_s},
+        {"text_idle_ms", c.timeouts.text_idle_ms}}},
   };
 }
 

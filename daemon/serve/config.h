@@ -25,6 +25,7 @@ inline constexpr const char* kDefaultSocketPath = "/run/steptrace/steptraced.soc
 
 struct ServerLimits {
   std::size_t max_connections = 1024;
+  std::size_t max_connections_per_uid = 256;                // of one peer uid (SO_PEERCRED) at once
   std::uint32_t max_frame_bytes = proto::kMaxFramePayload;  // payload cap, <= 262144
   std::size_t max_line_bytes = 4096;                        // one text command line
 };
@@ -32,6 +33,8 @@ struct ServerLimits {
 struct Timeouts {
   std::uint32_t handshake_s = 10;  // a connection that sends nothing is closed
   std::uint32_t frame_s = 30;      // a started frame or line must finish within this
+  // A text-command connection with no complete command line for this long is closed.
+  std::uint32_t text_idle_ms = 60000;
 };
 
 // "ADDR:PORT" parsed; host is a numeric IPv4 or IPv6 address (without brackets).

@@ -4,9 +4,10 @@
 // in). Not for use outside those.
 //
 // One Gpu per UUID (reservations by id, reserved total and high-water, last VRAM sample,
-// operation counts, per-actor rows of ledger operations and ledger-step time), plus per
-// (process, thread) the GPU and timestamp of the last annotation, which attribute_span()
-// uses to credit a ledger-step span to a GPU.
+// operation counts, per-actor rows of ledger operations and ledger-step time, the uid
+// that created it), plus per (process, thread) the GPU and timestamp of the last
+// annotation, which attribute_span() uses to credit a ledger-step span to a GPU, plus
+// per uid what it holds (the per-uid quotas' counts, derived: recount() rebuilds them).
 #pragma once
 
 #include <algorithm>
@@ -40,15 +41,33 @@ enum Anomaly : std::size_t {
   kOvercommitted,
   kProcessRowsFull,
   kAttributionThreadsFull,
+  kReleaseRefused,
+  kCleanupRefused,
+  kMaxGpusPerUid,
+  kMaxReservationsPerUid,
   kAnomalyCount,
 };
 
 inline constexpr std::array<std::string_view, kAnomalyCount> kAnomalyNames = {
-    "unknown_release",         "unknown_cleanup",    "duplicate_reservation",
-    "zero_byte_reserve",       "gpu_uuid_truncated", "task_truncated",
-    "cleanup_holder_mismatch", "max_gpus",           "max_reservations_per_gpu",
-    "reserved_bytes_overflow", "bad_vram_sample",    "bad_record",
-    "overcommitted",           "process_rows_full",  "attribution_threads_full",
+    "unknown_release",
+    "unknown_cleanup",
+    "duplicate_reservation",
+    "zero_byte_reserve",
+    "gpu_uuid_truncated",
+    "task_truncated",
+    "cleanup_holder_mismatch",
+    "max_gpus",
+    "max_reservations_per_gpu",
+    "reserved_bytes_overflow",
+    "bad_vram_sample",
+    "bad_record",
+    "overcommitted",
+    "process_rows_full",
+    "attribution_threads_full",
+    "release_refused",
+    "cleanup_refused",
+    "max_gpus_per_uid",
+    "max_reservations_per_uid",
 };
 
 enum Op : std::size_t { kOpReserve, kOpRelease, kOpCleanup, kOpVramSample, kOpCount };
@@ -57,6 +76,9 @@ inline constexpr std::array<std::string_view, kOpCount> kOpNames = {"reserve", "
 
 struct Reservation {
   ProcessKey holder;
+  // The holder's uid (SO_PEERCRED); kUnknownUid when restored from a snapshot written
+  // before uids were kept. Who may release or clean the entry up depends on it.
+  std::uint32_t uid = kUnknownUid;
   std::string comm;
   std::uint64_t bytes = 0;
   std::string task;
@@ -75,6 +97,8 @@ struct ProcessRow {
   std::uint64_t reserves = 0;
   std::uint64_t releases = 0;
   std::uint64_t cleanups = 0;
+  // Releases and cleanups it sent for this GPU that it was not allowed to make.
+  std::uint64_t refused = 0;
   std::map<std::uint32_t, StepTime> steps;  // ledger step id -> time
 };
 
@@ -96,6 +120,9 @@ struct Gpu {
   // Ledger-step time of all processes, kept when their rows are forgotten so that the
   // metrics counter never goes down.
   std::map<std::uint32_t, StepTime> steps;
+  // The uid whose Reserve or VramSample created the entry (max_gpus_per_uid counts it
+  // against that uid while it exists); kUnknownUid from an older snapshot.
+  std::uint32_t creator_uid = kUnknownUid;
 
   std::size_t leaked() const {
     return static_cast<std::size_t>(
@@ -111,12 +138,43 @@ struct Mark {
   std::string comm;
 };
 
+// What one uid has in the ledger: GPU entries it created, reservations it holds.
+struct UidUsage {
+  std::size_t gpus = 0;
+  std::size_t reservations = 0;
+};
+
 struct State {
   std::map<std::string, Gpu, std::less<>> gpus;
   std::map<ProcessKey, std::map<std::uint32_t, Mark>> marks;
   std::array<std::uint64_t, kAnomalyCount> anomalies{};
+  // Derived from `gpus` (creator_uid, reservations' uid), kUnknownUid never counted; a
+  // uid with nothing is not kept.
+  std::map<std::uint32_t, UidUsage> uids;
 
   void count(Anomaly kind) { ++anomalies[kind]; }
+
+  UidUsage usage(std::uint32_t uid) const {
+    const auto it = uids.find(uid);
+    return it == uids.end() ? UidUsage{} : it->second;
+  }
+  // Adds `gpus` GPU entries and `reservations` reservations (each may be -1) to `uid`.
+  void charge(std::uint32_t uid, int gpus, int reservations) {
+    if (uid == kUnknownUid) return;
+    UidUsage& u = uids[uid];
+    u.gpus = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(u.gpus) + gpus);
+    u.reservations =
+        static_cast<std::size_t>(static_cast<std::ptrdiff_t>(u.reservations) + reservations);
+    if (u.gpus == 0 && u.reservations == 0) uids.erase(uid);
+  }
+  // Rebuilds `uids` from `gpus` (after a restore or a reset).
+  void recount() {
+    uids.clear();
+    for (const auto& [uuid, gpu] : gpus) {
+      charge(gpu.creator_uid, 1, 0);
+      for (const auto& [id, r] : gpu.reservations) charge(r.uid, 0, 1);
+    }
+  }
 
   // The actor's row on `gpu`; nullptr (counted) when the GPU already keeps a row for as
   // many processes as the collector may hold.
@@ -146,7 +204,8 @@ struct State {
 
 // The JSON of a GPU's ledger rows that the `ledger --json` report and the snapshot both
 // write (defined in ledger_view.cpp): [{"step", "count", "total_ns"}, ...],
-// [{"pid", "start_time", "comm", "reserves", "releases", "cleanups", "steps"}, ...] and
+// [{"pid", "start_time", "comm", "reserves", "releases", "cleanups", "refused", "steps"},
+// ...] and
 // {"reserve": n, "release": n, "cleanup": n, "vram_sample": n}.
 nlohmann::json steps_json(const std::map<std::uint32_t, StepTime>& steps);
 nlohmann::json processes_json(const Gpu& gpu);

@@ -5,6 +5,12 @@
 // Records that break a rule are counted per anomaly kind and change nothing else, over-long
 // (client-truncated) strings included; the one exception, as the protocol says, is a cleanup naming
 // another holder (the ledger removed the entry, so the view does too).
+//
+// Permissions (the actor's uid from SO_PEERCRED): a Release only by the holder process, a
+// process of the holder's uid, or root; a Cleanup of a live holder's entry only by those
+// (anyone may clean up a dead holder's). A refused one changes nothing but its anomaly
+// count and the actor's `refused` count on that GPU. Quotas per uid: GPU entries it
+// created (max_gpus_per_uid), reservations it holds (max_reservations_per_uid).
 #include "daemon/state/ledger_view.h"
 
 #include <algorithm>
@@ -20,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon/state/ledger_state.h"
+#include "proto/printable.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -29,18 +36,13 @@ using nlohmann::json;
 // Longest process name kept; /proc comm is at most 15 bytes, the hello's name 23.
 constexpr std::size_t kMaxComm = proto::kMaxNameLength;
 
-std::string sanitize_comm(std::string_view comm) {
-  std::string out(comm.substr(0, kMaxComm));
-  for (char& c : out) {
-    if (!proto::is_printable(c)) c = '?';
-  }
-  return out;
-}
-
+// Strings the view is keyed by or shows (a GPU UUID, a task) are refused, not sanitised,
+// when they hold a byte that is not printable ASCII: two UUIDs that differ only in such
+// bytes must not fold into one GPU.
 bool valid_text(std::string_view text, bool allow_empty) {
   if (text.size() > proto::kMaxNameLength) return false;
   if (text.empty() && !allow_empty) return false;
-  return std::all_of(text.begin(), text.end(), proto::is_printable);
+  return proto::all_printable(text);
 }
 
 }  // namespace
@@ -69,6 +71,7 @@ json processes_json(const Gpu& gpu) {
                          {"reserves", row.reserves},
                          {"releases", row.releases},
                          {"cleanups", row.cleanups},
+                         {"refused", row.refused},
                          {"steps", steps_json(row.steps)}});
   }
   return processes;
@@ -99,6 +102,7 @@ ledger::State& LedgerView::write_state() {
 void LedgerView::adopt(ledger::State state) {
   // Attribution marks belong to spans in progress; those ended with the daemon.
   state.marks.clear();
+  state.recount();
   state_ = std::make_shared<ledger::State>(std::move(state));
 }
 
@@ -119,7 +123,7 @@ class Apply {
         record_(record),
         uuid_(uuid),
         task_(task),
-        comm_(sanitize_comm(actor.comm)),
+        comm_(proto::printable(actor.comm, kMaxComm)),
         at_ns_(std::min(record.timestamp_ns, now_ns)) {
     const auto it = s_.gpus.find(uuid);
     gpu_ = it == s_.gpus.end() ? nullptr : &it->second;
@@ -138,15 +142,20 @@ class Apply {
       limit_hit(kMaxReservationsPerGpu, LimitKind::kMaxReservationsPerGpu);
       return false;  // dropped: not even the attribution mark
     }
+    if (s_.usage(actor_.uid).reservations >= limits_.max_reservations_per_uid) {
+      limit_hit(kMaxReservationsPerUid, LimitKind::kMaxReservationsPerUid);
+      return false;
+    }
     if (gpu_ != nullptr &&
         record_.bytes > std::numeric_limits<std::uint64_t>::max() - gpu_->reserved_bytes) {
       s_.count(kReservedBytesOverflow);
       return true;
     }
     if (!ensure_gpu()) return false;
-    gpu_->reservations.emplace(
-        record_.reservation_id,
-        Reservation{actor_.key, comm_, record_.bytes, std::string(task_), at_ns_, true});
+    gpu_->reservations.emplace(record_.reservation_id,
+                               Reservation{actor_.key, actor_.uid, comm_, record_.bytes,
+                                           std::string(task_), at_ns_, true});
+    s_.charge(actor_.uid, 0, 1);
     gpu_->reserved_bytes += record_.bytes;
     gpu_->high_water_bytes = std::max(gpu_->high_water_bytes, gpu_->reserved_bytes);
     ++gpu_->operations[kOpReserve];
@@ -162,9 +171,19 @@ class Apply {
       return true;
     }
     const auto entry = gpu_->reservations.find(record_.reservation_id);
+    // The holder's own side (the process, its uid, root) may do either; anyone else only
+    // a cleanup of a holder known dead.
+    if (!holder_side(entry->second) && (!cleanup || entry->second.holder_alive)) {
+      s_.count(cleanup ? kCleanupRefused : kReleaseRefused);
+      if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) {
+        ++row->refused;
+      }
+      return false;  // changes nothing else: not even the attribution mark
+    }
     if (cleanup && static_cast<std::int64_t>(record_.holder_pid) != entry->second.holder.pid) {
       s_.count(kCleanupHolderMismatch);  // the ledger removed it anyway; so do we
     }
+    s_.charge(entry->second.uid, 0, -1);
     gpu_->reserved_bytes -= entry->second.bytes;
     gpu_->reservations.erase(entry);
     ++gpu_->operations[cleanup ? kOpCleanup : kOpRelease];
@@ -213,19 +232,30 @@ class Apply {
   }
 
  private:
+  bool holder_side(const Reservation& r) const {
+    return actor_.key == r.holder || actor_.uid == 0 ||
+           (r.uid != kUnknownUid && actor_.uid == r.uid);
+  }
   // A limit is both a ledger anomaly (per GPU view) and a daemon limit hit.
   void limit_hit(Anomaly kind, LimitKind limit) {
     s_.count(kind);
     counters_.hit(limit);
   }
-  // Creates the GPU on its first reserve or sample; false (counted) past max_gpus.
+  // Creates the GPU on its first reserve or sample, charged to the actor's uid; false
+  // (counted) past max_gpus or the uid's max_gpus_per_uid.
   bool ensure_gpu() {
     if (gpu_ != nullptr) return true;
     if (s_.gpus.size() >= limits_.max_gpus) {
       limit_hit(kMaxGpus, LimitKind::kMaxGpus);
       return false;
     }
+    if (s_.usage(actor_.uid).gpus >= limits_.max_gpus_per_uid) {
+      limit_hit(kMaxGpusPerUid, LimitKind::kMaxGpusPerUid);
+      return false;
+    }
     gpu_ = &s_.gpus.emplace(std::string(uuid_), Gpu{}).first->second;
+    gpu_->creator_uid = actor_.uid;
+    s_.charge(actor_.uid, 1, 0);
     return true;
   }
 
@@ -329,15 +359,25 @@ void LedgerView::check_holders(const std::function<bool(const ProcessKey&)>& ali
 }
 
 std::size_t LedgerView::reset(std::optional<std::string_view> gpu) {
-  if (!gpu) {
-    const std::size_t n = state_->gpus.size();
-    write_state().gpus.clear();
-    return n;
-  }
-  if (!state_->gpus.contains(*gpu)) return 0;
+  if (gpu && !state_->gpus.contains(*gpu)) return 0;  // nothing to clone for
   State& s = write_state();
-  s.gpus.erase(s.gpus.find(*gpu));
-  return 1;
+  std::size_t n = 0;
+  if (!gpu) {
+    n = s.gpus.size();
+    s.gpus.clear();
+  } else {
+    s.gpus.erase(s.gpus.find(*gpu));
+    n = 1;
+  }
+  // Marks naming a dropped GPU would credit a later span to a GPU of the same UUID
+  // created afresh; the GPUs' charges to their uids go with them.
+  for (auto it = s.marks.begin(); it != s.marks.end();) {
+    std::erase_if(it->second,
+                  [&s](const auto& entry) { return !s.gpus.contains(entry.second.gpu); });
+    it = it->second.empty() ? s.marks.erase(it) : std::next(it);
+  }
+  s.recount();
+  return n;
 }
 
 void LedgerView::forget_process(const ProcessKey& process) {

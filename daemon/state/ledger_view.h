@@ -6,6 +6,11 @@
 // named by the last annotation the same thread recorded inside the span. Holders whose
 // process died without releasing are flagged (holder_alive = false, a leak) until a
 // release or a cleanup removes them. Anomalies are counted per kind, never fatal.
+// Each reservation keeps its holder's uid: a Release is applied only when sent by the
+// holder process, a process of the holder's uid or root, a Cleanup of a live holder's
+// entry likewise (anyone may clean up a dead holder's); refusals are anomalies
+// (release_refused, cleanup_refused) credited to the actor's per-GPU row. Per-uid quotas:
+// Limits::max_gpus_per_uid (GPU entries a uid created) and max_reservations_per_uid.
 // Owned by the Collector; single-threaded like it. Its state is ledger::State
 // (ledger_state.h); the snapshot codec (daemon/persist/snapshot_codec.h) writes it from
 // state() and restores it through adopt().
@@ -33,7 +38,9 @@ struct State;
 struct LedgerActor {
   ProcessKey key;
   std::string comm;
-  std::uint32_t uid = 65534;  // the peer's uid (SO_PEERCRED); nobody when unknown
+  // The peer's uid (SO_PEERCRED); nobody when unknown. Decides what the actor may release
+  // or clean up, and which per-uid quotas its records count against.
+  std::uint32_t uid = 65534;
 };
 
 class LedgerView {
@@ -58,8 +65,9 @@ class LedgerView {
   // (reservations it holds stay, since they still hold VRAM).
   void forget_process(const ProcessKey& process);
   // Root's `reset --ledger` (every GPU) or `reset --gpu UUID` (one): the GPUs go with
-  // their reservations, rows and samples; anomaly counts stay (metrics never go down).
-  // Returns how many GPUs were dropped.
+  // their reservations, rows, samples and attribution marks, and stop counting against
+  // the uids that created or held them; anomaly counts stay (metrics never go down).
+  // Returns how many GPUs were dropped (0 for a UUID the view does not have).
   std::size_t reset(std::optional<std::string_view> gpu);
 
   // ---- hand-over to the renderers (daemon/report/ledger_report.h) and the snapshot codec

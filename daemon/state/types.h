@@ -22,6 +22,11 @@ struct ProcessKey {
   friend auto operator<=>(const ProcessKey&, const ProcessKey&) = default;
 };
 
+// (uid_t)-1: a uid no process has (setuid(-1) is an error). What the ledger records as
+// the holder's uid of a reservation restored from a snapshot written before uids were
+// kept, so that only the holder process itself or root may release it.
+inline constexpr std::uint32_t kUnknownUid = 0xFFFFFFFF;
+
 // What the daemon knows of a peer from the kernel (SO_PEERCRED + /proc).
 struct PeerIdentity {
   ProcessKey key;
@@ -38,6 +43,15 @@ struct Limits {
   std::size_t max_threads_per_process = 1024;
   std::size_t max_gpus = 64;
   std::size_t max_reservations_per_gpu = 4096;
+  // Per-uid quotas (the uid from SO_PEERCRED), so one local user cannot fill a table the
+  // others share. The ledger's (enforced by LedgerView): GPU entries a uid created (its
+  // Reserve or VramSample added the UUID to the view) that are still there, and
+  // reservations a uid holds across all GPUs.
+  std::size_t max_gpus_per_uid = 16;
+  std::size_t max_reservations_per_uid = 4096;
+  // Processes of one uid tracked at once (enforced by the Collector): a quarter of the
+  // default max_processes.
+  std::size_t max_processes_per_uid = 1024;
 };
 
 // Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config
@@ -51,13 +65,24 @@ enum class LimitKind : std::uint8_t {
   kMaxThreadsPerProcess,
   kMaxGpus,
   kMaxReservationsPerGpu,
+  kMaxGpusPerUid,
+  kMaxReservationsPerUid,
+  kMaxProcessesPerUid,
+  kMaxConnectionsPerUid,  // ServerLimits (serve/config.h)
 };
-inline constexpr std::array<std::string_view, 8> kLimitNames = {
-    "max_connections",  "max_processes",           "max_exited_processes",
-    "max_custom_steps", "max_open_depth",          "max_threads_per_process",
-    "max_gpus",         "max_reservations_per_gpu"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxReservationsPerGpu) + 1 ==
-              kLimitNames.size());
+inline constexpr std::array<std::string_view, 12> kLimitNames = {"max_connections",
+                                                                 "max_processes",
+                                                                 "max_exited_processes",
+                                                                 "max_custom_steps",
+                                                                 "max_open_depth",
+                                                                 "max_threads_per_process",
+                                                                 "max_gpus",
+                                                                 "max_reservations_per_gpu",
+                                                                 "max_gpus_per_uid",
+                                                                 "max_reservations_per_uid",
+                                                                 "max_processes_per_uid",
+                                                                 "max_connections_per_uid"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxConnectionsPerUid) + 1 == kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
@@ -76,7 +101,9 @@ struct ServerCounters {
   std::uint64_t bytes_received = 0;
   std::uint64_t connections_now = 0;
   std::uint64_t connections_total = 0;
-  std::uint64_t connections_rejected = 0;  // over max_connections (also a limit hit)
+  std::uint64_t connections_rejected = 0;          // over max_connections (also a limit hit)
+  std::uint64_t connections_rejected_per_uid = 0;  // of those, over max_connections_per_uid
+  std::uint64_t connections_undrained = 0;         // queued at shutdown, closed unread
   std::uint64_t commands_served = 0;
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
@@ -96,7 +123,9 @@ struct DaemonCounters {
   std::array<std::uint64_t, proto::kDropCauseCount> events_dropped_by_cause{};
   std::uint64_t connections_now = 0;
   std::uint64_t connections_total = 0;
-  std::uint64_t connections_rejected = 0;  // over max_connections
+  std::uint64_t connections_rejected = 0;   // over max_connections
+  std::uint64_t connections_undrained = 0;  // queued at shutdown, closed unread
+  std::uint64_t liveness_probe_errors = 0;  // /proc probes that failed (EMFILE...): no death
   std::uint64_t commands_served = 0;
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;

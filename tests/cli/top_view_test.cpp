@@ -114,6 +114,50 @@ TEST(TopView, LedgerShowsReservationsAndMarksLeakedOnes) {
   EXPECT_THAT(dead_line.substr(0, dead_line.find('\n')), HasSubstr("LEAKED"));
 }
 
+// Every string of the report is a client's (comm, step names, task, GPU UUID): none may
+// put escape codes, line breaks or other control bytes on the terminal (issue 15, item 8).
+TEST(TopView, ClientStringsAreSanitised) {
+  const json doc =
+      report(json::array({process(7, "\x1b[2Jev\nil\xff", true,
+                                  json::array({{{"thread", 1},
+                                                {"step",
+                                                 "st\x1b]0;x\x07"
+                                                 "ep"},
+                                                {"open_for_ns", 10},
+                                                {"depth", 1}}}),
+                                  json::array({step("cu\rstom\x9b", 1, 100)}))}),
+             json::array({{{"gpu", "GPU-\x1b[31m"},
+                           {"reserved_bytes", 1},
+                           {"reservations", json::array({{{"id", 1},
+                                                          {"pid", 7},
+                                                          {"bytes", 1},
+                                                          {"task", "ta\nsk"},
+                                                          {"holder_alive", true}}})}}}));
+  for (const bool color : {false, true}) {
+    TopStyle style;
+    style.color = color;
+    const std::string out = render_top(doc, style);
+    // With color on, the only escapes are top's own SGR codes, each "ESC [ digits ; m".
+    std::string rest = out;
+    for (const char* sgr : {"\x1b[1;97;41m", "\x1b[1m", "\x1b[2m", "\x1b[0m"}) {
+      for (auto at = rest.find(sgr); at != std::string::npos; at = rest.find(sgr)) {
+        rest.erase(at, std::string_view(sgr).size());
+      }
+    }
+    EXPECT_EQ(rest.find('\x1b'), std::string::npos) << out;
+    EXPECT_EQ(rest.find('\x07'), std::string::npos) << out;
+    EXPECT_EQ(rest.find('\r'), std::string::npos) << out;
+    EXPECT_EQ(rest.find('\xff'), std::string::npos) << out;
+    EXPECT_EQ(rest.find('\x9b'), std::string::npos) << out;  // the 8-bit CSI
+    EXPECT_THAT(rest, HasSubstr("?[2Jev?il?"));
+    EXPECT_THAT(rest, HasSubstr("st?]0;x?ep"));
+    EXPECT_THAT(rest, HasSubstr("cu?stom?"));
+    EXPECT_THAT(rest, HasSubstr("GPU GPU-?[31m"));
+    EXPECT_THAT(rest, HasSubstr("ta?sk"));
+    EXPECT_THAT(rest, Not(HasSubstr("ev\nil")));
+  }
+}
+
 TEST(TopView, UnknownTotalWhenTheGpuWasNeverSampled) {
   const json gpu = {{"gpu", "GPU-nosample"},
                     {"total_bytes", nullptr},

@@ -106,6 +106,35 @@ std::string golden_text() {
 // What save_snapshot writes for `doc`.
 std::string file_text(const json& doc) { return doc.dump() + "\n"; }
 
+// What this build writes that the build of snapshot_v1.json did not (all additive, read
+// with a default): the ledger's uids and refusals (issue 15, item 7) and the anomaly kinds
+// of its permissions and per-uid quotas. The v1 file has none of them, so the tests of it
+// compare everything else byte for byte, and these fields on their own.
+constexpr const char* kAnomaliesSinceV1[] = {"release_refused", "cleanup_refused",
+                                             "max_gpus_per_uid", "max_reservations_per_uid"};
+
+json without_fields_since_v1(json doc) {
+  json& ledger = doc.at("ledger");
+  for (json& gpu : ledger.at("gpus")) {
+    EXPECT_EQ(gpu.erase("creator_uid"), 1u);
+    for (json& r : gpu.at("reservations")) EXPECT_EQ(r.erase("uid"), 1u);
+    for (json& p : gpu.at("processes")) EXPECT_EQ(p.erase("refused"), 1u);
+  }
+  for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").erase(kind), 1u);
+  return doc;
+}
+
+// The fields since v1 of every GPU of `doc`'s ledger: the uids `uid`, nothing refused.
+void expect_fields_since_v1(const json& doc, std::uint64_t uid) {
+  const json& ledger = doc.at("ledger");
+  for (const json& gpu : ledger.at("gpus")) {
+    EXPECT_EQ(gpu.at("creator_uid"), uid) << gpu.dump();
+    for (const json& r : gpu.at("reservations")) EXPECT_EQ(r.at("uid"), uid) << r.dump();
+    for (const json& p : gpu.at("processes")) EXPECT_EQ(p.at("refused"), 0) << p.dump();
+  }
+  for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").at(kind), 0);
+}
+
 TEST(SnapshotCodecTest, EncodesTheV1FormatByteForByte) {
   const std::string golden = golden_text();
   ASSERT_FALSE(golden.empty());
@@ -113,7 +142,9 @@ TEST(SnapshotCodecTest, EncodesTheV1FormatByteForByte) {
   Collector c(golden_limits(), world.env());
   populate_golden(c, world);
   const ServerCounters server = golden_server();
-  EXPECT_EQ(file_text(encode_snapshot(*c.freeze(&server))), golden);
+  const json encoded = encode_snapshot(*c.freeze(&server));
+  EXPECT_EQ(file_text(without_fields_since_v1(encoded)), golden);
+  expect_fields_since_v1(encoded, 1000);  // FakeWorld's processes run as uid 1000
 }
 
 TEST(SnapshotCodecTest, AFileTheOldBuildWroteRestoresAndEncodesToTheSameBytes) {
@@ -124,9 +155,76 @@ TEST(SnapshotCodecTest, AFileTheOldBuildWroteRestoresAndEncodesToTheSameBytes) {
   world.now_ns = doc["written_at_ns"].get<std::uint64_t>();
   Collector c(golden_limits(), world.env());
   ASSERT_FALSE(restore_from_snapshot(c, doc));
-  EXPECT_EQ(file_text(encode_snapshot(*c.freeze())), golden);
+  const json encoded = encode_snapshot(*c.freeze());
+  EXPECT_EQ(file_text(without_fields_since_v1(encoded)), golden);
+  // The file kept no uids: its reservations and GPUs are of the unknown uid, which only
+  // the holder process or root may release, and which counts against no uid's quota.
+  expect_fields_since_v1(encoded, kUnknownUid);
+  EXPECT_TRUE(report::ledger_json(*c.freeze())["gpus"][0]["reservations"][0]["uid"].is_null());
+  EXPECT_TRUE(c.freeze()->state().ledger.state().uids.empty());
   EXPECT_EQ(c.counters().events_received, 20u);
   EXPECT_EQ(c.counters().protocol_errors.at("bad_magic"), 2u);
+  // And what this build writes of it restores to the same bytes, new fields included.
+  Collector again(golden_limits(), world.env());
+  ASSERT_FALSE(restore_from_snapshot(again, json::parse(file_text(encoded))));
+  EXPECT_EQ(file_text(encode_snapshot(*again.freeze())), file_text(encoded));
+}
+
+// The holder's uid, the GPU's creator and refusals survive a snapshot (decode_ledger then
+// LedgerView::adopt, which also recounts what each uid holds for the quotas).
+TEST(SnapshotCodecTest, LedgerUidsAndRefusalsRoundTrip) {
+  Limits limits;
+  DaemonCounters counters;
+  LedgerView view(limits, counters);
+  const LedgerActor alice{{10, 1}, "alice", 1000};
+  const LedgerActor bob{{20, 2}, "bob", 1001};
+  using namespace ledger_test;
+  view.apply(alice, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view.apply(bob, reserve("GPU-B", 2, kGiB, "t", kSecond), kNow);
+  view.apply(bob, release("GPU-A", 1, kSecond), kNow);  // refused: another uid
+  const json encoded = encode_ledger(view);
+  EXPECT_EQ(encoded["gpus"][0]["reservations"][0]["uid"], 1000);
+  EXPECT_EQ(encoded["gpus"][0]["creator_uid"], 1000);
+  EXPECT_EQ(encoded["gpus"][1]["creator_uid"], 1001);
+  EXPECT_EQ(encoded["anomalies"]["release_refused"], 1);
+
+  std::string error;
+  auto decoded = decode_ledger(json::parse(encoded.dump()), limits, error);
+  ASSERT_TRUE(decoded) << error;
+  LedgerView restored(limits, counters);
+  restored.adopt(std::move(*decoded));
+  EXPECT_EQ(encode_ledger(restored), encoded);
+  EXPECT_EQ(restored.state().gpus.at("GPU-A").reservations.at(1).uid, 1000u);
+  EXPECT_EQ(restored.state().usage(1000).gpus, 1u);
+  EXPECT_EQ(restored.state().usage(1000).reservations, 1u);
+  EXPECT_EQ(restored.state().usage(1001).gpus, 1u);
+  bool found = false;
+  for (const auto& [key, row] : restored.state().gpus.at("GPU-A").processes) {
+    if (key == bob.key) found = row.refused == 1;
+  }
+  EXPECT_TRUE(found);
+  // The rules hold after the restore: bob still may not release alice's.
+  restored.apply(bob, release("GPU-A", 1, 2 * kSecond), kNow);
+  EXPECT_EQ(restored.state().gpus.at("GPU-A").reservations.size(), 1u);
+}
+
+// A process may name itself with escape codes, line breaks or invalid UTF-8: the snapshot
+// keeps its comm (as JSON escapes, invalid UTF-8 as U+FFFD) and restores, rather than one
+// such name making the whole snapshot unreadable at the next start.
+TEST(SnapshotCodecTest, AProcessNamedWithControlBytesRestores) {
+  FakeWorld world;
+  Collector c(golden_limits(), world.env());
+  {
+    Connection a(c, world.spawn(77, 7, "\x1b[31mev\nil\xff"));
+    ASSERT_FALSE(a.events({start(1, 0, 0), end(1, 0, 10)}));
+  }
+  const std::string text =
+      encode_snapshot(*c.freeze()).dump(-1, ' ', false, json::error_handler_t::replace);
+  Collector restored(golden_limits(), world.env());
+  ASSERT_FALSE(restore_from_snapshot(restored, json::parse(text)));
+  const json r = report::report_json(*restored.freeze(), std::nullopt);
+  ASSERT_EQ(r["processes"].size(), 1u);
+  EXPECT_EQ(r["processes"][0]["comm"], "\x1b[31mev\nil\xef\xbf\xbd");
 }
 
 TEST(SnapshotCodecTest, StateEncodeDecodeEncodeIsTheSame) {
@@ -187,6 +285,16 @@ TEST(SnapshotCodecTest, ABadLedgerFieldIsNamedByItsPath) {
   EXPECT_EQ(
       decode_error(d),
       "ledger.gpus[1].processes[0].comm: must be a string of at most 63 printable characters");
+  d = good;
+  d["ledger"]["gpus"][0]["reservations"][0]["uid"] = -1;
+  EXPECT_EQ(decode_error(d),
+            "ledger.gpus[0].reservations[0].uid: must be an integer in 0..4294967295");
+  d = good;
+  d["ledger"]["gpus"][0]["creator_uid"] = "root";
+  EXPECT_EQ(decode_error(d), "ledger.gpus[0].creator_uid: must be an integer in 0..4294967295");
+  d = good;
+  d["ledger"]["gpus"][0]["processes"][0]["refused"] = 1.5;
+  EXPECT_EQ(decode_error(d), "ledger.gpus[0].processes[0].refused: must be an unsigned integer");
   d = good;
   d["ledger"]["anomalies"]["made_up"] = 1;
   EXPECT_EQ(decode_error(d), "ledger.anomalies.made_up: unknown key");

@@ -38,6 +38,16 @@ TEST(ReportFormatTest, DurationsPrintLikeRustDebugWithTwoDecimals) {
   EXPECT_EQ(report::format_bytes(512), "512 B");
   EXPECT_EQ(report::format_bytes(3u << 29), "1.50 GiB");
   EXPECT_EQ(report::escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+  // The exposition is UTF-8: valid sequences stay, any other byte is U+FFFD.
+  EXPECT_EQ(report::escape_label_value("caf\xc3\xa9 \xe2\x94\x80 \xf0\x9f\x94\xb4"),
+            "caf\xc3\xa9 \xe2\x94\x80 \xf0\x9f\x94\xb4");
+  EXPECT_EQ(report::escape_label_value("a\xff"
+                                       "b\xc3"),
+            "a\xef\xbf\xbd"
+            "b\xef\xbf\xbd");
+  EXPECT_EQ(report::escape_label_value("\xc0\xaf\xed\xa0\x80"),  // overlong, surrogate
+            "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd");
+  EXPECT_EQ(report::escape_label_value("\x1b[2J"), "\x1b[2J");  // valid UTF-8: kept
   EXPECT_EQ(report::display_width("µs─"), 3u);
 }
 
@@ -438,6 +448,38 @@ TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   const std::string text = report::stats_text(*collector_.freeze(&server));
   EXPECT_NE(text.find("events_received: 2\n"), std::string::npos) << text;
   EXPECT_NE(text.find("protocol_errors.total: 3\n"), std::string::npos) << text;
+}
+
+// Item 8 of issue 15: a process may name itself with escape codes and line breaks (its
+// /proc comm); no text output prints them raw.
+TEST_F(ReportTest, TextOutputsSanitiseClientChosenStrings) {
+  const std::string evil = "\x1b[2Jev\nil\xff";
+  Connection a(collector_, world_.spawn(4242, 1, evil));
+  ASSERT_FALSE(a.register_step(256, "Tokenize"));
+  ASSERT_FALSE(
+      a.events({start(1, kForward, 0), end(1, kForward, 10), start(1, 256, 0), end(1, 256, 20)}));
+  ServerCounters server;
+  server.protocol_errors["kind\x1b]0;title\x07\nforged: 1"] = 1;
+  const auto view = collector_.freeze(&server);
+
+  const std::string text = report::report_text(*view, std::nullopt);
+  EXPECT_NE(text.find("── Process 4242 (?[2Jev?il?) · alive"), std::string::npos) << text;
+  EXPECT_NE(text.find("Tokenize"), std::string::npos) << text;
+  const std::string stats = report::stats_text(*view);
+  EXPECT_NE(stats.find("protocol_errors.by_kind.kind?]0;title??forged: 1: 1\n"), std::string::npos)
+      << stats;
+  for (const std::string& out : {text, stats, report::ledger_text(*view)}) {
+    EXPECT_EQ(out.find('\x1b'), std::string::npos) << out;
+    EXPECT_EQ(out.find('\x07'), std::string::npos) << out;
+    EXPECT_EQ(out.find("ev\nil"), std::string::npos) << out;
+    EXPECT_EQ(out.find('\xff'), std::string::npos) << out;
+  }
+  // JSON keeps the name as it is (escaped by construction); metrics escape the line break
+  // and keep the label valid UTF-8.
+  EXPECT_EQ(report::report_json(*view, std::nullopt)["processes"][0]["comm"], evil);
+  const std::string metrics = report::metrics_text(*view);
+  EXPECT_NE(metrics.find("comm=\"\x1b[2Jev\\nil\xef\xbf\xbd\""), std::string::npos) << metrics;
+  EXPECT_EQ(metrics.find('\xff'), std::string::npos);
 }
 
 }  // namespace

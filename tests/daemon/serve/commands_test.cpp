@@ -69,6 +69,29 @@ class CommandsTest : public ::testing::Test {
     return 0;
   }
 
+  // Sends one Reserve of `gpu` as process `pid` (uid 1000).
+  void reserve(std::int32_t pid, std::string_view gpu, std::uint64_t id) {
+    PeerIdentity peer;
+    peer.key = {pid, 77};
+    peer.uid = 1000;
+    peer.comm = "t";
+    ProcessHandle handle = 0;
+    ASSERT_FALSE(collector_.attach(peer, handle));
+    proto::LedgerRecord r{};
+    r.op = static_cast<std::uint8_t>(proto::LedgerOp::kReserve);
+    r.reservation_id = id;
+    r.bytes = 4096;
+    r.thread_id = 1;
+    ASSERT_TRUE(proto::set_field(r.gpu_uuid, gpu));
+    collector_.ledger(handle, r);
+  }
+  std::vector<std::string> gpus() {
+    std::vector<std::string> out;
+    const json ledger = json::parse(run("ledger --json"));
+    for (const auto& g : ledger["gpus"]) out.push_back(g["gpu"]);
+    return out;
+  }
+
   Collector collector_;
   CommandTable table_;
 };
@@ -89,15 +112,42 @@ TEST_F(CommandsTest, UnknownCommandIsOneErrorLineNamingIt) {
 }
 
 TEST_F(CommandsTest, BadArgumentsAreNamed) {
-  for (const char* line :
-       {"report --pid", "report --pid abc", "report --pid 0", "report --pid -4",
-        "report --pid 99999999999", "report --pdi 3", "ledger --pid 3", "stats extra", "ping now",
-        "reset --json", "report --json --json", "report --pid 3 --pid 4"}) {
+  for (const char* line : {"report --pid",
+                           "report --pid abc",
+                           "report --pid 0",
+                           "report --pid -4",
+                           "report --pid 99999999999",
+                           "report --pdi 3",
+                           "ledger --pid 3",
+                           "stats extra",
+                           "ping now",
+                           "reset --json",
+                           "report --json --json",
+                           "report --pid 3 --pid 4",
+                           "reset --gpu",
+                           "reset --ledger --ledger",
+                           "reset --gpu A --gpu B",
+                           "reset --ledger --gpu A",
+                           "reset --pid 3 --ledger",
+                           "reset --gpu A --pid 3",
+                           "ledger --ledger",
+                           "report --gpu A",
+                           "reset --gpu=",
+                           "reset --ledger=1"}) {
     const auto reply = run(line);
     EXPECT_TRUE(is_error_line(reply)) << line << " -> " << reply;
   }
   EXPECT_NE(run("report --pid abc").find("'abc'"), std::string::npos);
   EXPECT_NE(run("report --pdi 3").find("'--pdi'"), std::string::npos);
+  EXPECT_EQ(run("reset --ledger --gpu A"),
+            "error: reset: --pid, --ledger and --gpu exclude each other (usage: reset [--pid N | "
+            "--ledger | --gpu UUID])\n");
+  EXPECT_EQ(run("reset --gpu"), "error: reset: --gpu needs a GPU UUID\n");
+  EXPECT_EQ(run("reset --gpu " + std::string(64, 'g')),
+            "error: reset: --gpu needs a GPU UUID of 1..63 characters\n");
+  // A word echoed back in an error is printable, whatever the client sent.
+  EXPECT_EQ(run("report --x\x1b[2J"),
+            "error: report: unexpected argument '--x?[2J' (usage: report [--json] [--pid N])\n");
 }
 
 TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {
@@ -111,6 +161,21 @@ TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {
   auto reset = ResetRequest::parse(eq);
   ASSERT_TRUE(std::holds_alternative<ResetRequest>(reset));
   EXPECT_EQ(std::get<ResetRequest>(reset).pid, 7);
+  EXPECT_FALSE(std::get<ResetRequest>(reset).ledger);
+  EXPECT_FALSE(std::get<ResetRequest>(reset).gpu);
+
+  const std::vector<std::string_view> ledger = {"--ledger"};
+  reset = ResetRequest::parse(ledger);
+  ASSERT_TRUE(std::holds_alternative<ResetRequest>(reset));
+  EXPECT_TRUE(std::get<ResetRequest>(reset).ledger);
+  EXPECT_FALSE(std::get<ResetRequest>(reset).pid);
+  for (const std::vector<std::string_view>& gpu :
+       {std::vector<std::string_view>{"--gpu", "GPU-1"}, {"--gpu=GPU-1"}}) {
+    reset = ResetRequest::parse(gpu);
+    ASSERT_TRUE(std::holds_alternative<ResetRequest>(reset));
+    EXPECT_EQ(std::get<ResetRequest>(reset).gpu, "GPU-1");
+    EXPECT_FALSE(std::get<ResetRequest>(reset).ledger);
+  }
 
   auto none = StatsRequest::parse({});
   ASSERT_TRUE(std::holds_alternative<StatsRequest>(none));
@@ -152,6 +217,30 @@ TEST_F(CommandsTest, ResetNeedsRootOrTheDaemonsUid) {
   EXPECT_TRUE(may_reset(0, 1000));
   EXPECT_TRUE(may_reset(1000, 1000));
   EXPECT_FALSE(may_reset(1001, 1000));
+}
+
+TEST_F(CommandsTest, ResetLedgerAndGpuClearTheLedgerForRootOrTheDaemonsUidOnly) {
+  ingest(4242, 2);
+  reserve(10, "GPU-A", 1);
+  reserve(10, "GPU-B", 1);
+  reserve(11, "GPU-C", 1);
+  ASSERT_EQ(gpus(), (std::vector<std::string>{"GPU-A", "GPU-B", "GPU-C"}));
+
+  EXPECT_EQ(run("reset --ledger", /*uid=*/2000), "error: permission denied\n");
+  EXPECT_EQ(run("reset --gpu GPU-A", /*uid=*/2000), "error: permission denied\n");
+  EXPECT_EQ(gpus().size(), 3u);
+
+  EXPECT_EQ(run("reset --gpu GPU-nope", /*uid=*/0), "error: no GPU 'GPU-nope' in the ledger\n");
+  EXPECT_EQ(run("reset --gpu GPU-A", /*uid=*/0), "ok: 1 GPU cleared from the ledger\n");
+  EXPECT_EQ(gpus(), (std::vector<std::string>{"GPU-B", "GPU-C"}));
+  EXPECT_EQ(run("reset --gpu=GPU-B", /*uid=*/1000), "ok: 1 GPU cleared from the ledger\n");
+  reserve(12, "GPU-D", 1);
+  EXPECT_EQ(run("reset --ledger", /*uid=*/0), "ok: 2 GPUs cleared from the ledger\n");
+  EXPECT_TRUE(gpus().empty());
+  EXPECT_EQ(run("reset --ledger", /*uid=*/0), "ok: 0 GPUs cleared from the ledger\n");
+  // The aggregates are another reset's: they stay.
+  EXPECT_EQ(forward_count(json::parse(run("report --json")), 4242), 2u);
+  EXPECT_NE(run("help").find("reset [--pid N | --ledger | --gpu UUID]"), std::string::npos);
 }
 
 TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {

@@ -42,6 +42,12 @@ TEST(Config, DefaultsMatchTheDocumentedValues) {
   EXPECT_EQ(c.server_limits.max_line_bytes, 4096u);
   EXPECT_EQ(c.timeouts.handshake_s, 10u);
   EXPECT_EQ(c.timeouts.frame_s, 30u);
+  // Per-uid quotas (issue 15): generous for one user, a quarter of a shared table each.
+  EXPECT_EQ(c.server_limits.max_connections_per_uid, 256u);
+  EXPECT_EQ(c.limits.max_processes_per_uid, 1024u);
+  EXPECT_EQ(c.limits.max_gpus_per_uid, 16u);
+  EXPECT_EQ(c.limits.max_reservations_per_uid, 4096u);
+  EXPECT_EQ(c.timeouts.text_idle_ms, 60000u);
 }
 
 TEST(Config, ShippedFileListsEveryKeyWithItsDefault) {
@@ -60,8 +66,10 @@ TEST(Config, FileValuesAreApplied) {
     "snapshot_interval_s": 5, "metrics_listen": "[::1]:9464", "log_level": "debug",
     "liveness_interval_ms": 100,
     "limits": {"max_connections": 8, "max_open_depth": 3, "max_custom_steps": 1024,
-               "max_line_bytes": 128, "max_frame_bytes": 4096},
-    "timeouts": {"handshake_s": 1, "frame_s": 2}})");
+               "max_line_bytes": 128, "max_frame_bytes": 4096, "max_connections_per_uid": 3,
+               "max_processes_per_uid": 5, "max_gpus_per_uid": 2,
+               "max_reservations_per_uid": 7},
+    "timeouts": {"handshake_s": 1, "frame_s": 2, "text_idle_ms": 250}})");
   Config c;
   ASSERT_FALSE(load_config_file(path, c).has_value());
   EXPECT_EQ(c.socket, "/tmp/x.sock");
@@ -80,6 +88,11 @@ TEST(Config, FileValuesAreApplied) {
   EXPECT_EQ(c.server_limits.max_frame_bytes, 4096u);
   EXPECT_EQ(c.timeouts.handshake_s, 1u);
   EXPECT_EQ(c.timeouts.frame_s, 2u);
+  EXPECT_EQ(c.server_limits.max_connections_per_uid, 3u);
+  EXPECT_EQ(c.limits.max_processes_per_uid, 5u);
+  EXPECT_EQ(c.limits.max_gpus_per_uid, 2u);
+  EXPECT_EQ(c.limits.max_reservations_per_uid, 7u);
+  EXPECT_EQ(c.timeouts.text_idle_ms, 250u);
   // Keys not in the file keep their defaults.
   EXPECT_EQ(c.limits.max_gpus, Limits{}.max_gpus);
 }
@@ -152,6 +165,15 @@ TEST(Config, EachBadValueIsNamed) {
       {{{"limits", {{"max_reservations_per_gpu", 0}}}}, "limits.max_reservations_per_gpu"},
       {{{"timeouts", {{"handshake_s", 0}}}}, "timeouts.handshake_s"},
       {{{"timeouts", {{"frame_s", 99999}}}}, "timeouts.frame_s"},
+      {{{"limits", {{"max_connections_per_uid", 0}}}}, "limits.max_connections_per_uid"},
+      {{{"limits", {{"max_connections_per_uid", 65537}}}}, "limits.max_connections_per_uid"},
+      {{{"limits", {{"max_processes_per_uid", 0}}}}, "limits.max_processes_per_uid"},
+      {{{"limits", {{"max_gpus_per_uid", 0}}}}, "limits.max_gpus_per_uid"},
+      {{{"limits", {{"max_gpus_per_uid", 4097}}}}, "limits.max_gpus_per_uid"},
+      {{{"limits", {{"max_reservations_per_uid", -1}}}}, "limits.max_reservations_per_uid"},
+      {{{"timeouts", {{"text_idle_ms", 99}}}}, "timeouts.text_idle_ms"},
+      {{{"timeouts", {{"text_idle_ms", 3600001}}}}, "timeouts.text_idle_ms"},
+      {{{"timeouts", {{"text_idle_ms", "60s"}}}}, "timeouts.text_idle_ms"},
   };
   for (const auto& c : cases) {
     const std::string message = error_of(c.doc);
@@ -160,6 +182,10 @@ TEST(Config, EachBadValueIsNamed) {
   }
   EXPECT_EQ(error_of(json{{"limits", {{"max_open_depth", 0}}}}),
             "config: limits.max_open_depth: must be an integer in 1..4096");
+  EXPECT_EQ(error_of(json{{"limits", {{"max_gpus_per_uid", 0}}}}),
+            "config: limits.max_gpus_per_uid: must be an integer in 1..4096");
+  EXPECT_EQ(error_of(json{{"timeouts", {{"text_idle_ms", 50}}}}),
+            "config: timeouts.text_idle_ms: must be an integer in 100..3600000");
 }
 
 TEST(Config, DocumentMustBeAnObjectAndValidJson) {

@@ -8,6 +8,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <functional>
 #include <set>
 #include <sstream>
@@ -16,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "daemon/state/ledger_state.h"
 #include "proto/codec.h"
 #include "tests/daemon/state/ledger_test_util.h"
 
@@ -179,7 +182,8 @@ TEST_F(LedgerViewTest, AnomaliesJsonListsEveryKindStartingAtZero) {
   for (const char* kind :
        {"unknown_release", "unknown_cleanup", "duplicate_reservation", "zero_byte_reserve",
         "gpu_uuid_truncated", "task_truncated", "cleanup_holder_mismatch", "max_gpus",
-        "max_reservations_per_gpu", "overcommitted"}) {
+        "max_reservations_per_gpu", "overcommitted", "release_refused", "cleanup_refused",
+        "max_gpus_per_uid", "max_reservations_per_uid"}) {
     ASSERT_TRUE(a.contains(kind)) << kind;
     EXPECT_EQ(a[kind], 0) << kind;
   }
@@ -458,11 +462,289 @@ TEST_F(LedgerViewTest, MetricsHaveHelpAndTypeForEveryFamilyAndEscapeLabels) {
               HasSubstr("steptrace_ledger_operations_total{gpu=\"GPU-B\",op=\"release\"} 1\n"));
   EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"unknown_release\"} 1\n"));
   EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"max_gpus\"} 0\n"));
+  for (const char* kind :
+       {"release_refused", "cleanup_refused", "max_gpus_per_uid", "max_reservations_per_uid"}) {
+    EXPECT_THAT(metrics, HasSubstr(std::string("steptrace_ledger_anomalies_total{kind=\"") + kind +
+                                   "\"} 0\n"));
+  }
   EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_reserved_bytes{gpu=\"GPU-\\\"q\\\\\"} 5\n"));
   EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_step_seconds_total{gpu=\"GPU-A\","
                                  "step=\"LedgerReserve\"} 2\n"));
   EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_step_spans_total{gpu=\"GPU-A\","
                                  "step=\"WaitPoll\"} 1\n"));
+}
+
+// ---- permissions and per-uid quotas (issue 15, item 7 and part of 3) -------------------
+
+// Actors of three uids: two processes of uid 1000, one of 1001, one of root.
+class LedgerPermissionTest : public LedgerViewTest {
+ protected:
+  const LedgerActor alice_{{2001, 7001}, "alice-train", 1000};
+  const LedgerActor alice2_{{2002, 7002}, "alice-tool", 1000};
+  const LedgerActor bob_{{3001, 8001}, "bob", 1001};
+  const LedgerActor root_{{1, 1}, "systemd", 0};
+
+  const json* reservation(std::string_view gpu, std::uint64_t id) {
+    last_ = ledger();
+    const json* g = find_gpu(last_, gpu);
+    return g == nullptr ? nullptr : find_reservation(*g, id);
+  }
+  std::uint64_t refused(std::string_view gpu, const LedgerActor& actor) {
+    last_ = ledger();
+    const json* g = find_gpu(last_, gpu);
+    const json* row = g == nullptr ? nullptr : find_process(*g, actor.key.pid);
+    return row == nullptr ? 0 : (*row)["refused"].get<std::uint64_t>();
+  }
+  json last_;
+};
+
+TEST_F(LedgerPermissionTest, ReservationsKeepTheHolderUid) {
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  ASSERT_NE(reservation("GPU-A", 1), nullptr);
+  EXPECT_EQ((*reservation("GPU-A", 1))["uid"], 1000);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["creator_uid"], 1000);
+  EXPECT_EQ(view_.state().gpus.at("GPU-A").reservations.at(1).uid, 1000u);
+}
+
+TEST_F(LedgerPermissionTest, ReleaseByTheHolderItsUidOrRootIsApplied) {
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
+  view_.apply(alice_, release("GPU-A", 1, 2 * kSecond), kNow);   // the holder
+  view_.apply(alice2_, release("GPU-A", 2, 2 * kSecond), kNow);  // another process, same uid
+  view_.apply(root_, release("GPU-A", 3, 2 * kSecond), kNow);    // root
+  const json gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ(gpu["reservations"].size(), 0u);
+  EXPECT_EQ(gpu["operations"]["release"], 3);
+  EXPECT_EQ(anomaly("release_refused"), 0u);
+  EXPECT_EQ((*find_process(gpu, alice2_.key.pid))["releases"], 1);
+  EXPECT_EQ((*find_process(gpu, root_.key.pid))["releases"], 1);
+}
+
+TEST_F(LedgerPermissionTest, ReleaseByAnotherUidIsRefusedCountedAndCreditedToTheActor) {
+  view_.apply(alice_, reserve("GPU-A", 1, 2 * kGiB, "alice-job", kSecond), kNow);
+  const json before = ledger();
+  view_.apply(bob_, release("GPU-A", 1, 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("release_refused"), 1u);
+  EXPECT_EQ(refused("GPU-A", bob_), 1u);
+  // Nothing else changed: the same reservation, sums and operation counts; bob's row is
+  // the only addition.
+  json after = ledger();
+  json& gpu = after["gpus"][0];
+  const json* bob_row = find_process(gpu, bob_.key.pid);
+  ASSERT_NE(bob_row, nullptr);
+  EXPECT_EQ((*bob_row)["releases"], 0);
+  EXPECT_EQ((*bob_row)["comm"], "bob");
+  auto& rows = gpu["processes"];
+  rows.erase(std::remove_if(rows.begin(), rows.end(),
+                            [&](const json& r) { return r["pid"] == bob_.key.pid; }),
+             rows.end());
+  EXPECT_EQ(after, before);
+  EXPECT_TRUE(counters_.limits_hit.empty());
+  // The text view shows the refusal with the actor.
+  const std::string text = report::ledger_text(view_.state(), kNow);
+  EXPECT_THAT(text, HasSubstr("Refused"));
+
+  // Not even once the holder is dead: a release is the holder side's; others clean up.
+  view_.check_holders([&](const ProcessKey& key) { return key != alice_.key; });
+  view_.apply(bob_, release("GPU-A", 1, 3 * kSecond), kNow);
+  EXPECT_EQ(anomaly("release_refused"), 2u);
+  EXPECT_EQ(refused("GPU-A", bob_), 2u);
+  EXPECT_NE(reservation("GPU-A", 1), nullptr);
+}
+
+TEST_F(LedgerPermissionTest, CleanupOfALiveHolderOnlyByItsUidOrRoot) {
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
+  const auto holder = static_cast<std::uint32_t>(alice_.key.pid);
+
+  view_.apply(bob_, cleanup("GPU-A", 1, holder, 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("cleanup_refused"), 1u);
+  EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 0u);  // refused before it is looked at
+  EXPECT_EQ(refused("GPU-A", bob_), 1u);
+  EXPECT_NE(reservation("GPU-A", 1), nullptr);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["operations"]["cleanup"], 0);
+
+  view_.apply(alice2_, cleanup("GPU-A", 1, holder, 2 * kSecond), kNow);  // same uid
+  view_.apply(root_, cleanup("GPU-A", 2, holder, 2 * kSecond), kNow);    // root
+  EXPECT_EQ(reservation("GPU-A", 1), nullptr);
+  EXPECT_EQ(reservation("GPU-A", 2), nullptr);
+  EXPECT_EQ(anomaly("cleanup_refused"), 1u);
+
+  // Once the holder is known dead, anyone may clean up.
+  view_.check_holders([&](const ProcessKey& key) { return key != alice_.key; });
+  view_.apply(bob_, cleanup("GPU-A", 3, holder, 3 * kSecond), kNow);
+  EXPECT_EQ(reservation("GPU-A", 3), nullptr);
+  EXPECT_EQ(anomaly("cleanup_refused"), 1u);
+  const json gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ((*find_process(gpu, bob_.key.pid))["cleanups"], 1);
+  EXPECT_EQ((*find_process(gpu, bob_.key.pid))["refused"], 1);
+  EXPECT_EQ(gpu["operations"]["cleanup"], 3);
+  EXPECT_EQ(gpu["reserved_bytes"], 0);
+}
+
+TEST_F(LedgerPermissionTest, ARefusedRecordIsNotUsedForAttribution) {
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", 100), kNow);
+  view_.apply(bob_, release("GPU-A", 1, 200), kNow);
+  view_.attribute_span(bob_.key, 1, kLedgerReserve, 150, 250);
+  const json j = ledger();
+  const json* row = find_process(*find_gpu(j, "GPU-A"), bob_.key.pid);
+  ASSERT_NE(row, nullptr);
+  EXPECT_EQ((*row)["steps"].size(), 0u);
+}
+
+// A reservation restored from a snapshot that did not keep uids: its holder process and
+// root may release it, no one else (and anyone may clean it up once the holder is dead).
+TEST_F(LedgerPermissionTest, AnUnknownUidIsReleasedOnlyByTheHolderProcessOrRoot) {
+  ledger::State state;
+  ledger::Gpu gpu;
+  for (std::uint64_t id : {1, 2, 3}) {
+    gpu.reservations.emplace(
+        id, ledger::Reservation{alice_.key, kUnknownUid, "old", kGiB, "t", kSecond, true});
+    gpu.reserved_bytes += kGiB;
+  }
+  gpu.high_water_bytes = gpu.reserved_bytes;
+  state.gpus.emplace("GPU-A", std::move(gpu));
+  view_.adopt(std::move(state));
+  EXPECT_TRUE((*reservation("GPU-A", 1))["uid"].is_null());
+  EXPECT_TRUE((*find_gpu(ledger(), "GPU-A"))["creator_uid"].is_null());
+  // Charged to no uid: the restored entries do not use up anyone's quota.
+  EXPECT_TRUE(view_.state().uids.empty());
+
+  view_.apply(alice2_, release("GPU-A", 1, 2 * kSecond), kNow);
+  LedgerActor nobody{{5001, 9001}, "n"};  // the default uid: 65534
+  view_.apply(nobody, release("GPU-A", 1, 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("release_refused"), 2u);
+  view_.apply(alice_, release("GPU-A", 1, 2 * kSecond), kNow);
+  view_.apply(root_, release("GPU-A", 2, 2 * kSecond), kNow);
+  EXPECT_EQ(reservation("GPU-A", 1), nullptr);
+  EXPECT_EQ(reservation("GPU-A", 2), nullptr);
+  view_.check_holders([](const ProcessKey&) { return false; });
+  view_.apply(bob_, cleanup("GPU-A", 3, 2001, 3 * kSecond), kNow);
+  EXPECT_EQ(reservation("GPU-A", 3), nullptr);
+  EXPECT_EQ(anomaly("release_refused"), 2u);
+  EXPECT_EQ(anomaly("cleanup_refused"), 0u);
+}
+
+TEST_F(LedgerPermissionTest, ReservationsPerUidAreCappedAcrossGpus) {
+  limits_.max_reservations_per_uid = 2;
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(alice2_, reserve("GPU-B", 1, kGiB, "t", kSecond), kNow);
+  const json before = ledger();
+  view_.apply(alice_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);   // refused
+  view_.apply(alice2_, reserve("GPU-B", 2, kGiB, "t", kSecond), kNow);  // same uid: refused
+  EXPECT_EQ(ledger(), before);
+  EXPECT_EQ(anomaly("max_reservations_per_uid"), 2u);
+  EXPECT_EQ(counters_.limits_hit["max_reservations_per_uid"], 2u);
+  // Another uid is not affected.
+  view_.apply(bob_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_.apply(bob_, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
+  EXPECT_NE(reservation("GPU-A", 3), nullptr);
+  EXPECT_EQ(view_.state().usage(1000).reservations, 2u);
+  EXPECT_EQ(view_.state().usage(1001).reservations, 2u);
+  // A release (or a cleanup by anyone) makes room again.
+  view_.apply(alice_, release("GPU-A", 1, 2 * kSecond), kNow);
+  view_.apply(alice2_, reserve("GPU-B", 2, kGiB, "t", 2 * kSecond), kNow);
+  EXPECT_NE(reservation("GPU-B", 2), nullptr);
+  EXPECT_EQ(anomaly("max_reservations_per_uid"), 2u);
+}
+
+TEST_F(LedgerPermissionTest, GpusAUidCreatedAreCappedOthersStillCreate) {
+  limits_.max_gpus_per_uid = 2;
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(alice2_, sample("GPU-B", kGiB, 2 * kGiB, kSecond), kNow);  // a sample creates too
+  const json before = ledger();
+  view_.apply(alice_, reserve("GPU-junk-1", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(alice2_, sample("GPU-junk-2", kGiB, 2 * kGiB, kSecond), kNow);
+  EXPECT_EQ(ledger(), before);
+  EXPECT_EQ(anomaly("max_gpus_per_uid"), 2u);
+  EXPECT_EQ(counters_.limits_hit["max_gpus_per_uid"], 2u);
+  EXPECT_EQ(anomaly("max_gpus"), 0u);
+
+  // Bob creates GPUs of his own, and alice may still use them: the quota is on creating.
+  view_.apply(bob_, reserve("GPU-C", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-C", 2, kGiB, "t", kSecond), kNow);
+  EXPECT_NE(reservation("GPU-C", 2), nullptr);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-C"))["creator_uid"], 1001);
+  EXPECT_EQ(view_.state().usage(1000).gpus, 2u);
+  EXPECT_EQ(view_.state().usage(1001).gpus, 1u);
+
+  // Root's reset of one of alice's GPUs gives her room for another.
+  EXPECT_EQ(view_.reset("GPU-B"), 1u);
+  view_.apply(alice_, reserve("GPU-D", 1, kGiB, "t", 2 * kSecond), kNow);
+  EXPECT_NE(reservation("GPU-D", 1), nullptr);
+  EXPECT_EQ(anomaly("max_gpus_per_uid"), 2u);
+}
+
+TEST_F(LedgerPermissionTest, ResetDropsGpusTheirChargesAndMarks) {
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", 100, 9), kNow);
+  view_.apply(bob_, reserve("GPU-B", 1, kGiB, "t", 100), kNow);
+  view_.apply(bob_, reserve("GPU-C", 1, kGiB, "t", 100), kNow);
+  const auto anomalies_before = report::ledger_anomalies_json(view_.state());
+
+  EXPECT_EQ(view_.reset("GPU-nope"), 0u);
+  EXPECT_EQ(ledger()["gpus"].size(), 3u);
+  EXPECT_EQ(view_.reset("GPU-A"), 1u);
+  EXPECT_EQ(find_gpu(ledger(), "GPU-A"), nullptr);
+  EXPECT_EQ(view_.state().usage(1000).gpus, 0u);
+  EXPECT_EQ(view_.state().usage(1000).reservations, 0u);
+  EXPECT_FALSE(view_.state().marks.contains(alice_.key));
+  // A GPU of the same UUID created afresh gets no step time from the old mark.
+  view_.apply(bob_, sample("GPU-A", kGiB, 2 * kGiB, 300), kNow);
+  view_.attribute_span(alice_.key, 9, kLedgerReserve, 50, 150);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["steps"].size(), 0u);
+
+  EXPECT_EQ(view_.reset(std::nullopt), 3u);
+  EXPECT_EQ(ledger()["gpus"].size(), 0u);
+  EXPECT_TRUE(view_.state().uids.empty());
+  EXPECT_TRUE(view_.state().marks.empty());
+  EXPECT_EQ(report::ledger_anomalies_json(view_.state()), anomalies_before);  // counts stay
+  EXPECT_EQ(view_.reset(std::nullopt), 0u);
+}
+
+// Item 8: a GPU UUID or task that would need sanitising is refused (bad_record), never
+// merged into a sanitised one.
+TEST_F(LedgerViewTest, GpuUuidsAndTasksThatNeedSanitisingAreRefused) {
+  view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  const json before = ledger();
+  auto raw = [](std::string_view gpu, std::string_view task) {
+    auto r = reserve("GPU-placeholder", 9, kGiB, "t", kSecond);
+    std::memset(r.gpu_uuid, 0, sizeof r.gpu_uuid);
+    std::memcpy(r.gpu_uuid, gpu.data(), gpu.size());
+    std::memset(r.task, 0, sizeof r.task);
+    std::memcpy(r.task, task.data(), task.size());
+    return r;
+  };
+  view_.apply(a_, raw("GPU-\x1b[2J", "t"), kNow);
+  view_.apply(a_, raw("GPU-A\n", "t"), kNow);       // would look like GPU-A
+  view_.apply(a_, raw("GPU-\xc3\xa9", "t"), kNow);  // UTF-8 is not printable ASCII either
+  view_.apply(a_, raw("GPU-A", "task\x1b]0;x\x07"), kNow);
+  auto s = sample("GPU-placeholder", kGiB, 2 * kGiB, kSecond);
+  std::memcpy(s.gpu_uuid, "GPU-\x7f", 6);
+  view_.apply(a_, s, kNow);
+  EXPECT_EQ(anomaly("bad_record"), 5u);
+  EXPECT_EQ(ledger(), before);
+}
+
+// The view never stores such strings, but its text renders sanitise what they print
+// anyway (a state restored or built otherwise).
+TEST_F(LedgerViewTest, TextSanitisesEveryClientString) {
+  ledger::State state;
+  ledger::Gpu gpu;
+  gpu.reservations.emplace(
+      1, ledger::Reservation{a_.key, 1000, "\x1b[31mred\n", kGiB, "ta\x1bsk", kSecond, true});
+  gpu.reserved_bytes = gpu.high_water_bytes = kGiB;
+  gpu.processes.emplace(a_.key, ledger::ProcessRow{"row\r\x1b[2K", 1, 0, 0, 0, {}});
+  state.gpus.emplace("GPU-\x1b[2J\n", std::move(gpu));
+  view_.adopt(std::move(state));
+  const std::string text = report::ledger_text(view_.state(), kNow);
+  EXPECT_EQ(text.find('\x1b'), std::string::npos) << text;
+  EXPECT_EQ(text.find('\r'), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("GPU GPU-?[2J?\n"));
+  EXPECT_THAT(text, HasSubstr("?[31mred?"));
+  EXPECT_THAT(text, HasSubstr("ta?sk"));
+  EXPECT_THAT(text, HasSubstr("row??[2K"));
 }
 
 }  // namespace
