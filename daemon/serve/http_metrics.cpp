@@ -5,39 +5,101 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <chrono>
+#include <utility>
 
 namespace steptrace::daemon {
-namespace {
 
 namespace beast = boost::beast;
 namespace http = beast::http;
 using Tcp = boost::asio::ip::tcp;
 
+namespace {
+
 constexpr const char* kContentType = "text/plain; version=0.0.4; charset=utf-8";
 
+std::string describe(const Tcp::endpoint& peer) {
+  const auto address = peer.address();
+  const std::string host = address.is_v6() ? "[" + address.to_string() + "]" : address.to_string();
+  return host + ":" + std::to_string(peer.port());
+}
+
+}  // namespace
+
+// One TCP client of the metrics listener. Lives as long as an operation or a render job
+// holds it; counted against the caps from construction until release(), which eviction,
+// close() or the destructor calls, whichever comes first.
 class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
  public:
-  HttpConnection(Tcp::socket socket, std::shared_ptr<HttpMetricsServer::Shared> shared)
-      : stream_(std::move(socket)), shared_(std::move(shared)) {
-    ++shared_->active;
+  using Shared = HttpMetricsServer::Shared;
+  using Clock = std::chrono::steady_clock;
+
+  HttpConnection(Tcp::socket socket, Tcp::endpoint peer, std::shared_ptr<Shared> shared)
+      : stream_(std::move(socket)), peer_(std::move(peer)), shared_(std::move(shared)) {
+    ++shared_->open;
+    ++shared_->per_address[peer_.address()];
+    all_pos_ = shared_->all.insert(shared_->all.end(), this);
   }
-  ~HttpConnection() { --shared_->active; }
+  ~HttpConnection() { release(); }
+  HttpConnection(const HttpConnection&) = delete;
+  HttpConnection& operator=(const HttpConnection&) = delete;
 
   void start() { read(); }
 
+  const Tcp::endpoint& peer() const { return peer_; }
+  // When the connection entered its current state (reading or writing).
+  Clock::time_point since() const { return since_; }
+
+  // Closes the connection now (eviction, shutdown): it stops counting against the caps
+  // at once, its pending operation completes with operation_aborted and does nothing.
+  void close_now() {
+    release();
+    stream_.close();
+  }
+
  private:
+  enum class Phase { kNone, kReading, kWriting };
+
+  void enter(Phase phase) {
+    leave();
+    auto& list = phase == Phase::kReading ? shared_->reading : shared_->writing;
+    pos_ = list.insert(list.end(), this);
+    phase_ = phase;
+    since_ = Clock::now();
+  }
+
+  void leave() {
+    if (phase_ == Phase::kNone) return;
+    (phase_ == Phase::kReading ? shared_->reading : shared_->writing).erase(pos_);
+    phase_ = Phase::kNone;
+  }
+
+  void release() {
+    if (released_) return;
+    released_ = true;
+    leave();
+    shared_->all.erase(all_pos_);
+    --shared_->open;
+    const auto it = shared_->per_address.find(peer_.address());
+    if (it != shared_->per_address.end() && --it->second == 0) shared_->per_address.erase(it);
+  }
+
   void read() {
     parser_.emplace();
     parser_->header_limit(HttpMetricsServer::kHeaderLimit);
     parser_->body_limit(HttpMetricsServer::kBodyLimit);
-    // Covers the whole request, so a slow sender cannot hold the connection.
-    stream_.expires_after(std::chrono::seconds(HttpMetricsServer::kRequestTimeoutS));
+    // One deadline for the whole request, from its first byte or none: however slowly the
+    // bytes trickle in, the connection is closed when it passes. A keep-alive connection
+    // idle that long is closed the same way.
+    stream_.expires_after(HttpMetricsServer::kHeaderTimeout);
+    enter(Phase::kReading);
     http::async_read(
         stream_, buffer_, *parser_,
         [self = shared_from_this()](beast::error_code ec, std::size_t) { self->on_read(ec); });
   }
 
   void on_read(beast::error_code ec) {
+    leave();
+    if (released_) return;  // evicted or shut down
     if (ec == http::error::end_of_stream) {
       stream_.socket().shutdown(Tcp::socket::shutdown_send, ec);
       return;
@@ -50,8 +112,22 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
       respond_error(http::status::request_header_fields_too_large, "request header too large\n");
       return;
     }
+    if (ec == beast::error::timeout) {
+      // The stream closed the socket. A keep-alive connection that merely went quiet
+      // after its last response is normal; one that never finished a request is not.
+      if (served_ > 0 && !parser_->got_some()) {
+        ++shared_->stats.idle_closed;
+      } else {
+        ++shared_->stats.header_timeouts;
+        shared_->log.warn("http_header_timeout",
+                          "HTTP metrics: " + describe(peer_) + " sent no complete request in " +
+                              std::to_string(HttpMetricsServer::kHeaderTimeout.count()) +
+                              " s; connection closed");
+      }
+      return;
+    }
     if (ec) {
-      if (ec != beast::error::timeout && ec != boost::asio::error::operation_aborted) {
+      if (ec != boost::asio::error::operation_aborted) {
         // A malformed request: answer 400 and close.
         respond_error(http::status::bad_request, "bad request\n");
       }
@@ -94,6 +170,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   }
 
   void respond_metrics(bool head, std::string body) {
+    if (released_) return;
     if (head) {
       response_.content_length(body.size());
     } else {
@@ -104,6 +181,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   }
 
   void respond_error(http::status status, std::string body) {
+    ++shared_->stats.bad_requests;
     response_ = {};
     response_.version(11);
     response_.result(status);
@@ -115,26 +193,49 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   }
 
   void write(bool keep_alive) {
-    stream_.expires_after(std::chrono::seconds(HttpMetricsServer::kRequestTimeoutS));
+    stream_.expires_after(HttpMetricsServer::kWriteTimeout);
+    enter(Phase::kWriting);
     http::async_write(stream_, response_,
                       [self = shared_from_this(), keep_alive](beast::error_code ec, std::size_t) {
-                        if (ec) return;
-                        if (!keep_alive) {
-                          self->stream_.socket().shutdown(Tcp::socket::shutdown_send, ec);
-                          return;
-                        }
-                        self->read();
+                        self->on_write(ec, keep_alive);
                       });
   }
 
+  void on_write(beast::error_code ec, bool keep_alive) {
+    leave();
+    if (released_) return;
+    if (ec) {
+      if (ec == beast::error::timeout) {
+        ++shared_->stats.write_timeouts;
+        shared_->log.warn("http_write_timeout",
+                          "HTTP metrics: " + describe(peer_) + " did not read its response in " +
+                              std::to_string(HttpMetricsServer::kWriteTimeout.count()) +
+                              " s; connection closed");
+      }
+      return;
+    }
+    ++shared_->stats.responses;
+    ++served_;
+    if (!keep_alive) {
+      stream_.socket().shutdown(Tcp::socket::shutdown_send, ec);
+      return;
+    }
+    read();
+  }
+
   beast::tcp_stream stream_;
+  Tcp::endpoint peer_;
+  std::shared_ptr<Shared> shared_;
   beast::flat_buffer buffer_{HttpMetricsServer::kHeaderLimit + HttpMetricsServer::kBodyLimit};
   std::optional<http::request_parser<http::string_body>> parser_;
   http::response<http::string_body> response_;
-  std::shared_ptr<HttpMetricsServer::Shared> shared_;
+  Phase phase_ = Phase::kNone;
+  std::list<HttpConnection*>::iterator pos_;      // in reading or writing, per phase_
+  std::list<HttpConnection*>::iterator all_pos_;  // in shared_->all until released
+  Clock::time_point since_ = Clock::now();
+  std::uint64_t served_ = 0;  // responses written in full
+  bool released_ = false;
 };
-
-}  // namespace
 
 HttpMetricsServer::HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer)
     : io_(io), acceptor_(io), retry_timer_(io), shared_(std::make_shared<Shared>()) {
@@ -165,6 +266,47 @@ std::optional<std::string> HttpMetricsServer::listen(const ListenAddress& addres
   return std::nullopt;
 }
 
+bool HttpMetricsServer::make_room(const boost::asio::ip::address& address) {
+  const auto it = shared_->per_address.find(address);
+  const bool address_full =
+      it != shared_->per_address.end() && it->second >= kMaxConnectionsPerAddress;
+  if (!address_full && shared_->open < kMaxConnections) return true;
+  // Over the per-address cap only a connection from the same address may make room.
+  const auto eligible = [&](const HttpConnection* c) {
+    return !address_full || c->peer().address() == address;
+  };
+  HttpConnection* victim = nullptr;
+  for (HttpConnection* c : shared_->reading) {  // oldest first
+    if (eligible(c)) {
+      victim = c;
+      break;
+    }
+  }
+  bool stalled_writer = false;
+  if (victim == nullptr) {
+    const auto stalled_since = std::chrono::steady_clock::now() - kStalledWrite;
+    for (HttpConnection* c : shared_->writing) {
+      if (c->since() > stalled_since) break;
+      if (eligible(c)) {
+        victim = c;
+        stalled_writer = true;
+        break;
+      }
+    }
+  }
+  if (victim == nullptr) return false;
+  ++shared_->stats.evicted;
+  const std::string why =
+      stalled_writer ? "was not reading its response" : "had not sent a complete request";
+  shared_->log.warn("http_evicted",
+                    "HTTP metrics: closed a connection from " + describe(victim->peer()) +
+                        " that " + why + ", to admit a new one (" + std::to_string(shared_->open) +
+                        " open, at most " + std::to_string(kMaxConnections) + ", " +
+                        std::to_string(kMaxConnectionsPerAddress) + " per address)");
+  victim->close_now();
+  return true;
+}
+
 void HttpMetricsServer::accept() {
   acceptor_.async_accept(
       io_, [this, shared = shared_](boost::system::error_code ec, Tcp::socket socket) {
@@ -177,11 +319,20 @@ void HttpMetricsServer::accept() {
           });
           return;
         }
-        if (shared->active >= kMaxConnections) {
-          // Over the cap: close at once; a scraper retries on its next interval.
+        const Tcp::endpoint peer = socket.remote_endpoint(ec);
+        if (ec) {
+          socket.close(ec);  // already gone
+        } else if (!make_room(peer.address())) {
+          // Every slot is busy with a request being answered: close at once; a scraper
+          // retries on its next interval.
+          ++shared->stats.refused;
+          shared->log.warn("http_refused", "HTTP metrics: connection from " + describe(peer) +
+                                               " refused: " + std::to_string(shared->open) +
+                                               " connections busy answering requests");
           socket.close(ec);
         } else {
-          std::make_shared<HttpConnection>(std::move(socket), shared)->start();
+          ++shared->stats.accepted;
+          std::make_shared<HttpConnection>(std::move(socket), peer, shared)->start();
         }
         accept();
       });
@@ -191,6 +342,8 @@ void HttpMetricsServer::close() {
   boost::system::error_code ec;
   acceptor_.close(ec);
   retry_timer_.cancel();
+  // close_now() removes the connection from the list.
+  while (!shared_->all.empty()) shared_->all.front()->close_now();
 }
 
 boost::asio::ip::tcp::endpoint HttpMetricsServer::local_endpoint() const {
