@@ -61,11 +61,12 @@ void RateLimitedLog::warn(const std::string& kind, const std::string& message) {
 // ---- ClientStream ------------------------------------------------------------------
 
 ClientStream::ClientStream(SessionShared& shared, StreamTransport& transport, PeerIdentity peer,
-                           bool reject, Clock::time_point now)
+                           Refusal refusal, Clock::time_point now)
     : shared_(shared),
       transport_(transport),
       peer_(std::move(peer)),
-      reject_(reject),
+      refusal_(refusal),
+      reject_(refusal != Refusal::kNone),
       decoder_(proto::Side::kDaemon, shared.config.server_limits.max_frame_bytes),
       handshake_deadline_(now + std::chrono::seconds(shared.config.timeouts.handshake_s)) {}
 
@@ -117,8 +118,14 @@ void ClientStream::received(std::size_t n) {
 void ClientStream::choose_mode(std::uint8_t first_byte) {
   dialect_ = first_byte == proto::kMagic[0] ? Dialect::kBinary : Dialect::kText;
   if (reject_) {
-    const std::string why = "too many connections (max_connections=" +
-                            std::to_string(shared_.config.server_limits.max_connections) + ")";
+    const auto& limits = shared_.config.server_limits;
+    const std::string why =
+        refusal_ == Refusal::kMaxConnectionsPerUid
+            ? "too many connections from uid " + std::to_string(peer_.uid) +
+                  " (max_connections_per_uid=" + std::to_string(limits.max_connections_per_uid) +
+                  ")"
+            : "too many connections (max_connections=" + std::to_string(limits.max_connections) +
+                  ")";
     transport_.send(dialect_ == Dialect::kBinary ? error_frame(proto::ErrorCode::kLimit, why)
                                                  : "error: " + why + "\n");
     state_ = State::kFinishing;
@@ -162,6 +169,7 @@ void ClientStream::fail(const std::string& kind, const std::string& log_line, st
   shared_.log.warn(kind, "client " + describe_peer() + ": " + log_line + "; connection closed");
   handshake_deadline_.reset();
   frame_deadline_.reset();
+  idle_deadline_.reset();
   if (!reply.empty()) transport_.send(std::move(reply));
   state_ = State::kFinishing;
 }
@@ -194,6 +202,12 @@ void ClientStream::process_binary() {
     }
     if (!result.message) break;
     frame_finished = true;
+    if (std::holds_alternative<proto::Hello>(*result.message) && peer_pid_reused()) {
+      fail(make_error_code(errc::permission_denied),
+           "pid " + std::to_string(peer_.key.pid) +
+               " runs another process than the one that connected (pid reused)");
+      return;
+    }
     if (!std::holds_alternative<proto::Hello>(*result.message)) {
       ++shared_.counters.frames_received;
     }
@@ -261,6 +275,15 @@ void ClientStream::set_frame_deadline(bool frame_finished) {
   }
 }
 
+// The peer's start time was read when the connection was accepted. If its pid now runs
+// another process, the one that connected is gone and someone else holds its socket (an
+// inherited descriptor): nothing it sends may be credited to either process.
+bool ClientStream::peer_pid_reused() const {
+  if (peer_.key.pid <= 0 || peer_.key.start_time == 0 || !shared_.env.probe) return false;
+  const auto probe = shared_.env.probe(peer_.key.pid);
+  return probe && probe->error == 0 && probe->start_time != peer_.key.start_time;
+}
+
 // ---- text --------------------------------------------------------------------------
 
 void ClientStream::process_text() {
@@ -278,6 +301,16 @@ void ClientStream::process_text() {
     const std::string line = line_buf_.substr(0, nl);
     line_buf_.erase(0, nl + 1);
     answer_line(line);
+  }
+  // Waiting for a command (nothing partial, no reply out): the idle clock runs, so a
+  // tenant cannot hold connection slots with text connections that never speak again.
+  if (state_ == State::kText && line_buf_.empty() && !output_backed_up()) {
+    if (line_finished || !idle_deadline_) {
+      idle_deadline_ =
+          Clock::now() + std::chrono::milliseconds(shared_.config.timeouts.text_idle_ms);
+    }
+  } else {
+    idle_deadline_.reset();
   }
   if (state_ != State::kFinishing && state_ != State::kClosed &&
       (too_long || (line_buf_.find('\n') == std::string::npos && line_buf_.size() > max_line))) {
@@ -300,6 +333,7 @@ void ClientStream::answer_line(std::string_view line) {
     return;
   }
   state_ = State::kAwaitingReply;
+  idle_deadline_.reset();
   transport_.render(std::move(reply.render));
 }
 
@@ -326,6 +360,7 @@ void ClientStream::maybe_finish() {
     if (state_ != State::kText) return;  // its reply is rendering: finish after it
   }
   frame_deadline_.reset();
+  idle_deadline_.reset();
   state_ = State::kFinishing;
 }
 
@@ -333,10 +368,11 @@ void ClientStream::maybe_finish() {
 
 std::optional<ClientStream::Clock::time_point> ClientStream::next_deadline() const {
   if (state_ == State::kClosed) return std::nullopt;
-  if (handshake_deadline_ && (!frame_deadline_ || *handshake_deadline_ < *frame_deadline_)) {
-    return handshake_deadline_;
+  std::optional<Clock::time_point> next;
+  for (const auto& deadline : {handshake_deadline_, frame_deadline_, idle_deadline_}) {
+    if (deadline && (!next || *deadline < *next)) next = deadline;
   }
-  return frame_deadline_;
+  return next;
 }
 
 void ClientStream::on_timer(Clock::time_point now) {
@@ -352,6 +388,11 @@ void ClientStream::on_timer(Clock::time_point now) {
     const std::string what = dialect_ == Dialect::kBinary ? "frame" : "line";
     fail(errc::timed_out,
          what + " not completed within " + std::to_string(timeouts.frame_s) + " s");
+    return;
+  }
+  if (idle_deadline_ && *idle_deadline_ <= now && state_ == State::kText) {
+    fail(errc::timed_out, "no command within " + std::to_string(timeouts.text_idle_ms) +
+                              " ms (timeouts.text_idle_ms)");
   }
 }
 
@@ -369,6 +410,7 @@ bool ClientStream::begin_drain() {
   state_ = State::kDraining;
   handshake_deadline_.reset();
   frame_deadline_.reset();
+  idle_deadline_.reset();
   return true;
 }
 
@@ -376,6 +418,7 @@ void ClientStream::closed() {
   state_ = State::kClosed;
   handshake_deadline_.reset();
   frame_deadline_.reset();
+  idle_deadline_.reset();
   if (handle_) {
     const ProcessHandle handle = *handle_;
     handle_.reset();

@@ -104,6 +104,13 @@ class StreamTransport {
 // An Error frame (PROTOCOL.md 4.9) with `message` cut to the field's size.
 std::string error_frame(proto::ErrorCode code, std::string_view message);
 
+// Why the server refuses a connection it accepted (answered, then closed).
+enum class Refusal : std::uint8_t {
+  kNone,
+  kMaxConnections,        // limits.max_connections connections are open
+  kMaxConnectionsPerUid,  // the peer's uid has limits.max_connections_per_uid open
+};
+
 class ClientStream {
  public:
   using Clock = std::chrono::steady_clock;
@@ -119,10 +126,11 @@ class ClientStream {
   // Output queued beyond this pauses reading and answering until it is written.
   static constexpr std::size_t kMaxPendingWrite = 256 * 1024;
 
-  // `peer` comes from the kernel (SO_PEERCRED, /proc). `reject`: the server is over
-  // max_connections; the first bytes are answered with an error in the peer's dialect.
-  ClientStream(SessionShared& shared, StreamTransport& transport, PeerIdentity peer, bool reject,
-               Clock::time_point now);
+  // `peer` comes from the kernel (SO_PEERCRED, /proc). A `refusal`: the server is over
+  // one of its connection limits; the first bytes are answered with an error naming it,
+  // in the peer's dialect.
+  ClientStream(SessionShared& shared, StreamTransport& transport, PeerIdentity peer,
+               Refusal refusal, Clock::time_point now);
   ~ClientStream();
   ClientStream(const ClientStream&) = delete;
   ClientStream& operator=(const ClientStream&) = delete;
@@ -167,6 +175,7 @@ class ClientStream {
   void choose_mode(std::uint8_t first_byte);
   void process_binary();
   std::error_code apply(const proto::Message& message);
+  bool peer_pid_reused() const;
   void process_text();
   void answer_line(std::string_view line);
   void maybe_finish();
@@ -181,7 +190,8 @@ class ClientStream {
   SessionShared& shared_;
   StreamTransport& transport_;
   PeerIdentity peer_;
-  bool reject_;
+  Refusal refusal_;
+  bool reject_;  // refusal_ != kNone
   State state_ = State::kSniffing;
   enum class Dialect { kUnknown, kBinary, kText };
   Dialect dialect_ = Dialect::kUnknown;  // known from the first byte on
@@ -195,6 +205,7 @@ class ClientStream {
 
   std::optional<Clock::time_point> handshake_deadline_;
   std::optional<Clock::time_point> frame_deadline_;
+  std::optional<Clock::time_point> idle_deadline_;  // text mode, waiting for a command
 };
 
 }  // namespace steptrace::daemon

@@ -1,6 +1,7 @@
 #include "daemon/serve/server.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -28,6 +29,13 @@ constexpr std::chrono::seconds kDrainBudget{2};
 // At most this many connections at once are kept to answer "too many connections";
 // beyond it they are closed without a word.
 constexpr std::size_t kMaxRejecting = 64;
+
+// File descriptors kept beside the client connections (max_connections, plus the
+// kMaxRejecting ones answering "too many connections"): the listening sockets, a /proc
+// probe, a snapshot and its directory, the HTTP listener and its connections, and what
+// Asio, spdlog and the render thread hold. Reserved at start, so that running out of
+// fds never reaches a liveness probe or a snapshot.
+constexpr rlim_t kReservedFds = 128;
 
 enum class Probe { kLive, kStale, kGone, kError };
 
@@ -82,7 +90,42 @@ Server::~Server() {
   remove_socket_file();
 }
 
+// The open-file limit must cover every connection max_connections allows plus the
+// reserve. The soft limit is raised as far as the hard one allows; below that the
+// daemon refuses to start, saying what to change, rather than fail later (clients hung
+// without a reply, snapshots failing, live holders taken for dead).
+std::optional<std::string> Server::check_fd_limit() {
+  const rlim_t needed = config_.server_limits.max_connections + kMaxRejecting + kReservedFds;
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    return std::string("cannot read the open-file limit (RLIMIT_NOFILE): ") + std::strerror(errno);
+  }
+  if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < needed) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? needed : std::min(needed, limit.rlim_max);
+    if (raised.rlim_cur > limit.rlim_cur && ::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
+      spdlog::info("raised the open-file limit from {} to {} (limits.max_connections {})",
+                   limit.rlim_cur, raised.rlim_cur, config_.server_limits.max_connections);
+      limit = raised;
+    }
+  }
+  if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= needed) return std::nullopt;
+  const rlim_t fits = limit.rlim_cur > kMaxRejecting + kReservedFds
+                          ? limit.rlim_cur - kMaxRejecting - kReservedFds
+                          : 0;
+  return "limits.max_connections " + std::to_string(config_.server_limits.max_connections) +
+         " needs " + std::to_string(needed) + " open files (" +
+         std::to_string(kMaxRejecting + kReservedFds) +
+         " more for refusals, probes, snapshots and HTTP), but the open-file limit is " +
+         std::to_string(limit.rlim_cur) + " (hard limit " +
+         (limit.rlim_max == RLIM_INFINITY ? std::string("unlimited")
+                                          : std::to_string(limit.rlim_max)) +
+         "): raise LimitNOFILE= (or ulimit -n), or set limits.max_connections to " +
+         std::to_string(fits) + " or less";
+}
+
 std::optional<std::string> Server::start() {
+  if (auto err = check_fd_limit()) return err;
   if (!config_.state_dir.empty()) {
     std::error_code ec;
     fs::create_directories(config_.state_dir, ec);
@@ -287,7 +330,12 @@ void Server::accept() {
 }
 
 void Server::on_accept(const boost::system::error_code& ec, StreamProtocol::socket socket) {
-  if (stopping_ || ec == boost::asio::error::operation_aborted) return;
+  if (stopping_) {
+    // Accepted before the signal was seen, its handler queued behind it: drained too.
+    if (!ec) take_for_drain(std::move(socket));
+    return;
+  }
+  if (ec == boost::asio::error::operation_aborted) return;
   if (ec) {
     // EMFILE and friends: back off briefly instead of spinning on the error.
     log_.warn("accept", "accept failed: " + ec.message());
@@ -301,15 +349,38 @@ void Server::on_accept(const boost::system::error_code& ec, StreamProtocol::sock
   accept();
 }
 
+namespace {
+// The peer's uid from the kernel; nobody when it cannot be read (such a peer is
+// refused by the commands that need a uid anyway).
+std::uint32_t peer_uid(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return 65534;
+  return cred.uid;
+}
+}  // namespace
+
 void Server::admit(StreamProtocol::socket socket) {
   ServerCounters& counters = counters_;
+  const ServerLimits& limits = config_.server_limits;
   ++counters.connections_total;
-  const bool reject = counters.connections_now >= config_.server_limits.max_connections;
-  if (reject) {
-    ++counters.connections_rejected;  // a max_connections hit too (DaemonCounters::add)
+  const std::uint32_t uid = peer_uid(socket.native_handle());
+  Refusal refusal = Refusal::kNone;
+  if (counters.connections_now >= limits.max_connections) {
+    refusal = Refusal::kMaxConnections;
     log_.warn("max_connections", "connection rejected: max_connections (" +
-                                     std::to_string(config_.server_limits.max_connections) +
-                                     ") reached");
+                                     std::to_string(limits.max_connections) + ") reached");
+  } else if (const auto it = connections_by_uid_.find(uid);
+             it != connections_by_uid_.end() && it->second >= limits.max_connections_per_uid) {
+    // One tenant may not take every slot: the others still get in.
+    refusal = Refusal::kMaxConnectionsPerUid;
+    ++counters.connections_rejected_per_uid;
+    log_.warn("max_connections_per_uid",
+              "connection of uid " + std::to_string(uid) + " rejected: max_connections_per_uid (" +
+                  std::to_string(limits.max_connections_per_uid) + ") reached");
+  }
+  if (refusal != Refusal::kNone) {
+    ++counters.connections_rejected;  // a limit hit too (DaemonCounters::add)
     if (rejecting_ >= kMaxRejecting) {
       boost::system::error_code close_ec;
       socket.close(close_ec);
@@ -318,21 +389,29 @@ void Server::admit(StreamProtocol::socket socket) {
     ++rejecting_;
   } else {
     ++counters.connections_now;
+    ++connections_by_uid_[uid];
   }
+  start_session(std::move(socket), uid, refusal);
+}
+
+void Server::start_session(StreamProtocol::socket socket, std::uint32_t uid, Refusal refusal) {
   auto session = std::make_shared<Session>(
       std::move(socket), shared_,
       [this](Session* s) {
         auto it = sessions_.find(s);
         if (it == sessions_.end()) return;
-        if (it->second.rejected) {
+        if (it->second.refusal != Refusal::kNone) {
           --rejecting_;
         } else {
           --counters_.connections_now;
+          const auto by_uid = connections_by_uid_.find(it->second.uid);
+          if (by_uid != connections_by_uid_.end() && --by_uid->second == 0)
+            connections_by_uid_.erase(by_uid);
         }
         sessions_.erase(it);
       },
-      reject);
-  sessions_.emplace(session.get(), Entry{session, reject});
+      refusal);
+  sessions_.emplace(session.get(), Entry{session, uid, refusal});
   session->start();
 }
 
@@ -379,16 +458,7 @@ void Server::shutdown(int signal_number) {
   other_signals_.cancel(signals_ec);
   notify_stopping();
   spdlog::info("{} received: draining clients and stopping", strsignal(signal_number));
-  boost::system::error_code ec;
-  // Connections still in the backlog sent their data before the signal too: take them.
-  acceptor_.cancel(ec);
-  acceptor_.non_blocking(true, ec);
-  for (std::size_t i = 0; !ec && i < config_.server_limits.max_connections; ++i) {
-    StreamProtocol::socket socket(io_);
-    acceptor_.accept(socket, ec);
-    if (!ec) admit(std::move(socket));
-  }
-  acceptor_.close(ec);
+  drain_backlog();
   if (http_) http_->close();
   accept_retry_timer_.cancel();
   liveness_timer_.cancel();
@@ -400,7 +470,53 @@ void Server::shutdown(int signal_number) {
   boost::asio::post(io_, [this] { finish_shutdown(); });
 }
 
+// Connections still in the listen backlog sent their data before the signal too: each
+// is taken and drained with the others, past max_connections as far as the fds kept for
+// refusals allow (the limit is for serving, not for reading what was already sent).
+// What is left is closed unread, counted and logged, never dropped silently.
+void Server::drain_backlog() {
+  boost::system::error_code ec;
+  acceptor_.cancel(ec);
+  acceptor_.non_blocking(true, ec);
+  while (!ec) {
+    StreamProtocol::socket socket(io_);
+    acceptor_.accept(socket, ec);
+    if (!ec) take_for_drain(std::move(socket));
+  }
+  acceptor_.close(ec);
+}
+
+void Server::take_for_drain(StreamProtocol::socket socket) {
+  ++counters_.connections_total;
+  if (sessions_.size() >= config_.server_limits.max_connections + kMaxRejecting) {
+    ++counters_.connections_undrained;
+    boost::system::error_code ec;
+    socket.close(ec);
+    return;
+  }
+  ++taken_for_drain_;
+  ++counters_.connections_now;
+  const std::uint32_t uid = peer_uid(socket.native_handle());
+  ++connections_by_uid_[uid];
+  start_session(std::move(socket), uid, Refusal::kNone);
+}
+
 void Server::finish_shutdown() {
+  // Cancel every read in flight; their handlers (queued now, after any read that had
+  // already completed) apply what was read; then drain the rest.
+  for (auto& [ptr, entry] : sessions_) {
+    if (auto s = entry.session.lock()) s->begin_drain();
+  }
+  boost::asio::post(io_, [this] { drain_and_stop(); });
+}
+
+void Server::drain_and_stop() {
+  if (taken_for_drain_ != 0)
+    spdlog::info("took {} queued connection(s) to drain", taken_for_drain_);
+  if (counters_.connections_undrained != 0) {
+    spdlog::warn("{} queued connection(s) closed unread at shutdown: no room to drain them",
+                 counters_.connections_undrained);
+  }
   std::vector<std::shared_ptr<Session>> live;
   for (auto& [ptr, entry] : sessions_) {
     if (auto s = entry.session.lock()) live.push_back(std::move(s));

@@ -49,6 +49,7 @@ class Server {
   bool run();
 
  private:
+  std::optional<std::string> check_fd_limit();
   std::optional<std::string> open_socket();
   void restore_snapshot();
   bool save_snapshot_now();    // on this thread (shutdown); false when it failed
@@ -58,6 +59,11 @@ class Server {
   void on_accept(const boost::system::error_code& ec,
                  boost::asio::local::stream_protocol::socket socket);
   void admit(boost::asio::local::stream_protocol::socket socket);
+  void start_session(boost::asio::local::stream_protocol::socket socket, std::uint32_t uid,
+                     Refusal refusal);
+  void drain_backlog();
+  void drain_and_stop();
+  void take_for_drain(boost::asio::local::stream_protocol::socket socket);
   void schedule_liveness();
   void schedule_snapshot();
   void watch_other_signals();
@@ -84,9 +90,11 @@ class Server {
 
   struct Entry {
     std::weak_ptr<Session> session;
-    bool rejected = false;
+    std::uint32_t uid = 0;  // the peer's (SO_PEERCRED)
+    Refusal refusal = Refusal::kNone;
   };
   std::unordered_map<Session*, Entry> sessions_;
+  std::unordered_map<std::uint32_t, std::size_t> connections_by_uid_;  // admitted, open
   std::size_t rejecting_ = 0;  // sessions answering "too many connections"
 
   std::string socket_path_;
@@ -95,6 +103,7 @@ class Server {
   dev_t socket_dev_ = 0;
   ino_t socket_ino_ = 0;
   bool stopping_ = false;
+  std::uint64_t taken_for_drain_ = 0;  // connections queued at shutdown, taken to drain
   bool final_snapshot_written_ = true;
 };
 

@@ -9,11 +9,11 @@ namespace steptrace::daemon {
 
 using State = ClientStream::State;
 
-Session::Session(Socket socket, SessionShared& shared, CloseCallback on_close, bool reject)
+Session::Session(Socket socket, SessionShared& shared, CloseCallback on_close, Refusal refusal)
     : socket_(std::move(socket)),
       shared_(shared),
       on_close_(std::move(on_close)),
-      reject_(reject),
+      refusal_(refusal),
       timer_(socket_.get_executor()) {}
 
 Session::~Session() = default;
@@ -28,7 +28,7 @@ void Session::start() {
     peer.gid = cred.gid;
     // Probe now, while the peer surely lives: its start time tells a recycled pid apart.
     if (cred.pid > 0 && shared_.env.probe) {
-      if (auto probe = shared_.env.probe(cred.pid)) {
+      if (auto probe = shared_.env.probe(cred.pid); probe && probe->error == 0) {
         peer.key.start_time = probe->start_time;
         peer.comm = probe->comm;
       }
@@ -38,7 +38,7 @@ void Session::start() {
     peer.uid = 65534;
     peer.gid = 65534;
   }
-  stream_.emplace(shared_, static_cast<StreamTransport&>(*this), std::move(peer), reject_,
+  stream_.emplace(shared_, static_cast<StreamTransport&>(*this), std::move(peer), refusal_,
                   Clock::now());
   after_stream();
 }
@@ -66,8 +66,13 @@ void Session::read_more() {
 
 void Session::on_read(const boost::system::error_code& ec, std::size_t n) {
   reading_ = false;
-  // Draining: the read was cancelled and the buffer it pointed into is not used.
-  if (closed() || stream_->state() == State::kDraining) return;
+  if (closed()) return;
+  if (stream_->state() == State::kDraining) {
+    // Shutting down: a read that completed before the cancel holds the client's bytes
+    // (in the stream's buffer, untouched since); apply them, read no more here.
+    if (!ec && n > 0) stream_->received(n);
+    return;
+  }
   if (ec) {
     stream_->input_ended();  // EOF or a reset: either way the peer sends no more
   } else {
@@ -158,12 +163,18 @@ void Session::on_timeout() {
 
 // ---- shutdown ----------------------------------------------------------------------
 
-void Session::drain(Clock::time_point deadline) {
+void Session::begin_drain() {
   if (closed() || !stream_->begin_drain()) return;
+  draining_ = true;
   boost::system::error_code ec;
-  // The pending async read is cancelled before we read synchronously; its handler sees
-  // the stream draining and touches nothing.
+  // A read in flight may have completed already, its handler queued: cancelling cannot
+  // take those bytes back, so on_read applies them, and drain() reads only after it ran.
   socket_.cancel(ec);
+}
+
+void Session::drain(Clock::time_point deadline) {
+  if (closed() || !draining_ || stream_->state() != State::kDraining) return;
+  boost::system::error_code ec;
   socket_.non_blocking(true, ec);
   std::size_t drained = 0;
   while (stream_->state() == State::kDraining && Clock::now() < deadline) {

@@ -34,9 +34,10 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   using Clock = std::chrono::steady_clock;
   using CloseCallback = std::function<void(Session*)>;
 
-  // `reject`: the server is over max_connections; answer the first bytes with an error
-  // in the client's dialect and close.
-  Session(Socket socket, SessionShared& shared, CloseCallback on_close, bool reject = false);
+  // A `refusal`: the server is over a connection limit; answer the first bytes with an
+  // error naming it in the client's dialect and close.
+  Session(Socket socket, SessionShared& shared, CloseCallback on_close,
+          Refusal refusal = Refusal::kNone);
   ~Session() override;
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -44,6 +45,10 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   void start();
   // Shutdown: applies what a binary peer already sent (what is readable now) until
   // `deadline`, without waiting for more.
+  // In two steps, with the io_context's queue run in between: begin_drain() cancels the
+  // read in flight, whose handler still applies what it had read (the bytes reached the
+  // buffer before the cancel); drain() then reads what is left, without waiting.
+  void begin_drain();
   void drain(Clock::time_point deadline);
   void close();
 
@@ -66,13 +71,14 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   Socket socket_;
   SessionShared& shared_;
   CloseCallback on_close_;
-  bool reject_;
+  Refusal refusal_;
   std::optional<ClientStream> stream_;  // made in start(), once the peer is known
 
   std::deque<std::string> write_queue_;
   std::size_t pending_write_bytes_ = 0;
-  bool writing_ = false;  // an async_write is in flight
-  bool reading_ = false;  // an async_read_some is in flight
+  bool writing_ = false;   // an async_write is in flight
+  bool reading_ = false;   // an async_read_some is in flight
+  bool draining_ = false;  // begin_drain() cancelled reading for the shutdown drain
 
   boost::asio::steady_timer timer_;
   std::uint64_t timer_generation_ = 0;

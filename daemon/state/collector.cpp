@@ -26,8 +26,12 @@ void DaemonCounters::add(const ServerCounters& server) {
   connections_now += server.connections_now;
   connections_total += server.connections_total;
   connections_rejected += server.connections_rejected;
-  if (server.connections_rejected != 0)
-    hit(LimitKind::kMaxConnections, server.connections_rejected);
+  connections_undrained += server.connections_undrained;
+  // Every refused connection is a hit of the limit that refused it.
+  const std::uint64_t per_uid = server.connections_rejected_per_uid;
+  if (server.connections_rejected > per_uid)
+    hit(LimitKind::kMaxConnections, server.connections_rejected - per_uid);
+  if (per_uid != 0) hit(LimitKind::kMaxConnectionsPerUid, per_uid);
   commands_served += server.commands_served;
   snapshots_written += server.snapshots_written;
   snapshot_errors += server.snapshot_errors;
@@ -91,9 +95,8 @@ namespace {
 
 using proto::kBuiltinStepCount;
 
-bool probe_alive(const Environment& env, const ProcessKey& key) {
-  const auto probe = env.probe(key.pid);
-  return probe && !probe->zombie && probe->start_time == key.start_time;
+Liveness probe_liveness(const Environment& env, const ProcessKey& key) {
+  return liveness_of(env.probe(key.pid), key.start_time);
 }
 
 void mark_exited(CollectorState& state, ProcessRecord& rec, std::uint64_t now) {
@@ -102,6 +105,7 @@ void mark_exited(CollectorState& state, ProcessRecord& rec, std::uint64_t now) {
   rec.exited_at_ns = now;
   rec.exit_order = state.next_exit_order++;
   ++state.exited;
+  state.holders_stale = true;
 }
 
 void mark_alive(CollectorState& state, ProcessRecord& rec) {
@@ -110,6 +114,7 @@ void mark_alive(CollectorState& state, ProcessRecord& rec) {
   rec.exited_at_ns = 0;
   rec.exit_order = 0;
   --state.exited;
+  state.holders_stale = true;
 }
 
 // Spans still open when the process's last connection closed will never end.
@@ -174,12 +179,40 @@ void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCou
   }
 }
 
+// Re-flags the ledger's reservations from the table, which the liveness tick keeps
+// current: no /proc probe for a holder the table has, one probe per tick for a holder
+// it does not have (restored from a snapshot, or evicted while still running) that was
+// alive last time, none for one known dead (a (pid, start time) never lives again).
+// Skipped when nothing changed since the last check, so a ledger full of dead holders
+// costs nothing per tick.
 void check_ledger_holders(CollectorState& state, const Environment& env) {
+  if (!state.holders_stale && state.untracked_live_holders.empty()) return;
+  std::map<ProcessKey, bool> untracked;  // this check's answers, one probe per process
   state.ledger.check_holders([&](const ProcessKey& key) {
     const auto it = state.by_key.find(key);
     if (it != state.by_key.end()) return state.slots[it->second]->alive;
-    return probe_alive(env, key);  // a holder the table no longer (or never) had
+    if (const auto known = untracked.find(key); known != untracked.end()) return known->second;
+    bool alive = false;
+    if (state.holders_stale || state.untracked_live_holders.contains(key)) {
+      // Unknown (the probe failed): keep it alive and ask again next tick.
+      alive = probe_liveness(env, key) != Liveness::kDead;
+    }
+    untracked.emplace(key, alive);
+    return alive;
   });
+  state.untracked_live_holders.clear();
+  for (const auto& [key, alive] : untracked) {
+    if (alive) state.untracked_live_holders.insert(key);
+  }
+  state.holders_stale = false;
+}
+
+std::size_t live_processes_of(const CollectorState& state, std::uint32_t uid) {
+  std::size_t n = 0;
+  for (const auto& slot : state.slots) {
+    if (slot && slot->alive && slot->peer.uid == uid) ++n;
+  }
+  return n;
 }
 
 ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& limits,
@@ -248,8 +281,19 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
     }
   }
   enforce_exited_limit(state, limits_, counters_);
+  // One uid may not fill the table the others share: its live processes are bounded
+  // (exited ones make room by themselves, oldest first).
+  if (live_processes_of(state, peer.uid) >= limits_.max_processes_per_uid) {
+    counters_.hit(LimitKind::kMaxProcessesPerUid);
+    return make_error_code(errc::limit_reached);
+  }
   if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
-    refresh_liveness();  // a disconnected process may have died since the last check
+    // A disconnected process may have died since the last tick: look once per tick, so
+    // a flood of refused connections does not probe the whole table each.
+    if (!attach_refreshed_) {
+      refresh_liveness();
+      attach_refreshed_ = true;
+    }
     if (state.by_key.size() >= limits_.max_processes && !evict_oldest_exited(state)) {
       counters_.hit(LimitKind::kMaxProcesses);
       return make_error_code(errc::limit_reached);
@@ -378,8 +422,33 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
 
 void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record) {
   if (process >= state_->slots.size() || !state_->slots[process]) return;
+  if (record.op == static_cast<std::uint8_t>(proto::LedgerOp::kCleanup)) refresh_holder(record);
   const ProcessRecord& rec = *state_->slots[process];
-  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record, env_.monotonic_now_ns());
+  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record,
+                       env_.monotonic_now_ns());
+}
+
+// A cleanup by another uid is allowed only of a dead holder (ledger_view.h): a holder
+// that died since the last tick must be known dead before the view decides. One probe,
+// at most once per holder per tick, and only of a disconnected holder believed alive.
+void Collector::refresh_holder(const proto::LedgerRecord& record) {
+  State& state = *state_;
+  const auto& gpus = state.ledger.state().gpus;
+  const auto gpu = gpus.find(proto::field_view(record.gpu_uuid));
+  if (gpu == gpus.end()) return;
+  const auto reservation = gpu->second.reservations.find(record.reservation_id);
+  if (reservation == gpu->second.reservations.end() || !reservation->second.holder_alive) return;
+  const ProcessKey holder = reservation->second.holder;
+  const auto tracked = state.by_key.find(holder);
+  if (tracked != state.by_key.end() && state.slots[tracked->second]->connections > 0) return;
+  if (!holders_probed_.insert(holder).second) return;
+  if (probe_liveness(env_, holder) != Liveness::kDead) return;
+  if (tracked != state.by_key.end()) {
+    mark_exited(state, state.write(tracked->second), env_.monotonic_now_ns());
+  } else {
+    state.holders_stale = true;
+  }
+  check_ledger_holders(state, env_);
 }
 
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
@@ -418,18 +487,26 @@ void Collector::detach(ProcessHandle process) {
   if (rec.connections > 0) --rec.connections;
   if (rec.connections > 0) return;
   abandon_open_spans(rec);
-  if (!probe_alive(env_, rec.key())) mark_exited(state, rec, env_.monotonic_now_ns());
-  check_ledger_holders(state, env_);
+  // One probe: the process itself. Its reservations are re-flagged by the next liveness
+  // tick (check_ledger_holders), not here, so churn of short-lived clients costs one
+  // probe each, whatever the ledger holds. A failed probe is no death: the tick asks again.
+  if (probe_liveness(env_, rec.key()) == Liveness::kDead)
+    mark_exited(state, rec, env_.monotonic_now_ns());
   enforce_exited_limit(state, limits_, counters_);
 }
 
 void Collector::refresh_liveness() {
   State& state = *state_;
+  attach_refreshed_ = false;
+  holders_probed_.clear();
+  // One probe per disconnected process believed alive; none for the connected (their
+  // connection proves them alive) or the exited.
   for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
     const ProcessRecord* slot = state.slots[h].get();
     if (!slot || !slot->alive || slot->connections > 0) continue;
-    if (!probe_alive(env_, slot->key()))
-      mark_exited(state, state.write(h), env_.monotonic_now_ns());
+    const Liveness liveness = probe_liveness(env_, slot->key());
+    if (liveness == Liveness::kDead) mark_exited(state, state.write(h), env_.monotonic_now_ns());
+    if (liveness == Liveness::kUnknown) ++counters_.liveness_probe_errors;
   }
   check_ledger_holders(state, env_);
   enforce_exited_limit(state, limits_, counters_);

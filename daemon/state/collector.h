@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -93,8 +94,10 @@ class Collector {
   // has no other connection; liveness is then checked against /proc.
   void detach(ProcessHandle process);
 
-  // Re-checks processes without a connection against /proc (called on a timer and
-  // before reports): marks the dead ones exited, flags their ledger reservations.
+  // The liveness tick (a timer; never a report): re-checks processes without a
+  // connection against /proc, one probe each, marks the dead ones exited and re-flags
+  // the ledger's reservations from that. Its cost does not grow with the reservations.
+  // A probe that fails (EMFILE...) is counted, not taken for a death.
   void refresh_liveness();
 
   // ---- control ----------------------------------------------------------------------
@@ -130,6 +133,10 @@ class Collector {
   Environment env_;
   DaemonCounters counters_;
   std::unique_ptr<State> state_;
+  void refresh_holder(const proto::LedgerRecord& record);
+
+  bool attach_refreshed_ = false;        // attach() refreshed liveness since the last tick
+  std::set<ProcessKey> holders_probed_;  // by refresh_holder() since the last tick
 };
 
 }  // namespace steptrace::daemon

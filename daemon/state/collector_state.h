@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -158,6 +159,11 @@ struct CollectorState {
   std::size_t exited = 0;
   std::uint64_t next_exit_order = 1;
   LedgerView ledger;
+  // Liveness bookkeeping of the ledger's holders (Collector::refresh_liveness): a
+  // process's liveness changed since the holders were last checked, and the holders
+  // the table does not have that were alive then (probed again each tick).
+  bool holders_stale = true;
+  std::set<ProcessKey> untracked_live_holders;
 
   // Prometheus step histograms of processes that were evicted, so the exported
   // per-step counters never go backwards when a process leaves the table.

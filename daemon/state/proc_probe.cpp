@@ -1,9 +1,10 @@
 // Environment::system(): the real CLOCK_MONOTONIC and /proc/PID probes.
+#include <fcntl.h>
 #include <time.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <charconv>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <string_view>
 
@@ -19,28 +20,44 @@ std::uint64_t read_monotonic_ns() {
          static_cast<std::uint64_t>(ts.tv_nsec);
 }
 
-bool read_file(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream s;
-  s << in.rdbuf();
-  out = s.str();
-  return !in.bad();
+// Reads /proc/PID/stat (one open, one or two reads, one close: a liveness tick pays
+// this once per process). 0, or the errno that stopped it.
+int read_stat(std::int32_t pid, std::string& out) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return errno;
+  char buffer[1024];
+  int error = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n > 0) {
+      out.append(buffer, static_cast<std::size_t>(n));
+      if (out.size() > 4096) break;  // far beyond any stat line: stop, the parser decides
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) error = errno;
+    break;
+  }
+  ::close(fd);
+  return error;
 }
 
 std::optional<ProcessProbe> probe_proc(std::int32_t pid) {
   if (pid <= 0) return std::nullopt;
-  const std::string dir = "/proc/" + std::to_string(pid);
   std::string stat;
-  if (!read_file(dir + "/stat", stat)) return std::nullopt;
-  auto probe = parse_proc_stat(stat);
-  if (!probe) return std::nullopt;
-  std::string comm;
-  if (read_file(dir + "/comm", comm)) {
-    while (!comm.empty() && (comm.back() == '\n' || comm.back() == '\0')) comm.pop_back();
-    probe->comm = std::move(comm);
+  if (const int error = read_stat(pid, stat); error != 0) {
+    // Gone (ENOENT), or exiting while read (ESRCH): dead. Anything else (EMFILE, ENFILE,
+    // ENOMEM, EACCES...) is the probe's own failure.
+    if (error == ENOENT || error == ESRCH) return std::nullopt;
+    ProcessProbe failed;
+    failed.error = error;
+    return failed;
   }
-  return probe;
+  if (auto probe = parse_proc_stat(stat)) return probe;
+  ProcessProbe failed;  // the kernel wrote something we cannot read: say so, not "dead"
+  failed.error = EPROTO;
+  return failed;
 }
 
 }  // namespace
@@ -49,11 +66,14 @@ std::optional<ProcessProbe> probe_proc(std::int32_t pid) {
 // so fields are counted from after the LAST ')': field 3 (state) comes first, the start
 // time is field 22.
 std::optional<ProcessProbe> parse_proc_stat(std::string_view stat) {
+  const auto open = stat.find('(');
   const auto close = stat.rfind(')');
-  if (close == std::string_view::npos) return std::nullopt;
+  if (open == std::string_view::npos || close == std::string_view::npos || close < open)
+    return std::nullopt;
   std::string_view rest = stat.substr(close + 1);
   int field = 2;
   ProcessProbe probe;
+  probe.comm = std::string(stat.substr(open + 1, close - open - 1));
   bool have_state = false;
   while (!rest.empty()) {
     const auto begin = rest.find_first_not_of(' ');
@@ -76,6 +96,12 @@ std::optional<ProcessProbe> parse_proc_stat(std::string_view stat) {
     rest.remove_prefix(end);
   }
   return std::nullopt;
+}
+
+Liveness liveness_of(const std::optional<ProcessProbe>& probe, std::uint64_t start_time) {
+  if (!probe) return Liveness::kDead;
+  if (probe->error != 0) return Liveness::kUnknown;
+  return !probe->zombie && probe->start_time == start_time ? Liveness::kAlive : Liveness::kDead;
 }
 
 Environment Environment::system() {

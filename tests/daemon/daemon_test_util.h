@@ -31,11 +31,19 @@ namespace steptrace::daemon::test {
 struct FakeWorld {
   std::uint64_t now_ns = 1'000'000'000'000;
   std::map<std::int32_t, ProcessProbe> procs;  // pid -> what /proc says; absent: gone
+  std::uint64_t probes = 0;                    // how many times /proc was asked
+  int probe_error = 0;                         // non-zero: every probe fails with it
 
   Environment env() {
     Environment e;
     e.monotonic_now_ns = [this] { return now_ns; };
     e.probe = [this](std::int32_t pid) -> std::optional<ProcessProbe> {
+      ++probes;
+      if (probe_error != 0) {
+        ProcessProbe failed;
+        failed.error = probe_error;
+        return failed;
+      }
       const auto it = procs.find(pid);
       if (it == procs.end()) return std::nullopt;
       return it->second;
@@ -126,7 +134,7 @@ class Connection {
   Connection(Collector& collector, const PeerIdentity& peer)
       : world_(collector),
         transport_(collector),
-        stream_(world_.shared, transport_, peer, false, ClientStream::Clock::now()) {
+        stream_(world_.shared, transport_, peer, Refusal::kNone, ClientStream::Clock::now()) {
     transport_.attach(stream_);
     std::array<std::byte, sizeof(proto::Hello)> buf{};
     proto::Encoder enc(buf);

@@ -107,14 +107,26 @@ TEST_F(DaemonTest, CountsFromSeveralProcessesAndThreadsAreExact) {
   }
   for (pid_t pid : pids) ASSERT_EQ(wait_process(pid, 30000), 0) << daemon.log();
 
-  const json report = command_json(socket(), "report --json");
+  // They exited: the report says so within a liveness interval (500 ms; reports never
+  // probe /proc themselves).
+  json report;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (bool all_exited = false; !all_exited && std::chrono::steady_clock::now() < deadline;) {
+    report = command_json(socket(), "report --json");
+    all_exited = true;
+    for (pid_t pid : pids) {
+      const json* p = find_process(report, pid);
+      all_exited = all_exited && p != nullptr && (*p)["alive"] == false;
+    }
+    if (!all_exited) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   for (pid_t pid : pids) {
     const json* p = find_process(report, pid);
     ASSERT_NE(p, nullptr) << report.dump();
     EXPECT_EQ((*p)["comm"], "raw_client");
     EXPECT_EQ((*p)["uid"], ::getuid());
     EXPECT_EQ((*p)["dropped"], 5);
-    EXPECT_EQ((*p)["alive"], false);  // it exited before the report
+    EXPECT_EQ((*p)["alive"], false);
     const json* forward = find_step(*p, "Forward");
     const json* matmul = find_step(*p, "Matmul");
     const json* custom = find_step(*p, "my_step");

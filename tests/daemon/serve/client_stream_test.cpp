@@ -62,7 +62,8 @@ class ClientStreamTest : public ::testing::Test {
         start_(ClientStream::Clock::now()) {}
 
   ClientStream& open(bool reject = false) {
-    stream_.emplace(streams_.shared, transport_, world_.spawn(100, 5, "trainer"), reject, start_);
+    stream_.emplace(streams_.shared, transport_, world_.spawn(100, 5, "trainer"),
+                    reject ? Refusal::kMaxConnections : Refusal::kNone, start_);
     transport_.attach(*stream_);
     return *stream_;
   }
@@ -101,7 +102,7 @@ TEST_F(ClientStreamTest, FirstByteChoosesTheDialect) {
   EXPECT_EQ(transport_.sent, "pong\n");
 
   RecordingTransport other(collector_);
-  ClientStream binary(streams_.shared, other, world_.spawn(101, 5, "b"), false, start_);
+  ClientStream binary(streams_.shared, other, world_.spawn(101, 5, "b"), Refusal::kNone, start_);
   send_hello(binary, "b");
   EXPECT_EQ(binary.state(), State::kBinary);
   EXPECT_TRUE(binary.handle().has_value());
@@ -127,6 +128,36 @@ TEST_F(ClientStreamTest, ProtocolErrorFrameNamesItsErrcAndClosesTheStream) {
   EXPECT_EQ(std::get<proto::ErrorReport>(sent[0]).code,
             static_cast<std::uint32_t>(proto::ErrorCode::kProtocol));
   EXPECT_EQ(error_text(sent[0]), "bad_step_id: step id out of range");
+}
+
+// Issue 15, item 12: the peer's start time is read at accept; if its pid runs another
+// process by the hello, whoever holds the socket is not the process that connected.
+TEST_F(ClientStreamTest, AHelloFromAPidNowRunningAnotherProcessIsRefused) {
+  streams_.shared.env = world_.env();
+  open();                                // pid 100, start time 5
+  world_.spawn(100, 6, "someone-else");  // the pid is reused
+  send_hello(*stream_, "trainer");
+  EXPECT_EQ(stream_->failure(), make_error_code(errc::permission_denied));
+  EXPECT_FALSE(stream_->handle().has_value());
+  const auto replies = client_view(transport_.sent);
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(error_text(replies[0]),
+            "permission_denied: pid 100 runs another process than the one that connected (pid "
+            "reused)");
+  EXPECT_EQ(streams_.counters.protocol_errors["permission_denied"], 1u);
+  EXPECT_TRUE(report::report_json(*collector_.freeze(), std::nullopt)["processes"].empty());
+
+  // The same process, still there: accepted; gone since (it sent and exited): accepted.
+  RecordingTransport t1(collector_), t2(collector_);
+  ClientStream same(streams_.shared, t1, world_.spawn(101, 5, "a"), Refusal::kNone, start_);
+  send_hello(same, "a");
+  EXPECT_TRUE(same.handle().has_value());
+  ClientStream gone(streams_.shared, t2, world_.spawn(102, 5, "b"), Refusal::kNone, start_);
+  world_.kill(102);
+  send_hello(gone, "b");
+  EXPECT_TRUE(gone.handle().has_value());
+  same.closed();
+  gone.closed();
 }
 
 TEST_F(ClientStreamTest, UnsupportedVersionIsAnsweredWithTheExactMessage) {
@@ -173,6 +204,43 @@ TEST_F(ClientStreamTest, HandshakeTimeoutClosesWithoutAReply) {
   EXPECT_EQ(stream_->state(), State::kFinishing);
   EXPECT_EQ(errors("timed_out"), 1u);
   EXPECT_EQ(transport_.sent, "");
+}
+
+// Issue 15, item 3: text connections that sent a command once and then sit idle are
+// closed, so idle connections cannot hold the connection table.
+TEST_F(ClientStreamTest, AnIdleTextConnectionIsClosedAfterTextIdleTimeout) {
+  streams_.config.timeouts.text_idle_ms = 5000;
+  open();
+  feed("ping\n");
+  EXPECT_EQ(transport_.sent, "pong\n");
+  const auto deadline = stream_->next_deadline();
+  ASSERT_TRUE(deadline.has_value());
+  EXPECT_GE(*deadline, start_ + 5s);
+  EXPECT_LE(*deadline, ClientStream::Clock::now() + 5s);
+  stream_->on_timer(*deadline - 1ms);
+  EXPECT_EQ(stream_->state(), State::kText);
+  // Another command restarts the clock.
+  feed("ping\n");
+  EXPECT_GE(*stream_->next_deadline(), *deadline);
+  stream_->on_timer(*stream_->next_deadline());
+  EXPECT_EQ(stream_->state(), State::kFinishing);
+  EXPECT_EQ(errors("timed_out"), 1u);
+  EXPECT_EQ(transport_.sent,
+            "pong\npong\nerror: no command within 5000 ms (timeouts.text_idle_ms)\n");
+}
+
+TEST_F(ClientStreamTest, ARefusalPerUidNamesTheUidAndTheLimit) {
+  RecordingTransport other(collector_);
+  ClientStream text(streams_.shared, other, world_.spawn(101, 5, "b", 1234),
+                    Refusal::kMaxConnectionsPerUid, start_);
+  other.attach(text);
+  const auto buffer = text.read_buffer();
+  std::memcpy(buffer.data(), "ping\n", 5);
+  text.received(5);
+  EXPECT_EQ(other.sent,
+            "error: too many connections from uid 1234 (max_connections_per_uid=256)\n");
+  EXPECT_EQ(text.state(), State::kFinishing);
+  EXPECT_FALSE(text.handle().has_value());
 }
 
 TEST_F(ClientStreamTest, UnfinishedFrameTimesOutWithTheErrcFirst) {
@@ -246,7 +314,8 @@ TEST_F(ClientStreamTest, OverMaxConnectionsIsAnsweredInTheClientsDialect) {
   EXPECT_EQ(stream_->state(), State::kFinishing);
 
   RecordingTransport other(collector_);
-  ClientStream binary(streams_.shared, other, world_.spawn(101, 5, "b"), true, start_);
+  ClientStream binary(streams_.shared, other, world_.spawn(101, 5, "b"), Refusal::kMaxConnections,
+                      start_);
   send_hello(binary, "b");
   const auto sent = client_view(other.sent);
   ASSERT_EQ(sent.size(), 1u);
@@ -273,7 +342,7 @@ TEST_F(ClientStreamTest, DrainAppliesBinaryInputAndAnswersNoCommand) {
   EXPECT_EQ(collector_.counters().events_received, 2u);
 
   RecordingTransport other(collector_);
-  ClientStream text(streams_.shared, other, world_.spawn(101, 5, "b"), false, start_);
+  ClientStream text(streams_.shared, other, world_.spawn(101, 5, "b"), Refusal::kNone, start_);
   ASSERT_TRUE(text.begin_drain());
   const auto tbuf = text.read_buffer();
   std::memcpy(tbuf.data(), "ping\n", 5);

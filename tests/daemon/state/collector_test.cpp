@@ -238,6 +238,32 @@ TEST_F(CollectorTest, ProcessLimitRefusesWhenFullOfLiveProcesses) {
   EXPECT_FALSE(process_of(r, 4).is_null());
 }
 
+// Issue 15, item 3: one uid cannot fill the process table the others share.
+TEST_F(CollectorTest, LiveProcessesPerUidAreBoundedAndOtherUidsStillGetIn) {
+  limits_.max_processes_per_uid = 2;
+  make();
+  auto a = std::make_unique<Connection>(*collector_, world_.spawn(1, 1, "a", 1000));
+  Connection b(*collector_, world_.spawn(2, 1, "b", 1000));
+  ASSERT_FALSE(a->attach_error());
+  ASSERT_FALSE(b.attach_error());
+  {
+    Connection c(*collector_, world_.spawn(3, 1, "c", 1000));
+    EXPECT_EQ(c.attach_error(), make_error_code(errc::limit_reached));
+  }
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_processes_per_uid"), 1u);
+  Connection other(*collector_, world_.spawn(10, 1, "other", 2000));
+  EXPECT_FALSE(other.attach_error());
+  // A second connection of a process already tracked is no new process.
+  Connection b_again(*collector_, world_.spawn(2, 1, "b", 1000));
+  EXPECT_FALSE(b_again.attach_error());
+  // Once one of its processes exited, the uid may start another.
+  world_.kill(1);
+  a.reset();
+  Connection d(*collector_, world_.spawn(4, 1, "d", 1000));
+  EXPECT_FALSE(d.attach_error());
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_processes_per_uid"), 1u);
+}
+
 TEST_F(CollectorTest, ThreadLimitIsCounted) {
   limits_.max_threads_per_process = 2;
   make();
@@ -502,12 +528,92 @@ TEST_F(CollectorTest, LedgerStepSpansAndAnnotationsReachTheLedgerView) {
   ASSERT_EQ(ledger["gpus"][0]["reservations"].size(), 1u);
   EXPECT_EQ(ledger["gpus"][0]["reservations"][0]["pid"], 100);
   EXPECT_EQ(ledger["gpus"][0]["reservations"][0]["holder_alive"], true);
-  // The holder dies without releasing: flagged.
+  // The holder dies without releasing: flagged by the next liveness tick.
   world_.kill(100);
   c.close();
+  collector_->refresh_liveness();
   EXPECT_EQ(
       report::ledger_json(*collector_->freeze())["gpus"][0]["reservations"][0]["holder_alive"],
       false);
+}
+
+// Issue 15, item 1: 64 GPUs x 64 reservations of dead holders plus churn must not make
+// every tick, disconnect or report probe /proc once per reservation.
+TEST_F(CollectorTest, LivenessProbesOncePerProcessWhateverTheLedgerHolds) {
+  constexpr int kHolders = 8;
+  constexpr int kGpus = 64;
+  constexpr int kPerGpu = 64;
+  limits_.max_gpus_per_uid = kGpus;
+  make();
+  for (int h = 1; h <= kHolders; ++h) {
+    Connection c(*collector_, world_.spawn(h, 1, "holder"));
+    for (int g = 0; g < kGpus; ++g) {
+      for (int r = 0; r < kPerGpu / kHolders; ++r) {
+        c.ledger(test::reserve_record("GPU-" + std::to_string(g),
+                                      static_cast<std::uint64_t>(h * 1000 + r), 4096, "t", 1, 1));
+      }
+    }
+    world_.kill(h);
+  }  // each Connection closed: one probe per detach, none per reservation
+  EXPECT_EQ(world_.probes, static_cast<std::uint64_t>(kHolders));
+  collector_->refresh_liveness();  // the tick that flags them all
+  const json ledger = report::ledger_json(*collector_->freeze());
+  ASSERT_EQ(ledger["gpus"].size(), static_cast<std::size_t>(kGpus));
+  for (const auto& gpu : ledger["gpus"]) EXPECT_EQ(gpu["leaked_reservations"], kPerGpu);
+
+  // Steady state: every holder known dead, nothing to probe, whatever the ledger holds.
+  world_.probes = 0;
+  for (int tick = 0; tick < 10; ++tick) collector_->refresh_liveness();
+  EXPECT_EQ(world_.probes, 0u);
+  // Churn: each short-lived client costs one probe (its own), not one per reservation.
+  for (int i = 0; i < 20; ++i) {
+    Connection c(*collector_, world_.spawn(100 + i, 1, "churn"));
+    world_.kill(100 + i);
+  }
+  EXPECT_EQ(world_.probes, 20u);
+  // Reports never probe.
+  world_.probes = 0;
+  for (int i = 0; i < 5; ++i) {
+    (void)report::ledger_json(*collector_->freeze());
+    (void)report::report_json(*collector_->freeze(), std::nullopt);
+  }
+  EXPECT_EQ(world_.probes, 0u);
+  // A disconnected process that still runs is probed once per tick, not per reservation.
+  {
+    Connection c(*collector_, world_.spawn(500, 1, "sleeper"));
+    for (std::uint64_t r = 0; r < 100; ++r)
+      c.ledger(test::reserve_record("GPU-0", 9000 + r, 1, "t", 1, 1));
+  }
+  world_.probes = 0;
+  for (int tick = 0; tick < 3; ++tick) collector_->refresh_liveness();
+  EXPECT_EQ(world_.probes, 3u);
+}
+
+// Issue 15, item 4: a probe that fails (EMFILE under fd exhaustion) is no death: the live
+// holder stays alive and its reservation is not flagged leaked; once probes work again
+// the truth is found.
+TEST_F(CollectorTest, AFailedProbeIsNeverTakenForADeath) {
+  {
+    Connection c(*collector_, world_.spawn(7, 1, "holder"));
+    c.ledger(test::reserve_record("GPU-0", 1, 4096, "t", 1, 1));
+    world_.probe_error = EMFILE;
+  }  // detach while /proc cannot be read
+  collector_->refresh_liveness();
+  collector_->refresh_liveness();
+  json r = report::report_json(*collector_->freeze(), std::nullopt);
+  EXPECT_EQ(process_of(r, 7)["alive"], true);
+  json ledger = report::ledger_json(*collector_->freeze());
+  EXPECT_EQ(ledger["gpus"][0]["reservations"][0]["holder_alive"], true);
+  EXPECT_EQ(ledger["gpus"][0]["leaked_reservations"], 0);
+
+  world_.probe_error = 0;
+  collector_->refresh_liveness();
+  EXPECT_EQ(process_of(report::report_json(*collector_->freeze(), std::nullopt), 7)["alive"], true);
+  world_.kill(7);
+  collector_->refresh_liveness();
+  EXPECT_EQ(process_of(report::report_json(*collector_->freeze(), std::nullopt), 7)["alive"],
+            false);
+  EXPECT_EQ(report::ledger_json(*collector_->freeze())["gpus"][0]["leaked_reservations"], 1);
 }
 
 TEST(ProcStatTest, ParsesAfterTheLastParenthesis) {
@@ -518,6 +624,7 @@ TEST(ProcStatTest, ParsesAfterTheLastParenthesis) {
   ASSERT_TRUE(probe);
   EXPECT_EQ(probe->start_time, 987654u);
   EXPECT_FALSE(probe->zombie);
+  EXPECT_EQ(probe->comm, "a) b (c) d");  // the comm may hold parentheses itself
   probe = parse_proc_stat("1 (x) Z" + fields + " 5 6");
   ASSERT_TRUE(probe);
   EXPECT_TRUE(probe->zombie);
