@@ -59,6 +59,28 @@ Probe probe_socket(const std::string& path, int& error) {
   return Probe::kError;
 }
 
+// A directory another user may write to lets them replace the socket under the daemon's
+// clients (and its name on the daemon's own unlink). Refused unless it is sticky (like
+// /tmp: only an entry's owner may remove or rename it); owned by the daemon's user or root.
+std::optional<std::string> check_socket_dir(const fs::path& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    return "cannot stat " + dir.string() + ": " + std::strerror(errno);
+  }
+  const uid_t euid = ::geteuid();
+  if (st.st_uid != euid && st.st_uid != 0) {
+    return dir.string() + " is owned by uid " + std::to_string(st.st_uid) +
+           ", not by the daemon's user (uid " + std::to_string(euid) + ") or root";
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return dir.string() + " is writable by its group or others (mode " + mode +
+           ") without the sticky bit: another user could replace the socket";
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 Server::Server(const Config& config, Collector& collector)
@@ -175,6 +197,7 @@ std::optional<std::string> Server::open_socket() {
     return "socket directory " + dir.string() +
            " does not exist (create it, or choose another path with --socket)";
   }
+  if (auto unsafe = check_socket_dir(dir)) return "socket directory refused: " + *unsafe;
   struct stat st {};
   if (::lstat(socket_path_.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {

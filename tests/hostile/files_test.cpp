@@ -88,5 +88,27 @@ TEST_F(HostileFilesTest, AFinalSnapshotThatCannotBeWrittenMakesTheExitStatusNonZ
       << daemon.log();
 }
 
+// Issue 15, item 5: the socket's directory too. One others may write to (without the
+// sticky bit) would let them replace the socket under the daemon's clients.
+TEST_F(HostileFilesTest, ASocketDirectoryOthersCanWriteIsRefusedUnlessSticky) {
+  const std::string open_dir = dir_.file("open");
+  ASSERT_EQ(::mkdir(open_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(open_dir.c_str(), 0777), 0);
+  DaemonProcess refused(open_dir + "/d.sock");
+  EXPECT_FALSE(refused.start());
+  EXPECT_NE(refused.log().find("socket directory refused: " + open_dir +
+                               " is writable by its group or others (mode 0777) without the "
+                               "sticky bit"),
+            std::string::npos)
+      << refused.log();
+  struct stat st {};
+  EXPECT_NE(::lstat((open_dir + "/d.sock").c_str(), &st), 0);  // nothing was bound
+
+  ASSERT_EQ(::chmod(open_dir.c_str(), 01777), 0);  // like /tmp
+  DaemonProcess sticky(open_dir + "/d.sock");
+  ASSERT_TRUE(sticky.start()) << sticky.log();
+  EXPECT_EQ(sticky.stop(), 0) << sticky.log();
+}
+
 }  // namespace
 }  // namespace steptrace::testing

@@ -752,7 +752,7 @@ TEST_F(DaemonTest, IngestContinuesWhileAnHttpRequestIsHalfSent) {
   DaemonProcess daemon(socket(), {"--metrics-listen", "127.0.0.1:" + std::to_string(port)});
   ASSERT_TRUE(daemon.start()) << daemon.log();
   // A scraper that sent part of its request line and went quiet. The daemon waits for the
-  // rest (up to its 10 s request timeout) on the thread that also serves ingest, so it
+  // rest (up to its 5 s header timeout) on the thread that also serves ingest, so it
   // must wait asynchronously.
   const ScopedFd connection(connect_tcp(port));
   const int held = connection.fd;
@@ -762,7 +762,7 @@ TEST_F(DaemonTest, IngestContinuesWhileAnHttpRequestIsHalfSent) {
             static_cast<ssize_t>(head.size()));
   EXPECT_EQ(command(socket(), "ping", 5000), "pong\n");
 
-  // Well under the 10 s request timeout, so the held request is still pending throughout.
+  // Well under the 5 s header timeout, so the held request is still pending throughout.
   const pid_t good = spawn_raw(socket(), {"good", "--threads", "2", "--pairs", "500"});
   ASSERT_EQ(wait_process(good, 8000), 0) << daemon.log();
   const json report = command_json(socket(), "report --json");
