@@ -150,8 +150,15 @@ std::size_t utf8_sequence(std::string_view text) {
 // hold any bytes) becomes U+FFFD, or one such name would make the whole scrape invalid.
 // Appends to `out` (a scrape writes hundreds of thousands of label values).
 void append_prometheus_escaped(std::string& out, std::string_view text, bool quote) {
-  const bool plain = std::all_of(text.begin(), text.end(), [quote](char c) {
-    return c != '\\' && c != '\n' && (c != '"' || !quote) && static_cast<unsigned char>(c) < 0x80;
+  // Control characters (ESC, CR, BEL...) and DEL are legal in the format but would reach
+  // a terminal through `steptrace metrics` or `curl`: replaced like invalid UTF-8.
+  const auto control = [](char c) {
+    const auto u = static_cast<unsigned char>(c);
+    return (u < 0x20 && c != '\n') || u == 0x7F;
+  };
+  const bool plain = std::all_of(text.begin(), text.end(), [quote, &control](char c) {
+    return c != '\\' && c != '\n' && (c != '"' || !quote) && static_cast<unsigned char>(c) < 0x80 &&
+           !control(c);
   });
   if (plain) {
     out += text;
@@ -165,6 +172,8 @@ void append_prometheus_escaped(std::string& out, std::string_view text, bool quo
       out += "\\n";
     } else if (c == '"' && quote) {
       out += "\\\"";
+    } else if (control(c)) {
+      out += "\xEF\xBF\xBD";  // U+FFFD
     } else if (const std::size_t n = utf8_sequence(text.substr(i)); n == 0) {
       out += "\xEF\xBF\xBD";  // U+FFFD
     } else {

@@ -179,7 +179,10 @@ nlohmann::json report::stats_json(const CollectorView& view) {
           {"snapshots",
            {{"written", view.counters().snapshots_written},
             {"errors", view.counters().snapshot_errors}}},
-          {"memory", {{"rss_bytes", rss_bytes()}, {"state_bytes_estimate", state_bytes}}},
+          {"memory",
+           {{"rss_bytes", rss_bytes()},
+            {"state_bytes_estimate", state_bytes},
+            {"state_bytes_charged", state.charged}}},
           {"uptime_s", uptime_s(view.uptime())},
           {"ledger_anomalies", report::ledger_anomalies_json(state.ledger.state())}};
 }

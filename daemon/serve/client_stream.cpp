@@ -1,5 +1,7 @@
 #include "daemon/serve/client_stream.h"
 
+#include "proto/printable.h"
+
 #include <spdlog/spdlog.h>
 
 #include <utility>
@@ -73,8 +75,10 @@ ClientStream::ClientStream(SessionShared& shared, StreamTransport& transport, Pe
 ClientStream::~ClientStream() = default;
 
 std::string ClientStream::describe_peer() const {
-  return "pid " + std::to_string(peer_.key.pid) + " (" + (peer_.comm.empty() ? "?" : peer_.comm) +
-         ", uid " + std::to_string(peer_.uid) + ")";
+  // The comm is the client's choice (any bytes but NUL): never raw into the log.
+  return "pid " + std::to_string(peer_.key.pid) + " (" +
+         (peer_.comm.empty() ? "?" : proto::printable(peer_.comm, 16)) + ", uid " +
+         std::to_string(peer_.uid) + ")";
 }
 
 bool ClientStream::wants_input() const {

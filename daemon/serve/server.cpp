@@ -498,10 +498,14 @@ void Server::shutdown(int signal_number) {
 // refusals allow (the limit is for serving, not for reading what was already sent).
 // What is left is closed unread, counted and logged, never dropped silently.
 void Server::drain_backlog() {
+  // No new client finds the socket from now on (a tenant connecting in a loop must not
+  // keep the backlog from emptying); what is queued already is taken, boundedly.
+  remove_socket_file();
   boost::system::error_code ec;
   acceptor_.cancel(ec);
   acceptor_.non_blocking(true, ec);
-  while (!ec) {
+  const std::size_t bound = config_.server_limits.max_connections + kMaxRejecting + 4096;
+  for (std::size_t i = 0; !ec && i < bound; ++i) {
     StreamProtocol::socket socket(io_);
     acceptor_.accept(socket, ec);
     if (!ec) take_for_drain(std::move(socket));
@@ -526,23 +530,23 @@ void Server::take_for_drain(StreamProtocol::socket socket) {
 
 void Server::finish_shutdown() {
   // Cancel every read in flight; their handlers (queued now, after any read that had
-  // already completed) apply what was read; then drain the rest.
+  // already completed) apply what was read; then drain the rest. The sessions are held
+  // here in between: for an idle binary client the cancelled read was all that kept its
+  // Session alive.
+  std::vector<std::shared_ptr<Session>> live;
   for (auto& [ptr, entry] : sessions_) {
-    if (auto s = entry.session.lock()) s->begin_drain();
+    if (auto s = entry.session.lock()) live.push_back(std::move(s));
   }
-  boost::asio::post(io_, [this] { drain_and_stop(); });
+  for (auto& s : live) s->begin_drain();
+  boost::asio::post(io_, [this, live = std::move(live)]() mutable { drain_and_stop(live); });
 }
 
-void Server::drain_and_stop() {
+void Server::drain_and_stop(std::vector<std::shared_ptr<Session>>& live) {
   if (taken_for_drain_ != 0)
     spdlog::info("took {} queued connection(s) to drain", taken_for_drain_);
   if (counters_.connections_undrained != 0) {
     spdlog::warn("{} queued connection(s) closed unread at shutdown: no room to drain them",
                  counters_.connections_undrained);
-  }
-  std::vector<std::shared_ptr<Session>> live;
-  for (auto& [ptr, entry] : sessions_) {
-    if (auto s = entry.session.lock()) live.push_back(std::move(s));
   }
   const auto deadline = std::chrono::steady_clock::now() + kDrainBudget;
   for (auto& s : live) s->drain(deadline);

@@ -62,7 +62,7 @@ class Server {
   void start_session(boost::asio::local::stream_protocol::socket socket, std::uint32_t uid,
                      Refusal refusal);
   void drain_backlog();
-  void drain_and_stop();
+  void drain_and_stop(std::vector<std::shared_ptr<Session>>& live);
   void take_for_drain(boost::asio::local::stream_protocol::socket socket);
   void schedule_liveness();
   void schedule_snapshot();

@@ -89,14 +89,40 @@ std::size_t ProcessRecord::memory_bytes() const {
   return bytes;
 }
 
+// ---- the state budget (collector_state.h) ----------------------------------------------
+
+bool charge(CollectorState& state, ProcessRecord& rec, std::size_t bytes, const Limits& limits,
+            DaemonCounters& counters) {
+  if (rec.charged + bytes > limits.max_process_state_bytes) {
+    counters.hit(LimitKind::kMaxProcessStateBytes);
+    return false;
+  }
+  if (state.charged + bytes > limits.max_state_bytes) {
+    counters.hit(LimitKind::kMaxStateBytes);
+    return false;
+  }
+  rec.charged += bytes;
+  state.charged += bytes;
+  return true;
+}
+
+void uncharge(CollectorState& state, ProcessRecord& rec, std::size_t bytes) {
+  bytes = std::min({bytes, rec.charged, state.charged});
+  rec.charged -= bytes;
+  state.charged -= bytes;
+}
+
 // ---- helpers over the state ----------------------------------------------------------
 
 namespace {
 
 using proto::kBuiltinStepCount;
 
-Liveness probe_liveness(const Environment& env, const ProcessKey& key) {
-  return liveness_of(env.probe(key.pid), key.start_time);
+// Every probe of the collector goes through here: a failed one is counted.
+Liveness probe_liveness(const Environment& env, const ProcessKey& key, DaemonCounters& counters) {
+  const Liveness liveness = liveness_of(env.probe(key.pid), key.start_time);
+  if (liveness == Liveness::kUnknown) ++counters.liveness_probe_errors;
+  return liveness;
 }
 
 void mark_exited(CollectorState& state, ProcessRecord& rec, std::uint64_t now) {
@@ -118,11 +144,12 @@ void mark_alive(CollectorState& state, ProcessRecord& rec) {
 }
 
 // Spans still open when the process's last connection closed will never end.
-void abandon_open_spans(ProcessRecord& rec) {
+void abandon_open_spans(CollectorState& state, ProcessRecord& rec) {
   for (auto& thread : rec.threads) {
     for (std::size_t slot = 0; slot < thread->stacks.size(); ++slot) {
       rec.steps[slot].abandoned += thread->stacks[slot].size();
     }
+    uncharge(state, rec, thread->charged);
   }
   rec.threads.clear();
   rec.thread_index.clear();
@@ -149,6 +176,7 @@ void evict(CollectorState& state, ProcessHandle handle) {
   const ProcessRecord& rec = *state.slots[handle];
   retire(state, rec);
   state.ledger.forget_process(rec.key());
+  state.charged -= std::min(state.charged, rec.charged);
   state.by_key.erase(rec.key());
   if (!rec.alive) --state.exited;
   state.slots[handle].reset();
@@ -185,7 +213,7 @@ void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCou
 // alive last time, none for one known dead (a (pid, start time) never lives again).
 // Skipped when nothing changed since the last check, so a ledger full of dead holders
 // costs nothing per tick.
-void check_ledger_holders(CollectorState& state, const Environment& env) {
+void check_ledger_holders(CollectorState& state, const Environment& env, DaemonCounters& counters) {
   if (!state.holders_stale && state.untracked_live_holders.empty()) return;
   std::map<ProcessKey, bool> untracked;  // this check's answers, one probe per process
   state.ledger.check_holders([&](const ProcessKey& key) {
@@ -195,7 +223,7 @@ void check_ledger_holders(CollectorState& state, const Environment& env) {
     bool alive = false;
     if (state.holders_stale || state.untracked_live_holders.contains(key)) {
       // Unknown (the probe failed): keep it alive and ask again next tick.
-      alive = probe_liveness(env, key) != Liveness::kDead;
+      alive = probe_liveness(env, key, counters) != Liveness::kDead;
     }
     untracked.emplace(key, alive);
     return alive;
@@ -215,8 +243,8 @@ std::size_t live_processes_of(const CollectorState& state, std::uint32_t uid) {
   return n;
 }
 
-ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& limits,
-                         DaemonCounters& counters) {
+ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_t tid,
+                         const Limits& limits, DaemonCounters& counters) {
   if (const auto it = rec.thread_index.find(tid); it != rec.thread_index.end()) {
     rec.last_tid = tid;
     rec.last_thread = rec.threads[it->second].get();
@@ -224,7 +252,11 @@ ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& li
   }
   if (rec.threads.size() >= limits.max_threads_per_process) {
     // Threads with nothing open hold no state worth keeping: drop them first.
-    std::erase_if(rec.threads, [](const auto& t) { return t->open == 0; });
+    std::erase_if(rec.threads, [&](const auto& t) {
+      if (t->open != 0) return false;
+      uncharge(state, rec, t->charged);
+      return true;
+    });
     rec.thread_index.clear();
     for (std::uint32_t i = 0; i < rec.threads.size(); ++i)
       rec.thread_index[rec.threads[i]->tid] = i;
@@ -235,9 +267,12 @@ ThreadSpans* find_thread(ProcessRecord& rec, std::uint32_t tid, const Limits& li
       return nullptr;
     }
   }
+  // Its record, and room for max_open_depth timestamps in its stacks (their capacity).
+  const std::size_t cost = kThreadCharge + 2 * limits.max_open_depth * sizeof(std::uint64_t);
+  if (!charge(state, rec, cost, limits, counters)) return nullptr;
   auto thread = std::make_unique<ThreadSpans>();
   thread->tid = tid;
-  thread->stacks.resize(rec.steps.size());
+  thread->charged = cost;
   rec.thread_index.emplace(tid, static_cast<std::uint32_t>(rec.threads.size()));
   rec.threads.push_back(std::move(thread));
   rec.last_tid = tid;
@@ -274,8 +309,11 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
     return {};
   }
   // An older process with this pid that has no connection is gone: its pid was reused.
+  // Not when this peer's start time is unknown (its probe failed): then the older record
+  // may be this very process, and marking it exited would flag its reservations leaked.
   for (auto it = state.by_key.lower_bound(ProcessKey{peer.key.pid, 0});
-       it != state.by_key.end() && it->first.pid == peer.key.pid; ++it) {
+       peer.key.start_time != 0 && it != state.by_key.end() && it->first.pid == peer.key.pid;
+       ++it) {
     if (state.slots[it->second]->connections == 0) {
       mark_exited(state, state.write(it->second), now);
     }
@@ -352,11 +390,16 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     }
     ThreadSpans* thread = rec->last_thread;
     if (e.thread_id != rec->last_tid || thread == nullptr) [[unlikely]] {
-      thread = find_thread(*rec, e.thread_id, limits_, counters_);
+      thread = find_thread(*state_, *rec, e.thread_id, limits_, counters_);
       if (thread == nullptr) continue;
     }
-    if (slot >= thread->stacks.size()) [[unlikely]]
-      thread->stacks.resize(rec->steps.size());
+    if (slot >= thread->stacks.size()) [[unlikely]] {
+      // A thread's stacks reach only as far as the highest step slot it used.
+      const std::size_t cost = (slot + 1 - thread->stacks.size()) * kStackSlotCharge;
+      if (!charge(*state_, *rec, cost, limits_, counters_)) continue;
+      thread->charged += cost;
+      thread->stacks.resize(slot + 1);
+    }
     std::vector<std::uint64_t>& stack = thread->stacks[slot];
     if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
       // Bounded per thread over all its steps, so a thread's open spans cost at most
@@ -409,6 +452,8 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
     counters_.hit(LimitKind::kMaxCustomSteps);
     return make_error_code(errc::limit_reached);
   }
+  const std::size_t cost = kCustomStepCharge + (rec.custom_slot ? 0 : sizeof(*rec.custom_slot));
+  if (!charge(*state_, rec, cost, limits_, counters_)) return make_error_code(errc::limit_reached);
   if (!rec.custom_slot) {
     rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
     rec.custom_slot->fill(0);
@@ -442,13 +487,13 @@ void Collector::refresh_holder(const proto::LedgerRecord& record) {
   const auto tracked = state.by_key.find(holder);
   if (tracked != state.by_key.end() && state.slots[tracked->second]->connections > 0) return;
   if (!holders_probed_.insert(holder).second) return;
-  if (probe_liveness(env_, holder) != Liveness::kDead) return;
+  if (probe_liveness(env_, holder, counters_) != Liveness::kDead) return;
   if (tracked != state.by_key.end()) {
     mark_exited(state, state.write(tracked->second), env_.monotonic_now_ns());
   } else {
     state.holders_stale = true;
   }
-  check_ledger_holders(state, env_);
+  check_ledger_holders(state, env_, counters_);
 }
 
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
@@ -486,11 +531,11 @@ void Collector::detach(ProcessHandle process) {
   ProcessRecord& rec = state.write(process);
   if (rec.connections > 0) --rec.connections;
   if (rec.connections > 0) return;
-  abandon_open_spans(rec);
+  abandon_open_spans(state, rec);
   // One probe: the process itself. Its reservations are re-flagged by the next liveness
   // tick (check_ledger_holders), not here, so churn of short-lived clients costs one
   // probe each, whatever the ledger holds. A failed probe is no death: the tick asks again.
-  if (probe_liveness(env_, rec.key()) == Liveness::kDead)
+  if (probe_liveness(env_, rec.key(), counters_) == Liveness::kDead)
     mark_exited(state, rec, env_.monotonic_now_ns());
   enforce_exited_limit(state, limits_, counters_);
 }
@@ -504,11 +549,10 @@ void Collector::refresh_liveness() {
   for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
     const ProcessRecord* slot = state.slots[h].get();
     if (!slot || !slot->alive || slot->connections > 0) continue;
-    const Liveness liveness = probe_liveness(env_, slot->key());
+    const Liveness liveness = probe_liveness(env_, slot->key(), counters_);
     if (liveness == Liveness::kDead) mark_exited(state, state.write(h), env_.monotonic_now_ns());
-    if (liveness == Liveness::kUnknown) ++counters_.liveness_probe_errors;
   }
-  check_ledger_holders(state, env_);
+  check_ledger_holders(state, env_, counters_);
   enforce_exited_limit(state, limits_, counters_);
 }
 
@@ -603,6 +647,10 @@ std::error_code Collector::adopt(RestoredState restored) {
   auto next = std::make_unique<State>(limits_, counters_);
   std::uint64_t max_order = 0;
   for (auto& rec : restored.processes) {
+    // Restored records have no threads: their custom steps are all they are charged.
+    rec->charged = rec->custom_ids.size() * kCustomStepCharge +
+                   (rec->custom_slot ? sizeof(*rec->custom_slot) : 0);
+    next->charged += rec->charged;
     if (!rec->alive) {
       ++next->exited;
       max_order = std::max(max_order, rec->exit_order);

@@ -79,8 +79,10 @@ class DeepPtr : public std::unique_ptr<T> {
 
 struct ThreadSpans {
   std::uint32_t tid = 0;
-  std::uint32_t open = 0;                          // spans open on this thread, all steps
-  std::vector<std::vector<std::uint64_t>> stacks;  // by step slot: start timestamps
+  std::uint32_t open = 0;  // spans open on this thread, all steps
+  // By step slot: start timestamps. Only as long as the highest slot this thread used.
+  std::vector<std::vector<std::uint64_t>> stacks;
+  std::size_t charged = 0;  // bytes charged for it to the state budget (charge())
 };
 
 struct ProcessRecord {
@@ -101,6 +103,7 @@ struct ProcessRecord {
   DeepPtr<std::array<std::uint16_t, proto::kMaxCustomSteps>> custom_slot;  // id -> slot
 
   std::vector<DeepPtr<ThreadSpans>> threads;
+  std::size_t charged = 0;  // state budget bytes: its threads' and custom steps' (charge())
   std::unordered_map<std::uint32_t, std::uint32_t> thread_index;  // tid -> index in threads
   std::uint32_t last_tid = 0;
   ThreadSpans* last_thread = nullptr;
@@ -158,6 +161,7 @@ struct CollectorState {
   std::map<ProcessKey, ProcessHandle> by_key;
   std::size_t exited = 0;
   std::uint64_t next_exit_order = 1;
+  std::size_t charged = 0;  // the state budget in use: the records' `charged` summed
   LedgerView ledger;
   // Liveness bookkeeping of the ledger's holders (Collector::refresh_liveness): a
   // process's liveness changed since the holders were last checked, and the holders
@@ -170,6 +174,21 @@ struct CollectorState {
   std::shared_ptr<RetiredHistograms> retired;
   static constexpr std::size_t kMaxRetiredNames = 4096;  // beyond: merged into "(other)"
 };
+
+// The state budget (Limits::max_process_state_bytes, max_state_bytes): what a process's
+// input makes the daemon allocate beyond its fixed record, charged before it is made:
+// a thread (its record, index entry and max_open_depth timestamps), each stack slot a
+// thread uses, a custom step (aggregate, name, id-table). Per-step histograms are not
+// charged: they are bounded per step (at most ~15 KiB each) by max_custom_steps.
+// charge() is false, with the limit counted, when either bound would be passed.
+inline constexpr std::size_t kThreadCharge =
+    sizeof(ThreadSpans) + sizeof(void*) + 48;  // record, pointer, index node
+inline constexpr std::size_t kStackSlotCharge = sizeof(std::vector<std::uint64_t>);
+inline constexpr std::size_t kCustomStepCharge =
+    sizeof(StepAgg) + sizeof(std::uint32_t) + sizeof(std::string) + proto::kNameField;
+bool charge(CollectorState& state, ProcessRecord& rec, std::size_t bytes, const Limits& limits,
+            DaemonCounters& counters);
+void uncharge(CollectorState& state, ProcessRecord& rec, std::size_t bytes);
 
 struct Collector::State : CollectorState {
   using CollectorState::CollectorState;

@@ -52,6 +52,11 @@ struct Limits {
   // Processes of one uid tracked at once (enforced by the Collector): a quarter of the
   // default max_processes.
   std::size_t max_processes_per_uid = 1024;
+  // The state a process's spans make (threads, their open-span stacks, custom steps),
+  // per process and in all; past either a new thread, stack slot or custom step is
+  // refused and counted (collector_state.h, charge()).
+  std::size_t max_process_state_bytes = 16u << 20;
+  std::size_t max_state_bytes = 1u << 30;
 };
 
 // Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config
@@ -69,8 +74,10 @@ enum class LimitKind : std::uint8_t {
   kMaxReservationsPerUid,
   kMaxProcessesPerUid,
   kMaxConnectionsPerUid,  // ServerLimits (serve/config.h)
+  kMaxProcessStateBytes,
+  kMaxStateBytes,
 };
-inline constexpr std::array<std::string_view, 12> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 14> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -81,8 +88,10 @@ inline constexpr std::array<std::string_view, 12> kLimitNames = {"max_connection
                                                                  "max_gpus_per_uid",
                                                                  "max_reservations_per_uid",
                                                                  "max_processes_per_uid",
-                                                                 "max_connections_per_uid"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxConnectionsPerUid) + 1 == kLimitNames.size());
+                                                                 "max_connections_per_uid",
+                                                                 "max_process_state_bytes",
+                                                                 "max_state_bytes"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxStateBytes) + 1 == kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }

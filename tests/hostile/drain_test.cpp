@@ -3,19 +3,25 @@
 // them past max_connections (as far as its fd reserve allows) and applies what they
 // sent before the final snapshot; what it cannot take is counted and logged.
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "proto/codec.h"
 #include "tests/support/daemon_process.h"
 
 namespace steptrace::testing {
@@ -121,6 +127,55 @@ TEST_F(HostileDrainTest, QueuedConnectionsBeyondTheFdReserveAreCountedAndLogged)
   EXPECT_GT(closed_unread + static_cast<int>(outcome.rejected), 0) << daemon.log();
   EXPECT_EQ(outcome.complete + static_cast<int>(outcome.rejected) + closed_unread, 100)
       << daemon.log();
+}
+
+// A client connected long ago and idle between frames (its hello applied, no timer
+// armed) sends more while the daemon is stopped, then the daemon gets SIGTERM: what it
+// sent is applied before the final snapshot. (Whether the daemon reads it before or
+// after it sees the signal is up to its event loop; the ordering where the drain cancels
+// the idle session's read first was found by hand with gdb and is fixed in
+// Server::finish_shutdown, which holds the sessions across the cancel.)
+TEST_F(HostileDrainTest, AnIdleClientsLastFramesAreAppliedAtSigterm) {
+  DaemonProcess daemon(socket(), {"--state-dir", state_});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, socket().c_str(), socket().size() + 1);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  std::vector<std::byte> buf(64 * 1024);
+  proto::Encoder hello(buf);
+  ASSERT_TRUE(hello.hello("test", "idle-client"));
+  ASSERT_TRUE(hello.flush(1));
+  ASSERT_EQ(::write(fd, hello.bytes().data(), hello.size()), static_cast<ssize_t>(hello.size()));
+  // The FlushAck: the daemon applied the hello and waits for this client's next frame.
+  std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::FlushAck)> ack{};
+  ASSERT_EQ(::read(fd, ack.data(), ack.size()), static_cast<ssize_t>(ack.size()));
+
+  daemon.signal(SIGSTOP);
+  std::vector<proto::EventRecord> events;
+  for (std::uint64_t i = 0; i < 100; ++i) {
+    events.push_back({2 * i, 1, 0, static_cast<std::uint8_t>(proto::EventKind::kStart), 0});
+    events.push_back({2 * i + 1, 1, 0, static_cast<std::uint8_t>(proto::EventKind::kEnd), 0});
+  }
+  proto::Encoder more(buf);
+  ASSERT_EQ(more.events(events), events.size());
+  ASSERT_TRUE(more.flush(2));
+  ASSERT_EQ(::write(fd, more.bytes().data(), more.size()), static_cast<ssize_t>(more.size()));
+  ASSERT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
+  ::close(fd);
+
+  DaemonProcess again(socket(), {"--state-dir", state_});
+  ASSERT_TRUE(again.start()) << again.log();
+  const json report = json::parse(command(socket(), "report --json").value_or("{}"));
+  bool found = false;
+  for (const auto& p : report["processes"]) {
+    if (p["pid"] != ::getpid()) continue;
+    for (const auto& step : p["steps"]) {
+      if (step["step"] == "Forward") found = step["count"] == 100;
+    }
+  }
+  EXPECT_TRUE(found) << report.dump() << daemon.log();
 }
 
 }  // namespace

@@ -47,7 +47,8 @@ TEST(ReportFormatTest, DurationsPrintLikeRustDebugWithTwoDecimals) {
             "b\xef\xbf\xbd");
   EXPECT_EQ(report::escape_label_value("\xc0\xaf\xed\xa0\x80"),  // overlong, surrogate
             "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd");
-  EXPECT_EQ(report::escape_label_value("\x1b[2J"), "\x1b[2J");  // valid UTF-8: kept
+  // Control characters are valid UTF-8 but would reach a terminal: replaced too.
+  EXPECT_EQ(report::escape_label_value("\x1b[2J\r\x7f"), "\xef\xbf\xbd[2J\xef\xbf\xbd\xef\xbf\xbd");
   EXPECT_EQ(report::display_width("µs─"), 3u);
 }
 
@@ -474,12 +475,14 @@ TEST_F(ReportTest, TextOutputsSanitiseClientChosenStrings) {
     EXPECT_EQ(out.find("ev\nil"), std::string::npos) << out;
     EXPECT_EQ(out.find('\xff'), std::string::npos) << out;
   }
-  // JSON keeps the name as it is (escaped by construction); metrics escape the line break
-  // and keep the label valid UTF-8.
+  // JSON keeps the name as it is (escaped by construction); metrics escape the line break,
+  // replace the ESC and keep the label valid UTF-8.
   EXPECT_EQ(report::report_json(*view, std::nullopt)["processes"][0]["comm"], evil);
   const std::string metrics = report::metrics_text(*view);
-  EXPECT_NE(metrics.find("comm=\"\x1b[2Jev\\nil\xef\xbf\xbd\""), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("comm=\"\xef\xbf\xbd[2Jev\\nil\xef\xbf\xbd\""), std::string::npos)
+      << metrics;
   EXPECT_EQ(metrics.find('\xff'), std::string::npos);
+  EXPECT_EQ(metrics.find('\x1b'), std::string::npos);
 }
 
 }  // namespace

@@ -68,7 +68,8 @@ TEST(Config, FileValuesAreApplied) {
     "limits": {"max_connections": 8, "max_open_depth": 3, "max_custom_steps": 1024,
                "max_line_bytes": 128, "max_frame_bytes": 4096, "max_connections_per_uid": 3,
                "max_processes_per_uid": 5, "max_gpus_per_uid": 2,
-               "max_reservations_per_uid": 7},
+               "max_reservations_per_uid": 7, "max_process_state_bytes": 100000,
+               "max_state_bytes": 2000000},
     "timeouts": {"handshake_s": 1, "frame_s": 2, "text_idle_ms": 250}})");
   Config c;
   ASSERT_FALSE(load_config_file(path, c).has_value());
@@ -92,6 +93,8 @@ TEST(Config, FileValuesAreApplied) {
   EXPECT_EQ(c.limits.max_processes_per_uid, 5u);
   EXPECT_EQ(c.limits.max_gpus_per_uid, 2u);
   EXPECT_EQ(c.limits.max_reservations_per_uid, 7u);
+  EXPECT_EQ(c.limits.max_process_state_bytes, 100000u);
+  EXPECT_EQ(c.limits.max_state_bytes, 2000000u);
   EXPECT_EQ(c.timeouts.text_idle_ms, 250u);
   // Keys not in the file keep their defaults.
   EXPECT_EQ(c.limits.max_gpus, Limits{}.max_gpus);
@@ -168,6 +171,8 @@ TEST(Config, EachBadValueIsNamed) {
       {{{"limits", {{"max_connections_per_uid", 0}}}}, "limits.max_connections_per_uid"},
       {{{"limits", {{"max_connections_per_uid", 65537}}}}, "limits.max_connections_per_uid"},
       {{{"limits", {{"max_processes_per_uid", 0}}}}, "limits.max_processes_per_uid"},
+      {{{"limits", {{"max_process_state_bytes", 1000}}}}, "limits.max_process_state_bytes"},
+      {{{"limits", {{"max_state_bytes", 1000}}}}, "limits.max_state_bytes"},
       {{{"limits", {{"max_gpus_per_uid", 0}}}}, "limits.max_gpus_per_uid"},
       {{{"limits", {{"max_gpus_per_uid", 4097}}}}, "limits.max_gpus_per_uid"},
       {{{"limits", {{"max_reservations_per_uid", -1}}}}, "limits.max_reservations_per_uid"},

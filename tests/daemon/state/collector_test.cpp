@@ -264,6 +264,55 @@ TEST_F(CollectorTest, LiveProcessesPerUidAreBoundedAndOtherUidsStillGetIn) {
   EXPECT_EQ(collector_->counters().limits_hit.at("max_processes_per_uid"), 1u);
 }
 
+// Issue 15, item 2: 1,024 custom steps x 1,024 thread ids used to cost ~25 MB per process
+// with no limit hit. Now the state a process's input makes is charged and bounded.
+TEST_F(CollectorTest, StateAProcessMakesIsBoundedPerProcessAndInAllAndCounted) {
+  limits_.max_state_bytes = 40u << 20;  // room for two processes at the 16 MiB share
+  make();
+  const auto flood = [&](Connection& c) {
+    for (std::uint32_t i = 0; i < proto::kMaxCustomSteps; ++i) {
+      ASSERT_FALSE(c.register_step(proto::kFirstCustomStep + i, "s" + std::to_string(i)));
+    }
+    const std::uint32_t top = proto::kFirstCustomStep + proto::kMaxCustomSteps - 1;
+    std::vector<proto::EventRecord> events;
+    for (std::uint32_t tid = 1; tid <= 1024; ++tid) events.push_back(start(tid, top, tid));
+    ASSERT_FALSE(c.events(events));
+  };
+  const auto charged = [&] {
+    return report::stats_json(*collector_->freeze())["memory"]["state_bytes_charged"]
+        .get<std::size_t>();
+  };
+  Connection a(*collector_, world_.spawn(1, 1, "a", 1000));
+  flood(a);
+  const Limits defaults;
+  EXPECT_GT(collector_->counters().limits_hit.at("max_process_state_bytes"), 0u);
+  EXPECT_LE(charged(), defaults.max_process_state_bytes);
+  EXPECT_GT(charged(), defaults.max_process_state_bytes - (64u << 10));  // it did fill up
+  // What the record really holds stays near its share (histograms are not charged, and
+  // these are empty: one start per thread).
+  const auto view = collector_->freeze();
+  std::size_t real = 0;
+  for (const auto& slot : view->state().slots) real += slot ? slot->memory_bytes() : 0;
+  EXPECT_LT(real, defaults.max_process_state_bytes + (2u << 20)) << real;
+
+  // Another process has its own share; a third finds the total used up.
+  Connection b(*collector_, world_.spawn(2, 1, "b", 1001));
+  flood(b);
+  Connection c(*collector_, world_.spawn(3, 1, "c", 1002));
+  ASSERT_FALSE(c.events({start(1, kForward, 1), end(1, kForward, 2)}));
+  flood(c);
+  EXPECT_GT(collector_->counters().limits_hit.at("max_state_bytes"), 0u);
+  EXPECT_LE(charged(), limits_.max_state_bytes);
+
+  // A process's threads are given back when its last connection closes.
+  const std::size_t before = charged();
+  a.close();
+  EXPECT_LT(charged(), before - (8u << 20));
+  // ...and room is there again for c's threads.
+  ASSERT_FALSE(c.events({start(5000, kForward, 1)}));
+  EXPECT_EQ(step_of(report::report_json(*collector_->freeze(), 3), 3, "Forward")["open"], 1);
+}
+
 TEST_F(CollectorTest, ThreadLimitIsCounted) {
   limits_.max_threads_per_process = 2;
   make();
@@ -600,6 +649,7 @@ TEST_F(CollectorTest, AFailedProbeIsNeverTakenForADeath) {
   }  // detach while /proc cannot be read
   collector_->refresh_liveness();
   collector_->refresh_liveness();
+  EXPECT_EQ(collector_->counters().liveness_probe_errors, 3u);  // the detach and two ticks
   json r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(process_of(r, 7)["alive"], true);
   json ledger = report::ledger_json(*collector_->freeze());
