@@ -40,18 +40,6 @@ constexpr const char* kGetMetrics = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnect
 // The start of a request a slowloris never finishes: a header line it extends forever.
 constexpr const char* kSlowStart = "GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ";
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 int remaining_ms(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
   return left > 0 ? static_cast<int>(left) : 0;

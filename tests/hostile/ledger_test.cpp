@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/ledger_json.h"
 
 namespace steptrace::testing {
 namespace {
@@ -194,25 +195,6 @@ class Child {
   std::string out_, err_;
   std::size_t scanned_ = 0;
 };
-
-const json* find_gpu(const json& ledger, const std::string& uuid) {
-  for (const auto& g : ledger["gpus"]) {
-    if (g["gpu"] == uuid) return &g;
-  }
-  return nullptr;
-}
-const json* find_reservation(const json& gpu, std::uint64_t id) {
-  for (const auto& r : gpu["reservations"]) {
-    if (r["id"] == id) return &r;
-  }
-  return nullptr;
-}
-const json* find_row(const json& gpu, pid_t pid) {
-  for (const auto& p : gpu["processes"]) {
-    if (p["pid"] == pid) return &p;
-  }
-  return nullptr;
-}
 
 class HostileLedgerTest : public ::testing::Test {
  protected:

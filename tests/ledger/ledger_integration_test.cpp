@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/ledger_json.h"
 
 extern char** environ;
 
@@ -172,29 +173,6 @@ json command_json(const std::string& socket, const std::string& line) {
   const json doc = json::parse(*reply, nullptr, false);
   EXPECT_FALSE(doc.is_discarded()) << line << ": " << *reply;
   return doc.is_discarded() ? json() : doc;
-}
-
-const json* find_gpu(const json& ledger, const std::string& uuid) {
-  if (!ledger.contains("gpus")) return nullptr;
-  for (const auto& g : ledger["gpus"]) {
-    if (g["gpu"] == uuid) return &g;
-  }
-  return nullptr;
-}
-
-const json* find_reservation(const json& gpu, std::uint64_t id) {
-  for (const auto& r : gpu["reservations"]) {
-    if (r["id"] == id) return &r;
-  }
-  return nullptr;
-}
-
-// The GPU's row of per-process ledger activity (reserves, releases, cleanups).
-const json* find_row(const json& gpu, pid_t pid) {
-  for (const auto& p : gpu["processes"]) {
-    if (p["pid"] == pid) return &p;
-  }
-  return nullptr;
 }
 
 std::uint64_t reservation_sum(const json& gpu) {

@@ -56,6 +56,9 @@ class DaemonProcess {
 std::optional<std::string> command(const std::string& socket, const std::string& line,
                                    int timeout_ms = 10000);
 
+// A TCP port on 127.0.0.1 that was free a moment ago (for --metrics-listen).
+int free_port();
+
 // fork/exec `argv` (argv[0] is a path), wait, and return the exit status (128+signal).
 // The child's environment is this process's plus `env` ("NAME=value").
 int run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env = {},

@@ -31,14 +31,20 @@ class CommandsTest : public ::testing::Test {
     return table_.execute(line, context);
   }
 
-  // Feeds one process with `pairs` Forward spans of 100 ns.
-  void ingest(std::int32_t pid, int pairs) {
+  // Attaches process `pid` (uid 1000) to the collector.
+  ProcessHandle attach(std::int32_t pid) {
     PeerIdentity peer;
     peer.key = {pid, 77};
     peer.uid = 1000;
     peer.comm = "t";
     ProcessHandle handle = 0;
-    ASSERT_FALSE(collector_.attach(peer, handle));
+    EXPECT_FALSE(collector_.attach(peer, handle));
+    return handle;
+  }
+
+  // Feeds one process with `pairs` Forward spans of 100 ns.
+  void ingest(std::int32_t pid, int pairs) {
+    const ProcessHandle handle = attach(pid);
     std::vector<proto::EventRecord> events;
     for (int i = 0; i < pairs; ++i) {
       const std::uint64_t ts = 1000 + static_cast<std::uint64_t>(i) * 1000;
@@ -71,12 +77,7 @@ class CommandsTest : public ::testing::Test {
 
   // Sends one Reserve of `gpu` as process `pid` (uid 1000).
   void reserve(std::int32_t pid, std::string_view gpu, std::uint64_t id) {
-    PeerIdentity peer;
-    peer.key = {pid, 77};
-    peer.uid = 1000;
-    peer.comm = "t";
-    ProcessHandle handle = 0;
-    ASSERT_FALSE(collector_.attach(peer, handle));
+    const ProcessHandle handle = attach(pid);
     proto::LedgerRecord r{};
     r.op = static_cast<std::uint8_t>(proto::LedgerOp::kReserve);
     r.reservation_id = id;
