@@ -175,8 +175,13 @@ trainer_pid=$!
 trainer_out=$trainer_out_file
 
 reach killed
-say "steptrace ledger: worker 0 was SIGKILLed holding 3 GiB on GPU 0, its reservation is LEAKED"
-ledger_now=$(ledger)
+say "steptrace ledger: worker 0 was SIGKILLed holding 3 GiB on GPU 0, its reservation is LEAKED" \
+  "(the daemon notices a death within one liveness interval, 500 ms: reports never probe)"
+for _ in $(seq 50); do
+  ledger_now=$(ledger)
+  grep -q 'LEAKED' <<<"$ledger_now" && break
+  sleep 0.1
+done
 echo "$ledger_now"
 expect "$ledger_now" 'LEAKED' "the killed worker's reservation shown as LEAKED"
 go_on killed

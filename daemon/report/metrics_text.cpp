@@ -201,6 +201,9 @@ std::string report::metrics_text(const CollectorView& view) {
       .sample({}, c.liveness_probe_errors);
   MetricFamily(out, "steptrace_commands_served_total", "counter", "Text commands answered.")
       .sample({}, c.commands_served);
+  MetricFamily(out, "steptrace_replies_refused_total", "counter",
+               "Replies replaced by 'error: busy': too many reply bytes waited to be read.")
+      .sample({}, c.replies_refused);
   {
     std::uint64_t live = 0;
     for (const auto& slot : state.slots) live += (slot && slot->alive) ? 1 : 0;

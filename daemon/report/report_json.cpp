@@ -169,6 +169,7 @@ nlohmann::json report::stats_json(const CollectorView& view) {
             {"undrained", view.counters().connections_undrained}}},
           {"liveness_probe_errors", view.counters().liveness_probe_errors},
           {"commands_served", view.counters().commands_served},
+          {"replies_refused", view.counters().replies_refused},
           {"processes",
            {{"tracked", state.by_key.size()},
             {"live", live},

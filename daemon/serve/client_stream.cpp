@@ -344,6 +344,17 @@ void ClientStream::answer_line(std::string_view line) {
 void ClientStream::rendered(std::string text) {
   if (state_ != State::kAwaitingReply) return;
   state_ = State::kText;
+  const std::size_t waiting = shared_.pending_output_bytes;
+  if (waiting != 0 && waiting + text.size() > kMaxPendingOutputTotal) {
+    ++shared_.counters.replies_refused;
+    shared_.log.warn("replies_refused", "reply of " + std::to_string(text.size()) + " bytes to " +
+                                            describe_peer() +
+                                            " refused: " + std::to_string(waiting) +
+                                            " bytes of replies wait to be read");
+    text = "error: busy: " + std::to_string(waiting >> 20) +
+           " MiB of replies wait for their clients to read them (limit " +
+           std::to_string(kMaxPendingOutputTotal >> 20) + " MiB); retry, or ask for less\n";
+  }
   transport_.send(std::move(text));
 }
 

@@ -84,6 +84,9 @@ struct SessionShared {
   RenderWorker* renderer = nullptr;  // null: render jobs run on the io thread (tests)
   Environment env;
   std::uint32_t daemon_euid = 0;
+  // Reply bytes every session has queued and the socket not yet taken (Session::send and
+  // its writes keep it). Bounded by ClientStream::kMaxPendingOutputTotal.
+  std::size_t pending_output_bytes = 0;
   // Set when shutdown begins: sessions start no new asynchronous read, so every byte
   // already read by a completed read is applied by its handler before the final drain.
   bool stopping = false;
@@ -125,6 +128,11 @@ class ClientStream {
   };
   // Output queued beyond this pauses reading and answering until it is written.
   static constexpr std::size_t kMaxPendingWrite = 256 * 1024;
+  // Replies waiting for their clients to read them, all connections together: past it a
+  // rendered reply is replaced by an error (the client may retry), so clients that ask
+  // for big reports and never read them cannot pile up the daemon's memory. A reply is
+  // always sent when nothing else waits, however big.
+  static constexpr std::size_t kMaxPendingOutputTotal = std::size_t{256} << 20;
 
   // `peer` comes from the kernel (SO_PEERCRED, /proc). A `refusal`: the server is over
   // one of its connection limits; the first bytes are answered with an error naming it,

@@ -86,6 +86,7 @@ void Session::on_read(const boost::system::error_code& ec, std::size_t n) {
 void Session::send(std::string bytes) {
   if (closed() || bytes.empty()) return;
   pending_write_bytes_ += bytes.size();
+  shared_.pending_output_bytes += bytes.size();
   write_queue_.push_back(std::move(bytes));
   if (!writing_) write_next();
 }
@@ -113,6 +114,7 @@ void Session::write_next() {
         self->writing_ = false;
         if (self->closed()) return;
         self->pending_write_bytes_ -= self->write_queue_.front().size();
+        self->shared_.pending_output_bytes -= self->write_queue_.front().size();
         self->write_queue_.pop_front();
         if (ec) {
           self->close();
@@ -189,6 +191,9 @@ void Session::drain(Clock::time_point deadline) {
 
 void Session::close() {
   if (closed()) return;
+  // What it still had queued will never be written: no longer waiting for anyone.
+  shared_.pending_output_bytes -= std::min(shared_.pending_output_bytes, pending_write_bytes_);
+  pending_write_bytes_ = 0;
   stream_->closed();
   ++timer_generation_;
   timer_.cancel();

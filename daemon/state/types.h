@@ -114,6 +114,7 @@ struct ServerCounters {
   std::uint64_t connections_rejected_per_uid = 0;  // of those, over max_connections_per_uid
   std::uint64_t connections_undrained = 0;         // queued at shutdown, closed unread
   std::uint64_t commands_served = 0;
+  std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name() or session kind
@@ -136,6 +137,7 @@ struct DaemonCounters {
   std::uint64_t connections_undrained = 0;  // queued at shutdown, closed unread
   std::uint64_t liveness_probe_errors = 0;  // /proc probes that failed (EMFILE...): no death
   std::uint64_t commands_served = 0;
+  std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()

@@ -261,6 +261,26 @@ TEST_F(ClientStreamTest, UnfinishedFrameTimesOutWithTheErrcFirst) {
   EXPECT_EQ(error_text(sent[0]), "timed_out: frame not completed within 30 s");
 }
 
+// Issue 15, item 2: clients that ask for big reports and never read them cannot pile up
+// the daemon's memory: past the bound on unread replies (all connections together) a
+// rendered reply is replaced by a short error; with nothing else waiting it goes out.
+TEST_F(ClientStreamTest, RepliesAreRefusedWhileTooManyReplyBytesWaitToBeRead) {
+  open();
+  streams_.shared.pending_output_bytes = ClientStream::kMaxPendingOutputTotal - 100;
+  feed("stats\n");
+  EXPECT_EQ(transport_.sent,
+            "error: busy: 255 MiB of replies wait for their clients to read them (limit 256 "
+            "MiB); retry, or ask for less\n");
+  EXPECT_EQ(streams_.counters.replies_refused, 1u);
+  EXPECT_EQ(stream_->state(), State::kText);  // the connection stays usable
+  transport_.sent.clear();
+  streams_.shared.pending_output_bytes = 0;  // the readers caught up
+  feed("stats\n");
+  EXPECT_NE(transport_.sent.find("events_received"), std::string::npos) << transport_.sent;
+  EXPECT_EQ(streams_.counters.replies_refused, 1u);
+  EXPECT_EQ(report::stats_json(*collector_.freeze(&streams_.counters))["replies_refused"], 1);
+}
+
 TEST_F(ClientStreamTest, RepliesKeepTheirOrderWhileARenderIsOut) {
   open();
   transport_.hold_renders = true;
