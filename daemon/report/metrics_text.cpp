@@ -185,6 +185,21 @@ std::string report::metrics_text(const CollectorView& view) {
                    "Connections closed for a protocol error, by kind.");
     for (const auto& [kind, n] : errors) f.sample({{"kind", kind}}, n);
   }
+  {
+    const HttpCounters& h = c.http;
+    MetricFamily f(out, "steptrace_http_connections_total", "counter",
+                   "Connections to this HTTP listener, by what became of them.");
+    f.sample({{"outcome", "accepted"}}, h.accepted);
+    f.sample({{"outcome", "refused"}}, h.refused);
+    f.sample({{"outcome", "evicted"}}, h.evicted);
+    f.sample({{"outcome", "header_timeout"}}, h.header_timeouts);
+    f.sample({{"outcome", "idle_closed"}}, h.idle_closed);
+    f.sample({{"outcome", "write_timeout"}}, h.write_timeouts);
+    f.sample({{"outcome", "bad_request"}}, h.bad_requests);
+    MetricFamily(out, "steptrace_http_responses_total", "counter",
+                 "HTTP responses written in full.")
+        .sample({}, h.responses);
+  }
   MetricFamily(out, "steptrace_connections", "gauge", "Client connections open now.")
       .sample({}, c.connections_now);
   MetricFamily(out, "steptrace_connections_accepted_total", "counter",

@@ -116,9 +116,9 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
       // The stream closed the socket. A keep-alive connection that merely went quiet
       // after its last response is normal; one that never finished a request is not.
       if (served_ > 0 && !parser_->got_some()) {
-        ++shared_->stats.idle_closed;
+        ++shared_->stats->idle_closed;
       } else {
-        ++shared_->stats.header_timeouts;
+        ++shared_->stats->header_timeouts;
         shared_->log.warn("http_header_timeout",
                           "HTTP metrics: " + describe(peer_) + " sent no complete request in " +
                               std::to_string(HttpMetricsServer::kHeaderTimeout.count()) +
@@ -181,7 +181,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   }
 
   void respond_error(http::status status, std::string body) {
-    ++shared_->stats.bad_requests;
+    ++shared_->stats->bad_requests;
     response_ = {};
     response_.version(11);
     response_.result(status);
@@ -206,7 +206,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
     if (released_) return;
     if (ec) {
       if (ec == beast::error::timeout) {
-        ++shared_->stats.write_timeouts;
+        ++shared_->stats->write_timeouts;
         shared_->log.warn("http_write_timeout",
                           "HTTP metrics: " + describe(peer_) + " did not read its response in " +
                               std::to_string(HttpMetricsServer::kWriteTimeout.count()) +
@@ -214,7 +214,7 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
       }
       return;
     }
-    ++shared_->stats.responses;
+    ++shared_->stats->responses;
     ++served_;
     if (!keep_alive) {
       stream_.socket().shutdown(Tcp::socket::shutdown_send, ec);
@@ -237,15 +237,19 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   bool released_ = false;
 };
 
-HttpMetricsServer::HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer)
+HttpMetricsServer::HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer,
+                                     HttpCounters* counters)
     : io_(io), acceptor_(io), retry_timer_(io), shared_(std::make_shared<Shared>()) {
   shared_->renderer = &renderer;
+  if (counters != nullptr) shared_->stats = counters;
 }
 
 HttpMetricsServer::~HttpMetricsServer() {
   close();
-  // Connections still queued in the io_context must not reach the collector.
+  // Connections still queued in the io_context must not reach the collector, nor the
+  // Server's counters.
   shared_->renderer = nullptr;
+  shared_->stats = &shared_->own_stats;
 }
 
 std::optional<std::string> HttpMetricsServer::listen(const ListenAddress& address) {
@@ -295,7 +299,7 @@ bool HttpMetricsServer::make_room(const boost::asio::ip::address& address) {
     }
   }
   if (victim == nullptr) return false;
-  ++shared_->stats.evicted;
+  ++shared_->stats->evicted;
   const std::string why =
       stalled_writer ? "was not reading its response" : "had not sent a complete request";
   shared_->log.warn("http_evicted",
@@ -325,13 +329,13 @@ void HttpMetricsServer::accept() {
         } else if (!make_room(peer.address())) {
           // Every slot is busy with a request being answered: close at once; a scraper
           // retries on its next interval.
-          ++shared->stats.refused;
+          ++shared->stats->refused;
           shared->log.warn("http_refused", "HTTP metrics: connection from " + describe(peer) +
                                                " refused: " + std::to_string(shared->open) +
                                                " connections busy answering requests");
           socket.close(ec);
         } else {
-          ++shared->stats.accepted;
+          ++shared->stats->accepted;
           std::make_shared<HttpConnection>(std::move(socket), peer, shared)->start();
         }
         accept();

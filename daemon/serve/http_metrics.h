@@ -56,18 +56,11 @@ class HttpMetricsServer {
   static constexpr std::chrono::seconds kStalledWrite{1};
 
   // What the listener counted since it started (io thread).
-  struct Stats {
-    std::uint64_t accepted = 0;         // connections admitted
-    std::uint64_t refused = 0;          // over a cap with no connection to evict
-    std::uint64_t evicted = 0;          // closed to admit a new connection
-    std::uint64_t header_timeouts = 0;  // no complete request within kHeaderTimeout
-    std::uint64_t idle_closed = 0;      // keep-alive connections idle for kHeaderTimeout
-    std::uint64_t write_timeouts = 0;   // response not taken within kWriteTimeout
-    std::uint64_t bad_requests = 0;     // answered 400, 413 or 431
-    std::uint64_t responses = 0;        // responses written in full
-  };
+  using Stats = HttpCounters;
 
-  HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer);
+  // `counters`: where to count (the Server's, so stats and metrics show them); none: its own.
+  HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer,
+                    HttpCounters* counters = nullptr);
   ~HttpMetricsServer();
   HttpMetricsServer(const HttpMetricsServer&) = delete;
   HttpMetricsServer& operator=(const HttpMetricsServer&) = delete;
@@ -77,7 +70,7 @@ class HttpMetricsServer {
   // Stops accepting and closes every open connection.
   void close();
   boost::asio::ip::tcp::endpoint local_endpoint() const;
-  const Stats& stats() const { return shared_->stats; }
+  const Stats& stats() const { return *shared_->stats; }
   std::size_t connections() const { return shared_->open; }
 
   // Shared with connections, which may outlive this object inside the io_context. Only
@@ -90,7 +83,8 @@ class HttpMetricsServer {
     std::list<HttpConnection*> reading;  // waiting for (the rest of) a request
     std::list<HttpConnection*> writing;  // writing a response
     std::list<HttpConnection*> all;
-    Stats stats;
+    Stats own_stats;
+    Stats* stats = &own_stats;  // the Server's counters, or own_stats
     RateLimitedLog log;
   };
 

@@ -162,7 +162,7 @@ std::optional<std::string> Server::start() {
   }
   if (auto err = open_socket()) return err;
   if (config_.metrics_address) {
-    http_ = std::make_unique<HttpMetricsServer>(io_, renderer_);
+    http_ = std::make_unique<HttpMetricsServer>(io_, renderer_, &counters_.http);
     if (auto err = http_->listen(*config_.metrics_address)) {
       boost::system::error_code ec;
       acceptor_.close(ec);

@@ -34,6 +34,7 @@ void DaemonCounters::add(const ServerCounters& server) {
   if (per_uid != 0) hit(LimitKind::kMaxConnectionsPerUid, per_uid);
   commands_served += server.commands_served;
   replies_refused += server.replies_refused;
+  http = server.http;
   snapshots_written += server.snapshots_written;
   snapshot_errors += server.snapshot_errors;
   for (const auto& [kind, n] : server.protocol_errors) protocol_errors[kind] += n;

@@ -105,6 +105,18 @@ inline constexpr std::array<std::string_view, 2> kSessionErrorKinds = {kLineTooL
 
 // What the server and its sessions count (daemon/serve/): they own these, the collector
 // never touches them. A CollectorView adds them to the collector's own (Collector::freeze).
+// What the Prometheus HTTP listener counted (daemon/serve/http_metrics.h).
+struct HttpCounters {
+  std::uint64_t accepted = 0;         // connections admitted
+  std::uint64_t refused = 0;          // over a cap with no connection to evict
+  std::uint64_t evicted = 0;          // closed to admit a new connection
+  std::uint64_t header_timeouts = 0;  // no complete request within the header timeout
+  std::uint64_t idle_closed = 0;      // keep-alive connections idle that long
+  std::uint64_t write_timeouts = 0;   // response not taken within the write timeout
+  std::uint64_t bad_requests = 0;     // answered 400, 413 or 431
+  std::uint64_t responses = 0;        // responses written in full
+};
+
 struct ServerCounters {
   std::uint64_t frames_received = 0;
   std::uint64_t bytes_received = 0;
@@ -118,6 +130,7 @@ struct ServerCounters {
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name() or session kind
+  HttpCounters http;
 };
 
 // Every counter the daemon shows: stats, metrics, the "daemon" object of report --json,
@@ -141,7 +154,8 @@ struct DaemonCounters {
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
-  std::map<std::string, std::uint64_t> limits_hit;       // by limit name, e.g. "max_open_depth"
+  HttpCounters http;  // the server's, as it is now (not kept in snapshots)
+  std::map<std::string, std::uint64_t> limits_hit;  // by limit name, e.g. "max_open_depth"
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 
   std::uint64_t protocol_errors_total() const;

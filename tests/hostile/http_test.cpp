@@ -20,12 +20,15 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "tests/support/daemon_process.h"
 
 namespace steptrace::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
@@ -255,6 +258,15 @@ TEST_F(HostileHttpTest, ScrapesAreServedWhileSlowAndSilentConnectionsPileUp) {
   // Logged, but rate-limited: not one line per connection.
   const std::string log = daemon_.log();
   EXPECT_NE(log.find("HTTP metrics: "), std::string::npos) << log;
+  // And counted where operators look: stats and the metrics themselves.
+  const json stats = json::parse(command(daemon_.socket(), "stats --json").value_or("{}"));
+  const json& http = stats["http"];
+  EXPECT_GE(http.value("responses", 0), 30) << stats.dump();
+  EXPECT_GE(http.value("accepted", 0), 130) << stats.dump();  // 100 slow + 30 scrapes
+  EXPECT_GE(http.value("evicted", 0) + http.value("header_timeouts", 0), 100) << stats.dump();
+  const Scrape after = scrape(port_);
+  EXPECT_NE(after.reply.find("steptrace_http_connections_total{outcome=\"header_timeout\"}"),
+            std::string::npos);
   EXPECT_EQ(daemon_.stop(), 0) << daemon_.log();
 }
 

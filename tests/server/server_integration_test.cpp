@@ -680,9 +680,12 @@ TEST_F(DaemonTest, HttpMetricsEndpoint) {
   //   the scrape.
   // - steptrace_commands_served_total: the command counts itself before it renders.
   // - steptrace_uptime_seconds: time passed between the two.
+  // - steptrace_http_responses_total: the scrape's own response was written after it was
+  //   rendered.
   const std::set<std::string> varying = {
       "steptrace_connections", "steptrace_connections_accepted_total",
-      "steptrace_commands_served_total", "steptrace_uptime_seconds"};
+      "steptrace_commands_served_total", "steptrace_uptime_seconds",
+      "steptrace_http_responses_total"};
   const auto metrics = command(socket(), "metrics");
   ASSERT_TRUE(metrics);
   const std::string http_masked = mask_values(scrape, varying);
