@@ -28,7 +28,7 @@ namespace steptrace::testing {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
+using nlohmann::json;
 
 class HostileDrainTest : public ::testing::Test {
  protected:

@@ -28,7 +28,7 @@ namespace steptrace::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using json = nlohmann::json;
+using nlohmann::json;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 

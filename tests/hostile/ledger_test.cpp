@@ -50,7 +50,7 @@ struct User {
   uid_t uid = 0;
   gid_t gid = 0;
 };
-constexpr User kRoot{"root", 0, 0};
+const User kRoot{"root", 0, 0};
 
 // A temporary system user without a home or a login shell, removed by the destructor.
 class TemporaryUser {
