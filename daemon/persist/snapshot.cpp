@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace steptrace::daemon {
 namespace {
@@ -156,7 +158,59 @@ bool has_snapshot_schema(const nlohmann::json& doc) {
          schema->get_ref<const std::string&>() == kSnapshotSchema;
 }
 
-LoadedSnapshot load_snapshot(const std::filesystem::path& dir) {
+namespace {
+
+// Thrown by the parse callback to stop at an over-long array.
+struct ArrayTooLong {
+  std::size_t depth;
+};
+
+// Parses `content`, stopping at the first array with more than `max_elements` elements:
+// each open container is on a stack, an array counting the values and containers that
+// end inside it.
+nlohmann::json parse_bounded(const std::string& content, std::size_t max_elements,
+                             std::string& error) {
+  using Event = nlohmann::json::parse_event_t;
+  std::vector<std::pair<bool, std::size_t>> open;  // (is an array, elements so far)
+  const auto element_done = [&](int depth) {
+    if (open.empty() || !open.back().first) return;
+    if (++open.back().second > max_elements) throw ArrayTooLong{static_cast<std::size_t>(depth)};
+  };
+  const nlohmann::json::parser_callback_t callback = [&](int depth, Event event, nlohmann::json&) {
+    switch (event) {
+      case Event::object_start:
+        open.emplace_back(false, 0);
+        break;
+      case Event::array_start:
+        open.emplace_back(true, 0);
+        break;
+      case Event::object_end:
+      case Event::array_end:
+        if (!open.empty()) open.pop_back();
+        element_done(depth);
+        break;
+      case Event::value:
+        element_done(depth);
+        break;
+      case Event::key:
+        break;
+    }
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(content, callback, /*allow_exceptions=*/false);
+  } catch (const ArrayTooLong& e) {
+    error = "an array (at depth " + std::to_string(e.depth) + ") holds more than " +
+            std::to_string(max_elements) +
+            " elements, more than the configured limits allow live state to hold (raise the "
+            "limits to restore it)";
+    return nlohmann::json(nlohmann::json::value_t::discarded);
+  }
+}
+
+}  // namespace
+
+LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_array_elements) {
   LoadedSnapshot result;
   const std::filesystem::path path = dir / kSnapshotFileName;
   std::error_code ec;
@@ -188,8 +242,13 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir) {
     if (n == 0) break;
     content.append(buf.data(), static_cast<std::size_t>(n));
   }
-  nlohmann::json doc = nlohmann::json::parse(content, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) {
+  std::string too_long;
+  nlohmann::json doc = parse_bounded(content, max_array_elements, too_long);
+  content.clear();
+  content.shrink_to_fit();
+  if (!too_long.empty()) {
+    result.error = path.string() + ": " + too_long;
+  } else if (doc.is_discarded()) {
     result.error = path.string() + " is not valid JSON";
   } else if (!has_snapshot_schema(doc)) {
     result.error = path.string() + " is not a " + kSnapshotSchema + " document";

@@ -13,6 +13,8 @@
 // caller is told so it can log it.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -51,7 +53,11 @@ bool has_snapshot_schema(const nlohmann::json& doc);
 std::optional<std::string> check_state_dir(const std::filesystem::path& dir);
 
 // Reads `dir`/steptraced.snapshot.json, never through a link. Never throws.
-LoadedSnapshot load_snapshot(const std::filesystem::path& dir);
+// `max_array_elements`: the parse stops (the file is moved aside as corrupt) at the first
+// array longer than this, so a huge snapshot costs memory and time only up to the bound
+// (snapshot_max_array_elements() derives it from the limits of live state).
+LoadedSnapshot load_snapshot(const std::filesystem::path& dir,
+                             std::size_t max_array_elements = SIZE_MAX);
 
 // Moves the snapshot file aside as `steptraced.snapshot.json.corrupt-<unix time>` and
 // returns the new path (empty with `ec` set on failure). load_snapshot() does this for

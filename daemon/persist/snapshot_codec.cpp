@@ -541,4 +541,11 @@ std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
   return collector.adopt(std::move(*restored));
 }
 
+std::size_t snapshot_max_array_elements(const Limits& limits) {
+  return std::max<std::size_t>({limits.max_processes, limits.max_reservations_per_gpu,
+                                limits.max_gpus, CollectorState::kMaxRetiredNames + 1,
+                                Histogram::kBuckets,
+                                proto::kMaxCustomSteps + proto::kBuiltinStepCount});
+}
+
 }  // namespace steptrace::daemon

@@ -52,6 +52,11 @@ std::optional<RestoredState> decode_snapshot(const nlohmann::json& doc, const Li
 // the log), or as Collector::adopt() does while connections are attached.
 std::error_code restore_from_snapshot(Collector& collector, const nlohmann::json& doc);
 
+// The longest array a snapshot of live state under `limits` can hold (processes,
+// reservations per GPU, GPUs, retired names, histogram buckets, steps of a process):
+// load_snapshot() stops parsing at the first longer one.
+std::size_t snapshot_max_array_elements(const Limits& limits);
+
 // ---- sections (the snapshot's "ledger" and each "histogram"), on their own -------------
 nlohmann::json encode_ledger(const LedgerView& ledger);
 // Paths in `error` start at the section ("gpus[0].sample.free_bytes: ...").

@@ -263,7 +263,8 @@ void Server::remove_socket_file() {
 }
 
 void Server::restore_snapshot() {
-  LoadedSnapshot loaded = load_snapshot(config_.state_dir);
+  LoadedSnapshot loaded =
+      load_snapshot(config_.state_dir, snapshot_max_array_elements(config_.limits));
   switch (loaded.status) {
     case LoadedSnapshot::Status::kNone:
       spdlog::info("no snapshot in {}; starting empty", config_.state_dir);
