@@ -68,7 +68,6 @@ ClientStream::ClientStream(SessionShared& shared, StreamTransport& transport, Pe
       transport_(transport),
       peer_(std::move(peer)),
       refusal_(refusal),
-      reject_(refusal != Refusal::kNone),
       decoder_(proto::Side::kDaemon, shared.config.server_limits.max_frame_bytes),
       handshake_deadline_(now + std::chrono::seconds(shared.config.timeouts.handshake_s)) {}
 
@@ -88,7 +87,7 @@ bool ClientStream::wants_input() const {
 }
 
 std::span<char> ClientStream::read_buffer() {
-  if (dialect_ == Dialect::kBinary && !reject_) {
+  if (dialect_ == Dialect::kBinary && !rejected()) {
     const auto space = decoder_.prepare(kReadChunk);
     return {reinterpret_cast<char*>(space.data()), space.size()};
   }
@@ -121,7 +120,7 @@ void ClientStream::received(std::size_t n) {
 
 void ClientStream::choose_mode(std::uint8_t first_byte) {
   dialect_ = first_byte == proto::kMagic[0] ? Dialect::kBinary : Dialect::kText;
-  if (reject_) {
+  if (rejected()) {
     const auto& limits = shared_.config.server_limits;
     const std::string why =
         refusal_ == Refusal::kMaxConnectionsPerUid
@@ -147,7 +146,7 @@ void ClientStream::input_ended() {
   if (state_ == State::kFinishing || state_ == State::kClosed) return;
   input_ended_ = true;
   handshake_deadline_.reset();
-  if (reject_ || dialect_ == Dialect::kUnknown) {
+  if (rejected() || dialect_ == Dialect::kUnknown) {
     state_ = State::kFinishing;
     return;
   }
@@ -420,7 +419,7 @@ void ClientStream::write_timed_out() {
 // ---- shutdown ----------------------------------------------------------------------
 
 bool ClientStream::begin_drain() {
-  if (reject_ || input_ended_) return false;
+  if (rejected() || input_ended_) return false;
   if (state_ != State::kSniffing && state_ != State::kBinary) return false;
   state_ = State::kDraining;
   handshake_deadline_.reset();

@@ -184,6 +184,7 @@ class ClientStream {
   void process_binary();
   std::error_code apply(const proto::Message& message);
   bool peer_pid_reused() const;
+  bool rejected() const { return refusal_ != Refusal::kNone; }
   void process_text();
   void answer_line(std::string_view line);
   void maybe_finish();
@@ -199,7 +200,6 @@ class ClientStream {
   StreamTransport& transport_;
   PeerIdentity peer_;
   Refusal refusal_;
-  bool reject_;  // refusal_ != kNone
   State state_ = State::kSniffing;
   enum class Dialect { kUnknown, kBinary, kText };
   Dialect dialect_ = Dialect::kUnknown;  // known from the first byte on

@@ -373,22 +373,14 @@ void Server::on_accept(const boost::system::error_code& ec, StreamProtocol::sock
   accept();
 }
 
-namespace {
-// The peer's uid from the kernel; nobody when it cannot be read (such a peer is
-// refused by the commands that need a uid anyway).
-std::uint32_t peer_uid(int fd) {
-  ucred cred{};
-  socklen_t len = sizeof cred;
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return 65534;
-  return cred.uid;
-}
-}  // namespace
-
 void Server::admit(StreamProtocol::socket socket) {
   ServerCounters& counters = counters_;
   const ServerLimits& limits = config_.server_limits;
   ++counters.connections_total;
-  const std::uint32_t uid = peer_uid(socket.native_handle());
+  // Read once here, for the quota and for the session. Unreadable: uid nobody (such a
+  // peer is refused by the commands that need a uid anyway).
+  const std::optional<ucred> cred = peer_credentials(socket);
+  const std::uint32_t uid = cred ? cred->uid : 65534;
   Refusal refusal = Refusal::kNone;
   if (counters.connections_now >= limits.max_connections) {
     refusal = Refusal::kMaxConnections;
@@ -415,10 +407,12 @@ void Server::admit(StreamProtocol::socket socket) {
     ++counters.connections_now;
     ++connections_by_uid_[uid];
   }
-  start_session(std::move(socket), uid, refusal);
+  start_session(std::move(socket), cred, refusal);
 }
 
-void Server::start_session(StreamProtocol::socket socket, std::uint32_t uid, Refusal refusal) {
+void Server::start_session(StreamProtocol::socket socket, std::optional<ucred> cred,
+                           Refusal refusal) {
+  const std::uint32_t uid = cred ? cred->uid : 65534;
   auto session = std::make_shared<Session>(
       std::move(socket), shared_,
       [this](Session* s) {
@@ -434,7 +428,7 @@ void Server::start_session(StreamProtocol::socket socket, std::uint32_t uid, Ref
         }
         sessions_.erase(it);
       },
-      refusal);
+      cred, refusal);
   sessions_.emplace(session.get(), Entry{session, uid, refusal});
   session->start();
 }
@@ -524,9 +518,9 @@ void Server::take_for_drain(StreamProtocol::socket socket) {
   }
   ++taken_for_drain_;
   ++counters_.connections_now;
-  const std::uint32_t uid = peer_uid(socket.native_handle());
-  ++connections_by_uid_[uid];
-  start_session(std::move(socket), uid, Refusal::kNone);
+  const std::optional<ucred> cred = peer_credentials(socket);
+  ++connections_by_uid_[cred ? cred->uid : 65534];
+  start_session(std::move(socket), cred, Refusal::kNone);
 }
 
 void Server::finish_shutdown() {

@@ -59,7 +59,7 @@ class Server {
   void on_accept(const boost::system::error_code& ec,
                  boost::asio::local::stream_protocol::socket socket);
   void admit(boost::asio::local::stream_protocol::socket socket);
-  void start_session(boost::asio::local::stream_protocol::socket socket, std::uint32_t uid,
+  void start_session(boost::asio::local::stream_protocol::socket socket, std::optional<ucred> cred,
                      Refusal refusal);
   void drain_backlog();
   void drain_and_stop(std::vector<std::shared_ptr<Session>>& live);

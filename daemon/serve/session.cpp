@@ -9,10 +9,21 @@ namespace steptrace::daemon {
 
 using State = ClientStream::State;
 
-Session::Session(Socket socket, SessionShared& shared, CloseCallback on_close, Refusal refusal)
+std::optional<ucred> peer_credentials(Session::Socket& socket) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return std::nullopt;
+  }
+  return cred;
+}
+
+Session::Session(Socket socket, SessionShared& shared, CloseCallback on_close,
+                 std::optional<ucred> cred, Refusal refusal)
     : socket_(std::move(socket)),
       shared_(shared),
       on_close_(std::move(on_close)),
+      cred_(cred),
       refusal_(refusal),
       timer_(socket_.get_executor()) {}
 
@@ -20,9 +31,8 @@ Session::~Session() = default;
 
 void Session::start() {
   PeerIdentity peer;
-  ucred cred{};
-  socklen_t len = sizeof cred;
-  if (::getsockopt(socket_.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+  if (cred_) {
+    const ucred& cred = *cred_;
     peer.key.pid = cred.pid;
     peer.uid = cred.uid;
     peer.gid = cred.gid;

@@ -21,6 +21,8 @@
 #include <optional>
 #include <string>
 
+#include <sys/socket.h>
+
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/steady_timer.hpp>
 
@@ -34,9 +36,10 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   using Clock = std::chrono::steady_clock;
   using CloseCallback = std::function<void(Session*)>;
 
-  // A `refusal`: the server is over a connection limit; answer the first bytes with an
-  // error naming it in the client's dialect and close.
-  Session(Socket socket, SessionShared& shared, CloseCallback on_close,
+  // `cred`: the peer's, read once by the server (peer_credentials); none: pid 0, uid
+  // nobody. A `refusal`: the server is over a connection limit; answer the first bytes
+  // with an error naming it in the client's dialect and close.
+  Session(Socket socket, SessionShared& shared, CloseCallback on_close, std::optional<ucred> cred,
           Refusal refusal = Refusal::kNone);
   ~Session() override;
   Session(const Session&) = delete;
@@ -71,6 +74,7 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   Socket socket_;
   SessionShared& shared_;
   CloseCallback on_close_;
+  std::optional<ucred> cred_;
   Refusal refusal_;
   std::optional<ClientStream> stream_;  // made in start(), once the peer is known
 
@@ -85,5 +89,8 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   std::optional<Clock::time_point> armed_for_;
   std::optional<Clock::time_point> write_deadline_;
 };
+
+// The peer's pid, uid and gid from the kernel (SO_PEERCRED); nullopt when unreadable.
+std::optional<ucred> peer_credentials(Session::Socket& socket);
 
 }  // namespace steptrace::daemon
