@@ -210,7 +210,8 @@ nlohmann::json parse_bounded(const std::string& content, std::size_t max_element
 
 }  // namespace
 
-LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_array_elements) {
+LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_array_elements,
+                             std::size_t max_bytes) {
   LoadedSnapshot result;
   const std::filesystem::path path = dir / kSnapshotFileName;
   std::error_code ec;
@@ -229,9 +230,13 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_a
     result.error = "cannot open " + path.string() + ": " + last_error().message();
     return result;
   }
+  const std::string too_big = path.string() + " is larger than limits.max_snapshot_bytes (" +
+                              std::to_string(max_bytes) + " bytes; raise it to restore the file)";
+  struct stat st {};
+  bool over = ::fstat(fd.get(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) > max_bytes;
   std::string content;
   std::array<char, 64 * 1024> buf{};
-  for (;;) {
+  while (!over) {
     const ssize_t n = ::read(fd.get(), buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
@@ -241,12 +246,16 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_a
     }
     if (n == 0) break;
     content.append(buf.data(), static_cast<std::size_t>(n));
+    over = content.size() > max_bytes;  // it grew since fstat
   }
   std::string too_long;
-  nlohmann::json doc = parse_bounded(content, max_array_elements, too_long);
+  nlohmann::json doc = over ? nlohmann::json(nlohmann::json::value_t::discarded)
+                            : parse_bounded(content, max_array_elements, too_long);
   content.clear();
   content.shrink_to_fit();
-  if (!too_long.empty()) {
+  if (over) {
+    result.error = too_big;
+  } else if (!too_long.empty()) {
     result.error = path.string() + ": " + too_long;
   } else if (doc.is_discarded()) {
     result.error = path.string() + " is not valid JSON";

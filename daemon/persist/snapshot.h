@@ -56,8 +56,10 @@ std::optional<std::string> check_state_dir(const std::filesystem::path& dir);
 // `max_array_elements`: the parse stops (the file is moved aside as corrupt) at the first
 // array longer than this, so a huge snapshot costs memory and time only up to the bound
 // (snapshot_max_array_elements() derives it from the limits of live state).
+// `max_bytes` (limits.max_snapshot_bytes): a longer file is moved aside unread, saying so.
 LoadedSnapshot load_snapshot(const std::filesystem::path& dir,
-                             std::size_t max_array_elements = SIZE_MAX);
+                             std::size_t max_array_elements = SIZE_MAX,
+                             std::size_t max_bytes = SIZE_MAX);
 
 // Moves the snapshot file aside as `steptraced.snapshot.json.corrupt-<unix time>` and
 // returns the new path (empty with `ec` set on failure). load_snapshot() does this for

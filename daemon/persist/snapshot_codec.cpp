@@ -55,6 +55,9 @@ json counters_json(const DaemonCounters& c) {
           {"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
           {"connections_total", c.connections_total},
           {"connections_rejected", c.connections_rejected},
+          {"connections_undrained", c.connections_undrained},
+          {"liveness_probe_errors", c.liveness_probe_errors},
+          {"replies_refused", c.replies_refused},
           {"commands_served", c.commands_served},
           {"protocol_errors", c.protocol_errors},
           {"limits_hit", c.limits_hit}};
@@ -235,6 +238,10 @@ bool read_counters(JsonObject c, DaemonCounters& out) {
   }
   c.get_unsigned("connections_total", out.connections_total);
   c.get_unsigned("connections_rejected", out.connections_rejected);
+  // Added later: a snapshot of an older daemon has none.
+  c.optional_unsigned("connections_undrained", out.connections_undrained);
+  c.optional_unsigned("liveness_probe_errors", out.liveness_probe_errors);
+  c.optional_unsigned("replies_refused", out.replies_refused);
   c.get_unsigned("commands_served", out.commands_served);
   if (!read_counter_map(c.object("protocol_errors"), out.protocol_errors) ||
       !read_counter_map(c.object("limits_hit"), out.limits_hit)) {

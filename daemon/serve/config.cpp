@@ -89,6 +89,8 @@ void read_limits(JsonObject limits, Config& c) {
   limits.optional_unsigned("max_process_state_bytes", l.max_process_state_bytes, 65536,
                            std::uint64_t{1} << 40);
   limits.optional_unsigned("max_state_bytes", l.max_state_bytes, 1u << 20, std::uint64_t{1} << 44);
+  limits.optional_unsigned("max_snapshot_bytes", l.max_snapshot_bytes, 1u << 20,
+                           std::uint64_t{1} << 40);
   limits.optional_unsigned("max_gpus_per_uid", l.max_gpus_per_uid, 1, 4096);
   limits.optional_unsigned("max_reservations_per_uid", l.max_reservations_per_uid, 1,
                            1'000'000'000);
@@ -261,6 +263,7 @@ json config_to_json(const Config& c) {
         {"max_processes_per_uid", c.limits.max_processes_per_uid},
         {"max_process_state_bytes", c.limits.max_process_state_bytes},
         {"max_state_bytes", c.limits.max_state_bytes},
+        {"max_snapshot_bytes", c.limits.max_snapshot_bytes},
         {"max_gpus_per_uid", c.limits.max_gpus_per_uid},
         {"max_reservations_per_uid", c.limits.max_reservations_per_uid}}},
       {"timeouts",

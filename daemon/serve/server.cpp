@@ -264,7 +264,8 @@ void Server::remove_socket_file() {
 
 void Server::restore_snapshot() {
   LoadedSnapshot loaded =
-      load_snapshot(config_.state_dir, snapshot_max_array_elements(config_.limits));
+      load_snapshot(config_.state_dir, snapshot_max_array_elements(config_.limits),
+                    config_.limits.max_snapshot_bytes);
   switch (loaded.status) {
     case LoadedSnapshot::Status::kNone:
       spdlog::info("no snapshot in {}; starting empty", config_.state_dir);

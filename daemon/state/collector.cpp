@@ -675,6 +675,9 @@ std::error_code Collector::adopt(RestoredState restored) {
     c.events_dropped_by_cause[i] += r.events_dropped_by_cause[i];
   c.connections_total += r.connections_total;
   c.connections_rejected += r.connections_rejected;
+  c.connections_undrained += r.connections_undrained;
+  c.liveness_probe_errors += r.liveness_probe_errors;
+  c.replies_refused += r.replies_refused;
   c.commands_served += r.commands_served;
   for (const auto& [k, v] : r.protocol_errors) c.protocol_errors[k] += v;
   for (const auto& [k, v] : r.limits_hit) c.limits_hit[k] += v;

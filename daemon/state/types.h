@@ -57,6 +57,9 @@ struct Limits {
   // refused and counted (collector_state.h, charge()).
   std::size_t max_process_state_bytes = 16u << 20;
   std::size_t max_state_bytes = 1u << 30;
+  // The largest snapshot file restored at start-up (a bigger one is moved aside unread):
+  // parsing costs about ten times the file in memory.
+  std::size_t max_snapshot_bytes = 256u << 20;
 };
 
 // Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config

@@ -107,11 +107,13 @@ std::string golden_text() {
 std::string file_text(const json& doc) { return doc.dump() + "\n"; }
 
 // What this build writes that the build of snapshot_v1.json did not (all additive, read
-// with a default): the ledger's uids and refusals (issue 15, item 7) and the anomaly kinds
-// of its permissions and per-uid quotas. The v1 file has none of them, so the tests of it
-// compare everything else byte for byte, and these fields on their own.
+// with a default): the ledger's uids and refusals (issue 15, item 7), the anomaly kinds
+// of its permissions and per-uid quotas, and three counters of issue 15. The v1 file has none of
+// them, so the tests of it compare everything else byte for byte, and these fields on their own.
 constexpr const char* kAnomaliesSinceV1[] = {"release_refused", "cleanup_refused",
                                              "max_gpus_per_uid", "max_reservations_per_uid"};
+constexpr const char* kCountersSinceV1[] = {"connections_undrained", "liveness_probe_errors",
+                                            "replies_refused"};
 
 json without_fields_since_v1(json doc) {
   json& ledger = doc.at("ledger");
@@ -121,6 +123,7 @@ json without_fields_since_v1(json doc) {
     for (json& p : gpu.at("processes")) EXPECT_EQ(p.erase("refused"), 1u);
   }
   for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").erase(kind), 1u);
+  for (const char* name : kCountersSinceV1) EXPECT_EQ(doc.at("counters").erase(name), 1u);
   return doc;
 }
 
@@ -133,6 +136,7 @@ void expect_fields_since_v1(const json& doc, std::uint64_t uid) {
     for (const json& p : gpu.at("processes")) EXPECT_EQ(p.at("refused"), 0) << p.dump();
   }
   for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").at(kind), 0);
+  for (const char* name : kCountersSinceV1) EXPECT_EQ(doc.at("counters").at(name), 0);
 }
 
 TEST(SnapshotCodecTest, EncodesTheV1FormatByteForByte) {
@@ -231,7 +235,9 @@ TEST(SnapshotCodecTest, StateEncodeDecodeEncodeIsTheSame) {
   FakeWorld world;
   Collector original(golden_limits(), world.env());
   populate_golden(original, world);
-  const ServerCounters server = golden_server();
+  ServerCounters server = golden_server();
+  server.connections_undrained = 3;
+  server.replies_refused = 4;
   const json first = encode_snapshot(*original.freeze(&server));
 
   std::string error;
@@ -241,6 +247,8 @@ TEST(SnapshotCodecTest, StateEncodeDecodeEncodeIsTheSame) {
   EXPECT_EQ(decoded->retired.size(), 2u);
   EXPECT_EQ(decoded->ledger.gpus.size(), 2u);
   EXPECT_EQ(decoded->counters.events_dropped_by_clients, 15u);
+  EXPECT_EQ(decoded->counters.connections_undrained, 3u);
+  EXPECT_EQ(decoded->counters.replies_refused, 4u);
 
   Collector restored(golden_limits(), world.env());
   ASSERT_FALSE(restored.adopt(std::move(*decoded)));

@@ -243,6 +243,28 @@ TEST(SnapshotFileTest, AnArrayLongerThanTheLimitsAllowStopsTheParse) {
   EXPECT_FALSE(std::filesystem::exists(dir.file(kSnapshotFileName)));
 }
 
+// A file longer than limits.max_snapshot_bytes is not read at all: moved aside, naming the key.
+TEST(SnapshotFileTest, AFileLargerThanMaxSnapshotBytesIsMovedAsideUnread) {
+  steptrace::testing::TempDir dir;
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  populate(c, world);
+  ASSERT_FALSE(save_snapshot(dir.path(), snapshot_of(c)));
+  const auto size = std::filesystem::file_size(dir.file(kSnapshotFileName));
+  EXPECT_EQ(load_snapshot(dir.path(), SIZE_MAX, size).status, LoadedSnapshot::Status::kLoaded);
+
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), SIZE_MAX, size - 1);
+  EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
+  EXPECT_TRUE(loaded.doc.is_null());
+  EXPECT_NE(loaded.error.find("larger than limits.max_snapshot_bytes (" + std::to_string(size - 1) +
+                              " bytes"),
+            std::string::npos)
+      << loaded.error;
+  EXPECT_FALSE(loaded.moved_to.empty());
+  EXPECT_FALSE(std::filesystem::exists(dir.file(kSnapshotFileName)));
+  EXPECT_EQ(std::filesystem::file_size(loaded.moved_to), size);
+}
+
 TEST(SnapshotFileTest, SaveIsAtomicAndLoadReadsItBack) {
   steptrace::testing::TempDir dir;
   EXPECT_EQ(load_snapshot(dir.path()).status, LoadedSnapshot::Status::kNone);

@@ -69,7 +69,7 @@ TEST(Config, FileValuesAreApplied) {
                "max_line_bytes": 128, "max_frame_bytes": 4096, "max_connections_per_uid": 3,
                "max_processes_per_uid": 5, "max_gpus_per_uid": 2,
                "max_reservations_per_uid": 7, "max_process_state_bytes": 100000,
-               "max_state_bytes": 2000000},
+               "max_state_bytes": 2000000, "max_snapshot_bytes": 3000000},
     "timeouts": {"handshake_s": 1, "frame_s": 2, "text_idle_ms": 250}})");
   Config c;
   ASSERT_FALSE(load_config_file(path, c).has_value());
@@ -95,6 +95,7 @@ TEST(Config, FileValuesAreApplied) {
   EXPECT_EQ(c.limits.max_reservations_per_uid, 7u);
   EXPECT_EQ(c.limits.max_process_state_bytes, 100000u);
   EXPECT_EQ(c.limits.max_state_bytes, 2000000u);
+  EXPECT_EQ(c.limits.max_snapshot_bytes, 3000000u);
   EXPECT_EQ(c.timeouts.text_idle_ms, 250u);
   // Keys not in the file keep their defaults.
   EXPECT_EQ(c.limits.max_gpus, Limits{}.max_gpus);
@@ -172,6 +173,7 @@ TEST(Config, EachBadValueIsNamed) {
       {{{"limits", {{"max_connections_per_uid", 65537}}}}, "limits.max_connections_per_uid"},
       {{{"limits", {{"max_processes_per_uid", 0}}}}, "limits.max_processes_per_uid"},
       {{{"limits", {{"max_process_state_bytes", 1000}}}}, "limits.max_process_state_bytes"},
+      {{{"limits", {{"max_snapshot_bytes", 1000}}}}, "limits.max_snapshot_bytes"},
       {{{"limits", {{"max_state_bytes", 1000}}}}, "limits.max_state_bytes"},
       {{{"limits", {{"max_gpus_per_uid", 0}}}}, "limits.max_gpus_per_uid"},
       {{{"limits", {{"max_gpus_per_uid", 4097}}}}, "limits.max_gpus_per_uid"},
