@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     // Peers that vanish mid-write must not kill the daemon.
     std::signal(SIGPIPE, SIG_IGN);
 
-    Collector collector(config.limits, Environment::system());
+    Collector collector(config.limits, Environment::system(), config.flight_recorder);
     Server server(config, collector);
     if (auto error = server.start()) {
       std::fprintf(stderr, "steptraced: %s\n", error->c_str());

@@ -159,6 +159,9 @@ class EventSpan {
   EventSpan(const std::byte* data, std::size_t count) : data_(data), count_(count) {}
   std::size_t size() const { return count_; }
   bool empty() const { return count_ == 0; }
+  // The records as received (maybe unaligned: copy them, never cast).
+  const std::byte* data() const { return data_; }
+  EventSpan first(std::size_t n) const { return {data_, n < count_ ? n : count_}; }
   EventRecord operator[](std::size_t i) const {
     EventRecord r;
     std::memcpy(&r, data_ + i * sizeof(EventRecord), sizeof r);

@@ -220,6 +220,20 @@ std::string report::metrics_text(const CollectorView& view) {
                "Replies replaced by 'error: busy': too many reply bytes waited to be read.")
       .sample({}, c.replies_refused);
   {
+    const FlightRecorderCounters& r = c.flight_recorder;
+    MetricFamily(out, "steptrace_flight_recorder_bytes", "gauge",
+                 "Bytes the flight recorder holds for `trace` (its budget: "
+                 "steptrace_flight_recorder_budget_bytes).")
+        .sample({}, static_cast<std::uint64_t>(r.bytes));
+    MetricFamily(out, "steptrace_flight_recorder_budget_bytes", "gauge",
+                 "The flight recorder's budget in force (0: off).")
+        .sample({}, static_cast<std::uint64_t>(r.budget_bytes));
+    MetricFamily f(out, "steptrace_flight_recorder_events_total", "counter",
+                   "Raw events the flight recorder kept, and those it evicted (budget, horizon).");
+    f.sample({{"outcome", "recorded"}}, r.events_recorded);
+    f.sample({{"outcome", "evicted"}}, r.events_evicted);
+  }
+  {
     std::uint64_t live = 0;
     for (const auto& slot : state.slots) live += (slot && slot->alive) ? 1 : 0;
     MetricFamily f(out, "steptrace_processes", "gauge", "Processes tracked, by state.");

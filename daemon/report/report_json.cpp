@@ -193,6 +193,14 @@ nlohmann::json report::stats_json(const CollectorView& view) {
            {{"rss_bytes", rss_bytes()},
             {"state_bytes_estimate", state_bytes},
             {"state_bytes_charged", state.charged}}},
+          {"flight_recorder",
+           {{"bytes", view.counters().flight_recorder.bytes},
+            {"budget_bytes", view.counters().flight_recorder.budget_bytes},
+            {"events_recorded", view.counters().flight_recorder.events_recorded},
+            {"events_evicted", view.counters().flight_recorder.events_evicted},
+            {"marks_recorded", view.counters().flight_recorder.marks_recorded},
+            {"marks_evicted", view.counters().flight_recorder.marks_evicted},
+            {"captures_active", view.counters().flight_recorder.captures_active}}},
           {"uptime_s", uptime_s(view.uptime())},
           {"ledger_anomalies", report::ledger_anomalies_json(state.ledger.state())}};
 }

@@ -330,7 +330,27 @@ void ClientStream::answer_line(std::string_view line) {
   if (line.find_first_not_of(" \t") == std::string_view::npos) return;  // blank: no reply
   ++shared_.counters.commands_served;
   const CommandContext context{shared_.collector, peer_.uid, shared_.daemon_euid};
-  Reply reply = shared_.commands.dispatch(line, context);
+  answer(shared_.commands.dispatch(line, context));
+}
+
+void ClientStream::answer(Reply reply) {
+  if (reply.deferred) {
+    state_ = State::kAwaitingReply;
+    idle_deadline_.reset();
+    transport_.defer(reply.deferred->delay, [this, make = std::move(reply.deferred->make)] {
+      if (state_ != State::kAwaitingReply) return;
+      state_ = State::kText;
+      answer(make());
+    });
+    return;
+  }
+  if (reply.stream) {
+    state_ = State::kAwaitingReply;
+    idle_deadline_.reset();
+    reply_stream_ = std::move(reply.stream);
+    request_piece();
+    return;
+  }
   if (!reply.render) {
     transport_.send(std::move(reply.text));
     return;
@@ -338,6 +358,21 @@ void ClientStream::answer_line(std::string_view line) {
   state_ = State::kAwaitingReply;
   idle_deadline_.reset();
   transport_.render(std::move(reply.render));
+}
+
+void ClientStream::request_piece() {
+  piece_out_ = true;
+  transport_.render_piece(reply_stream_);
+}
+
+void ClientStream::piece_rendered(std::string text, bool more) {
+  if (state_ != State::kAwaitingReply || !reply_stream_) return;
+  piece_out_ = false;
+  transport_.send(std::move(text));
+  if (!more) {
+    reply_stream_.reset();
+    state_ = State::kText;
+  }
 }
 
 void ClientStream::rendered(std::string text) {
@@ -358,6 +393,10 @@ void ClientStream::rendered(std::string text) {
 }
 
 void ClientStream::resume() {
+  if (state_ == State::kAwaitingReply && reply_stream_ && !piece_out_ && !output_backed_up()) {
+    request_piece();
+    return;
+  }
   if (state_ != State::kText) return;
   process_text();
   maybe_finish();
@@ -430,6 +469,7 @@ bool ClientStream::begin_drain() {
 
 void ClientStream::closed() {
   state_ = State::kClosed;
+  reply_stream_.reset();
   handshake_deadline_.reset();
   frame_deadline_.reset();
   idle_deadline_.reset();

@@ -12,7 +12,8 @@
 //   anything else -> text: lines go to the CommandTable and replies are sent in order;
 //     a reply that renders state (report, ledger, stats, metrics) is made by the
 //     RenderWorker off the io thread, and the stream reads and answers nothing more
-//     until it is back.
+//     until it is back. A streamed reply (trace) renders a piece at a time, the next
+//     once the client has read the last; a deferred one (trace --for) waits first.
 // Every failure takes one path, fail(): count it by kind, log it (rate-limited), send
 // the peer an error in its dialect (an Error frame `<errc name>: <description>`, or an
 // `error: ...` line), and finish.
@@ -42,7 +43,9 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -102,6 +105,12 @@ class StreamTransport {
   virtual std::size_t unsent_bytes() const = 0;
   // Renders `job` (off the io thread) and hands the text to ClientStream::rendered().
   virtual void render(RenderJob job) = 0;
+  // Renders the next piece of `stream` (off the io thread) and hands it to
+  // ClientStream::piece_rendered().
+  virtual void render_piece(std::shared_ptr<ReplyStream> stream) = 0;
+  // Calls `fire` on the io thread after `delay`, unless the connection closes first
+  // (then `fire` is destroyed uncalled).
+  virtual void defer(std::chrono::milliseconds delay, std::function<void()> fire) = 0;
 };
 
 // An Error frame (PROTOCOL.md 4.9) with `message` cut to the field's size.
@@ -156,6 +165,9 @@ class ClientStream {
   // The reply of the render job handed to StreamTransport::render(). Sent at once; the
   // lines after it wait for resume().
   void rendered(std::string text);
+  // A piece of a streamed reply (ReplyStream); `more`: pieces follow. The next piece is
+  // asked for once the output is no longer backed up (resume()).
+  void piece_rendered(std::string text, bool more);
   // Room again (output written, or a reply back): text answers the lines that waited,
   // and after the peer's EOF finishes.
   void resume();
@@ -187,6 +199,8 @@ class ClientStream {
   bool rejected() const { return refusal_ != Refusal::kNone; }
   void process_text();
   void answer_line(std::string_view line);
+  void answer(Reply reply);
+  void request_piece();
   void maybe_finish();
   void set_frame_deadline(bool frame_finished);
   bool output_backed_up() const { return transport_.unsent_bytes() >= kMaxPendingWrite; }
@@ -208,7 +222,9 @@ class ClientStream {
   proto::Decoder decoder_;
   std::array<char, 4096> text_buf_{};  // first read and text mode
   std::string line_buf_;
-  std::optional<ProcessHandle> handle_;  // attached to the collector since the hello
+  std::optional<ProcessHandle> handle_;        // attached to the collector since the hello
+  std::shared_ptr<ReplyStream> reply_stream_;  // a streamed reply going out
+  bool piece_out_ = false;                     // a piece of it is rendering
   std::error_code failure_;
 
   std::optional<Clock::time_point> handshake_deadline_;

@@ -5,7 +5,9 @@
 #include <charconv>
 #include <exception>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
+#include "daemon/report/trace_export.h"
 #include "daemon/serve/render_worker.h"
 #include "proto/printable.h"
 
@@ -132,7 +134,107 @@ Parsed<Request> no_arguments(std::string_view command, Args args) {
   return Request{};
 }
 
+// "2.5" -> 2.5: a decimal number of seconds in (0, max].
+std::optional<double> parse_seconds(std::string_view text, double max) {
+  double value = 0;
+  const auto* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (text.empty() || ec != std::errc{} || ptr != end) return std::nullopt;
+  if (!(value > 0) || value > max) return std::nullopt;
+  return value;
+}
+
+constexpr const char* kTraceUsage = "trace [--pid N]... [--last SECONDS | --for SECONDS]";
+
+// Renders a capture as the trace document, a piece per next().
+class TraceReply final : public ReplyStream {
+ public:
+  explicit TraceReply(std::shared_ptr<const TraceCapture> capture) : export_(std::move(capture)) {}
+  bool next(std::string& out) override { return export_.next(out); }
+
+ private:
+  TraceExport export_;
+};
+
+// Holds a `trace --for` capture open: recording goes on (with the capture budget when
+// the standing window is off) until the reply is made or the connection goes.
+class CaptureHold {
+ public:
+  explicit CaptureHold(Collector& collector) : collector_(collector) {
+    collector_.recorder().begin_capture();
+  }
+  ~CaptureHold() { collector_.recorder().end_capture(); }
+  CaptureHold(const CaptureHold&) = delete;
+  CaptureHold& operator=(const CaptureHold&) = delete;
+
+ private:
+  Collector& collector_;
+};
+
+std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9); }
+
+Reply trace_reply(const TraceRequest& r, Collector& collector) {
+  const std::uint64_t now = collector.now_ns();
+  if (!r.for_s) {
+    const std::uint64_t since =
+        r.last_s && seconds_ns(*r.last_s) < now ? now - seconds_ns(*r.last_s) : 0;
+    return std::shared_ptr<ReplyStream>(
+        std::make_shared<TraceReply>(collector.capture_trace(r.pids, since)));
+  }
+  auto hold = std::make_shared<CaptureHold>(collector);
+  DeferredReply deferred;
+  deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
+  deferred.make = [&collector, pids = r.pids, since = now, hold]() mutable -> Reply {
+    auto capture = collector.capture_trace(pids, since);
+    hold.reset();  // the capture holds its chunks; recording may stop now
+    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(std::move(capture)));
+  };
+  return deferred;
+}
+
 }  // namespace
+
+Parsed<TraceRequest> TraceRequest::parse(Args args) {
+  TraceRequest r;
+  const auto bad = [](const std::string& what) {
+    return CommandError{"trace: " + what + " (usage: " + kTraceUsage + ")"};
+  };
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string_view word = args[i];
+    if (is_option(word, "--pid")) {
+      const auto value = option_value("--pid", args, i);
+      if (!value) return bad("--pid needs a process id");
+      const auto pid = parse_pid(*value);
+      if (!pid) {
+        return bad("--pid needs a process id in 1..2147483647, got '" +
+                   proto::printable(*value, 64) + "'");
+      }
+      if (r.pids.size() >= kMaxPids && !r.pids.contains(*pid)) {
+        return bad("at most " + std::to_string(kMaxPids) + " --pid options");
+      }
+      r.pids.insert(*pid);
+      continue;
+    }
+    for (const auto& [name, max, out] :
+         {std::tuple{"--last", kMaxLastS, &r.last_s}, std::tuple{"--for", kMaxForS, &r.for_s}}) {
+      if (!is_option(word, name)) continue;
+      if (out->has_value()) return bad(std::string(name) + " given twice");
+      const auto value = option_value(name, args, i);
+      const auto seconds = value ? parse_seconds(*value, max) : std::nullopt;
+      if (!seconds) {
+        return bad(std::string(name) + " needs a number of seconds in (0, " +
+                   std::to_string(static_cast<int>(max)) + "]" +
+                   (value ? ", got '" + proto::printable(*value, 64) + "'" : std::string()));
+      }
+      *out = seconds;
+      break;
+    }
+    if (is_option(word, "--last") || is_option(word, "--for")) continue;
+    return bad("unexpected argument '" + proto::printable(word, 64) + "'");
+  }
+  if (r.last_s && r.for_s) return bad("--last and --for exclude each other");
+  return r;
+}
 
 Parsed<PingRequest> PingRequest::parse(Args args) {
   return no_arguments<PingRequest>("ping", args);
@@ -247,6 +349,11 @@ CommandTable::CommandTable() {
         }
         return std::string("ok\n");
       });
+  add<TraceRequest>(
+      "trace", kTraceUsage,
+      "the flight recorder's recent events as a Chrome Trace Event document "
+      "(Perfetto UI, chrome://tracing); --for records from now on",
+      [](const TraceRequest& r, const CommandContext& c) { return trace_reply(r, c.collector); });
   add<VersionRequest>(
       "version", "version", "daemon version, protocol version and commands, as one JSON line",
       [this](const VersionRequest&, const CommandContext&) {
@@ -275,6 +382,13 @@ std::string CommandTable::help_text() const {
 
 std::string CommandTable::execute(std::string_view line, const CommandContext& context) const {
   Reply reply = dispatch(line, context);
+  if (reply.deferred) reply = reply.deferred->make();  // no waiting here
+  if (reply.stream) {
+    std::string out;
+    while (reply.stream->next(out)) {
+    }
+    return out;
+  }
   if (!reply.render) return std::move(reply.text);
   return run_render_job(reply.render, *context.collector.freeze());
 }

@@ -11,10 +11,13 @@
 // closes the connection.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -40,13 +43,35 @@ struct CommandError {
 template <typename Request>
 using Parsed = std::variant<Request, CommandError>;
 
-// A command's answer: `text` now, or, when `render` is set, what to render from a view.
+// A reply too big to be one string (`trace`): rendered a piece at a time on the render
+// thread; the session asks for the next piece once the client has read the last one,
+// so it costs the daemon one piece per connection however big the reply.
+class ReplyStream {
+ public:
+  virtual ~ReplyStream() = default;
+  // Appends the next piece to `out`; false once that piece ends the reply.
+  virtual bool next(std::string& out) = 0;
+};
+
+struct Reply;
+// A reply that is made later (`trace --for`): after `delay`, `make` gives the reply.
+struct DeferredReply {
+  std::chrono::milliseconds delay{0};
+  std::function<Reply()> make;
+};
+
+// A command's answer: `text` now; or, when `render` is set, what to render from a view;
+// or a `stream` of pieces; or a `deferred` reply.
 struct Reply {
   Reply(std::string t) : text(std::move(t)) {}      // NOLINT(google-explicit-constructor)
   Reply(const char* t) : text(t) {}                 // NOLINT(google-explicit-constructor)
   Reply(RenderJob job) : render(std::move(job)) {}  // NOLINT(google-explicit-constructor)
+  Reply(std::shared_ptr<ReplyStream> s) : stream(std::move(s)) {}  // NOLINT
+  Reply(DeferredReply d) : deferred(std::move(d)) {}               // NOLINT
   std::string text;
   RenderJob render;
+  std::shared_ptr<ReplyStream> stream;
+  std::optional<DeferredReply> deferred;
 };
 
 using Args = std::span<const std::string_view>;
@@ -79,6 +104,17 @@ struct ResetRequest {
   std::optional<std::string> gpu;
   static Parsed<ResetRequest> parse(Args args);
 };
+// `trace [--pid N]... [--last SECONDS | --for SECONDS]`: the flight recorder's window as
+// a Chrome Trace Event document (daemon/report/trace_export.h).
+struct TraceRequest {
+  static constexpr std::size_t kMaxPids = 64;
+  static constexpr double kMaxLastS = 86400;
+  static constexpr double kMaxForS = 3600;
+  std::set<std::int32_t> pids;
+  std::optional<double> last_s;
+  std::optional<double> for_s;
+  static Parsed<TraceRequest> parse(Args args);
+};
 struct VersionRequest {
   static Parsed<VersionRequest> parse(Args args);
 };
@@ -104,7 +140,8 @@ class CommandTable {
   // Answers one line (without its '\n'); the reply (text, or the text its job renders)
   // ends with '\n'. Counts commands_served.
   Reply dispatch(std::string_view line, const CommandContext& context) const;
-  // dispatch(), with a render job run at once on this thread over a fresh view.
+  // dispatch(), with a render job run at once on this thread over a fresh view, a
+  // stream's pieces joined and a deferred reply made at once (tests).
   std::string execute(std::string_view line, const CommandContext& context) const;
   std::vector<std::string> names() const;
 

@@ -124,6 +124,17 @@ void read_config(JsonObject top, Config& c) {
   read_string_key(top, "log_level",
                   [&c](const std::string& level) { return set_log_level(level, c); });
   top.optional_unsigned("liveness_interval_ms", c.liveness_interval_ms, 10, 60000);
+  std::size_t recorder_bytes = c.flight_recorder.budget_bytes;
+  if (top.optional_unsigned("flight_recorder_bytes", recorder_bytes, 0, std::uint64_t{1} << 40)) {
+    if (recorder_bytes != 0 && recorder_bytes < (1u << 20)) {
+      top.fail_at("flight_recorder_bytes", "must be 0 (off) or at least 1048576 (1 MiB)");
+    }
+    c.flight_recorder.budget_bytes = recorder_bytes;
+  }
+  std::uint64_t horizon_s = c.flight_recorder.horizon_ns / 1'000'000'000;
+  if (top.optional_unsigned("flight_recorder_seconds", horizon_s, 1, 86400)) {
+    c.flight_recorder.horizon_ns = horizon_s * 1'000'000'000;
+  }
   if (auto limits = top.optional_object("limits")) read_limits(std::move(*limits), c);
   if (auto timeouts = top.optional_object("timeouts")) read_timeouts(std::move(*timeouts), c);
   top.finish();
@@ -248,6 +259,8 @@ json config_to_json(const Config& c) {
       {"metrics_listen", c.metrics_listen},
       {"log_level", c.log_level},
       {"liveness_interval_ms", c.liveness_interval_ms},
+      {"flight_recorder_bytes", c.flight_recorder.budget_bytes},
+      {"flight_recorder_seconds", c.flight_recorder.horizon_ns / 1'000'000'000},
       {"limits",
        {{"max_connections", c.server_limits.max_connections},
         {"max_connections_per_uid", c.server_limits.max_connections_per_uid},

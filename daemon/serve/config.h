@@ -17,6 +17,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "daemon/state/flight_recorder.h"
 #include "daemon/state/types.h"
 
 namespace steptrace::daemon {
@@ -56,6 +57,7 @@ struct Config {
   ServerLimits server_limits;
   Limits limits;  // the collector's
   Timeouts timeouts;
+  FlightRecorderConfig flight_recorder;  // flight_recorder_bytes, flight_recorder_seconds
 };
 
 struct ConfigError {

@@ -1,5 +1,6 @@
 #include "daemon/serve/render_worker.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <memory>
@@ -26,17 +27,26 @@ RenderWorker::~RenderWorker() { stop(); }
 
 void RenderWorker::submit(RenderJob job, Done done) {
   if (stopped_) return;
-  queue_.emplace_back(std::move(job), std::move(done));
+  queue_.push_back({std::move(job), {}, std::move(done)});
+  if (!busy_) start_next();
+}
+
+void RenderWorker::submit_task(Task task, Done done) {
+  if (stopped_) return;
+  queue_.push_back({{}, std::move(task), std::move(done)});
   if (!busy_) start_next();
 }
 
 void RenderWorker::start_next() {
   if (stopped_ || queue_.empty()) return;
   busy_ = true;
+  const std::size_t batch_size = std::min(queue_.size(), kMaxBatch);
+  const bool needs_view = std::any_of(queue_.begin(), queue_.begin() + batch_size,
+                                      [](const Queued& q) { return !q.task; });
   // At most one view per kMinViewInterval: each view costs ingest a clone of every
   // record it then touches, so a client asking in a tight loop must not multiply that.
   const auto now = std::chrono::steady_clock::now();
-  if (now < last_freeze_ + kMinViewInterval) {
+  if (needs_view && now < last_freeze_ + kMinViewInterval) {
     pace_timer_.expires_at(last_freeze_ + kMinViewInterval);
     pace_timer_.async_wait([this](const boost::system::error_code& ec) {
       if (ec || stopped_) return;
@@ -46,19 +56,22 @@ void RenderWorker::start_next() {
     });
     return;
   }
-  last_freeze_ = now;
   // Every job waiting now renders from one view: each was submitted before it, so each
   // reply still shows everything applied before its command, and a burst of requests
   // costs one freeze (and one round of clones), not one per request.
-  std::vector<std::pair<RenderJob, Done>> batch;
-  while (!queue_.empty() && batch.size() < kMaxBatch) {
+  std::vector<Queued> batch;
+  while (batch.size() < batch_size) {
     batch.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
-  std::shared_ptr<const CollectorView> view = collector_.freeze(server_);
+  std::shared_ptr<const CollectorView> view;
+  if (needs_view) {
+    last_freeze_ = now;
+    view = collector_.freeze(server_);
+  }
   boost::asio::post(pool_, [this, batch = std::move(batch), view = std::move(view)]() mutable {
-    for (auto& [job, done] : batch) {
-      std::string text = run_render_job(job, *view);
+    for (auto& [job, task, done] : batch) {
+      std::string text = task ? task() : run_render_job(job, *view);
       // Each reply goes back as soon as it is ready (posts run in order).
       boost::asio::post(io_, [this, done = std::move(done), text = std::move(text)]() mutable {
         if (!stopped_) done(std::move(text));

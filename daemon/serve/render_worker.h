@@ -48,6 +48,10 @@ class RenderWorker {
   // io thread. `done` gets the job's text, or "error: internal error: ...\n" when the
   // job threw; it is never called once stop() has run.
   void submit(RenderJob job, Done done);
+  // The same for work that needs no view (a piece of a streamed reply, which holds its
+  // own capture): run in turn with the jobs, without a freeze or its pacing.
+  using Task = std::function<std::string()>;
+  void submit_task(Task task, Done done);
   // Waits for the job being rendered and joins the thread; queued jobs are dropped.
   void stop();
   // Jobs waiting or rendering (for stats and tests).
@@ -62,7 +66,12 @@ class RenderWorker {
   boost::asio::steady_timer pace_timer_;
   std::chrono::steady_clock::time_point last_freeze_{};
   boost::asio::thread_pool pool_{1};
-  std::deque<std::pair<RenderJob, Done>> queue_;
+  struct Queued {
+    RenderJob job;  // or
+    Task task;
+    Done done;
+  };
+  std::deque<Queued> queue_;
   bool busy_ = false;
   bool stopped_ = false;
 };

@@ -25,7 +25,8 @@ Session::Session(Socket socket, SessionShared& shared, CloseCallback on_close,
       on_close_(std::move(on_close)),
       cred_(cred),
       refusal_(refusal),
-      timer_(socket_.get_executor()) {}
+      timer_(socket_.get_executor()),
+      defer_timer_(socket_.get_executor()) {}
 
 Session::~Session() = default;
 
@@ -112,6 +113,49 @@ void Session::render(RenderJob job) {
     self->stream_->resume();
     self->after_stream();
   });
+}
+
+void Session::render_piece(std::shared_ptr<ReplyStream> stream) {
+  auto piece = [stream](std::string& out) {
+    try {
+      return stream->next(out);
+    } catch (const std::exception& e) {
+      // A renderer bug ends the reply, saying so, and leaves the daemon up.
+      out += std::string("\nerror: internal error: ") + e.what() + "\n";
+      return false;
+    }
+  };
+  if (shared_.renderer == nullptr) {
+    std::string out;
+    const bool more = piece(out);
+    stream_->piece_rendered(std::move(out), more);
+    return;
+  }
+  // `more` is written on the render thread before its result is posted back.
+  auto more = std::make_shared<bool>(false);
+  shared_.renderer->submit_task(
+      [piece, more] {
+        std::string out;
+        *more = piece(out);
+        return out;
+      },
+      [self = shared_from_this(), more](std::string text) {
+        if (self->closed()) return;
+        self->stream_->piece_rendered(std::move(text), *more);
+        self->stream_->resume();
+        self->after_stream();
+      });
+}
+
+void Session::defer(std::chrono::milliseconds delay, std::function<void()> fire) {
+  defer_timer_.expires_after(delay);
+  defer_timer_.async_wait(
+      [self = shared_from_this(), fire = std::move(fire)](const boost::system::error_code& ec) {
+        if (ec || self->closed()) return;
+        fire();
+        self->stream_->resume();
+        self->after_stream();
+      });
 }
 
 void Session::write_next() {
@@ -207,6 +251,7 @@ void Session::close() {
   stream_->closed();
   ++timer_generation_;
   timer_.cancel();
+  defer_timer_.cancel();
   boost::system::error_code ec;
   socket_.shutdown(Socket::shutdown_both, ec);
   socket_.close(ec);

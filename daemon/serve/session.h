@@ -60,6 +60,8 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   void send(std::string bytes) override;
   std::size_t unsent_bytes() const override { return pending_write_bytes_; }
   void render(RenderJob job) override;
+  void render_piece(std::shared_ptr<ReplyStream> stream) override;
+  void defer(std::chrono::milliseconds delay, std::function<void()> fire) override;
 
   bool closed() const { return !stream_ || stream_->state() == ClientStream::State::kClosed; }
   // After every call into the stream: close when it finished and all is written, else
@@ -85,6 +87,7 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   bool draining_ = false;  // begin_drain() cancelled reading for the shutdown drain
 
   boost::asio::steady_timer timer_;
+  boost::asio::steady_timer defer_timer_;  // a deferred reply (trace --for)
   std::uint64_t timer_generation_ = 0;
   std::optional<Clock::time_point> armed_for_;
   std::optional<Clock::time_point> write_deadline_;

@@ -286,7 +286,8 @@ ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_
 
 // ---- Collector -----------------------------------------------------------------------
 
-Collector::Collector(Limits limits, Environment env) : limits_(limits), env_(std::move(env)) {
+Collector::Collector(Limits limits, Environment env, FlightRecorderConfig recorder)
+    : limits_(limits), env_(std::move(env)), recorder_(recorder) {
   limits_.max_custom_steps =
       std::min<std::size_t>(limits_.max_custom_steps, proto::kMaxCustomSteps);
   const Environment system = Environment::system();
@@ -308,6 +309,7 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
     rec.peer.gid = peer.gid;
     if (!peer.comm.empty()) rec.peer.comm = peer.comm;
     out = it->second;
+    recorder_.begin_process(out, rec.peer);  // a restored process has no window yet
     return {};
   }
   // An older process with this pid that has no connection is gone: its pid was reused.
@@ -354,6 +356,7 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
   }
   state.by_key.emplace(peer.key, handle);
   out = handle;
+  recorder_.begin_process(handle, peer);
   return {};
 }
 
@@ -375,6 +378,7 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
   const std::size_t n = events.size();
   std::uint64_t depth_hits = 0;
   std::error_code result;
+  std::size_t applied = n;  // events before a bad one are kept
   for (std::size_t i = 0; i < n; ++i) {
     const proto::EventRecord e = events[i];
     std::uint32_t slot = e.step;
@@ -382,11 +386,13 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       const std::uint32_t index = slot - proto::kFirstCustomStep;
       if (index >= proto::kMaxCustomSteps) {
         result = make_error_code(errc::bad_step_id);
+        applied = i;
         break;
       }
       slot = rec->custom_slot ? (*rec->custom_slot)[index] : 0;
       if (slot == 0) {
         result = make_error_code(errc::unregistered_step);
+        applied = i;
         break;
       }
     }
@@ -430,10 +436,12 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       }
     } else {
       result = make_error_code(errc::bad_event_kind);
+      applied = i;
       break;
     }
   }
   if (depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, depth_hits);
+  if (recorder_.on()) recorder_.record(process, events.first(applied), env_.monotonic_now_ns());
   return result;
 }
 
@@ -464,6 +472,7 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
   rec.steps.emplace_back();
   rec.custom_ids.push_back(step.step);
   rec.custom_names.emplace_back(name);
+  recorder_.register_step(process, step.step, std::string(name));
   return {};
 }
 
@@ -471,8 +480,36 @@ void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record)
   if (process >= state_->slots.size() || !state_->slots[process]) return;
   if (record.op == static_cast<std::uint8_t>(proto::LedgerOp::kCleanup)) refresh_holder(record);
   const ProcessRecord& rec = *state_->slots[process];
-  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record,
-                       env_.monotonic_now_ns());
+  const std::uint64_t now = env_.monotonic_now_ns();
+  // Applied or refused: the GPU's count of applied operations says. (The ledger's state
+  // is looked up each time: apply() may clone it when a view holds it.)
+  const auto operations = [&] {
+    const auto& gpus = state_->ledger.state().gpus;
+    const auto gpu = gpus.find(proto::field_view(record.gpu_uuid));
+    if (gpu == gpus.end()) return std::uint64_t{0};
+    std::uint64_t sum = 0;
+    for (const std::uint64_t n : gpu->second.operations) sum += n;
+    return sum;
+  };
+  const std::uint64_t before = recorder_.on() ? operations() : 0;
+  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record, now);
+  if (!recorder_.on()) return;
+  TraceMark mark;
+  mark.kind = TraceMark::Kind::kLedger;
+  mark.ts_ns = record.timestamp_ns;
+  mark.arrived_ns = now;
+  mark.sender = rec.key();
+  mark.record = record;
+  mark.applied = operations() > before;
+  const auto& gpus = state_->ledger.state().gpus;
+  if (const auto gpu = gpus.find(proto::field_view(record.gpu_uuid)); gpu != gpus.end()) {
+    mark.gpu_reserved_bytes = gpu->second.reserved_bytes;
+    if (gpu->second.sample) {
+      mark.gpu_free_bytes = gpu->second.sample->free_bytes;
+      mark.gpu_total_bytes = gpu->second.sample->total_bytes;
+    }
+  }
+  recorder_.mark(mark);
 }
 
 // A cleanup by another uid is allowed only of a dead holder (ledger_view.h): a holder
@@ -501,14 +538,31 @@ void Collector::refresh_holder(const proto::LedgerRecord& record) {
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
   if (process >= state_->slots.size() || !state_->slots[process]) return;
   ProcessRecord& rec = state_->write(process);
+  // A version-1 report: no cause.
+  const std::uint64_t more = raise_dropped(rec, total_dropped);
+  if (more != 0) mark_drop(rec.key(), proto::kDropCauseCount, more);
+}
+
+std::uint64_t Collector::raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped) {
   // Reports are cumulative and may arrive out of order across reconnects: keep the max.
-  if (total_dropped > rec.dropped) {
-    // Saturating: one process's huge report must not wrap the daemon's total (which would
-    // make its Prometheus counter go down).
-    counters_.events_dropped_by_clients =
-        saturating_add(counters_.events_dropped_by_clients, total_dropped - rec.dropped);
-    rec.dropped = total_dropped;
-  }
+  if (total_dropped <= rec.dropped) return 0;
+  const std::uint64_t more = total_dropped - rec.dropped;
+  // Saturating: one process's huge report must not wrap the daemon's total (which would
+  // make its Prometheus counter go down).
+  counters_.events_dropped_by_clients = saturating_add(counters_.events_dropped_by_clients, more);
+  rec.dropped = total_dropped;
+  return more;
+}
+
+void Collector::mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more) {
+  if (!recorder_.on()) return;
+  TraceMark mark;
+  mark.kind = TraceMark::Kind::kDropped;
+  mark.ts_ns = mark.arrived_ns = env_.monotonic_now_ns();
+  mark.sender = sender;
+  mark.cause = cause;
+  mark.dropped = more;
+  recorder_.mark(mark);
 }
 
 void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCause& causes) {
@@ -517,14 +571,16 @@ void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCa
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
     if (causes.count[i] > rec.dropped_by_cause[i]) {
-      counters_.events_dropped_by_cause[i] = saturating_add(
-          counters_.events_dropped_by_cause[i], causes.count[i] - rec.dropped_by_cause[i]);
+      const std::uint64_t more = causes.count[i] - rec.dropped_by_cause[i];
+      counters_.events_dropped_by_cause[i] =
+          saturating_add(counters_.events_dropped_by_cause[i], more);
       rec.dropped_by_cause[i] = causes.count[i];
+      mark_drop(rec.key(), static_cast<std::uint8_t>(i), more);
     }
     // Saturating: a hostile client's counts must not wrap the total.
     total = saturating_add(total, rec.dropped_by_cause[i]);
   }
-  dropped(process, total);
+  raise_dropped(rec, total);
 }
 
 void Collector::detach(ProcessHandle process) {
@@ -556,6 +612,7 @@ void Collector::refresh_liveness() {
   }
   check_ledger_holders(state, env_, counters_);
   enforce_exited_limit(state, limits_, counters_);
+  recorder_.tick(env_.monotonic_now_ns());
 }
 
 std::size_t Collector::reset(std::optional<std::int32_t> pid) {
@@ -588,9 +645,22 @@ CollectorView::~CollectorView() = default;
 
 std::shared_ptr<const CollectorView> Collector::freeze(const ServerCounters* server) const {
   DaemonCounters counters = counters_;
+  counters.flight_recorder = recorder_.counters();
   if (server != nullptr) counters.add(*server);
   return std::shared_ptr<const CollectorView>(
       new CollectorView(*state_, counters, env_.monotonic_now_ns()));
+}
+
+std::shared_ptr<const TraceCapture> Collector::capture_trace(const std::set<std::int32_t>& pids,
+                                                             std::uint64_t since_ns) const {
+  std::shared_ptr<TraceCapture> capture =
+      recorder_.capture(pids, since_ns, env_.monotonic_now_ns());
+  // Liveness is the table's (a window outlives its process's record).
+  for (TraceCapture::Process& p : capture->processes) {
+    const auto it = state_->by_key.find(p.key);
+    p.alive = it != state_->by_key.end() && state_->slots[it->second]->alive;
+  }
+  return capture;
 }
 
 // ---- selection shared by the reports ---------------------------------------------------

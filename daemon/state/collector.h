@@ -28,6 +28,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "daemon/state/flight_recorder.h"
 #include "daemon/state/proc_probe.h"
 #include "daemon/state/types.h"
 #include "proto/codec.h"
@@ -35,6 +36,7 @@
 namespace steptrace::daemon {
 
 struct CollectorState;
+struct ProcessRecord;
 struct RestoredState;
 class CollectorView;
 
@@ -70,7 +72,7 @@ class CollectorView {
 
 class Collector {
  public:
-  Collector(Limits limits, Environment env);
+  Collector(Limits limits, Environment env, FlightRecorderConfig recorder = {});
   ~Collector();
   Collector(const Collector&) = delete;
   Collector& operator=(const Collector&) = delete;
@@ -114,6 +116,15 @@ class Collector {
   // `server`: the server's counters, added to the view's (none in unit tests of state).
   std::shared_ptr<const CollectorView> freeze(const ServerCounters* server = nullptr) const;
 
+  // ---- timeline (daemon/state/flight_recorder.h) --------------------------------------
+  // The flight recorder's window now, for `trace` (all processes, or those pids; events
+  // and marks stamped before since_ns left out). Exited processes' windows included.
+  std::shared_ptr<const TraceCapture> capture_trace(const std::set<std::int32_t>& pids,
+                                                    std::uint64_t since_ns) const;
+  // `trace --for`: begin_capture() / end_capture().
+  FlightRecorder& recorder() { return recorder_; }
+  std::uint64_t now_ns() const { return env_.monotonic_now_ns(); }
+
   // ---- persistence -------------------------------------------------------------------
   // Replaces the state with one the snapshot codec decoded (restore_from_snapshot,
   // daemon/persist/snapshot_codec.h) and adds its counters to the daemon's. Restored
@@ -134,6 +145,9 @@ class Collector {
   DaemonCounters counters_;
   std::unique_ptr<State> state_;
   void refresh_holder(const proto::LedgerRecord& record);
+  std::uint64_t raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped);
+  void mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more);
+  FlightRecorder recorder_;
 
   bool attach_refreshed_ = false;        // attach() refreshed liveness since the last tick
   std::set<ProcessKey> holders_probed_;  // by refresh_holder() since the last tick

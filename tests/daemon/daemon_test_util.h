@@ -95,6 +95,26 @@ class RecordingTransport : public StreamTransport {
     }
     stream_->rendered(run_render_job(job, *collector_.freeze()));
   }
+  // A piece of a streamed reply, rendered at once.
+  void render_piece(std::shared_ptr<ReplyStream> stream) override {
+    ++pieces;
+    std::string out;
+    const bool more = stream->next(out);
+    stream_->piece_rendered(std::move(out), more);
+  }
+  // Kept until fire_deferred(), as if the delay had passed then.
+  void defer(std::chrono::milliseconds delay, std::function<void()> fire) override {
+    deferred_delays.push_back(delay);
+    deferred.push_back(std::move(fire));
+  }
+  void fire_deferred() {
+    auto fires = std::move(deferred);
+    deferred.clear();
+    for (auto& fire : fires) {
+      fire();
+      stream_->resume();
+    }
+  }
   // Renders the held jobs in order, as the RenderWorker hands them back.
   void release_renders() {
     for (auto& job : held) {
@@ -107,6 +127,9 @@ class RecordingTransport : public StreamTransport {
   std::string sent;        // everything the stream sent, in order
   std::size_t unsent = 0;  // what the socket has "not taken"; tests set and clear it
   int renders = 0;
+  int pieces = 0;
+  std::vector<std::function<void()>> deferred;
+  std::vector<std::chrono::milliseconds> deferred_delays;
   bool hold_renders = false;  // keep render jobs until release_renders()
   std::vector<RenderJob> held;
 

@@ -1,0 +1,159 @@
+// The flight recorder: a bounded window of recent raw events, per process, beside the
+// aggregates (issue "timeline"). The Collector feeds it on the io thread as it applies
+// events, ledger records and drop reports; the `trace` command captures it (capture())
+// and daemon/report/trace_export.h turns the capture into a Chrome Trace Event document
+// on the render thread, piece by piece.
+//
+// Layout: each process has a TraceWindow (pid, start time, comm, custom step names) and a
+// queue of TraceChunks: 4 KiB blocks of the wire's own 16-byte EventRecords, appended in
+// arrival order (one memcpy per batch). Ledger records and drop reports are TraceMarks in
+// one queue for all processes. Every chunk and mark is charged to one byte budget
+// (flight_recorder_bytes); past it, and past the time horizon, the oldest go first
+// (chunks in the order they were started, marks in arrival order, whichever is older),
+// counted as evicted. Windows of exited processes stay until their chunks are evicted.
+//
+// Sharing with the render thread: a capture holds shared_ptrs to the chunks and the
+// count of events each held at capture time. Ingest only appends past that count and
+// never reuses a chunk a capture still holds (recycling checks use_count() == 1), so the
+// render thread reads what no one writes. Captures are made on the io thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "daemon/state/types.h"
+#include "proto/codec.h"
+#include "proto/wire_format.h"
+
+namespace steptrace::daemon {
+
+struct FlightRecorderConfig {
+  std::size_t budget_bytes = 32u << 20;           // 0: the standing window is off
+  std::uint64_t horizon_ns = 300'000'000'000ULL;  // events older than this go
+  // Budget of a `trace --for` capture while the standing window is off.
+  static constexpr std::size_t kCaptureBudget = 32u << 20;
+};
+
+struct TraceChunk {
+  static constexpr std::size_t kEvents = 255;  // 4 KiB with the header
+  std::uint64_t started_ns = 0;                // daemon clock when its first event arrived
+  std::uint64_t arrived_ns = 0;                // daemon clock when its last event arrived
+  // events[0..count) are written; ingest only appends past it (a capture keeps the count
+  // it saw, ChunkRef::count, and reads no further).
+  std::uint32_t count = 0;
+  proto::EventRecord events[kEvents];
+};
+
+using StepNames = std::map<std::uint32_t, std::string>;  // custom step id -> name
+
+// One process's window.
+struct TraceWindow {
+  ProcessKey key;
+  std::string comm;                        // /proc/PID/comm at attach (unsanitised)
+  std::shared_ptr<const StepNames> names;  // its custom steps (shared with captures)
+  std::deque<std::shared_ptr<TraceChunk>> chunks;
+};
+
+// A ledger record or a drop report (one queue for all processes).
+struct TraceMark {
+  enum class Kind : std::uint8_t { kLedger, kDropped };
+  Kind kind = Kind::kLedger;
+  std::uint64_t ts_ns = 0;       // ledger: the record's timestamp; drops: daemon clock
+  std::uint64_t arrived_ns = 0;  // daemon clock (eviction)
+  ProcessKey sender;
+  // kLedger: the record as sent, whether the view applied it, and the GPU's reserved
+  // bytes and last sampled free bytes after it (free_bytes 0 when never sampled).
+  proto::LedgerRecord record{};
+  bool applied = false;
+  std::uint64_t gpu_reserved_bytes = 0;
+  std::uint64_t gpu_free_bytes = 0;
+  std::uint64_t gpu_total_bytes = 0;
+  // kDropped: how many more events the client reported lost, and why.
+  std::uint8_t cause = 0;  // proto::DropCause; kDropCauseCount: a version-1 total
+  std::uint64_t dropped = 0;
+};
+
+// A window frozen for export: read on the render thread, nothing in it changes.
+struct TraceCapture {
+  struct ChunkRef {
+    std::shared_ptr<const TraceChunk> chunk;
+    std::uint32_t count = 0;  // events of it to read
+  };
+  struct Process {
+    ProcessKey key;
+    std::string comm;
+    bool alive = true;
+    std::shared_ptr<const StepNames> names;
+    std::vector<ChunkRef> chunks;  // oldest first
+  };
+  std::uint64_t now_ns = 0;         // CLOCK_MONOTONIC at capture: open spans end here
+  std::uint64_t since_ns = 0;       // events stamped before it are left out (--last)
+  std::int64_t wall_offset_ns = 0;  // CLOCK_REALTIME - CLOCK_MONOTONIC at capture
+  std::int32_t daemon_pid = 0;
+  std::string host;
+  FlightRecorderCounters counters;
+  std::vector<Process> processes;  // by (pid, start time)
+  std::vector<TraceMark> marks;    // arrival order
+};
+
+class FlightRecorder {
+ public:
+  explicit FlightRecorder(FlightRecorderConfig config = {});
+
+  // Recording happens while the standing window is on or a capture is active.
+  bool on() const { return budget_ != 0; }
+
+  // ---- ingest (io thread) ----------------------------------------------------------
+  // A process took table slot `handle` (a new attach): its window starts. A window
+  // that slot had before stays, orphaned, until its chunks are evicted.
+  // The same process again (a reconnect): nothing changes.
+  void begin_process(std::uint32_t handle, const PeerIdentity& peer);
+  void register_step(std::uint32_t handle, std::uint32_t id, const std::string& name);
+  // Applied events, in the order they were applied; `now_ns`: the daemon clock.
+  void record(std::uint32_t handle, proto::EventSpan events, std::uint64_t now_ns);
+  void mark(TraceMark mark);
+  // Evicts what is past the horizon (the liveness tick calls it).
+  void tick(std::uint64_t now_ns);
+
+  // ---- captures --------------------------------------------------------------------
+  // `trace --for`: record from now on (with kCaptureBudget when the standing window is
+  // off) until end_capture().
+  void begin_capture();
+  void end_capture();
+  // The window now: all processes, or those whose pid is in `pids`; events and marks
+  // stamped before `since_ns` left out.
+  std::shared_ptr<TraceCapture> capture(const std::set<std::int32_t>& pids, std::uint64_t since_ns,
+                                        std::uint64_t now_ns) const;
+
+  FlightRecorderCounters counters() const;
+  const FlightRecorderConfig& config() const { return config_; }
+
+ private:
+  void new_chunk(TraceWindow& window, std::uint64_t now_ns);
+  void evict_to(std::size_t budget);
+  bool evict_oldest();
+  void evict_front_chunk();
+  void release_front_chunk(TraceWindow& window);  // chunk_order_ already updated
+  void evict_front_mark();
+  void drop_empty_orphans();
+
+  FlightRecorderConfig config_;
+  std::size_t budget_ = 0;  // in force: config's, or kCaptureBudget during a capture
+  std::size_t captures_ = 0;
+  std::vector<std::shared_ptr<TraceWindow>> by_handle_;  // by ProcessHandle
+  std::vector<std::shared_ptr<TraceWindow>> orphans_;    // slot reused, chunks remain
+  std::deque<TraceWindow*> chunk_order_;  // the window of each chunk, oldest chunk first
+  std::deque<TraceMark> marks_;
+  std::vector<std::shared_ptr<TraceChunk>> spare_;  // evicted chunks no capture holds
+  FlightRecorderCounters counters_;
+};
+
+}  // namespace steptrace::daemon

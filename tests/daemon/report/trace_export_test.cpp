@@ -1,0 +1,789 @@
+// The `trace` document (daemon/report/trace_export.h) of hand-built TraceCaptures: spans
+// paired and nested as recorded, open, clipped and start-before-window spans marked,
+// ledger and drop marks, hostile strings, and piecewise output equal to the whole.
+#include "daemon/report/trace_export.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "proto/steps.h"
+#include "proto/wire_format.h"
+
+namespace steptrace::daemon {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::uint64_t kBase = 5'000'000'000'000ULL;  // 5000 s after boot
+constexpr std::uint16_t kForward = 0, kBackward = 1, kMatmul = 2, kAttention = 3, kTranspose = 4;
+
+proto::EventRecord start(std::uint64_t ts, std::uint32_t tid, std::uint16_t step) {
+  return {ts, tid, step, static_cast<std::uint8_t>(proto::EventKind::kStart), 0};
+}
+proto::EventRecord end(std::uint64_t ts, std::uint32_t tid, std::uint16_t step) {
+  return {ts, tid, step, static_cast<std::uint8_t>(proto::EventKind::kEnd), 0};
+}
+
+std::shared_ptr<TraceCapture> new_capture() {
+  auto c = std::make_shared<TraceCapture>();
+  c->now_ns = kBase + 1'000'000;
+  c->wall_offset_ns = 1'700'000'000'000'000'000LL;
+  c->daemon_pid = 999;
+  c->host = "node-1";
+  c->counters.events_evicted = 12;
+  c->counters.marks_evicted = 3;
+  c->counters.budget_bytes = 32u << 20;
+  return c;
+}
+
+// A process whose events are cut into chunks of `per_chunk`, read in full.
+TraceCapture::Process& add_process(TraceCapture& c, std::int32_t pid, std::string comm,
+                                   const std::vector<proto::EventRecord>& events,
+                                   std::size_t per_chunk = TraceChunk::kEvents) {
+  TraceCapture::Process p;
+  p.key = {pid, 100};
+  p.comm = std::move(comm);
+  p.names = std::make_shared<const StepNames>();
+  for (std::size_t i = 0; i < events.size(); i += per_chunk) {
+    auto chunk = std::make_shared<TraceChunk>();
+    const std::size_t n = std::min(per_chunk, events.size() - i);
+    std::copy_n(events.begin() + static_cast<std::ptrdiff_t>(i), n, chunk->events);
+    chunk->count = static_cast<std::uint32_t>(n);
+    p.chunks.push_back({chunk, chunk->count});
+  }
+  c.processes.push_back(std::move(p));
+  return c.processes.back();
+}
+
+void set_field(char (&dst)[proto::kNameField], std::string_view value) {
+  std::memset(dst, 0, sizeof dst);
+  std::memcpy(dst, value.data(), std::min(value.size(), sizeof dst));
+}
+
+TraceMark ledger_mark(proto::LedgerOp op, std::uint64_t ts, std::int32_t pid, std::uint32_t tid,
+                      std::string_view gpu, bool applied) {
+  TraceMark m;
+  m.kind = TraceMark::Kind::kLedger;
+  m.ts_ns = ts;
+  m.arrived_ns = ts;
+  m.sender = {pid, 100};
+  m.record.timestamp_ns = ts;
+  m.record.thread_id = tid;
+  m.record.op = static_cast<std::uint8_t>(op);
+  set_field(m.record.gpu_uuid, gpu);
+  m.applied = applied;
+  return m;
+}
+
+TraceMark drop_mark(std::uint64_t ts, std::int32_t pid, std::uint8_t cause, std::uint64_t dropped) {
+  TraceMark m;
+  m.kind = TraceMark::Kind::kDropped;
+  m.ts_ns = ts;
+  m.arrived_ns = ts;
+  m.sender = {pid, 100};
+  m.cause = cause;
+  m.dropped = dropped;
+  return m;
+}
+
+// The Trace Event format's required fields with their JSON types, the document's shape
+// (one event per line) and otherData. Returns the parsed document.
+json parse_trace(const std::string& doc) {
+  const std::string head = "{\"traceEvents\":[\n";
+  EXPECT_EQ(doc.substr(0, head.size()), head);
+  EXPECT_TRUE(doc.size() >= 2 && doc.substr(doc.size() - 2) == "}\n") << doc;
+  // Every line between the head and the tail is one event object (plus ',').
+  std::vector<std::string> lines;
+  for (std::size_t pos = 0; pos < doc.size();) {
+    const std::size_t nl = doc.find('\n', pos);
+    lines.push_back(doc.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  EXPECT_GE(lines.size(), 2u);
+  EXPECT_EQ(lines.back().substr(0, 21), R"(],"displayTimeUnit":")");
+  for (std::size_t i = 1; i + 1 < lines.size(); ++i) {
+    std::string line = lines[i];
+    if (i + 2 < lines.size()) {
+      EXPECT_EQ(line.back(), ',') << line;
+      line.pop_back();
+    }
+    EXPECT_TRUE(json::accept(line)) << "line " << i << ": " << line;
+  }
+
+  const json j = json::parse(doc);  // throws (the test fails) on invalid JSON or UTF-8
+  EXPECT_TRUE(j.is_object());
+  EXPECT_EQ(j.value("displayTimeUnit", ""), "ms");
+  EXPECT_TRUE(j.at("traceEvents").is_array());
+  const json& other = j.at("otherData");
+  EXPECT_EQ(other.at("clock"), "CLOCK_MONOTONIC");
+  EXPECT_EQ(other.at("generator"), "steptraced");
+  EXPECT_TRUE(other.at("host").is_string());
+  for (const char* key :
+       {"daemon_pid", "wall_clock_offset_ns", "events_evicted", "marks_evicted", "budget_bytes"}) {
+    EXPECT_TRUE(other.at(key).is_number_integer()) << key;
+  }
+  EXPECT_TRUE(other.at("captured_at_us").is_number()) << other;
+  EXPECT_TRUE(other.at("since_us").is_number()) << other;
+
+  for (const json& e : j.at("traceEvents")) {
+    if (!e.is_object()) {
+      ADD_FAILURE() << "not an object: " << e;
+      continue;
+    }
+    const auto has = [&](const char* key, auto is_type) {
+      const bool ok = e.contains(key) && is_type(e.at(key));
+      if (!ok) ADD_FAILURE() << "'" << key << "' missing or mistyped in " << e;
+      return ok;
+    };
+    const auto is_string = [](const json& v) { return v.is_string(); };
+    const auto is_int = [](const json& v) { return v.is_number_integer(); };
+    const auto is_time = [](const json& v) { return v.is_number() && v.get<double>() >= 0; };
+    const auto is_object = [](const json& v) { return v.is_object(); };
+    if (!has("ph", is_string)) continue;
+    has("name", is_string);
+    has("pid", is_int);
+    has("tid", is_int);
+    if (e.contains("args")) has("args", is_object);
+    const std::string ph = e.at("ph");
+    if (ph != "M") has("ts", is_time);
+    if (ph == "X") {
+      has("dur", is_time);
+      has("cat", is_string);
+    } else if (ph == "i") {
+      if (has("s", is_string)) {
+        EXPECT_TRUE(e.at("s") == "t" || e.at("s") == "p" || e.at("s") == "g") << e;
+      }
+      has("cat", is_string);
+    } else if (ph == "C") {
+      if (has("args", is_object)) {
+        for (const auto& [key, value] : e.at("args").items()) {
+          EXPECT_TRUE(value.is_number()) << key << " in " << e;
+        }
+      }
+    } else if (ph == "M") {
+      if (has("args", is_object)) {
+        EXPECT_TRUE(e.at("args").at("name").is_string()) << e;
+      }
+    } else {
+      ADD_FAILURE() << "unexpected ph in " << e;
+    }
+  }
+  return j;
+}
+
+json parse_trace(std::shared_ptr<const TraceCapture> capture) {
+  return parse_trace(render_trace(std::move(capture)));
+}
+
+std::uint64_t ns_of(const json& us) {
+  return static_cast<std::uint64_t>(std::llround(us.get<double>() * 1000.0));
+}
+
+struct Span {
+  std::int64_t pid = 0;
+  std::int64_t tid = 0;
+  std::string name;
+  std::uint64_t ts = 0;
+  std::uint64_t dur = 0;
+  json args;              // null when absent
+  std::size_t index = 0;  // position in traceEvents
+  friend bool operator==(const Span& a, const Span& b) {
+    return std::tie(a.pid, a.tid, a.name, a.ts, a.dur, a.args) ==
+           std::tie(b.pid, b.tid, b.name, b.ts, b.dur, b.args);
+  }
+  friend bool operator<(const Span& a, const Span& b) {
+    return std::tie(a.pid, a.tid, a.ts, a.dur, a.name) <
+           std::tie(b.pid, b.tid, b.ts, b.dur, b.name);
+  }
+  friend std::ostream& operator<<(std::ostream& os, const Span& s) {
+    return os << "{" << s.pid << "/" << s.tid << " " << s.name << " ts=" << s.ts << " dur=" << s.dur
+              << " args=" << s.args.dump() << "}";
+  }
+};
+
+Span span(std::int64_t pid, std::int64_t tid, std::string name, std::uint64_t ts, std::uint64_t dur,
+          json args = nullptr) {
+  return {pid, tid, std::move(name), ts, dur, std::move(args), 0};
+}
+
+std::vector<Span> spans_of(const json& doc) {
+  std::vector<Span> out;
+  const json& events = doc.at("traceEvents");
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const json& e = events[i];
+    if (e.at("ph") != "X") continue;
+    EXPECT_EQ(e.at("cat"), "step");
+    out.push_back({e.at("pid").get<std::int64_t>(), e.at("tid").get<std::int64_t>(),
+                   e.at("name").get<std::string>(), ns_of(e.at("ts")), ns_of(e.at("dur")),
+                   e.contains("args") ? e.at("args") : json(), i});
+  }
+  return out;
+}
+
+std::vector<Span> sorted(std::vector<Span> spans) {
+  std::sort(spans.begin(), spans.end());
+  return spans;
+}
+
+std::vector<json> events_with(const json& doc, std::string_view ph) {
+  std::vector<json> out;
+  for (const json& e : doc.at("traceEvents")) {
+    if (e.at("ph") == ph) out.push_back(e);
+  }
+  return out;
+}
+
+// Spans on one thread either nest or are disjoint.
+void expect_nested(const std::vector<Span>& spans) {
+  for (const Span& a : spans) {
+    for (const Span& b : spans) {
+      if (&a == &b || a.pid != b.pid || a.tid != b.tid) continue;
+      const bool disjoint = a.ts + a.dur <= b.ts || b.ts + b.dur <= a.ts;
+      const bool a_in_b = b.ts <= a.ts && a.ts + a.dur <= b.ts + b.dur;
+      const bool b_in_a = a.ts <= b.ts && b.ts + b.dur <= a.ts + a.dur;
+      EXPECT_TRUE(disjoint || a_in_b || b_in_a) << a << " overlaps " << b;
+    }
+  }
+}
+
+// Spans on one thread starting at the same ts are written longest (enclosing) first.
+void expect_parents_first(const std::vector<Span>& spans) {
+  for (const Span& a : spans) {
+    for (const Span& b : spans) {
+      if (a.pid == b.pid && a.tid == b.tid && a.ts == b.ts && a.dur > b.dur) {
+        EXPECT_LT(a.index, b.index) << a << " is written after " << b;
+      }
+    }
+  }
+}
+
+TEST(TraceExportTest, EmptyCaptureIsAValidDocument) {
+  auto c = new_capture();
+  c->since_ns = kBase + 1'500;
+  const std::string doc = render_trace(c);
+  const json j = parse_trace(doc);
+  EXPECT_TRUE(j.at("traceEvents").empty());
+  const json& other = j.at("otherData");
+  EXPECT_EQ(other.at("host"), "node-1");
+  EXPECT_EQ(other.at("daemon_pid"), 999);
+  EXPECT_EQ(other.at("wall_clock_offset_ns"), 1'700'000'000'000'000'000LL);
+  EXPECT_EQ(ns_of(other.at("captured_at_us")), kBase + 1'000'000);
+  EXPECT_EQ(ns_of(other.at("since_us")), kBase + 1'500);
+  EXPECT_EQ(other.at("events_evicted"), 12);
+  EXPECT_EQ(other.at("marks_evicted"), 3);
+  EXPECT_EQ(other.at("budget_bytes"), 32u << 20);
+
+  // A null capture is an empty one too.
+  const json null_doc = parse_trace(render_trace(nullptr));
+  EXPECT_TRUE(null_doc.at("traceEvents").empty());
+}
+
+TEST(TraceExportTest, TimestampsAreMicrosecondsWithNanosecondDecimals) {
+  auto c = new_capture();
+  c->now_ns = 2'000'000;
+  add_process(*c, 7, "a", {start(1'234'567, 7, kForward), end(1'234'572, 7, kForward)});
+  const std::string doc = render_trace(c);
+  parse_trace(doc);
+  EXPECT_NE(doc.find(R"("ts":1234.567,"dur":0.005})"), std::string::npos) << doc;
+  EXPECT_NE(doc.find(R"("captured_at_us":2000.000,"since_us":0.000,)"), std::string::npos) << doc;
+}
+
+TEST(TraceExportTest, NestedSpansOnTwoThreadsMatchExactly) {
+  constexpr std::int32_t kPid = 4242;
+  constexpr std::uint32_t kMain = 4242, kOther = 4250;
+  const std::uint64_t b = kBase;
+  auto c = new_capture();
+  // Arrival order: batches of each thread's buffer, interleaved.
+  add_process(*c, kPid, "python",
+              {start(b + 1000, kMain, kForward), start(b + 2000, kMain, kMatmul),
+               end(b + 3000, kMain, kMatmul), start(b + 1500, kOther, kForward),
+               start(b + 1600, kOther, kAttention), start(b + 1700, kOther, kMatmul),
+               end(b + 1800, kOther, kMatmul), start(b + 4000, kMain, kMatmul),
+               start(b + 4100, kMain, kTranspose), end(b + 4200, kMain, kTranspose),
+               end(b + 5500, kMain, kMatmul), end(b + 9000, kMain, kForward),
+               end(b + 7000, kOther, kAttention), end(b + 8000, kOther, kForward),
+               start(b + 10000, kMain, kBackward), end(b + 20000, kMain, kBackward)},
+              4);
+  const json j = parse_trace(c);
+  const std::vector<Span> expected = {
+      span(kPid, kMain, "Forward", b + 1000, 8000),
+      span(kPid, kMain, "Matmul", b + 2000, 1000),
+      span(kPid, kMain, "Matmul", b + 4000, 1500),
+      span(kPid, kMain, "Transpose", b + 4100, 100),
+      span(kPid, kMain, "Backward", b + 10000, 10000),
+      span(kPid, kOther, "Forward", b + 1500, 6500),
+      span(kPid, kOther, "Attention", b + 1600, 5400),
+      span(kPid, kOther, "Matmul", b + 1700, 100),
+  };
+  const std::vector<Span> got = spans_of(j);
+  EXPECT_EQ(sorted(got), sorted(expected));
+  expect_nested(got);
+
+  std::map<std::int64_t, std::string> thread_names;
+  std::vector<std::string> process_names;
+  for (const json& m : events_with(j, "M")) {
+    EXPECT_EQ(m.at("pid"), kPid);
+    if (m.at("name") == "thread_name") {
+      thread_names[m.at("tid").get<std::int64_t>()] = m.at("args").at("name");
+    } else {
+      EXPECT_EQ(m.at("name"), "process_name");
+      EXPECT_EQ(m.at("tid"), 0);
+      process_names.push_back(m.at("args").at("name"));
+    }
+  }
+  EXPECT_EQ(thread_names, (std::map<std::int64_t, std::string>{{kMain, "main thread 4242"},
+                                                               {kOther, "thread 4250"}}));
+  EXPECT_EQ(process_names, std::vector<std::string>{"python [4242]"});
+}
+
+// A deterministic workload: per thread, properly nested spans (some of one step inside
+// the same step), the threads' streams interleaved in batches as buffers arrive.
+struct Workload {
+  std::vector<proto::EventRecord> events;
+  std::vector<Span> spans;
+};
+
+Workload make_workload(std::int32_t pid, std::size_t threads, std::size_t roots, std::uint64_t seed,
+                       const StepNames& custom) {
+  std::uint64_t state = seed;
+  const auto next_rand = [&](std::uint64_t n) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (state >> 33) % n;
+  };
+  std::vector<std::uint16_t> steps;
+  for (std::uint16_t s = 0; s < proto::kBuiltinStepCount; ++s) steps.push_back(s);
+  for (const auto& [id, name] : custom) steps.push_back(static_cast<std::uint16_t>(id));
+  const auto step_name = [&](std::uint16_t s) {
+    return proto::is_builtin_step(s) ? std::string(proto::kBuiltinStepNames[s]) : custom.at(s);
+  };
+
+  Workload w;
+  std::vector<std::vector<proto::EventRecord>> streams(threads);
+  for (std::size_t t = 0; t < threads; ++t) {
+    const auto tid = static_cast<std::uint32_t>(pid + static_cast<std::int32_t>(t));
+    std::uint64_t now = kBase + next_rand(1000);
+    auto& out = streams[t];
+    const auto emit = [&](auto& self, int depth) -> void {
+      const std::uint16_t s = steps[next_rand(steps.size())];
+      now += 1 + next_rand(50);
+      const std::uint64_t begin = now;
+      out.push_back(start(begin, tid, s));
+      if (depth < 4) {
+        const std::uint64_t children = next_rand(4);
+        for (std::uint64_t i = 0; i < children; ++i) self(self, depth + 1);
+      }
+      now += 1 + next_rand(50);
+      out.push_back(end(now, tid, s));
+      w.spans.push_back(span(pid, tid, step_name(s), begin, now - begin));
+    };
+    for (std::size_t r = 0; r < roots; ++r) emit(emit, 0);
+  }
+  std::vector<std::size_t> pos(threads, 0);
+  for (bool more = true; more;) {
+    more = false;
+    for (std::size_t t = 0; t < threads; ++t) {
+      const std::size_t n = std::min<std::size_t>(1 + next_rand(40), streams[t].size() - pos[t]);
+      w.events.insert(w.events.end(), streams[t].begin() + static_cast<std::ptrdiff_t>(pos[t]),
+                      streams[t].begin() + static_cast<std::ptrdiff_t>(pos[t] + n));
+      pos[t] += n;
+      more = more || pos[t] < streams[t].size();
+    }
+  }
+  return w;
+}
+
+TEST(TraceExportTest, EverySpanIsPresentExactlyOnce) {
+  const StepNames custom = {{100, "optimizer"}, {101, "dataloader"}};
+  const Workload w = make_workload(300, 4, 60, 42, custom);
+  auto c = new_capture();
+  c->now_ns = kBase + 100'000'000;
+  auto& p = add_process(*c, 300, "trainer", w.events, 7);
+  p.names = std::make_shared<const StepNames>(custom);
+  const json j = parse_trace(c);
+  const std::vector<Span> got = spans_of(j);
+  ASSERT_GT(w.spans.size(), 500u);
+  EXPECT_EQ(got.size(), w.spans.size());
+  EXPECT_EQ(sorted(got), sorted(w.spans));
+  for (const Span& s : got) EXPECT_TRUE(s.args.is_null()) << s;
+  expect_nested(got);
+  expect_parents_first(got);
+}
+
+TEST(TraceExportTest, ReadsOnlyTheEventsEachChunkRefCounts) {
+  auto c = new_capture();
+  auto& p = add_process(*c, 5, "a",
+                        {start(kBase + 10, 5, kForward), start(kBase + 20, 5, kMatmul),
+                         end(kBase + 30, 5, kMatmul), end(kBase + 40, 5, kForward)});
+  p.chunks[0].count = 2;  // the chunk holds 4 events, the capture took 2
+  const std::vector<Span> got = spans_of(parse_trace(c));
+  EXPECT_EQ(sorted(got),
+            sorted({span(5, 5, "Forward", kBase + 10, c->now_ns - kBase - 10, {{"open", true}}),
+                    span(5, 5, "Matmul", kBase + 20, c->now_ns - kBase - 20, {{"open", true}})}));
+}
+
+TEST(TraceExportTest, CustomStepNamesAndUnknownIds) {
+  auto c = new_capture();
+  auto& p =
+      add_process(*c, 11, "a",
+                  {start(kBase + 10, 11, 100), end(kBase + 20, 11, 100), start(kBase + 30, 11, 101),
+                   end(kBase + 40, 11, 101), start(kBase + 50, 11, 102), end(kBase + 60, 11, 102),
+                   start(kBase + 70, 11, 11), end(kBase + 80, 11, 11)});
+  p.names = std::make_shared<const StepNames>(StepNames{{100, "optimizer"}, {101, "data"}});
+  EXPECT_EQ(sorted(spans_of(parse_trace(c))),
+            sorted({span(11, 11, "optimizer", kBase + 10, 10), span(11, 11, "data", kBase + 30, 10),
+                    span(11, 11, "step 102", kBase + 50, 10),
+                    span(11, 11, "LedgerRelease", kBase + 70, 10)}));
+
+  // The same ids in another process without names.
+  auto c2 = new_capture();
+  add_process(*c2, 12, "b", {start(kBase + 10, 12, 100), end(kBase + 20, 12, 100)});
+  c2->processes[0].names = nullptr;
+  EXPECT_EQ(spans_of(parse_trace(c2)), std::vector<Span>{span(12, 12, "step 100", kBase + 10, 10)});
+}
+
+TEST(TraceExportTest, OpenSpansRunToCaptureTime) {
+  auto c = new_capture();
+  c->now_ns = kBase + 50'000;
+  add_process(*c, 20, "a",
+              {start(kBase + 1000, 20, kForward), start(kBase + 2000, 20, kMatmul),
+               end(kBase + 3000, 20, kMatmul), start(kBase + 4000, 20, kBackward),
+               start(kBase + 4500, 21, kForward)});
+  const std::vector<Span> got = spans_of(parse_trace(c));
+  const json open = {{"open", true}};
+  EXPECT_EQ(sorted(got), sorted({span(20, 20, "Forward", kBase + 1000, 49'000, open),
+                                 span(20, 20, "Matmul", kBase + 2000, 1000),
+                                 span(20, 20, "Backward", kBase + 4000, 46'000, open),
+                                 span(20, 21, "Forward", kBase + 4500, 45'500, open)}));
+  expect_nested(got);
+}
+
+TEST(TraceExportTest, EndsWithoutStartsBeginAtTheWindowStart) {
+  const std::vector<proto::EventRecord> events = {
+      // Thread 32's starts were evicted: inner end first, then the outer one.
+      end(kBase + 3000, 32, kAttention), end(kBase + 4000, 32, kForward),
+      start(kBase + 4500, 32, kForward), end(kBase + 4600, 32, kForward),
+      // Thread 31's buffer arrived later with the process's earliest retained event.
+      start(kBase + 500, 31, kMatmul), end(kBase + 600, 31, kMatmul)};
+  const json sbw = {{"start_before_window", true}};
+  {
+    auto c = new_capture();
+    add_process(*c, 30, "a", events);
+    const std::vector<Span> got = spans_of(parse_trace(c));
+    EXPECT_EQ(sorted(got), sorted({span(30, 31, "Matmul", kBase + 500, 100),
+                                   span(30, 32, "Attention", kBase + 500, 2500, sbw),
+                                   span(30, 32, "Forward", kBase + 500, 3500, sbw),
+                                   span(30, 32, "Forward", kBase + 4500, 100)}));
+    expect_nested(got);
+    expect_parents_first(got);  // Forward (3500) is written before Attention (2500)
+  }
+  {
+    // Past since_ns the window starts there.
+    auto c = new_capture();
+    c->since_ns = kBase + 1000;
+    add_process(*c, 30, "a", events);
+    const std::vector<Span> got = spans_of(parse_trace(c));
+    EXPECT_EQ(sorted(got), sorted({span(30, 32, "Attention", kBase + 1000, 2000, sbw),
+                                   span(30, 32, "Forward", kBase + 1000, 3000, sbw),
+                                   span(30, 32, "Forward", kBase + 4500, 100)}));
+    expect_parents_first(got);
+  }
+}
+
+TEST(TraceExportTest, ManyEndsWithoutStartsAreAllWritten) {
+  // More held spans than the exporter keeps at once (a client sending only ends).
+  std::vector<proto::EventRecord> events = {start(kBase, 41, kForward),
+                                            end(kBase + 1, 41, kForward)};
+  constexpr std::uint64_t kEnds = 10'000;
+  for (std::uint64_t i = 0; i < kEnds; ++i) events.push_back(end(kBase + 10 + i, 40, kMatmul));
+  auto c = new_capture();
+  add_process(*c, 40, "a", events);
+  const std::vector<Span> got = spans_of(parse_trace(c));
+  ASSERT_EQ(got.size(), kEnds + 1);
+  std::set<std::uint64_t> durations;
+  for (const Span& s : got) {
+    if (s.tid != 40) continue;
+    EXPECT_EQ(s.ts, kBase);
+    EXPECT_EQ(s.args, json({{"start_before_window", true}}));
+    durations.insert(s.dur);
+  }
+  EXPECT_EQ(durations.size(), kEnds);
+  EXPECT_EQ(*durations.begin(), 10u);
+  EXPECT_EQ(*durations.rbegin(), 10 + kEnds - 1);
+}
+
+TEST(TraceExportTest, SinceClipsSpansThatCrossIt) {
+  const std::uint64_t since = kBase + 5000;
+  auto c = new_capture();
+  c->since_ns = since;
+  add_process(*c, 50, "a",
+              {start(kBase + 1000, 50, kBackward), end(kBase + 2000, 50, kBackward),
+               start(kBase + 3000, 50, kForward), start(kBase + 4000, 50, kMatmul),
+               start(kBase + 4500, 50, kTranspose), end(kBase + 5000, 50, kTranspose),
+               end(kBase + 6000, 50, kMatmul), start(kBase + 6500, 50, kMatmul),
+               end(kBase + 7000, 50, kMatmul), end(kBase + 9000, 50, kForward)});
+  c->marks.push_back(drop_mark(kBase + 4999, 50, 0, 1));  // before since: left out
+  c->marks.push_back(ledger_mark(proto::LedgerOp::kRelease, kBase + 4000, 50, 50, "GPU-0", true));
+  c->marks.push_back(drop_mark(kBase + 6000, 50, 1, 2));
+  const json j = parse_trace(c);
+  const json clipped = {{"clipped", true}};
+  const std::vector<Span> got = spans_of(j);
+  EXPECT_EQ(sorted(got), sorted({span(50, 50, "Forward", since, 4000, clipped),
+                                 span(50, 50, "Matmul", since, 1000, clipped),
+                                 span(50, 50, "Transpose", since, 0, clipped),
+                                 span(50, 50, "Matmul", kBase + 6500, 500)}));
+  expect_nested(got);
+  expect_parents_first(got);
+  EXPECT_TRUE(events_with(j, "C").empty());
+  const std::vector<json> instants = events_with(j, "i");
+  ASSERT_EQ(instants.size(), 1u);
+  EXPECT_EQ(instants[0].at("name"), "dropped: not_connected");
+  EXPECT_EQ(ns_of(instants[0].at("ts")), kBase + 6000);
+  EXPECT_EQ(ns_of(j.at("otherData").at("since_us")), since);
+}
+
+TEST(TraceExportTest, BackwardsPairHasZeroDuration) {
+  auto c = new_capture();
+  add_process(*c, 60, "a",
+              {start(kBase + 100, 60, kForward), start(kBase + 2000, 60, kMatmul),
+               end(kBase + 1500, 60, kMatmul), end(kBase + 3000, 60, kForward)});
+  EXPECT_EQ(sorted(spans_of(parse_trace(c))), sorted({span(60, 60, "Forward", kBase + 100, 2900),
+                                                      span(60, 60, "Matmul", kBase + 2000, 0)}));
+}
+
+TEST(TraceExportTest, ProcessesAreNamedAndExitedOnesSaySo) {
+  auto c = new_capture();
+  add_process(*c, 70, "python", {start(kBase, 70, kForward), end(kBase + 5, 70, kForward)});
+  add_process(*c, 71, "", {start(kBase, 72, kForward), end(kBase + 5, 72, kForward)});
+  c->processes[0].alive = false;
+  const json j = parse_trace(c);
+  std::map<std::int64_t, std::string> names;
+  for (const json& m : events_with(j, "M")) {
+    if (m.at("name") == "process_name") {
+      names[m.at("pid").get<std::int64_t>()] = m.at("args").at("name");
+    }
+  }
+  EXPECT_EQ(names,
+            (std::map<std::int64_t, std::string>{{70, "python [70] (exited)"}, {71, "[71]"}}));
+  EXPECT_EQ(sorted(spans_of(j)),
+            sorted({span(70, 70, "Forward", kBase, 5), span(71, 72, "Forward", kBase, 5)}));
+}
+
+TEST(TraceExportTest, LedgerMarksBecomeInstantsAndCounters) {
+  auto c = new_capture();
+  const std::string long_uuid(64, 'u');  // fills the field, no NUL
+  auto reserve = ledger_mark(proto::LedgerOp::kReserve, kBase + 100, 80, 81, "GPU-a", true);
+  reserve.record.reservation_id = 5;
+  reserve.record.bytes = 1u << 30;
+  set_field(reserve.record.task, "train");
+  reserve.gpu_reserved_bytes = 1u << 30;
+  auto sample = ledger_mark(proto::LedgerOp::kVramSample, kBase + 200, 80, 82, "GPU-a", true);
+  sample.record.bytes = 10ULL << 30;
+  sample.record.total_bytes = 80ULL << 30;
+  sample.gpu_reserved_bytes = 1u << 30;
+  sample.gpu_free_bytes = 10ULL << 30;
+  auto release = ledger_mark(proto::LedgerOp::kRelease, kBase + 300, 80, 81, "GPU-a", true);
+  release.record.reservation_id = 5;
+  auto cleanup = ledger_mark(proto::LedgerOp::kCleanup, kBase + 400, 83, 83, "GPU-a", false);
+  cleanup.record.reservation_id = 6;
+  cleanup.record.holder_pid = 99;
+  auto other = ledger_mark(proto::LedgerOp::kReserve, kBase + 500, 80, 81, long_uuid, true);
+  other.record.reservation_id = 7;
+  other.record.bytes = 4096;
+  other.gpu_reserved_bytes = 4096;
+  c->marks = {reserve, sample, release, cleanup, other};
+  const json j = parse_trace(c);
+
+  const std::vector<json> instants = events_with(j, "i");
+  ASSERT_EQ(instants.size(), 5u);
+  for (const json& e : instants) {
+    EXPECT_EQ(e.at("s"), "t");
+    EXPECT_EQ(e.at("cat"), "ledger");
+  }
+  EXPECT_EQ(instants[0].at("name"), "LedgerReserve");
+  EXPECT_EQ(instants[0].at("pid"), 80);
+  EXPECT_EQ(instants[0].at("tid"), 81);
+  EXPECT_EQ(ns_of(instants[0].at("ts")), kBase + 100);
+  EXPECT_EQ(instants[0].at("args"), json({{"gpu", "GPU-a"},
+                                          {"reservation_id", 5},
+                                          {"bytes", 1u << 30},
+                                          {"task", "train"},
+                                          {"applied", true}}));
+  EXPECT_EQ(instants[1].at("name"), "VramSample");
+  EXPECT_EQ(instants[1].at("tid"), 82);
+  EXPECT_EQ(instants[1].at("args"), json({{"gpu", "GPU-a"},
+                                          {"free_bytes", 10ULL << 30},
+                                          {"total_bytes", 80ULL << 30},
+                                          {"applied", true}}));
+  EXPECT_EQ(instants[2].at("name"), "LedgerRelease");
+  EXPECT_EQ(instants[2].at("args"),
+            json({{"gpu", "GPU-a"}, {"reservation_id", 5}, {"applied", true}}));
+  EXPECT_EQ(instants[3].at("name"), "LedgerCleanup");
+  EXPECT_EQ(instants[3].at("pid"), 83);
+  EXPECT_EQ(
+      instants[3].at("args"),
+      json({{"gpu", "GPU-a"}, {"reservation_id", 6}, {"holder_pid", 99}, {"applied", false}}));
+  EXPECT_EQ(instants[4].at("args").at("gpu"), long_uuid);
+  EXPECT_EQ(instants[4].at("args").at("task"), "");
+
+  // One counter per applied record, the free one for samples; none for the cleanup.
+  std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> counters;
+  for (const json& e : events_with(j, "C")) {
+    EXPECT_EQ(e.at("pid"), 999);
+    EXPECT_EQ(e.at("tid"), 0);
+    counters.emplace_back(e.at("name").get<std::string>(), ns_of(e.at("ts")),
+                          e.at("args").at("bytes").get<std::uint64_t>());
+  }
+  const std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> expected = {
+      {"VRAM reserved GPU-a", kBase + 100, 1u << 30},
+      {"VRAM reserved GPU-a", kBase + 200, 1u << 30},
+      {"VRAM free GPU-a", kBase + 200, 10ULL << 30},
+      {"VRAM reserved GPU-a", kBase + 300, 0},
+      {"VRAM reserved " + long_uuid, kBase + 500, 4096}};
+  EXPECT_EQ(counters, expected);
+
+  // The pseudo process is named once, before its first counter.
+  std::size_t named = 0, first_counter = 0, named_at = 0;
+  const json& events = j.at("traceEvents");
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    if (events[i].at("ph") == "C" && first_counter == 0) first_counter = i;
+    if (events[i].at("ph") == "M" && events[i].at("pid") == 999) {
+      ++named;
+      named_at = i;
+      EXPECT_EQ(events[i].at("name"), "process_name");
+      EXPECT_EQ(events[i].at("args").at("name"), "steptraced: GPU memory");
+    }
+  }
+  EXPECT_EQ(named, 1u);
+  EXPECT_LT(named_at, first_counter);
+}
+
+TEST(TraceExportTest, NoGpuProcessWithoutAppliedLedgerRecords) {
+  auto c = new_capture();
+  c->marks.push_back(
+      ledger_mark(proto::LedgerOp::kReserve, kBase + 100, 80, 81, "GPU-a", /*applied=*/false));
+  c->marks.push_back(drop_mark(kBase + 200, 80, 0, 3));
+  const json j = parse_trace(c);
+  EXPECT_EQ(events_with(j, "i").size(), 2u);
+  EXPECT_TRUE(events_with(j, "C").empty());
+  EXPECT_TRUE(events_with(j, "M").empty());
+}
+
+TEST(TraceExportTest, DropMarksBecomeProcessInstants) {
+  auto c = new_capture();
+  const std::vector<std::uint8_t> causes = {0, 1, 2, 3, proto::kDropCauseCount, 200};
+  for (std::size_t i = 0; i < causes.size(); ++i) {
+    c->marks.push_back(drop_mark(kBase + 10 * i, 90, causes[i], 1000 + i));
+  }
+  const std::vector<json> instants = events_with(parse_trace(c), "i");
+  ASSERT_EQ(instants.size(), causes.size());
+  const std::vector<std::string> names = {"buffer_full", "not_connected", "in_flight",
+                                          "invalid",     "unknown",       "unknown"};
+  for (std::size_t i = 0; i < causes.size(); ++i) {
+    const json& e = instants[i];
+    EXPECT_EQ(e.at("name"), "dropped: " + names[i]);
+    EXPECT_EQ(e.at("s"), "p");
+    EXPECT_EQ(e.at("cat"), "drops");
+    EXPECT_EQ(e.at("pid"), 90);
+    EXPECT_EQ(e.at("tid"), 90);
+    EXPECT_EQ(ns_of(e.at("ts")), kBase + 10 * i);
+    EXPECT_EQ(e.at("args"), json({{"cause", names[i]}, {"events", 1000 + i}}));
+  }
+}
+
+TEST(TraceExportTest, HostileStringsStayValidJson) {
+  auto c = new_capture();
+  c->host = "h\xc0\xaf";  // overlong '/'
+  auto& p = add_process(*c, 100, "ev\"il\\\x01\n\xff\xc3\xa9\x7f",
+                        {start(kBase, 100, 200), end(kBase + 5, 100, 200)});
+  p.names = std::make_shared<const StepNames>(
+      StepNames{{200, "s\x1f\"\xfe\xe2\x82\xac\xed\xa0\x80\xe2\x82"}});
+  auto m = ledger_mark(proto::LedgerOp::kReserve, kBase + 1, 100, 100, "GPU-\"\xff", true);
+  set_field(m.record.task, "t\\\x7f\xf4\x90\x80\x80");
+  c->marks.push_back(m);
+  const json j = parse_trace(c);
+  EXPECT_EQ(j.at("otherData").at("host"), "h??");
+  for (const json& e : events_with(j, "M")) {
+    if (e.at("name") == "process_name" && e.at("pid") == 100) {
+      EXPECT_EQ(e.at("args").at("name"), "ev\"il\\\x01\n?\xc3\xa9\x7f [100]");
+    }
+  }
+  // Valid UTF-8 (the euro sign) stays; a surrogate, a cut sequence and 0xFE become '?'.
+  EXPECT_EQ(spans_of(j).at(0).name, "s\x1f\"?\xe2\x82\xac?????");
+  const std::vector<json> instants = events_with(j, "i");
+  ASSERT_EQ(instants.size(), 1u);
+  EXPECT_EQ(instants[0].at("args").at("gpu"), "GPU-\"?");
+  EXPECT_EQ(instants[0].at("args").at("task"), "t\\\x7f????");  // past U+10FFFF
+  const std::vector<json> counters = events_with(j, "C");
+  ASSERT_EQ(counters.size(), 1u);
+  EXPECT_EQ(counters[0].at("name"), "VRAM reserved GPU-\"?");
+}
+
+TEST(TraceExportTest, PiecesConcatenateToTheWholeDocument) {
+  const StepNames custom = {{100, "optimizer"}};
+  auto c = new_capture();
+  c->now_ns = kBase + 100'000'000;
+  c->since_ns = kBase + 2000;
+  for (std::int32_t pid : {500, 600}) {
+    const Workload w = make_workload(pid, 3, 10, static_cast<std::uint64_t>(pid), custom);
+    auto& p = add_process(*c, pid, "proc", w.events, 5);
+    p.names = std::make_shared<const StepNames>(custom);
+    // An open span, an end without a start.
+    auto last = std::make_shared<TraceChunk>();
+    last->events[0] = start(kBase + 50'000'000, static_cast<std::uint32_t>(pid), kForward);
+    last->events[1] = end(kBase + 60'000'000, static_cast<std::uint32_t>(pid + 7), kMatmul);
+    last->count = 2;
+    p.chunks.push_back({last, 2});
+  }
+  auto reserve = ledger_mark(proto::LedgerOp::kVramSample, kBase + 3000, 500, 500, "GPU-b", true);
+  c->marks = {reserve, drop_mark(kBase + 4000, 600, 2, 9)};
+  const std::string whole = render_trace(c);
+  const json j = parse_trace(whole);
+  ASSERT_GT(spans_of(j).size(), 50u);
+
+  std::size_t longest_line = 0;
+  for (std::size_t pos = 0, nl; pos < whole.size(); pos = nl + 1) {
+    nl = whole.find('\n', pos);
+    longest_line = std::max(longest_line, nl - pos + 1);
+  }
+  for (const std::size_t piece_bytes : {std::size_t{1}, std::size_t{64}, std::size_t{1000}}) {
+    TraceExport exporter(c);
+    std::string joined;
+    std::vector<bool> returned;
+    for (bool more = true; more;) {
+      std::string piece;
+      more = exporter.next(piece, piece_bytes);
+      returned.push_back(more);
+      EXPECT_FALSE(piece.empty());
+      // About piece_bytes, overshooting by at most one event's line.
+      EXPECT_LT(piece.size(), piece_bytes + longest_line + 2) << piece;
+      joined += piece;
+      ASSERT_LT(returned.size(), whole.size() + 2) << "next() never returned false";
+    }
+    EXPECT_EQ(joined, whole) << "piece_bytes " << piece_bytes;
+    EXPECT_TRUE(std::all_of(returned.begin(), returned.end() - 1, [](bool b) { return b; }));
+    EXPECT_FALSE(returned.back());
+    // Past the end: nothing more.
+    std::string after;
+    EXPECT_FALSE(exporter.next(after, piece_bytes));
+    EXPECT_TRUE(after.empty());
+  }
+  // With the default piece size the small document is one piece.
+  TraceExport exporter(c);
+  std::string one;
+  EXPECT_FALSE(exporter.next(one));
+  EXPECT_EQ(one, whole);
+}
+
+}  // namespace
+}  // namespace steptrace::daemon
