@@ -3,8 +3,9 @@
 // Each subcommand is one of the daemon's text commands: the CLI resolves the socket path
 // (--socket, else $STEPTRACE_SOCKET, else the default), sends the command over one Unix
 // stream connection (cli/control_client.h) and prints the reply. `top` polls
-// `report --json` and renders it (cli/top_view.h). Exit status: 0 success, 1 the daemon
-// could not be reached or answered with an error, 2 bad usage.
+// `report --json` and renders it (cli/top_view.h); `trace` streams the daemon's timeline
+// to a file (cli/trace_command.h). Exit status: 0 success, 1 the daemon could not be
+// reached or answered with an error, 2 bad usage.
 #include <fmt/chrono.h>
 #include <fmt/format.h>
 #include <signal.h>
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <ctime>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -25,15 +27,15 @@
 
 #include "cli/control_client.h"
 #include "cli/top_view.h"
+#include "cli/trace_command.h"
 
 namespace {
 
 using steptrace::cli::CommandFailure;
+using steptrace::cli::kExitFailure;
+using steptrace::cli::kExitOk;
+using steptrace::cli::kExitUsage;
 using steptrace::cli::SocketPath;
-
-constexpr int kExitOk = 0;
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
 
 constexpr const char* kDescription =
     "steptrace - ask steptraced, the steptrace trace collector, what ML training processes on "
@@ -47,6 +49,33 @@ constexpr const char* kFooter =
     ".\nIf the daemon is not running: systemctl start steptraced.socket\n"
     "Exit status: 0 ok, 1 daemon unreachable or answered an error, 2 bad usage.\n"
     "Run `steptrace SUBCOMMAND --help` for a subcommand's options.\n";
+
+constexpr const char* kTraceFooter =
+    "A trace is the timeline behind `steptrace report`: every span each thread recorded\n"
+    "(Forward, Backward, Matmul, ...) with its start and end, the VRAM-ledger operations and\n"
+    "per-GPU VRAM counters, and the events processes reported dropped. It comes from the\n"
+    "daemon's flight recorder, which keeps the last seconds of raw events of each process\n"
+    "(flight_recorder_bytes and flight_recorder_seconds in its config). Without --for you get\n"
+    "that window as it is now (--last S: only its last S seconds); --for S records from now\n"
+    "for S seconds, even when the standing window is off, and then saves that.\n"
+    "\n"
+    "Output: steptrace-trace-HOST-YYYYmmdd-HHMMSS.json in the current directory (local time\n"
+    "when you ran the command), written as FILE.partial and renamed once complete; -o FILE\n"
+    "chooses the file, -o - writes to standard output. An existing FILE is kept unless --force.\n"
+    "--timeout bounds each wait for more of the reply; with --for S the first byte may take\n"
+    "S seconds more.\n"
+    "\n"
+    "Open it in https://ui.perfetto.dev (\"Open trace file\"), chrome://tracing (\"Load\") or\n"
+    "Speedscope (https://www.speedscope.app): a track per process, named `comm [pid]`, and\n"
+    "per thread, with the spans as slices named after their steps.\n"
+    "\n"
+    "Examples:\n"
+    "  steptrace trace                                    everything in the window now\n"
+    "  steptrace trace --pid 4242 --last 10 -o step.json  one process, the last 10 s\n"
+    "  steptrace trace --for 30                           record the next 30 s\n"
+    "\n"
+    "Exit status: 0 written, 1 daemon unreachable, error reply or write failure, 2 bad usage\n"
+    "or FILE exists.\n";
 
 struct Options {
   std::string socket_flag;
@@ -67,6 +96,26 @@ void write_line(std::FILE* out, const std::string& text) {
   std::fputs(text.c_str(), out);
   if (text.empty() || text.back() != '\n') std::fputc('\n', out);
   std::fflush(out);
+}
+
+// --last / --for: a number of seconds the daemon's grammar takes, in (min, max] or, with
+// `min_inclusive`, [min, max].
+CLI::Validator seconds_check(double min, bool min_inclusive, double max) {
+  return CLI::Validator(
+      [=](const std::string& text) -> std::string {
+        const auto value = steptrace::cli::parse_seconds(text);
+        if (!value) {
+          return "'" + text +
+                 "' is not a number of seconds (digits with an optional fraction: 30, 2.5)";
+        }
+        const bool above_min = min_inclusive ? *value >= min : *value > min;
+        if (above_min && *value <= max) return "";
+        if (max == std::numeric_limits<double>::infinity()) {
+          return fmt::format("{} s: must be more than {:g} s", text, min);
+        }
+        return fmt::format("{} s: must be from {:g} to {:g} s", text, min, max);
+      },
+      "");
 }
 
 // Runs one command and prints its reply; returns the exit status.
@@ -217,6 +266,39 @@ int main(int argc, char** argv) {
       ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 30));
+  steptrace::cli::TraceRequest trace_request;
+  auto* trace = app.add_subcommand(
+      "trace",
+      "Save a timeline (Chrome trace JSON) of recent spans, VRAM-ledger operations and drops, "
+      "for https://ui.perfetto.dev or chrome://tracing");
+  trace->footer(kTraceFooter);
+  trace
+      ->add_option("--pid", trace_request.pids,
+                   "Only this process (repeat for more, at most " +
+                       std::to_string(steptrace::cli::kMaxTracePids) + ")")
+      ->type_name("PID")
+      ->check(CLI::Range(1, 1 << 30))
+      ->allow_extra_args(false);
+  auto* trace_last =
+      trace
+          ->add_option("--last", trace_request.last,
+                       "Only the last SECONDS of the window (e.g. 30 or 2.5)")
+          ->type_name("SECONDS")
+          ->check(seconds_check(0.0, false, std::numeric_limits<double>::infinity()));
+  auto* trace_for =
+      trace
+          ->add_option("--for", trace_request.for_s,
+                       "Record from now for SECONDS (1 to 3600), then save that capture")
+          ->type_name("SECONDS")
+          ->check(
+              seconds_check(steptrace::cli::kMinForSeconds, true, steptrace::cli::kMaxForSeconds));
+  trace_last->excludes(trace_for);
+  trace
+      ->add_option("-o,--output", trace_request.output,
+                   "Write to FILE (- for standard output) instead of "
+                   "steptrace-trace-HOST-YYYYmmdd-HHMMSS.json")
+      ->type_name("FILE");
+  trace->add_flag("--force", trace_request.force, "Replace FILE if it exists");
 
   try {
     app.parse(argc, argv);
@@ -262,5 +344,17 @@ int main(int argc, char** argv) {
     return run_and_print(socket, "version", timeout);
   }
   if (app.got_subcommand(top)) return run_top(socket, options);
+  if (app.got_subcommand(trace)) {
+    if (trace_request.pids.size() > steptrace::cli::kMaxTracePids) {
+      std::fprintf(stderr, "steptrace: trace: at most %zu --pid options, not %zu\n",
+                   steptrace::cli::kMaxTracePids, trace_request.pids.size());
+      return kExitUsage;
+    }
+    if (trace_request.output.empty() && trace->get_option("--output")->count() > 0) {
+      std::fprintf(stderr, "steptrace: trace: -o wants a file name, or - for standard output\n");
+      return kExitUsage;
+    }
+    return steptrace::cli::run_trace(socket, trace_request, timeout);
+  }
   return kExitUsage;  // unreachable: require_subcommand(1)
 }
