@@ -2,6 +2,7 @@
 #include "daemon/report/report.h"
 
 #include <steptrace/version.h>
+#include <atomic>
 #include <charconv>
 #include <exception>
 #include <nlohmann/json.hpp>
@@ -146,15 +147,31 @@ std::optional<double> parse_seconds(std::string_view text, double max) {
 
 constexpr const char* kTraceUsage = "trace [--pid N]... [--last SECONDS | --for SECONDS]";
 
-// Renders a capture as the trace document, a piece per next().
+// Renders a capture as the trace document, a piece per next(). Each one alive holds its
+// capture's chunks (memory beyond the recorder's budget once they are evicted), so at
+// most kMaxTraceReplies exist at once; a client that does not read is closed after
+// timeouts.frame_s, which ends its reply.
 class TraceReply final : public ReplyStream {
  public:
-  explicit TraceReply(std::shared_ptr<const TraceCapture> capture) : export_(std::move(capture)) {}
+  static constexpr int kMaxTraceReplies = 8;
+  explicit TraceReply(std::shared_ptr<const TraceCapture> capture) : export_(std::move(capture)) {
+    ++live_;
+  }
+  ~TraceReply() override { --live_; }
+  TraceReply(const TraceReply&) = delete;
+  TraceReply& operator=(const TraceReply&) = delete;
   bool next(std::string& out) override { return export_.next(out); }
+  static int live() { return live_; }
 
  private:
   TraceExport export_;
+  static inline std::atomic<int> live_{0};  // destroyed on the io or the render thread
 };
+
+std::string trace_busy() {
+  return "error: busy: " + std::to_string(TraceReply::kMaxTraceReplies) +
+         " traces are being sent; retry when one is done\n";
+}
 
 // Holds a `trace --for` capture open: recording goes on (with the capture budget when
 // the standing window is off) until the reply is made or the connection goes.
@@ -175,6 +192,7 @@ std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9);
 
 Reply trace_reply(const TraceRequest& r, Collector& collector) {
   const std::uint64_t now = collector.now_ns();
+  if (TraceReply::live() >= TraceReply::kMaxTraceReplies) return trace_busy();
   if (!r.for_s) {
     const std::uint64_t since =
         r.last_s && seconds_ns(*r.last_s) < now ? now - seconds_ns(*r.last_s) : 0;
@@ -185,6 +203,7 @@ Reply trace_reply(const TraceRequest& r, Collector& collector) {
   DeferredReply deferred;
   deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
   deferred.make = [&collector, pids = r.pids, since = now, hold]() mutable -> Reply {
+    if (TraceReply::live() >= TraceReply::kMaxTraceReplies) return trace_busy();
     auto capture = collector.capture_trace(pids, since);
     hold.reset();  // the capture holds its chunks; recording may stop now
     return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(std::move(capture)));

@@ -258,4 +258,48 @@ TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
 }
 
 }  // namespace
+// `trace`: its options are checked word by word; a reply streams the recorder's window;
+// at most kMaxTraceReplies (8) replies are alive at once, the next one is told busy.
+TEST_F(CommandsTest, TraceValidatesItsOptionsAndBoundsRepliesInProgress) {
+  for (const char* bad :
+       {"trace --last 0", "trace --last abc", "trace --for 5000", "trace --last 1 --for 1",
+        "trace --pid 0", "trace --json", "trace --last 1 --last 2"}) {
+    const std::string reply = run(bad);
+    EXPECT_TRUE(reply.starts_with("error: trace: ")) << bad << " -> " << reply;
+    EXPECT_EQ(reply.find('\n'), reply.size() - 1) << reply;
+  }
+  ingest(42, 3);
+  const json doc = json::parse(run("trace --pid 42 --last 60"));
+  int spans = 0;
+  for (const json& e : doc["traceEvents"]) spans += e["ph"] == "X" ? 1 : 0;
+  EXPECT_EQ(spans, 3);
+
+  const CommandContext context{collector_, 1000, 1000};
+  std::vector<Reply> held;
+  for (int i = 0; i < 8; ++i) {
+    held.push_back(table_.dispatch("trace", context));
+    ASSERT_TRUE(held.back().stream) << i << ": " << held.back().text;
+  }
+  const Reply ninth = table_.dispatch("trace", context);
+  EXPECT_FALSE(ninth.stream);
+  EXPECT_EQ(ninth.text, "error: busy: 8 traces are being sent; retry when one is done\n");
+  held.pop_back();  // one finishes: room again
+  EXPECT_TRUE(table_.dispatch("trace", context).stream);
+}
+
+// `trace --for`: recording is on from the command (here with the standing window off)
+// until the deferred reply is made (what it holds: tests/timeline).
+TEST(CommandsTraceForTest, TurnsRecordingOnFromTheCommandUntilTheReplyIsMade) {
+  Collector collector(Limits{}, test_env(), FlightRecorderConfig{0, 300'000'000'000ULL});
+  CommandTable table;
+  const CommandContext context{collector, 1000, 1000};
+  Reply reply = table.dispatch("trace --for 2.5", context);
+  ASSERT_TRUE(reply.deferred);
+  EXPECT_EQ(reply.deferred->delay, std::chrono::milliseconds(2500));
+  EXPECT_EQ(collector.recorder().counters().budget_bytes, FlightRecorderConfig::kCaptureBudget);
+  const Reply made = reply.deferred->make();
+  ASSERT_TRUE(made.stream);
+  EXPECT_EQ(collector.recorder().counters().budget_bytes, 0u);
+}
+
 }  // namespace steptrace::daemon
