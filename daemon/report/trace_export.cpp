@@ -391,8 +391,8 @@ void TraceExport::next_mark(std::string& out) {
   }
   const TraceMark& m = marks[mark_];
   if (m.kind == TraceMark::Kind::kDropped) {
-    const std::string_view cause =
-        m.cause < proto::kDropCauseCount ? proto::kDropCauseNames[m.cause] : "unknown";
+    const std::string_view cause = trace_drop_cause(m.cause);
+    const bool by_daemon = m.cause == kDaemonDropOpenDepth || m.cause == kDaemonDropStateLimit;
     begin_event(out);
     out.append(R"({"ph":"i","s":"p","cat":"drops","name":"dropped: )");
     out.append(cause);
@@ -406,7 +406,7 @@ void TraceExport::next_mark(std::string& out) {
     out.append(cause);
     out.append("\",\"events\":");
     append_uint(out, m.dropped);
-    out.append("}}");
+    out.append(by_daemon ? R"(,"by":"daemon"}})" : R"(,"by":"client"}})");
     ++mark_;
     return;
   }

@@ -377,6 +377,9 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
   const std::size_t max_depth = limits_.max_open_depth;
   const std::size_t n = events.size();
   std::uint64_t depth_hits = 0;
+  std::uint64_t state_lost = 0;  // events of threads/slots refused by the limits
+  std::uint64_t first_depth_ts = 0;
+  std::uint64_t first_state_ts = 0;
   std::error_code result;
   std::size_t applied = n;  // events before a bad one are kept
   for (std::size_t i = 0; i < n; ++i) {
@@ -399,12 +402,18 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     ThreadSpans* thread = rec->last_thread;
     if (e.thread_id != rec->last_tid || thread == nullptr) [[unlikely]] {
       thread = find_thread(*state_, *rec, e.thread_id, limits_, counters_);
-      if (thread == nullptr) continue;
+      if (thread == nullptr) {
+        if (state_lost++ == 0) first_state_ts = e.timestamp_ns;
+        continue;
+      }
     }
     if (slot >= thread->stacks.size()) [[unlikely]] {
       // A thread's stacks reach only as far as the highest step slot it used.
       const std::size_t cost = (slot + 1 - thread->stacks.size()) * kStackSlotCharge;
-      if (!charge(*state_, *rec, cost, limits_, counters_)) continue;
+      if (!charge(*state_, *rec, cost, limits_, counters_)) {
+        if (state_lost++ == 0) first_state_ts = e.timestamp_ns;
+        continue;
+      }
       thread->charged += cost;
       thread->stacks.resize(slot + 1);
     }
@@ -414,7 +423,7 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       // max_open_depth timestamps however many steps it nests.
       if (thread->open >= max_depth) [[unlikely]] {
         ++rec->steps[slot].depth_dropped;
-        ++depth_hits;
+        if (depth_hits++ == 0) first_depth_ts = e.timestamp_ns;
         continue;
       }
       stack.push_back(e.timestamp_ns);
@@ -441,7 +450,14 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     }
   }
   if (depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, depth_hits);
-  if (recorder_.on()) recorder_.record(process, events.first(applied), env_.monotonic_now_ns());
+  if (recorder_.on()) [[likely]] {
+    const std::uint64_t now = env_.monotonic_now_ns();
+    recorder_.record(process, events.first(applied), now);
+    // What the daemon could not fold shows where it happened (the events themselves are
+    // in the window: the aggregates, not the timeline, miss them).
+    if (depth_hits != 0) mark_drop(rec->key(), kDaemonDropOpenDepth, depth_hits, first_depth_ts);
+    if (state_lost != 0) mark_drop(rec->key(), kDaemonDropStateLimit, state_lost, first_state_ts);
+  }
   return result;
 }
 
@@ -554,11 +570,13 @@ std::uint64_t Collector::raise_dropped(ProcessRecord& rec, std::uint64_t total_d
   return more;
 }
 
-void Collector::mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more) {
+void Collector::mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more,
+                          std::optional<std::uint64_t> ts_ns) {
   if (!recorder_.on()) return;
   TraceMark mark;
   mark.kind = TraceMark::Kind::kDropped;
-  mark.ts_ns = mark.arrived_ns = env_.monotonic_now_ns();
+  mark.arrived_ns = env_.monotonic_now_ns();
+  mark.ts_ns = ts_ns.value_or(mark.arrived_ns);
   mark.sender = sender;
   mark.cause = cause;
   mark.dropped = more;

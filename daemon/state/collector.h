@@ -146,7 +146,9 @@ class Collector {
   std::unique_ptr<State> state_;
   void refresh_holder(const proto::LedgerRecord& record);
   std::uint64_t raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped);
-  void mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more);
+  // A drop as a TraceMark, stamped `ts_ns` (a client timestamp), else now.
+  void mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more,
+                 std::optional<std::uint64_t> ts_ns = std::nullopt);
   FlightRecorder recorder_;
 
   bool attach_refreshed_ = false;        // attach() refreshed liveness since the last tick

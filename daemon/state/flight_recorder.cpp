@@ -33,6 +33,13 @@ std::string host_name() {
 
 }  // namespace
 
+std::string_view trace_drop_cause(std::uint8_t cause) {
+  if (cause < proto::kDropCauseCount) return proto::kDropCauseNames[cause];
+  if (cause == kDaemonDropOpenDepth) return "max_open_depth";
+  if (cause == kDaemonDropStateLimit) return "state_limits";
+  return "unknown";
+}
+
 FlightRecorder::FlightRecorder(FlightRecorderConfig config)
     : config_(config), budget_(config.budget_bytes) {
   counters_.budget_bytes = budget_;

@@ -76,10 +76,19 @@ struct TraceMark {
   std::uint64_t gpu_reserved_bytes = 0;
   std::uint64_t gpu_free_bytes = 0;
   std::uint64_t gpu_total_bytes = 0;
-  // kDropped: how many more events the client reported lost, and why.
-  std::uint8_t cause = 0;  // proto::DropCause; kDropCauseCount: a version-1 total
+  // kDropped: how many more events the client reported lost, or the daemon could not
+  // fold, and why (trace_drop_cause()).
+  std::uint8_t cause = 0;
   std::uint64_t dropped = 0;
 };
+
+// TraceMark::cause: proto::DropCause (the client's report), proto::kDropCauseCount (a
+// version-1 report, no cause), or one of these (the daemon's own, stamped with the
+// first lost event's timestamp).
+inline constexpr std::uint8_t kDaemonDropOpenDepth = 0x80;   // starts past max_open_depth
+inline constexpr std::uint8_t kDaemonDropStateLimit = 0x81;  // a thread or slot past limits
+// "buffer_full", ..., "unknown" (version 1), "max_open_depth", "state_limits".
+std::string_view trace_drop_cause(std::uint8_t cause);
 
 // A window frozen for export: read on the render thread, nothing in it changes.
 struct TraceCapture {

@@ -142,7 +142,7 @@ struct FlightRecorderCounters {
   std::uint64_t events_evicted = 0;
   std::uint64_t marks_recorded = 0;
   std::uint64_t marks_evicted = 0;
-  std::size_t bytes = 0;        // charged now (chunks, marks, windows)
+  std::size_t bytes = 0;         // charged now (chunks, marks, windows)
   std::size_t budget_bytes = 0;  // in force now (a capture may raise it)
   std::size_t captures_active = 0;
 };
@@ -168,7 +168,7 @@ struct DaemonCounters {
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
-  HttpCounters http;  // the server's, as it is now (not kept in snapshots)
+  HttpCounters http;                       // the server's, as it is now (not kept in snapshots)
   FlightRecorderCounters flight_recorder;  // as it is now (not kept in snapshots)
   std::map<std::string, std::uint64_t> limits_hit;  // by limit name, e.g. "max_open_depth"
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();

@@ -667,6 +667,34 @@ TEST_F(FlightRecorderCollectorTest, AVersionOneDropReportIsAMarkWithoutCause) {
   EXPECT_EQ(c->marks[0].dropped, 4u);
 }
 
+// Events the daemon could not fold are marked where they happened: starts past
+// max_open_depth, and a thread past max_threads_per_process, one mark per batch and cause
+// stamped with the first lost event, while the events stay in the window.
+TEST_F(FlightRecorderCollectorTest, TheDaemonsOwnDropsAreMarkedAtTheFirstLostEvent) {
+  Limits limits = limits_;
+  limits.max_open_depth = 2;
+  limits.max_threads_per_process = 1;
+  Collector collector(limits, world_.env());
+  Connection a(collector, world_.spawn(100, 5, "trainer"));
+  const auto start = [](std::uint64_t ts, std::uint32_t tid) {
+    return proto::EventRecord{ts, tid, 0, static_cast<std::uint8_t>(proto::EventKind::kStart), 0};
+  };
+  ASSERT_FALSE(a.events({start(1000, 7), start(2000, 7), start(3000, 7), start(4000, 7),
+                         start(5000, 8), start(6000, 8)}));
+  const auto c = collector.capture_trace({}, 0);
+  ASSERT_EQ(c->marks.size(), 2u);
+  EXPECT_EQ(c->marks[0].cause, kDaemonDropOpenDepth);
+  EXPECT_EQ(c->marks[0].dropped, 2u);
+  EXPECT_EQ(c->marks[0].ts_ns, 3000u);
+  EXPECT_EQ(c->marks[1].cause, kDaemonDropStateLimit);
+  EXPECT_EQ(c->marks[1].dropped, 2u);
+  EXPECT_EQ(c->marks[1].ts_ns, 5000u);
+  ASSERT_EQ(c->processes.size(), 1u);
+  EXPECT_EQ(c->processes[0].chunks.at(0).count, 6u);
+  EXPECT_EQ(trace_drop_cause(kDaemonDropOpenDepth), "max_open_depth");
+  EXPECT_EQ(trace_drop_cause(kDaemonDropStateLimit), "state_limits");
+}
+
 // The ledger mark says what the view did even while a frozen view shares its state.
 TEST_F(FlightRecorderCollectorTest, LedgerMarksAreRightWhileAViewIsHeld) {
   Collector collector(limits_, world_.env());
