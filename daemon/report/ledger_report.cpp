@@ -72,9 +72,74 @@ void append_table(std::string& out, std::string_view indent,
 
 }  // namespace
 
+// Every GPU the ledger or the device knows, in UUID order; a device-only GPU with an
+// empty ledger entry.
+std::vector<std::pair<std::string_view, const ledger::Gpu*>> all_gpus(const ledger::State& state) {
+  static const ledger::Gpu kEmpty;
+  std::vector<std::pair<std::string_view, const ledger::Gpu*>> out;
+  for (const auto& [uuid, gpu] : state.gpus) out.emplace_back(uuid, &gpu);
+  for (const auto& [uuid, device] : state.devices) {
+    if (!state.gpus.contains(uuid)) out.emplace_back(uuid, &kEmpty);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Total and free bytes, and where they come from: the device (NVML) when it reported
+// this GPU, else the last VramSample a client sent.
+struct Capacity {
+  std::uint64_t total = 0;
+  std::uint64_t free = 0;
+  std::uint64_t at_ns = 0;
+  const char* source = "device";
+};
+std::optional<Capacity> capacity(const ledger::State& state, std::string_view uuid,
+                                 const ledger::Gpu& gpu) {
+  if (const auto d = state.devices.find(uuid); d != state.devices.end()) {
+    return Capacity{d->second.total_bytes, d->second.free_bytes, d->second.at_ns, "device"};
+  }
+  if (gpu.sample) {
+    return Capacity{gpu.sample->total_bytes, gpu.sample->free_bytes, gpu.sample->at_ns, "client"};
+  }
+  return std::nullopt;
+}
+
+json findings_json(const std::vector<ledger::Finding>& findings) {
+  json out = json::array();
+  for (const ledger::Finding& f : findings) {
+    json j = {{"kind", ledger::kFindingNames[f.kind]},
+              {"pid", f.pid},
+              {"used_bytes", f.used_bytes},
+              {"reserved_bytes", f.reserved_bytes}};
+    if (f.kind == ledger::Finding::kIdle) j["reservation_id"] = f.reservation_id;
+    if (f.kind == ledger::Finding::kGhost) {
+      j["note"] = "pid not visible to the daemon: exited, or in another pid namespace (container)";
+    }
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+json device_json(const ledger::Device& d, std::uint64_t now_ns) {
+  json processes = json::array();
+  for (const ledger::DeviceProcess& p : d.processes) {
+    processes.push_back({{"pid", p.pid},
+                         {"used_bytes", p.used_bytes ? json(*p.used_bytes) : json(nullptr)},
+                         {"visible", p.visible}});
+  }
+  return {{"name", d.name},
+          {"total_bytes", d.total_bytes},
+          {"used_bytes", d.used_bytes},
+          {"free_bytes", d.free_bytes},
+          {"sample_age_s", seconds_between(d.at_ns, now_ns)},
+          {"processes_known", d.processes_known},
+          {"processes", std::move(processes)}};
+}
+
 nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
   json gpus = json::array();
-  for (const auto& [uuid, gpu] : state.gpus) {
+  for (const auto& [uuid, gpu_ptr] : all_gpus(state)) {
+    const ledger::Gpu& gpu = *gpu_ptr;
     json reservations = json::array();
     for (const auto& [id, r] : gpu.reservations) {
       reservations.push_back({{"id", id},
@@ -105,11 +170,18 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
               {"steps", steps_json(gpu.steps)},
               {"reservations", std::move(reservations)},
               {"processes", std::move(processes)}};
-    if (gpu.sample) {
-      g["total_bytes"] = gpu.sample->total_bytes;
-      g["free_bytes"] = gpu.sample->free_bytes;
+    g["capacity_source"] = nullptr;
+    g["device"] = nullptr;
+    if (const auto d = state.devices.find(uuid); d != state.devices.end()) {
+      g["device"] = device_json(d->second, now_ns);
+    }
+    g["findings"] = findings_json(ledger::device_findings(state, uuid, now_ns));
+    if (const auto cap = capacity(state, uuid, gpu)) {
+      g["capacity_source"] = cap->source;
+      g["total_bytes"] = cap->total;
+      g["free_bytes"] = cap->free;
       // Signed: negative when over-committed.
-      const std::uint64_t total = gpu.sample->total_bytes;
+      const std::uint64_t total = cap->total;
       if (total >= gpu.reserved_bytes) {
         g["available_bytes"] = total - gpu.reserved_bytes;
       } else {
@@ -117,38 +189,75 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
         g["available_bytes"] =
             -static_cast<std::int64_t>(std::min(gpu.reserved_bytes - total, kMax));
       }
-      g["sample_age_s"] = seconds_between(gpu.sample->at_ns, now_ns);
+      g["sample_age_s"] = seconds_between(cap->at_ns, now_ns);
     }
     gpus.push_back(std::move(g));
   }
-  return json{{"gpus", std::move(gpus)}};
+  json out = {{"gpus", std::move(gpus)}};
+  if (!state.device_error.empty()) out["device_error"] = state.device_error;
+  return out;
 }
 
 std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
-  const auto& gpus = state.gpus;
-  if (gpus.empty()) return "VRAM ledger: empty (no GPU annotated yet)\n";
+  const auto gpus = all_gpus(state);
+  if (gpus.empty()) {
+    return "VRAM ledger: empty (no GPU annotated yet)\n" +
+           (state.device_error.empty() ? std::string()
+                                       : "NVML: " + proto::printable(state.device_error) + "\n");
+  }
   std::string out;
-  for (const auto& [uuid, gpu] : gpus) {
+  if (!state.device_error.empty()) out += "NVML: " + proto::printable(state.device_error) + "\n\n";
+  for (const auto& [uuid, gpu_ptr] : gpus) {
+    const ledger::Gpu& gpu = *gpu_ptr;
     if (!out.empty()) out += '\n';
     // The view refuses UUIDs, tasks and names that are not printable ASCII, but a text
     // report sanitises every client-chosen string itself rather than rely on that.
     out += "GPU " + proto::printable(uuid) + "\n";
+    if (const auto d = state.devices.find(uuid); d != state.devices.end()) {
+      const ledger::Device& dev = d->second;
+      out += "  device " + proto::printable(dev.name) + ": used " + format_bytes(dev.used_bytes) +
+             " of " + format_bytes(dev.total_bytes) + "   free " + format_bytes(dev.free_bytes) +
+             " (NVML, sampled " + format_age(dev.at_ns, now_ns) + " ago)\n";
+      for (const ledger::Finding& f : ledger::device_findings(state, uuid, now_ns)) {
+        std::string line = "  " + std::string(ledger::kFindingNames[f.kind]) + ": pid " +
+                           std::to_string(f.pid) + " ";
+        switch (f.kind) {
+          case ledger::Finding::kUndeclared:
+            line += "uses " + format_bytes(f.used_bytes) + " with no reservation on this GPU";
+            break;
+          case ledger::Finding::kOver:
+            line += "uses " + format_bytes(f.used_bytes) + ", reserved " +
+                    format_bytes(f.reserved_bytes);
+            break;
+          case ledger::Finding::kIdle:
+            line += "holds reservation " + std::to_string(f.reservation_id) + " (" +
+                    format_bytes(f.reserved_bytes) + ") and uses no memory on it";
+            break;
+          default:
+            line += "uses " + format_bytes(f.used_bytes) +
+                    " but is not visible here (exited, or in another container)";
+            break;
+        }
+        out += line + "\n";
+      }
+    }
     std::string line = "  total ";
-    if (gpu.sample) {
-      line += format_bytes(gpu.sample->total_bytes) + "   free " +
-              format_bytes(gpu.sample->free_bytes) + " (sampled " +
-              format_age(gpu.sample->at_ns, now_ns) + " ago)";
+    const auto cap = capacity(state, uuid, gpu);
+    if (cap) {
+      line += format_bytes(cap->total) + "   free " + format_bytes(cap->free) + " (" +
+              (std::string_view(cap->source) == "device" ? "NVML, " : "") + "sampled " +
+              format_age(cap->at_ns, now_ns) + " ago)";
     } else {
       line += "unknown   free unknown (no VRAM sample)";
     }
     line += "   reserved " + format_bytes(gpu.reserved_bytes) + " (high-water " +
             format_bytes(gpu.high_water_bytes) + ")   available ";
-    if (!gpu.sample) {
+    if (!cap) {
       line += "unknown";
-    } else if (gpu.overcommitted) {
-      line += "none (-" + format_bytes(gpu.reserved_bytes - gpu.sample->total_bytes) + ")";
+    } else if (gpu.reserved_bytes > cap->total) {
+      line += "none (-" + format_bytes(gpu.reserved_bytes - cap->total) + ")";
     } else {
-      line += format_bytes(gpu.sample->total_bytes - gpu.reserved_bytes);
+      line += format_bytes(cap->total - gpu.reserved_bytes);
     }
     out += line + "\n";
     if (gpu.overcommitted) {
@@ -262,6 +371,43 @@ void append_ledger_metrics(const ledger::State& state, std::string& out) {
     for (const auto& [uuid, gpu] : gpus) {
       for (const auto& [step, time] : gpu.steps) {
         spans.sample({{"gpu", uuid}, {"step", proto::kBuiltinStepNames[step]}}, time.count);
+      }
+    }
+  }
+  // What NVML reports, labelled gpu_uuid like DCGM exporter's UUID label (a join is
+  // `... * on(gpu_uuid) group_left label_replace(DCGM_FI_DEV_FB_USED, "gpu_uuid", "$1",
+  // "UUID", "(.*)")`); absent without NVML.
+  {
+    struct DeviceGauge {
+      std::string_view name;
+      std::string_view help;
+      std::uint64_t ledger::Device::*field;
+    };
+    static constexpr DeviceGauge kDeviceGauges[] = {
+        {"steptrace_gpu_device_total_bytes", "Total VRAM as NVML reports it.",
+         &ledger::Device::total_bytes},
+        {"steptrace_gpu_device_used_bytes", "Used VRAM as NVML reports it.",
+         &ledger::Device::used_bytes},
+        {"steptrace_gpu_device_free_bytes", "Free VRAM as NVML reports it.",
+         &ledger::Device::free_bytes},
+    };
+    for (const DeviceGauge& gauge : kDeviceGauges) {
+      MetricFamily family(out, gauge.name, "gauge", gauge.help);
+      for (const auto& [uuid, device] : state.devices) {
+        family.sample({{"gpu_uuid", uuid}}, device.*gauge.field);
+      }
+    }
+    MetricFamily findings(out, "steptrace_gpu_findings", "gauge",
+                          "Declared versus actual VRAM disagreements now, by GPU and kind: "
+                          "UNDECLARED, OVER, IDLE, GHOST (0 for each kind of every sampled GPU).");
+    for (const auto& [uuid, device] : state.devices) {
+      std::array<std::uint64_t, ledger::Finding::kKindCount> counts{};
+      // The metrics render has no clock of its own: IDLE is judged at the sample's time.
+      for (const ledger::Finding& f : ledger::device_findings(state, uuid, device.at_ns)) {
+        ++counts[f.kind];
+      }
+      for (std::size_t k = 0; k < counts.size(); ++k) {
+        findings.sample({{"gpu_uuid", uuid}, {"kind", ledger::kFindingNames[k]}}, counts[k]);
       }
     }
   }

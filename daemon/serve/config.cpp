@@ -53,6 +53,31 @@ Problem set_metrics_listen(const std::string& text, Config& config) {
   return std::nullopt;
 }
 
+Problem set_nvml_mode(const std::string& mode, Config& config) {
+  if (mode == "off") {
+    config.nvml.mode = NvmlMode::kOff;
+  } else if (mode == "auto") {
+    config.nvml.mode = NvmlMode::kAuto;
+  } else if (mode == "on") {
+    config.nvml.mode = NvmlMode::kOn;
+  } else {
+    return "must be \"off\", \"auto\" or \"on\"";
+  }
+  return std::nullopt;
+}
+
+const char* nvml_mode_name(NvmlMode mode) {
+  switch (mode) {
+    case NvmlMode::kOff:
+      return "off";
+    case NvmlMode::kOn:
+      return "on";
+    case NvmlMode::kAuto:
+      break;
+  }
+  return "auto";
+}
+
 Problem set_log_level(const std::string& level, Config& config) {
   if (!valid_log_level(level)) {
     return "must be one of trace, debug, info, warn, error, critical, off; got \"" + level + "\"";
@@ -134,6 +159,14 @@ void read_config(JsonObject top, Config& c) {
   std::uint64_t horizon_s = c.flight_recorder.horizon_ns / 1'000'000'000;
   if (top.optional_unsigned("flight_recorder_seconds", horizon_s, 1, 86400)) {
     c.flight_recorder.horizon_ns = horizon_s * 1'000'000'000;
+  }
+  read_string_key(top, "nvml", [&c](const std::string& mode) { return set_nvml_mode(mode, c); });
+  top.optional_string("nvml_library", c.nvml.library, kConfigString);
+  top.optional_unsigned("nvml_interval_ms", c.nvml.interval_ms, 100, 3'600'000);
+  top.optional_unsigned("nvml_over_tolerance_pct", c.nvml.rules.over_tolerance_pct, 0, 1000);
+  std::uint64_t idle_s = c.nvml.rules.idle_ns / 1'000'000'000;
+  if (top.optional_unsigned("nvml_idle_s", idle_s, 1, 86400 * 7)) {
+    c.nvml.rules.idle_ns = idle_s * 1'000'000'000;
   }
   if (auto limits = top.optional_object("limits")) read_limits(std::move(*limits), c);
   if (auto timeouts = top.optional_object("timeouts")) read_timeouts(std::move(*timeouts), c);
@@ -246,6 +279,9 @@ std::optional<ConfigError> apply_flags_unprefixed(const Flags& flags, Config& co
   if (flags.log_level) {
     if (Problem why = set_log_level(*flags.log_level, config)) return fail("--log-level", *why);
   }
+  if (flags.nvml) {
+    if (Problem why = set_nvml_mode(*flags.nvml, config)) return fail("--nvml", *why);
+  }
   return std::nullopt;
 }
 }  // namespace
@@ -260,6 +296,11 @@ json config_to_json(const Config& c) {
       {"log_level", c.log_level},
       {"liveness_interval_ms", c.liveness_interval_ms},
       {"flight_recorder_bytes", c.flight_recorder.budget_bytes},
+      {"nvml", nvml_mode_name(c.nvml.mode)},
+      {"nvml_library", c.nvml.library},
+      {"nvml_interval_ms", c.nvml.interval_ms},
+      {"nvml_over_tolerance_pct", c.nvml.rules.over_tolerance_pct},
+      {"nvml_idle_s", c.nvml.rules.idle_ns / 1'000'000'000},
       {"flight_recorder_seconds", c.flight_recorder.horizon_ns / 1'000'000'000},
       {"limits",
        {{"max_connections", c.server_limits.max_connections},
@@ -293,7 +334,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       "and step, and answers text commands (ping, report, ledger, stats, metrics, reset, "
       "version, help) on the same socket.",
       "steptraced"};
-  std::string socket, config_file, state_dir, metrics_listen, log_level;
+  std::string socket, config_file, state_dir, metrics_listen, log_level, nvml;
   auto* socket_opt = app.add_option("--socket", socket,
                                     std::string("Unix socket to listen on (default: a socket "
                                                 "passed by systemd, else the config's "
@@ -316,6 +357,12 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       app.add_option("--log-level", log_level,
                      "trace|debug|info|warn|error|critical|off (default info; logs go to stderr)")
           ->type_name("LEVEL");
+  auto* nvml_opt = app.add_option("--nvml", nvml,
+                                  "off|auto|on: sample GPU memory through NVML "
+                                  "(libnvidia-ml.so.1, loaded at run time); auto (default) "
+                                  "runs without it when the library or a GPU is absent, on "
+                                  "refuses to start then")
+                       ->type_name("MODE");
   app.set_version_flag("--version", std::string("steptraced ") + STEPTRACE_VERSION_STRING +
                                         " (protocol " + std::to_string(proto::kProtocolVersion) +
                                         ")");
@@ -345,6 +392,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
   if (state_opt->count() > 0) flags.state_dir = state_dir;
   if (metrics_opt->count() > 0) flags.metrics_listen = metrics_listen;
   if (level_opt->count() > 0) flags.log_level = log_level;
+  if (nvml_opt->count() > 0) flags.nvml = nvml;
 
   Config config;
   std::optional<ConfigError> err;

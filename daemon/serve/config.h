@@ -18,6 +18,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "daemon/state/flight_recorder.h"
+#include "daemon/state/ledger_state.h"
 #include "daemon/state/types.h"
 
 namespace steptrace::daemon {
@@ -44,6 +45,16 @@ struct ListenAddress {
   std::uint16_t port = 0;
 };
 
+enum class NvmlMode : std::uint8_t { kOff, kAuto, kOn };
+
+// `nvml`, `nvml_library`, `nvml_interval_ms`, `nvml_over_tolerance_pct`, `nvml_idle_s`.
+struct NvmlConfig {
+  NvmlMode mode = NvmlMode::kAuto;
+  std::string library = "libnvidia-ml.so.1";
+  std::uint32_t interval_ms = 1000;
+  ledger::DeviceRules rules;
+};
+
 struct Config {
   std::string socket = kDefaultSocketPath;
   bool socket_from_flag = false;  // --socket given: never adopt a systemd socket
@@ -58,6 +69,7 @@ struct Config {
   Limits limits;  // the collector's
   Timeouts timeouts;
   FlightRecorderConfig flight_recorder;  // flight_recorder_bytes, flight_recorder_seconds
+  NvmlConfig nvml;
 };
 
 struct ConfigError {
@@ -71,6 +83,7 @@ struct Flags {
   std::optional<std::string> state_dir;
   std::optional<std::string> metrics_listen;
   std::optional<std::string> log_level;
+  std::optional<std::string> nvml;  // off | auto | on
 };
 
 // Applies a parsed config document on top of `config` (only the keys present).

@@ -100,7 +100,8 @@ Server::Server(const Config& config, Collector& collector)
               log_,
               &renderer_,
               Environment::system(),
-              static_cast<std::uint32_t>(::geteuid())} {}
+              static_cast<std::uint32_t>(::geteuid())},
+      gpu_sampler_(io_, collector, config.nvml) {}
 
 Server::~Server() {
   // close() calls back into sessions_, so iterate over a copy.
@@ -160,6 +161,7 @@ std::optional<std::string> Server::start() {
     }
     restore_snapshot();
   }
+  if (auto err = gpu_sampler_.start()) return err;
   if (auto err = open_socket()) return err;
   if (config_.metrics_address) {
     http_ = std::make_unique<HttpMetricsServer>(io_, renderer_, &counters_.http);
@@ -544,6 +546,7 @@ void Server::drain_and_stop(std::vector<std::shared_ptr<Session>>& live) {
     spdlog::warn("{} queued connection(s) closed unread at shutdown: no room to drain them",
                  counters_.connections_undrained);
   }
+  gpu_sampler_.stop();
   const auto deadline = std::chrono::steady_clock::now() + kDrainBudget;
   for (auto& s : live) s->drain(deadline);
   // No render job may still write a snapshot (or read the state) after this.

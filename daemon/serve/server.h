@@ -27,6 +27,7 @@
 
 #include "daemon/serve/commands.h"
 #include "daemon/serve/config.h"
+#include "daemon/serve/gpu_sampler.h"
 #include "daemon/serve/http_metrics.h"
 #include "daemon/serve/render_worker.h"
 #include "daemon/serve/session.h"
@@ -87,6 +88,7 @@ class Server {
   CommandTable commands_;
   SessionShared shared_;
   std::unique_ptr<HttpMetricsServer> http_;
+  GpuSampler gpu_sampler_;
 
   struct Entry {
     std::weak_ptr<Session> session;

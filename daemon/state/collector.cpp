@@ -669,6 +669,15 @@ std::shared_ptr<const CollectorView> Collector::freeze(const ServerCounters* ser
       new CollectorView(*state_, counters, env_.monotonic_now_ns()));
 }
 
+void Collector::apply_devices(std::map<std::string, ledger::Device, std::less<>> devices,
+                              std::string error, std::uint64_t now_ns) {
+  state_->ledger.apply_devices(std::move(devices), std::move(error), now_ns);
+}
+
+void Collector::set_device_rules(const ledger::DeviceRules& rules) {
+  state_->ledger.set_device_rules(rules);
+}
+
 std::shared_ptr<const TraceCapture> Collector::capture_trace(const std::set<std::int32_t>& pids,
                                                              std::uint64_t since_ns) const {
   std::shared_ptr<TraceCapture> capture =

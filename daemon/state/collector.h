@@ -29,6 +29,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "daemon/state/flight_recorder.h"
+#include "daemon/state/ledger_state.h"
 #include "daemon/state/proc_probe.h"
 #include "daemon/state/types.h"
 #include "proto/codec.h"
@@ -124,6 +125,12 @@ class Collector {
   // `trace --for`: begin_capture() / end_capture().
   FlightRecorder& recorder() { return recorder_; }
   std::uint64_t now_ns() const { return env_.monotonic_now_ns(); }
+
+  // ---- device truth (daemon/serve/gpu_sampler.h) --------------------------------------
+  // NVML's latest sample of every GPU, by UUID; `error`: what failed ("" if nothing).
+  void apply_devices(std::map<std::string, ledger::Device, std::less<>> devices, std::string error,
+                     std::uint64_t now_ns);
+  void set_device_rules(const ledger::DeviceRules& rules);
 
   // ---- persistence -------------------------------------------------------------------
   // Replaces the state with one the snapshot codec decoded (restore_from_snapshot,

@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -84,6 +85,9 @@ struct Reservation {
   std::string task;
   std::uint64_t reserved_ns = 0;
   bool holder_alive = true;
+  // Device truth (NVML): when the holder was last seen using memory on this GPU (0:
+  // never since the reservation or the daemon's start). Not kept in snapshots.
+  std::uint64_t last_used_ns = 0;
 };
 
 struct StepTime {
@@ -107,6 +111,42 @@ struct VramSample {
   std::uint64_t total_bytes = 0;
   std::uint64_t at_ns = 0;
 };
+
+// What the device itself reports (NVML, sampled by daemon/serve/gpu_sampler.h).
+struct DeviceProcess {
+  std::uint32_t pid = 0;
+  std::optional<std::uint64_t> used_bytes;  // nullopt: the driver would not say
+  // /proc/PID exists in the daemon's pid namespace; false: gone, or in another
+  // container's namespace (NVML reports host pids) — the daemon cannot tell which.
+  bool visible = true;
+};
+struct Device {
+  std::string name;
+  std::uint64_t total_bytes = 0;
+  std::uint64_t used_bytes = 0;
+  std::uint64_t free_bytes = 0;
+  std::uint64_t at_ns = 0;
+  bool processes_known = false;
+  std::vector<DeviceProcess> processes;
+};
+
+// Thresholds of the device findings (config: nvml_over_tolerance_pct, nvml_idle_s).
+struct DeviceRules {
+  std::uint32_t over_tolerance_pct = 10;
+  std::uint64_t idle_ns = 300'000'000'000ULL;
+};
+
+// A disagreement between what processes declared and what the device reports.
+struct Finding {
+  enum Kind : std::uint8_t { kUndeclared, kOver, kIdle, kGhost, kKindCount };
+  Kind kind;
+  std::uint32_t pid = 0;
+  std::uint64_t used_bytes = 0;      // on the device (0 for IDLE)
+  std::uint64_t reserved_bytes = 0;  // its reservations on the GPU
+  std::uint64_t reservation_id = 0;  // IDLE: which one
+};
+inline constexpr std::array<std::string_view, Finding::kKindCount> kFindingNames = {
+    "UNDECLARED", "OVER", "IDLE", "GHOST"};
 
 struct Gpu {
   std::map<std::uint64_t, Reservation> reservations;
@@ -146,6 +186,10 @@ struct UidUsage {
 
 struct State {
   std::map<std::string, Gpu, std::less<>> gpus;
+  // NVML's view, by UUID (empty without NVML); the last sample's error, if any.
+  std::map<std::string, Device, std::less<>> devices;
+  std::string device_error;
+  DeviceRules rules;
   std::map<ProcessKey, std::map<std::uint32_t, Mark>> marks;
   std::array<std::uint64_t, kAnomalyCount> anomalies{};
   // Derived from `gpus` (creator_uid, reservations' uid), kUnknownUid never counted; a
@@ -210,5 +254,11 @@ struct State {
 nlohmann::json steps_json(const std::map<std::uint32_t, StepTime>& steps);
 nlohmann::json processes_json(const Gpu& gpu);
 nlohmann::json operations_json(const Gpu& gpu);
+
+// The findings on GPU `uuid` (ledger_view.cpp): every device process against the
+// reservations of the same pid, every reservation of a live holder against the device.
+// None without a device sample of that GPU.
+std::vector<Finding> device_findings(const State& state, std::string_view uuid,
+                                     std::uint64_t now_ns);
 
 }  // namespace steptrace::daemon::ledger

@@ -389,3 +389,72 @@ void LedgerView::forget_process(const ProcessKey& process) {
 }
 
 }  // namespace steptrace::daemon
+
+namespace steptrace::daemon {
+
+void LedgerView::set_device_rules(const ledger::DeviceRules& rules) { write_state().rules = rules; }
+
+void LedgerView::apply_devices(std::map<std::string, ledger::Device, std::less<>> devices,
+                               std::string error, std::uint64_t now_ns) {
+  ledger::State& state = write_state();
+  state.devices = std::move(devices);
+  state.device_error = std::move(error);
+  for (auto& [uuid, gpu] : state.gpus) {
+    const auto device = state.devices.find(uuid);
+    if (device == state.devices.end() || !device->second.processes_known) continue;
+    for (auto& [id, r] : gpu.reservations) {
+      for (const ledger::DeviceProcess& p : device->second.processes) {
+        if (static_cast<std::int32_t>(p.pid) == r.holder.pid && p.used_bytes.value_or(0) > 0) {
+          r.last_used_ns = now_ns;
+        }
+      }
+    }
+  }
+}
+
+std::vector<ledger::Finding> ledger::device_findings(const State& state, std::string_view uuid,
+                                                     std::uint64_t now_ns) {
+  std::vector<Finding> out;
+  const auto device = state.devices.find(uuid);
+  if (device == state.devices.end() || !device->second.processes_known) return out;
+  const auto gpu_it = state.gpus.find(uuid);
+  const Gpu* gpu = gpu_it == state.gpus.end() ? nullptr : &gpu_it->second;
+  // What each pid reserved on this GPU (a pid, not a (pid, start time): NVML knows pids).
+  std::map<std::int32_t, std::uint64_t> reserved;
+  if (gpu != nullptr) {
+    for (const auto& [id, r] : gpu->reservations) reserved[r.holder.pid] += r.bytes;
+  }
+  std::map<std::int32_t, std::uint64_t> used;
+  for (const DeviceProcess& p : device->second.processes) {
+    const auto pid = static_cast<std::int32_t>(p.pid);
+    const std::uint64_t bytes = p.used_bytes.value_or(0);
+    used[pid] += bytes;
+    if (!p.visible) {
+      out.push_back({Finding::kGhost, p.pid, bytes, reserved.contains(pid) ? reserved[pid] : 0, 0});
+      continue;
+    }
+    const auto r = reserved.find(pid);
+    if (r == reserved.end()) {
+      if (bytes > 0) out.push_back({Finding::kUndeclared, p.pid, bytes, 0, 0});
+      continue;
+    }
+    // Over the reservation by more than the tolerance (computed without overflow).
+    const std::uint64_t allowed = r->second + r->second / 100 * state.rules.over_tolerance_pct +
+                                  r->second % 100 * state.rules.over_tolerance_pct / 100;
+    if (p.used_bytes && bytes > allowed)
+      out.push_back({Finding::kOver, p.pid, bytes, r->second, 0});
+  }
+  if (gpu != nullptr) {
+    for (const auto& [id, r] : gpu->reservations) {
+      if (!r.holder_alive) continue;  // a leak, reported as such
+      if (used[r.holder.pid] > 0) continue;
+      const std::uint64_t since = std::max(r.reserved_ns, r.last_used_ns);
+      if (now_ns > since && now_ns - since >= state.rules.idle_ns) {
+        out.push_back({Finding::kIdle, static_cast<std::uint32_t>(r.holder.pid), 0, r.bytes, id});
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace steptrace::daemon

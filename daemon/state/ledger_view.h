@@ -26,13 +26,10 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "daemon/state/ledger_state.h"
 #include "daemon/state/types.h"
 
 namespace steptrace::daemon {
-
-namespace ledger {
-struct State;
-}  // namespace ledger
 
 // The process that sent an annotation, as the collector knows it.
 struct LedgerActor {
@@ -69,6 +66,12 @@ class LedgerView {
   // the uids that created or held them; anomaly counts stay (metrics never go down).
   // Returns how many GPUs were dropped (0 for a UUID the view does not have).
   std::size_t reset(std::optional<std::string_view> gpu);
+
+  // NVML's sample of every device (`devices` by UUID; `error`: what failed, "" if none):
+  // replaces the previous, and notes which reservations' holders use memory now.
+  void apply_devices(std::map<std::string, ledger::Device, std::less<>> devices, std::string error,
+                     std::uint64_t now_ns);
+  void set_device_rules(const ledger::DeviceRules& rules);
 
   // ---- hand-over to the renderers (daemon/report/ledger_report.h) and the snapshot codec
   const ledger::State& state() const { return *state_; }
