@@ -748,4 +748,78 @@ TEST_F(LedgerViewTest, TextSanitisesEveryClientString) {
 }
 
 }  // namespace
+// NVML's view joined with the declarations (issue 13): each finding kind, the device's
+// total/free replacing a client's sample, and a device-only GPU.
+TEST_F(LedgerViewTest, DeviceSamplesAreJoinedWithReservationsByUuidAndPid) {
+  view_.apply(a_, reserve("GPU-A", 1, 4 * kGiB, "a", 1 * kSecond), kNow);          // OVER
+  view_.apply(b_, reserve("GPU-A", 2, 2 * kGiB, "b", kNow - 10 * kSecond), kNow);  // IDLE later
+  view_.apply(c_, reserve("GPU-A", 3, 1 * kGiB, "c", 1 * kSecond), kNow);          // fine
+  view_.apply(a_, sample("GPU-A", 1 * kGiB, 8 * kGiB, 1 * kSecond), kNow);         // the client's
+  ledger::DeviceRules rules;
+  rules.over_tolerance_pct = 10;
+  rules.idle_ns = 60 * kSecond;
+  view_.set_device_rules(rules);
+
+  ledger::Device device;
+  device.name = "Fake";
+  device.total_bytes = 80 * kGiB;
+  device.used_bytes = 10 * kGiB;
+  device.free_bytes = 70 * kGiB;
+  device.at_ns = kNow;
+  device.processes_known = true;
+  device.processes = {
+      {static_cast<std::uint32_t>(a_.key.pid), 4 * kGiB + 500 * kMiB, true},  // > 4 GiB + 10%
+      {static_cast<std::uint32_t>(c_.key.pid), 1 * kGiB + 100 * kMiB, true},  // within 10%
+      {4242, 3 * kGiB, true},                                                 // no reservation
+      {999999, 1 * kGiB, false},                                              // not in /proc
+  };
+  std::map<std::string, ledger::Device, std::less<>> devices;
+  devices["GPU-A"] = device;
+  ledger::Device other = device;
+  other.processes.clear();
+  devices["GPU-Z"] = other;  // a GPU no one annotated
+  view_.apply_devices(devices, "", kNow);
+
+  const json j = ledger();
+  const json* gpu = find_gpu(j, "GPU-A");
+  ASSERT_NE(gpu, nullptr);
+  EXPECT_EQ(gpu->at("capacity_source"), "device");
+  EXPECT_EQ(gpu->at("total_bytes"), 80 * kGiB);
+  EXPECT_EQ(gpu->at("free_bytes"), 70 * kGiB);
+  EXPECT_EQ(gpu->at("device").at("name"), "Fake");
+  EXPECT_EQ(gpu->at("device").at("processes").size(), 4u);
+  std::map<std::string, std::vector<std::int64_t>> kinds;
+  for (const json& f : gpu->at("findings")) kinds[f.at("kind")].push_back(f.at("pid"));
+  EXPECT_EQ(kinds["OVER"], std::vector<std::int64_t>{a_.key.pid});
+  EXPECT_EQ(kinds["UNDECLARED"], std::vector<std::int64_t>{4242});
+  EXPECT_EQ(kinds["GHOST"], std::vector<std::int64_t>{999999});
+  EXPECT_TRUE(kinds["IDLE"].empty());  // b's reservation is younger than 60 s
+  EXPECT_EQ(kinds.size(), 4u);
+  EXPECT_NE(find_gpu(j, "GPU-Z"), nullptr);
+
+  // 60 s later with b still using nothing: IDLE, naming the reservation.
+  const auto idle = ledger::device_findings(view_.state(), "GPU-A", kNow + 61 * kSecond);
+  const auto it = std::find_if(idle.begin(), idle.end(), [](const ledger::Finding& f) {
+    return f.kind == ledger::Finding::kIdle;
+  });
+  ASSERT_NE(it, idle.end());
+  EXPECT_EQ(it->pid, static_cast<std::uint32_t>(b_.key.pid));
+  EXPECT_EQ(it->reservation_id, 2u);
+  EXPECT_EQ(it->reserved_bytes, 2 * kGiB);
+
+  const std::string text = report::ledger_text(view_.state(), kNow);
+  EXPECT_THAT(text, HasSubstr("device Fake: used 10.00 GiB of 80.00 GiB"));
+  EXPECT_THAT(text, HasSubstr("UNDECLARED: pid 4242 uses 3.00 GiB with no reservation"));
+  EXPECT_THAT(text, HasSubstr("(NVML, sampled"));
+
+  // Without the device, the client's sample is back.
+  view_.apply_devices({}, "nvmlDeviceGetCount_v2 failed: Unknown Error (999)", kNow);
+  const json after = ledger();
+  EXPECT_EQ(find_gpu(after, "GPU-A")->at("capacity_source"), "client");
+  EXPECT_EQ(find_gpu(after, "GPU-A")->at("total_bytes"), 8 * kGiB);
+  EXPECT_TRUE(find_gpu(after, "GPU-A")->at("findings").empty());
+  EXPECT_EQ(find_gpu(after, "GPU-Z"), nullptr);
+  EXPECT_EQ(after.at("device_error"), "nvmlDeviceGetCount_v2 failed: Unknown Error (999)");
+}
+
 }  // namespace steptrace::daemon
