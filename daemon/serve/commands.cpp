@@ -155,17 +155,17 @@ class TraceReply final : public ReplyStream {
  public:
   static constexpr int kMaxTraceReplies = 8;
   explicit TraceReply(std::shared_ptr<const TraceCapture> capture) : export_(std::move(capture)) {
-    ++live_;
+    ++live_count;
   }
-  ~TraceReply() override { --live_; }
+  ~TraceReply() override { --live_count; }
   TraceReply(const TraceReply&) = delete;
   TraceReply& operator=(const TraceReply&) = delete;
   bool next(std::string& out) override { return export_.next(out); }
-  static int live() { return live_; }
+  static int live() { return live_count; }
 
  private:
   TraceExport export_;
-  static inline std::atomic<int> live_{0};  // destroyed on the io or the render thread
+  static inline std::atomic<int> live_count{0};  // destroyed on the io or the render thread
 };
 
 std::string trace_busy() {
