@@ -260,9 +260,9 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
       line += format_bytes(cap->total - gpu.reserved_bytes);
     }
     out += line + "\n";
-    if (gpu.overcommitted) {
+    if (gpu.overcommitted && cap) {
       out += "  OVERCOMMITTED: " + format_bytes(gpu.reserved_bytes) + " reserved exceeds " +
-             format_bytes(gpu.sample->total_bytes) + " total\n";
+             format_bytes(cap->total) + " total\n";
     }
 
     const std::size_t leaked = gpu.leaked();
@@ -337,7 +337,8 @@ void append_ledger_metrics(const ledger::State& state, std::string& out) {
       {"steptrace_gpu_leaked_reservations",
        "Reservations whose holder exited without releasing them.",
        [](const Gpu& g) -> std::optional<std::uint64_t> { return g.leaked(); }},
-      {"steptrace_gpu_overcommitted", "1 when reserved bytes exceed the sampled total.",
+      {"steptrace_gpu_overcommitted",
+       "1 when reserved bytes exceed the total (NVML's, else the last client sample's).",
        [](const Gpu& g) -> std::optional<std::uint64_t> { return g.overcommitted ? 1 : 0; }},
   };
   for (const Gauge& gauge : kGauges) {

@@ -153,7 +153,9 @@ struct Gpu {
   std::uint64_t reserved_bytes = 0;  // sum of the reservations' bytes
   std::uint64_t high_water_bytes = 0;
   std::optional<VramSample> sample;
-  bool overcommitted = false;  // reserved_bytes > sample->total_bytes
+  bool overcommitted = false;  // reserved_bytes > the device's total, else the sample's
+  // The total NVML reported in its last sample of this GPU (not kept in snapshots).
+  std::optional<std::uint64_t> device_total;
   std::uint64_t overcommit_events = 0;
   std::array<std::uint64_t, kOpCount> operations{};
   std::map<ProcessKey, ProcessRow> processes;
@@ -236,8 +238,12 @@ struct State {
   }
 
   // Over-commitment is counted on the transition into it, not on every record.
+  // Judged against the device's total (NVML) when it reports the GPU, else the client's.
   void update_overcommit(Gpu& gpu) {
-    const bool now = gpu.sample && gpu.reserved_bytes > gpu.sample->total_bytes;
+    const std::optional<std::uint64_t> total =
+        gpu.device_total ? gpu.device_total
+                         : (gpu.sample ? std::optional(gpu.sample->total_bytes) : std::nullopt);
+    const bool now = total && gpu.reserved_bytes > *total;
     if (now && !gpu.overcommitted) {
       ++gpu.overcommit_events;
       count(kOvercommitted);

@@ -254,6 +254,10 @@ class Apply {
       return false;
     }
     gpu_ = &s_.gpus.emplace(std::string(uuid_), Gpu{}).first->second;
+    // A GPU the device sampler already reports: its total judges over-commitment now.
+    if (const auto d = s_.devices.find(uuid_); d != s_.devices.end()) {
+      gpu_->device_total = d->second.total_bytes;
+    }
     gpu_->creator_uid = actor_.uid;
     s_.charge(actor_.uid, 1, 0);
     return true;
@@ -401,6 +405,9 @@ void LedgerView::apply_devices(std::map<std::string, ledger::Device, std::less<>
   state.device_error = std::move(error);
   for (auto& [uuid, gpu] : state.gpus) {
     const auto device = state.devices.find(uuid);
+    gpu.device_total =
+        device == state.devices.end() ? std::nullopt : std::optional(device->second.total_bytes);
+    state.update_overcommit(gpu);
     if (device == state.devices.end() || !device->second.processes_known) continue;
     for (auto& [id, r] : gpu.reservations) {
       for (const ledger::DeviceProcess& p : device->second.processes) {

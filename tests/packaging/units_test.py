@@ -72,7 +72,7 @@ class UnitsTest(TempDirTestCase):
         self.assertEqual((d["RuntimeDirectory"], d["StateDirectory"]), ("steptrace", "steptrace"))
         for key, value in [("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
                            ("ProtectHome", "read-only"), ("PrivateTmp", "yes"),
-                           ("PrivateDevices", "yes"), ("ProtectKernelTunables", "yes"),
+                           ("DevicePolicy", "closed"), ("ProtectKernelTunables", "yes"),
                            ("ProtectKernelModules", "yes"), ("ProtectKernelLogs", "yes"),
                            ("ProtectControlGroups", "yes"), ("RestrictAddressFamilies", "AF_UNIX"),
                            ("SystemCallFilter", "@system-service"),
@@ -80,6 +80,9 @@ class UnitsTest(TempDirTestCase):
                            ("MemoryDenyWriteExecute", "yes"), ("RestrictRealtime", "yes"),
                            ("RestrictNamespaces", "yes")]:
             self.assertEqual(d.get(key), value, key)
+        # NVML's devices only (PrivateDevices=yes would hide them).
+        allowed = [v for s, k, v in directives(self.service) if s == "Service" and k == "DeviceAllow"]
+        self.assertEqual(allowed, ["char-nvidiactl rw", "char-nvidia-frontend rw"])
         # These would hide other users' /proc/PID or their uids from the daemon.
         self.assertNotIn("ProtectProc", d)
         self.assertNotIn("ProcSubset", d)
@@ -91,6 +94,8 @@ class UnitsTest(TempDirTestCase):
         for unit in (self.service, self.socket):
             seen = set()
             for section, key, _ in directives(unit):
+                if key == "DeviceAllow":  # one device per line
+                    continue
                 self.assertNotIn((section, key), seen, f"{unit}: {key}= twice in [{section}]")
                 seen.add((section, key))
 
