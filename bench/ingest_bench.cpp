@@ -28,14 +28,28 @@
 // Baseline in the same run ("ingest/lower_bound"): the same bytes copied the same way
 // (the stand-in for the socket read) and folded into a flat array of counters with no
 // validation and no span matching. The ratio shows what validation + aggregation cost.
+//
+// The flight recorder (daemon/state/flight_recorder.h): every benchmark here runs with it
+// OFF (budget 0) except "ingest/validated_recorder_on", which is "validated" with the
+// daemon's default recorder (32 MiB, 300 s): after folding each batch, Collector::events
+// copies it into the process's 4 KiB chunks, evicting the oldest chunk once the budget
+// is full. Both variants first feed enough frames to fill the budget (untimed, the same
+// number for both), so the timed loop measures the recorder's steady state, as in a
+// daemon that has run a while. They are registered side by side per key count, and the
+// repetitions of all benchmarks are interleaved at random by default
+// (--benchmark_enable_random_interleaving), so on/off see the same load.
+// --recorder_budget_mib=N (this bench's own flag) runs "recorder_on" with another budget.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -120,11 +134,23 @@ daemon::Environment bench_environment() {
   return env;
 }
 
+enum class Recorder { kOff, kOn };
+
+// The budget of "recorder_on": the daemon's default unless --recorder_budget_mib says.
+std::size_t g_recorder_budget = daemon::FlightRecorderConfig{}.budget_bytes;
+
+// kOn: the daemon's default flight recorder (g_recorder_budget); kOff: budget 0.
+daemon::FlightRecorderConfig recorder_config(Recorder recorder) {
+  daemon::FlightRecorderConfig config;
+  config.budget_bytes = recorder == Recorder::kOff ? 0 : g_recorder_budget;
+  return config;
+}
+
 // The daemon side of `processes` connections, each with its decoder past the hello and
 // its custom steps registered.
 struct IngestFixture {
-  IngestFixture(Shape s, Spread spread)
-      : shape(s), collector(daemon::Limits{}, bench_environment()) {
+  IngestFixture(Shape s, Spread spread, Recorder recorder)
+      : shape(s), collector(daemon::Limits{}, bench_environment(), recorder_config(recorder)) {
     std::vector<std::byte> hello_bytes(sizeof(proto::Hello));
     proto::Encoder hello_enc(hello_bytes);
     hello_enc.hello("bench", "trainer");
@@ -205,10 +231,10 @@ std::uint64_t first_process_spans(const daemon::Collector& collector) {
   return spans;
 }
 
-// The fold must have counted every span of `iterations` feeds; an error message, or empty.
-std::string check_spans(const daemon::Collector& collector, std::int64_t iterations) {
+// The fold must have counted every span of `feeds` feeds; an error message, or empty.
+std::string check_spans(const daemon::Collector& collector, std::int64_t feeds) {
   const std::uint64_t spans = first_process_spans(collector);
-  const auto want = static_cast<std::uint64_t>(iterations) * (kEventsPerFrame / 2);
+  const auto want = static_cast<std::uint64_t>(feeds) * (kEventsPerFrame / 2);
   if (spans == want) return {};
   return "report counts " + std::to_string(spans) + " spans for pid " + std::to_string(kFirstPid) +
          ", want " + std::to_string(want);
@@ -221,13 +247,43 @@ void set_ingest_rates(benchmark::State& state, const IngestFixture& fx) {
                           static_cast<std::int64_t>(fx.frames[0].size()));
 }
 
-template <Spread kSpread>
+// Feeds, before the timed loop, that fill the recorder's budget (and two more): the same
+// count whether the recorder is on or off.
+std::int64_t warmup_feeds(const IngestFixture& fx) {
+  const std::size_t per_feed = fx.frames.size() * kEventsPerFrame * sizeof(proto::EventRecord);
+  return static_cast<std::int64_t>(g_recorder_budget / per_feed) + 2;
+}
+
+// The recorder's figures after the run: bytes charged per event it holds, events held,
+// MiB charged, and whether its budget was full when timing started.
+void set_recorder_counters(benchmark::State& state, IngestFixture& fx, bool full_at_start) {
+  const daemon::FlightRecorderCounters c = fx.collector.recorder().counters();
+  const std::uint64_t retained = c.events_recorded - c.events_evicted;
+  state.counters["rec_bytes_per_event"] =
+      retained != 0 ? static_cast<double>(c.bytes) / static_cast<double>(retained) : 0.0;
+  state.counters["rec_events_held"] = static_cast<double>(retained);
+  state.counters["rec_MiB"] = static_cast<double>(c.bytes) / (1 << 20);
+  state.counters["rec_full_at_start"] = full_at_start ? 1.0 : 0.0;
+}
+
+template <Spread kSpread, Recorder kRecorder = Recorder::kOff>
 void bm_ingest(benchmark::State& state) {
-  IngestFixture fx(shape_for(state.range(0)), kSpread);
+  IngestFixture fx(shape_for(state.range(0)), kSpread, kRecorder);
   if (!fx.error.empty()) {
     state.SkipWithError(fx.error.c_str());
     return;
   }
+  const std::int64_t warmup = warmup_feeds(fx);
+  for (std::int64_t i = 0; i < warmup; ++i) {
+    if (const std::string error = feed_all(fx); !error.empty()) {
+      state.SkipWithError(error.c_str());
+      return;
+    }
+  }
+  // Within one chunk of the budget: the next chunk evicts the oldest.
+  const daemon::FlightRecorderCounters at_start = fx.collector.recorder().counters();
+  const bool full_at_start = at_start.budget_bytes != 0 &&
+                             at_start.bytes + sizeof(daemon::TraceChunk) > at_start.budget_bytes;
   for (auto _ : state) {
     if (const std::string error = feed_all(fx); !error.empty()) {
       state.SkipWithError(error.c_str());
@@ -235,11 +291,13 @@ void bm_ingest(benchmark::State& state) {
     }
   }
   // The fold must have counted every span: check the first process's report.
-  if (const std::string error = check_spans(fx.collector, state.iterations()); !error.empty()) {
+  if (const std::string error = check_spans(fx.collector, warmup + state.iterations());
+      !error.empty()) {
     state.SkipWithError(error.c_str());
     return;
   }
   set_ingest_rates(state, fx);
+  if constexpr (kRecorder == Recorder::kOn) set_recorder_counters(state, fx, full_at_start);
 }
 
 // The daemon's render protocol (daemon/serve/render_worker.cpp) on two threads, with one atomic
@@ -353,7 +411,7 @@ class RenderLoop {
 };
 
 void bm_ingest_while_rendering(benchmark::State& state) {
-  IngestFixture fx(shape_for(state.range(0)), Spread::kTypical);
+  IngestFixture fx(shape_for(state.range(0)), Spread::kTypical, Recorder::kOff);
   if (!fx.error.empty()) {
     state.SkipWithError(fx.error.c_str());
     return;
@@ -435,7 +493,7 @@ enum class Render { kMetrics, kReportJson, kReportText };
 
 template <Render kWhat>
 void bm_render(benchmark::State& state) {
-  IngestFixture fx(shape_for(state.range(0)), Spread::kTypical);
+  IngestFixture fx(shape_for(state.range(0)), Spread::kTypical, Recorder::kOff);
   if (!fx.error.empty()) {
     state.SkipWithError(fx.error.c_str());
     return;
@@ -465,16 +523,41 @@ constexpr std::int64_t kKeyCounts[] = {10, 1000, 100000};
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Our own flag, taken out before Google Benchmark sees the arguments.
+  constexpr std::string_view kBudgetFlag = "--recorder_budget_mib=";
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg.rfind(kBudgetFlag, 0) != 0) continue;
+    const long mib = std::strtol(argv[i] + kBudgetFlag.size(), nullptr, 10);
+    if (mib <= 0) {
+      std::fprintf(stderr, "ingest_bench: %s wants a positive number of MiB\n", argv[i]);
+      return 2;
+    }
+    g_recorder_budget = static_cast<std::size_t>(mib) << 20;
+    std::copy(argv + i + 1, argv + argc + 1, argv + i);  // argv[argc] is null
+    --argc;
+    --i;
+  }
   std::vector<std::string> defaults{"--benchmark_repetitions=5",
-                                    "--benchmark_display_aggregates_only=true"};
+                                    "--benchmark_display_aggregates_only=true",
+                                    "--benchmark_enable_random_interleaving=true"};
   std::vector<char*> args = steptrace::bench::with_default_flags(argc, argv, defaults);
   int n = static_cast<int>(args.size()) - 1;
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
 
+  // Recorder off and on side by side, per key count.
+  for (auto keys : kKeyCounts) {
+    benchmark::RegisterBenchmark("ingest/validated", bm_ingest<Spread::kTypical, Recorder::kOff>)
+        ->Arg(keys)
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark("ingest/validated_recorder_on",
+                                 bm_ingest<Spread::kTypical, Recorder::kOn>)
+        ->Arg(keys)
+        ->Unit(benchmark::kMicrosecond);
+  }
   for (auto* b :
-       {benchmark::RegisterBenchmark("ingest/validated", bm_ingest<Spread::kTypical>),
-        benchmark::RegisterBenchmark("ingest/validated_wide_spread", bm_ingest<Spread::kWide>),
+       {benchmark::RegisterBenchmark("ingest/validated_wide_spread", bm_ingest<Spread::kWide>),
         benchmark::RegisterBenchmark("ingest/lower_bound", bm_lower_bound)}) {
     for (auto keys : kKeyCounts) b->Arg(keys);
     b->Unit(benchmark::kMicrosecond);
@@ -520,6 +603,33 @@ int main(int argc, char** argv) {
       std::printf("   (target >= 80 M events/s: %s)", rate(ours) >= 80e6 ? "met" : "MISSED");
     }
     std::printf("\n");
+  }
+  std::printf(
+      "\n== flight recorder: validated ingest with the recorder off (budget 0) and on (%zu MiB, "
+      "full), medians ==\n",
+      g_recorder_budget >> 20);
+  std::printf("  %8s | %16s | %16s | %14s | %10s | %14s | %s\n", "keys", "recorder off",
+              "recorder on", "on/off (cpu)", "on/off (wall)", "bytes/event held", "events held");
+  for (auto keys : kKeyCounts) {
+    const std::string suffix = "/" + std::to_string(keys) + "@1";
+    auto off = reporter.median("ingest/validated" + suffix);
+    auto on = reporter.median("ingest/validated_recorder_on" + suffix);
+    if (!off || !on) continue;
+    auto counter = [](const steptrace::bench::Figure& f, const char* name) {
+      auto it = f.counters.find(name);
+      return it == f.counters.end() ? 0.0 : it->second;
+    };
+    const double cpu_off = counter(*off, "items_per_second");
+    const double cpu_on = counter(*on, "items_per_second");
+    const double cpu_ratio = cpu_off > 0 ? cpu_on / cpu_off : 0.0;
+    const double wall_ratio = on->real_time > 0 ? off->real_time / on->real_time : 0.0;
+    std::printf(
+        "  %8lld | %7.1f M ev/s | %7.1f M ev/s | %14.3f | %13.3f | %16.2f | %.0f%s   (on/off >= "
+        "0.80: %s)\n",
+        static_cast<long long>(keys), cpu_off / 1e6, cpu_on / 1e6, cpu_ratio, wall_ratio,
+        counter(*on, "rec_bytes_per_event"), counter(*on, "rec_events_held"),
+        counter(*on, "rec_full_at_start") > 0 ? "" : " (budget NOT full at start)",
+        cpu_ratio >= 0.8 ? "met" : "MISSED");
   }
   std::printf(
       "\n== ingest while rendering: report --json and metrics alternately on a second thread "

@@ -97,7 +97,6 @@ void FlightRecorder::record(std::uint32_t handle, proto::EventSpan events, std::
     return;
   }
   TraceWindow& window = *by_handle_[handle];
-  counters_.events_recorded += events.size();
   const std::byte* data = events.data();
   std::size_t left = events.size();
   while (left != 0) {
@@ -110,6 +109,7 @@ void FlightRecorder::record(std::uint32_t handle, proto::EventSpan events, std::
     std::memcpy(&chunk.events[chunk.count], data, n * sizeof(proto::EventRecord));
     chunk.count += static_cast<std::uint32_t>(n);
     chunk.arrived_ns = now_ns;
+    counters_.events_recorded += n;  // only what was stored: recorded = evicted + held
     data += n * sizeof(proto::EventRecord);
     left -= n;
   }
