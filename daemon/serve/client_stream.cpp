@@ -333,10 +333,17 @@ void ClientStream::answer_line(std::string_view line) {
   answer(shared_.commands.dispatch(line, context));
 }
 
+void ClientStream::await_reply() {
+  state_ = State::kAwaitingReply;
+  // Nothing is read while the reply is out (a trace may take minutes): a line the client
+  // left unfinished before EOF must not time the connection out under its own reply.
+  idle_deadline_.reset();
+  frame_deadline_.reset();
+}
+
 void ClientStream::answer(Reply reply) {
   if (reply.deferred) {
-    state_ = State::kAwaitingReply;
-    idle_deadline_.reset();
+    await_reply();
     transport_.defer(reply.deferred->delay, [this, make = std::move(reply.deferred->make)] {
       if (state_ != State::kAwaitingReply) return;
       state_ = State::kText;
@@ -345,8 +352,7 @@ void ClientStream::answer(Reply reply) {
     return;
   }
   if (reply.stream) {
-    state_ = State::kAwaitingReply;
-    idle_deadline_.reset();
+    await_reply();
     reply_stream_ = std::move(reply.stream);
     request_piece();
     return;
@@ -355,8 +361,7 @@ void ClientStream::answer(Reply reply) {
     transport_.send(std::move(reply.text));
     return;
   }
-  state_ = State::kAwaitingReply;
-  idle_deadline_.reset();
+  await_reply();
   transport_.render(std::move(reply.render));
 }
 

@@ -200,6 +200,7 @@ class ClientStream {
   void process_text();
   void answer_line(std::string_view line);
   void answer(Reply reply);
+  void await_reply();
   void request_piece();
   void maybe_finish();
   void set_frame_deadline(bool frame_finished);

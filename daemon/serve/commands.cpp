@@ -5,7 +5,10 @@
 #include <atomic>
 #include <charconv>
 #include <exception>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <tuple>
 
 #include "daemon/report/trace_export.h"
@@ -149,29 +152,50 @@ constexpr const char* kTraceUsage = "trace [--pid N]... [--last SECONDS | --for 
 
 // Renders a capture as the trace document, a piece per next(). Each one alive holds its
 // capture's chunks (memory beyond the recorder's budget once they are evicted), so at
-// most kMaxTraceReplies exist at once; a client that does not read is closed after
-// timeouts.frame_s, which ends its reply.
+// most kMaxTraceReplies exist at once, kMaxTraceRepliesPerUid of one uid (so one
+// tenant reading slowly cannot hold them all); a client that does not read is closed
+// after timeouts.frame_s, which ends its reply.
 class TraceReply final : public ReplyStream {
  public:
   static constexpr int kMaxTraceReplies = 8;
-  explicit TraceReply(std::shared_ptr<const TraceCapture> capture) : export_(std::move(capture)) {
+  static constexpr int kMaxTraceRepliesPerUid = 2;
+  TraceReply(std::shared_ptr<const TraceCapture> capture, std::uint32_t uid)
+      : export_(std::move(capture)), uid_(uid) {
+    const std::lock_guard<std::mutex> lock(live_mutex);
+    ++live_by_uid[uid_];
     ++live_count;
   }
-  ~TraceReply() override { --live_count; }
+  ~TraceReply() override {  // on the io or the render thread
+    const std::lock_guard<std::mutex> lock(live_mutex);
+    if (--live_by_uid[uid_] == 0) live_by_uid.erase(uid_);
+    --live_count;
+  }
   TraceReply(const TraceReply&) = delete;
   TraceReply& operator=(const TraceReply&) = delete;
   bool next(std::string& out) override { return export_.next(out); }
-  static int live() { return live_count; }
+  // Why a new reply for `uid` may not start now, if it may not.
+  static std::optional<std::string> busy(std::uint32_t uid) {
+    const std::lock_guard<std::mutex> lock(live_mutex);
+    if (live_count >= kMaxTraceReplies) {
+      return "error: busy: " + std::to_string(kMaxTraceReplies) +
+             " traces are being sent; retry when one is done\n";
+    }
+    const auto it = live_by_uid.find(uid);
+    if (it != live_by_uid.end() && it->second >= kMaxTraceRepliesPerUid) {
+      return "error: busy: uid " + std::to_string(uid) + " has " +
+             std::to_string(kMaxTraceRepliesPerUid) +
+             " traces being sent; read them, or retry when one is done\n";
+    }
+    return std::nullopt;
+  }
 
  private:
   TraceExport export_;
-  static inline std::atomic<int> live_count{0};  // destroyed on the io or the render thread
+  std::uint32_t uid_;
+  static inline std::mutex live_mutex;
+  static inline int live_count = 0;
+  static inline std::map<std::uint32_t, int> live_by_uid;
 };
-
-std::string trace_busy() {
-  return "error: busy: " + std::to_string(TraceReply::kMaxTraceReplies) +
-         " traces are being sent; retry when one is done\n";
-}
 
 // Holds a `trace --for` capture open: recording goes on (with the capture budget when
 // the standing window is off) until the reply is made or the connection goes.
@@ -190,23 +214,23 @@ class CaptureHold {
 
 std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9); }
 
-Reply trace_reply(const TraceRequest& r, Collector& collector) {
+Reply trace_reply(const TraceRequest& r, Collector& collector, std::uint32_t uid) {
   const std::uint64_t now = collector.now_ns();
-  if (TraceReply::live() >= TraceReply::kMaxTraceReplies) return trace_busy();
+  if (auto busy = TraceReply::busy(uid)) return *busy;
   if (!r.for_s) {
     const std::uint64_t since =
         r.last_s && seconds_ns(*r.last_s) < now ? now - seconds_ns(*r.last_s) : 0;
     return std::shared_ptr<ReplyStream>(
-        std::make_shared<TraceReply>(collector.capture_trace(r.pids, since)));
+        std::make_shared<TraceReply>(collector.capture_trace(r.pids, since), uid));
   }
   auto hold = std::make_shared<CaptureHold>(collector);
   DeferredReply deferred;
   deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
-  deferred.make = [&collector, pids = r.pids, since = now, hold]() mutable -> Reply {
-    if (TraceReply::live() >= TraceReply::kMaxTraceReplies) return trace_busy();
+  deferred.make = [&collector, pids = r.pids, since = now, hold, uid]() mutable -> Reply {
+    if (auto busy = TraceReply::busy(uid)) return *busy;
     auto capture = collector.capture_trace(pids, since);
     hold.reset();  // the capture holds its chunks; recording may stop now
-    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(std::move(capture)));
+    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(std::move(capture), uid));
   };
   return deferred;
 }
@@ -368,11 +392,12 @@ CommandTable::CommandTable() {
         }
         return std::string("ok\n");
       });
-  add<TraceRequest>(
-      "trace", kTraceUsage,
-      "the flight recorder's recent events as a Chrome Trace Event document "
-      "(Perfetto UI, chrome://tracing); --for records from now on",
-      [](const TraceRequest& r, const CommandContext& c) { return trace_reply(r, c.collector); });
+  add<TraceRequest>("trace", kTraceUsage,
+                    "the flight recorder's recent events as a Chrome Trace Event document "
+                    "(Perfetto UI, chrome://tracing); --for records from now on",
+                    [](const TraceRequest& r, const CommandContext& c) {
+                      return trace_reply(r, c.collector, c.peer_uid);
+                    });
   add<VersionRequest>(
       "version", "version", "daemon version, protocol version and commands, as one JSON line",
       [this](const VersionRequest&, const CommandContext&) {

@@ -405,13 +405,20 @@ void LedgerView::apply_devices(std::map<std::string, ledger::Device, std::less<>
   state.device_error = std::move(error);
   for (auto& [uuid, gpu] : state.gpus) {
     const auto device = state.devices.find(uuid);
-    gpu.device_total =
-        device == state.devices.end() ? std::nullopt : std::optional(device->second.total_bytes);
+    // A GPU missing from a sample that had errors (a failed call, not a removed device)
+    // keeps its last total, so over-commitment does not flap with transient errors.
+    if (device != state.devices.end()) {
+      gpu.device_total = device->second.total_bytes;
+    } else if (state.device_error.empty()) {
+      gpu.device_total.reset();
+    }
     state.update_overcommit(gpu);
     if (device == state.devices.end() || !device->second.processes_known) continue;
     for (auto& [id, r] : gpu.reservations) {
       for (const ledger::DeviceProcess& p : device->second.processes) {
-        if (static_cast<std::int32_t>(p.pid) == r.holder.pid && p.used_bytes.value_or(0) > 0) {
+        // Listed with its memory hidden (NVML_VALUE_NOT_AVAILABLE) counts as using it.
+        if (static_cast<std::int32_t>(p.pid) == r.holder.pid &&
+            (!p.used_bytes || *p.used_bytes > 0)) {
           r.last_used_ns = now_ns;
         }
       }
@@ -435,7 +442,8 @@ std::vector<ledger::Finding> ledger::device_findings(const State& state, std::st
   for (const DeviceProcess& p : device->second.processes) {
     const auto pid = static_cast<std::int32_t>(p.pid);
     const std::uint64_t bytes = p.used_bytes.value_or(0);
-    used[pid] += bytes;
+    // Hidden memory (nullopt) still means the process is on the device (not IDLE).
+    used[pid] += p.used_bytes ? bytes : 1;
     if (!p.visible) {
       out.push_back({Finding::kGhost, p.pid, bytes, reserved.contains(pid) ? reserved[pid] : 0, 0});
       continue;
@@ -445,9 +453,15 @@ std::vector<ledger::Finding> ledger::device_findings(const State& state, std::st
       if (bytes > 0) out.push_back({Finding::kUndeclared, p.pid, bytes, 0, 0});
       continue;
     }
-    // Over the reservation by more than the tolerance (computed without overflow).
-    const std::uint64_t allowed = r->second + r->second / 100 * state.rules.over_tolerance_pct +
-                                  r->second % 100 * state.rules.over_tolerance_pct / 100;
+    // Over the reservation by more than the tolerance (saturating: no wrap to a small bound).
+    const std::uint64_t pct = state.rules.over_tolerance_pct;
+    std::uint64_t extra = 0;
+    std::uint64_t allowed = 0;
+    if (__builtin_mul_overflow(r->second / 100, pct, &extra) ||
+        __builtin_add_overflow(extra, r->second % 100 * pct / 100, &extra) ||
+        __builtin_add_overflow(r->second, extra, &allowed)) {
+      allowed = std::numeric_limits<std::uint64_t>::max();
+    }
     if (p.used_bytes && bytes > allowed)
       out.push_back({Finding::kOver, p.pid, bytes, r->second, 0});
   }

@@ -306,6 +306,26 @@ TEST_F(ClientStreamTest, LastLineWithoutNewlineIsAnsweredBeforeFinishing) {
   EXPECT_NE(transport_.sent.find("connections"), std::string::npos) << transport_.sent;
 }
 
+// `printf 'trace --for 60' | socat ...`: the unfinished last line's timer must not end
+// the connection while its (deferred, then streamed) reply is out.
+TEST_F(ClientStreamTest, ALastLineWithoutNewlineIsNotTimedOutUnderALongReply) {
+  open();
+  feed("trace --for 60");
+  ASSERT_TRUE(stream_->next_deadline());  // the partial line's frame_s clock
+  stream_->input_ended();
+  ASSERT_EQ(stream_->state(), State::kAwaitingReply);
+  ASSERT_EQ(transport_.deferred.size(), 1u);
+  EXPECT_EQ(transport_.deferred_delays[0], std::chrono::milliseconds(60000));
+  EXPECT_FALSE(stream_->next_deadline());
+  stream_->on_timer(start_ + 61s);
+  EXPECT_EQ(stream_->state(), State::kAwaitingReply);
+  transport_.fire_deferred();
+  EXPECT_EQ(stream_->state(), State::kFinishing);
+  EXPECT_TRUE(transport_.sent.starts_with("{\"traceEvents\":[")) << transport_.sent;
+  EXPECT_TRUE(transport_.sent.ends_with("}\n")) << transport_.sent;
+  EXPECT_EQ(transport_.sent.find("error"), std::string::npos) << transport_.sent;
+}
+
 TEST_F(ClientStreamTest, EveryAnsweredLineIsACommandServedBlankOnesAreNot) {
   open();
   feed("ping\n\nnope\n  \nstats\n");

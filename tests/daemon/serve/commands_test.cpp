@@ -259,7 +259,7 @@ TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
 
 }  // namespace
 // `trace`: its options are checked word by word; a reply streams the recorder's window;
-// at most kMaxTraceReplies (8) replies are alive at once, the next one is told busy.
+// at most kMaxTraceReplies (8) replies are alive at once, 2 per uid; the next is told busy.
 TEST_F(CommandsTest, TraceValidatesItsOptionsAndBoundsRepliesInProgress) {
   for (const char* bad :
        {"trace --last 0", "trace --last abc", "trace --for 5000", "trace --last 1 --for 1",
@@ -274,17 +274,29 @@ TEST_F(CommandsTest, TraceValidatesItsOptionsAndBoundsRepliesInProgress) {
   for (const json& e : doc["traceEvents"]) spans += e["ph"] == "X" ? 1 : 0;
   EXPECT_EQ(spans, 3);
 
-  const CommandContext context{collector_, 1000, 1000};
   std::vector<Reply> held;
-  for (int i = 0; i < 8; ++i) {
-    held.push_back(table_.dispatch("trace", context));
-    ASSERT_TRUE(held.back().stream) << i << ": " << held.back().text;
+  for (std::uint32_t uid = 2000; uid < 2004; ++uid) {
+    const CommandContext context{collector_, uid, 1000};
+    for (int i = 0; i < 2; ++i) {
+      held.push_back(table_.dispatch("trace", context));
+      ASSERT_TRUE(held.back().stream) << uid << ": " << held.back().text;
+    }
   }
-  const Reply ninth = table_.dispatch("trace", context);
+  const CommandContext other{collector_, 3000, 1000};
+  const Reply ninth = table_.dispatch("trace", other);
   EXPECT_FALSE(ninth.stream);
   EXPECT_EQ(ninth.text, "error: busy: 8 traces are being sent; retry when one is done\n");
-  held.pop_back();  // one finishes: room again
-  EXPECT_TRUE(table_.dispatch("trace", context).stream);
+  held.pop_back();  // one of uid 2003's finishes: room again, for others
+  EXPECT_TRUE(table_.dispatch("trace", other).stream);
+  held.clear();
+  const CommandContext one{collector_, 2000, 1000};
+  held.push_back(table_.dispatch("trace", one));
+  held.push_back(table_.dispatch("trace", one));
+  const Reply third = table_.dispatch("trace", one);
+  EXPECT_FALSE(third.stream);
+  EXPECT_EQ(third.text,
+            "error: busy: uid 2000 has 2 traces being sent; read them, or retry when one is "
+            "done\n");
 }
 
 // `trace --for`: recording is on from the command (here with the standing window off)

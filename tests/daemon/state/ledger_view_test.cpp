@@ -822,4 +822,25 @@ TEST_F(LedgerViewTest, DeviceSamplesAreJoinedWithReservationsByUuidAndPid) {
   EXPECT_EQ(after.at("device_error"), "nvmlDeviceGetCount_v2 failed: Unknown Error (999)");
 }
 
+// A holder NVML lists with its memory hidden is on the device (never IDLE); a reservation
+// near 2^64 does not wrap the OVER bound to a small number.
+TEST_F(LedgerViewTest, HiddenMemoryIsNotIdleAndHugeReservationsDoNotWrapTheOverBound) {
+  constexpr std::uint64_t kHuge = 0xF000'0000'0000'0000ULL;
+  view_.apply(a_, reserve("GPU-A", 1, 2 * kGiB, "a", kNow - 10 * kSecond), kNow);
+  view_.apply(b_, reserve("GPU-A", 2, kHuge, "b", kNow - 10 * kSecond), kNow);
+  ledger::DeviceRules rules;
+  rules.idle_ns = 1 * kSecond;
+  view_.set_device_rules(rules);
+  ledger::Device device;
+  device.total_bytes = 80 * kGiB;
+  device.at_ns = kNow;
+  device.processes_known = true;
+  device.processes = {{static_cast<std::uint32_t>(a_.key.pid), std::nullopt, true},
+                      {static_cast<std::uint32_t>(b_.key.pid), kHuge + 1, true}};
+  std::map<std::string, ledger::Device, std::less<>> devices;
+  devices["GPU-A"] = device;
+  view_.apply_devices(devices, "", kNow);
+  EXPECT_TRUE(ledger::device_findings(view_.state(), "GPU-A", kNow + 3600 * kSecond).empty());
+}
+
 }  // namespace steptrace::daemon
