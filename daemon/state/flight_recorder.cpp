@@ -16,6 +16,11 @@ constexpr std::size_t kWindowCharge = sizeof(TraceWindow) + 2 * sizeof(void*) + 
 constexpr std::size_t kMarkCharge = sizeof(TraceMark);
 constexpr std::size_t kNameCharge = sizeof(StepNames::value_type) + 32 + proto::kNameField;
 
+// What a window is charged while it exists (its record and its custom step names).
+std::size_t window_charge(const TraceWindow& w) {
+  return kWindowCharge + w.names->size() * kNameCharge;
+}
+
 std::int64_t wall_offset_ns() {
   timespec real{};
   timespec mono{};
@@ -51,7 +56,7 @@ void FlightRecorder::begin_process(std::uint32_t handle, const PeerIdentity& pee
   if (slot && slot->key == peer.key) return;
   if (slot) {
     if (slot->chunks.empty()) {
-      counters_.bytes -= kWindowCharge + slot->names->size() * kNameCharge;
+      counters_.bytes -= window_charge(*slot);
     } else {
       orphans_.push_back(std::move(slot));
     }
@@ -165,7 +170,7 @@ void FlightRecorder::evict_to(std::size_t budget) {
 void FlightRecorder::drop_empty_orphans() {
   std::erase_if(orphans_, [this](const std::shared_ptr<TraceWindow>& w) {
     if (!w->chunks.empty()) return false;
-    counters_.bytes -= kWindowCharge + w->names->size() * kNameCharge;
+    counters_.bytes -= window_charge(*w);
     return true;
   });
 }
