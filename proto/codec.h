@@ -334,7 +334,7 @@ class Decoder {
         }
         if ((r.flags & ~kLedgerKnownFlags) != 0) return fail(errc::bad_reserved);
         if (r.op < static_cast<std::uint8_t>(LedgerOp::kReserve) ||
-            r.op > static_cast<std::uint8_t>(LedgerOp::kVramSample)) {
+            r.op > static_cast<std::uint8_t>(last_ledger_op(version_))) {
           return fail(errc::bad_ledger_op);
         }
         if (!valid_field(r.gpu_uuid, false) || !valid_field(r.task, true)) {

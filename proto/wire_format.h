@@ -22,8 +22,10 @@ static_assert(std::endian::native == std::endian::little,
 
 inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
 // The version this code speaks; a daemon also accepts hellos of kMinProtocolVersion..
-// kProtocolVersion (version 2 added the DroppedByCause frame, nothing else).
-inline constexpr std::uint16_t kProtocolVersion = 2;
+// kProtocolVersion (version 2 added the DroppedByCause frame, version 3 the ledger ops
+// ReserveLease and Renew, nothing else).
+inline constexpr std::uint16_t kProtocolVersion = 3;
+inline constexpr std::uint16_t kLeaseProtocolVersion = 3;
 inline constexpr std::uint16_t kMinProtocolVersion = 1;
 
 // Hard limits that every decoder enforces.
@@ -110,7 +112,18 @@ enum class LedgerOp : std::uint8_t {
   kRelease = 2,     // reservation_id
   kCleanup = 3,     // reservation_id, holder_pid (the dead holder whose entry was removed)
   kVramSample = 4,  // bytes = free bytes, total_bytes
+  // Protocol version 3 (on an earlier version's stream: bad_ledger_op).
+  kReserveLease = 5,  // reservation_id, bytes, task, lease_ms (in the total_bytes field)
+  kRenew = 6,         // reservation_id, lease_ms (in the total_bytes field)
 };
+
+// A lease runs 1 ms .. 7 days; the daemon refuses others (ledger anomaly bad_lease).
+inline constexpr std::uint64_t kMaxLeaseMs = 7ULL * 24 * 3600 * 1000;
+
+// The newest ledger op a stream of protocol version `version` may carry.
+constexpr LedgerOp last_ledger_op(std::uint16_t version) {
+  return version >= kLeaseProtocolVersion ? LedgerOp::kRenew : LedgerOp::kVramSample;
+}
 
 // Set by the client when it had to cut a string to fit its field (an anomaly the
 // daemon counts; it refuses the record).
@@ -124,7 +137,7 @@ struct LedgerRecord {
   std::uint64_t timestamp_ns;
   std::uint64_t reservation_id;
   std::uint64_t bytes;
-  std::uint64_t total_bytes;
+  std::uint64_t total_bytes;  // VramSample: total bytes; ReserveLease, Renew: lease_ms
   std::uint32_t thread_id;
   std::uint32_t holder_pid;
   std::uint8_t op;            // LedgerOp

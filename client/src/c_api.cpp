@@ -115,6 +115,25 @@ STEPTRACE_EXPORT void steptrace_ledger_cleanup(const char* gpu_uuid, uint64_t re
   }
 }
 
+STEPTRACE_EXPORT void steptrace_ledger_reserve_lease(const char* gpu_uuid, uint64_t reservation_id,
+                                                     uint64_t bytes, const char* task,
+                                                     uint32_t lease_ms) {
+  try {
+    Client::get().ledger(proto::LedgerOp::kReserveLease, gpu_uuid, reservation_id, bytes, lease_ms,
+                         0, task);
+  } catch (...) {
+  }
+}
+
+STEPTRACE_EXPORT void steptrace_ledger_renew(const char* gpu_uuid, uint64_t reservation_id,
+                                             uint32_t lease_ms) {
+  try {
+    Client::get().ledger(proto::LedgerOp::kRenew, gpu_uuid, reservation_id, 0, lease_ms, 0,
+                         nullptr);
+  } catch (...) {
+  }
+}
+
 STEPTRACE_EXPORT void steptrace_vram_sample(const char* gpu_uuid, uint64_t free_bytes,
                                             uint64_t total_bytes) {
   try {

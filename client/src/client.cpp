@@ -280,7 +280,9 @@ void Client::ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t rese
     return;
   }
   auto record = make_ledger_record(op, gpu_uuid, task, read_clock(), current_tid());
-  if (!record) {
+  const bool leased = op == proto::LedgerOp::kReserveLease || op == proto::LedgerOp::kRenew;
+  // total_bytes carries the lease of those two ops.
+  if (!record || (leased && (total_bytes == 0 || total_bytes > proto::kMaxLeaseMs))) {
     s_.count_drops(proto::DropCause::kInvalid);
     return;
   }

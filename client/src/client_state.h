@@ -113,8 +113,9 @@ struct ClientState {
   // producers, read without a lock (-1: none).
   UniqueFd wake_event;
   std::atomic<int> wake_fd{-1};
-  // The hello version of the next connection: kProtocolVersion until a daemon answered
-  // one with ErrorCode::kUnsupportedVersion, then 1 for good (PROTOCOL.md section 6).
+  // The hello version of the next connection: kProtocolVersion, one less each time a
+  // daemon answered a hello with ErrorCode::kUnsupportedVersion, down to 1; it never goes
+  // up again (PROTOCOL.md section 6).
   std::atomic<std::uint16_t> protocol_version{proto::kProtocolVersion};
 
   void wake() noexcept;

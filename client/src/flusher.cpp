@@ -173,11 +173,12 @@ void Flusher::read_socket() {
         std::lock_guard lock(s_.flush.mu);
         s_.flush.resolve_acked_locked(ack->sequence);
       } else if (const auto* error = std::get_if<proto::ErrorReport>(&*r.message)) {
-        // A daemon of protocol version 1 refused our hello: speak its version from the
-        // next connection on (PROTOCOL.md section 6).
+        // A daemon of an earlier protocol version refused our hello: try the version
+        // before ours from the next connection on (PROTOCOL.md section 6).
         if (error->code == static_cast<std::uint32_t>(proto::ErrorCode::kUnsupportedVersion) &&
             version_ > proto::kMinProtocolVersion) {
-          s_.protocol_version.store(proto::kMinProtocolVersion, std::memory_order_relaxed);
+          s_.protocol_version.store(static_cast<std::uint16_t>(version_ - 1),
+                                    std::memory_order_relaxed);
         }
         // The daemon closes after an error; reconnect (with backoff) like any loss.
         close_connection();
@@ -264,6 +265,16 @@ bool Flusher::build_batch() {
   std::size_t ledger_sent = 0;
   auto send_ledger = [&](proto::LedgerRecord record) {
     record.timestamp_ns = to_ns(record.timestamp_ns);
+    // A daemon too old for leases (PROTOCOL.md section 6): the reservation goes without
+    // its lease; a renewal cannot go at all and is counted as refused by the library.
+    if (record.op > static_cast<std::uint8_t>(proto::last_ledger_op(version_))) {
+      if (record.op != static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease)) {
+        s_.count_drops(proto::DropCause::kInvalid);
+        return;
+      }
+      record.op = static_cast<std::uint8_t>(proto::LedgerOp::kReserve);
+      record.total_bytes = 0;
+    }
     if (enc.ledger(record)) {
       ++ledger_sent;
       marks_.push_back({enc.size(), 1});

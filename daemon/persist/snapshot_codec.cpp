@@ -265,7 +265,10 @@ json ledger_json(const ledger::State& state) {
                               {"bytes", r.bytes},
                               {"task", r.task},
                               {"reserved_ns", r.reserved_ns},
-                              {"holder_alive", r.holder_alive}});
+                              {"holder_alive", r.holder_alive},
+                              {"lease_ms", r.lease_ms},
+                              {"lease_deadline_ns", r.lease_deadline_ns},
+                              {"expired", r.expired}});
     }
     json sample = nullptr;
     if (gpu.sample) {
@@ -327,7 +330,14 @@ bool read_reservation(JsonObject r, ledger::Gpu& gpu) {
   r.get_string("task", res.task, kLedgerTextRule);
   r.get_unsigned("reserved_ns", res.reserved_ns);
   r.get_bool("holder_alive", res.holder_alive);
+  // Leases (snapshots before them: none).
+  r.optional_unsigned("lease_ms", res.lease_ms, 0, proto::kMaxLeaseMs);
+  r.optional_unsigned("lease_deadline_ns", res.lease_deadline_ns);
+  r.optional_bool("expired", res.expired);
   if (!r.finish()) return false;
+  if (res.lease_ms == 0 && (res.expired || res.lease_deadline_ns != 0)) {
+    return r.fail_at("lease_ms", "0 (no lease) with a lease deadline or expired");
+  }
   if (res.bytes > std::numeric_limits<std::uint64_t>::max() - gpu.reserved_bytes) {
     return r.fail_at("bytes", "the GPU's reservations add up to more than 2^64-1 bytes");
   }
@@ -348,6 +358,7 @@ bool read_ledger_row(JsonObject p, ledger::Gpu& gpu) {
   p.get_unsigned("releases", row.releases);
   p.get_unsigned("cleanups", row.cleanups);
   p.optional_unsigned("refused", row.refused);  // 0 in snapshots before permissions
+  p.optional_unsigned("renews", row.renews);    // 0 in snapshots before leases
   if (!read_ledger_steps(p.array("steps", proto::kBuiltinStepCount), row.steps) || !p.finish()) {
     return false;
   }
@@ -375,7 +386,11 @@ bool read_gpu(JsonObject g, const Limits& limits, ledger::State& out) {
   }
   JsonObject operations = g.object("operations");
   for (std::size_t op = 0; op < ledger::kOpCount; ++op) {
-    operations.get_unsigned(ledger::kOpNames[op], gpu.operations[op]);
+    if (op == ledger::kOpRenew) {
+      operations.optional_unsigned(ledger::kOpNames[op], gpu.operations[op]);  // since leases
+    } else {
+      operations.get_unsigned(ledger::kOpNames[op], gpu.operations[op]);
+    }
   }
   if (!operations.finish() ||
       !read_ledger_steps(g.array("steps", proto::kBuiltinStepCount), gpu.steps)) {

@@ -46,6 +46,21 @@ std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns) {
   return buf;
 }
 
+// A reservation's state in every output: LEAKED (holder dead), EXPIRED (its lease passed
+// unrenewed while the holder lives), else alive.
+const char* reservation_state(const Reservation& r) {
+  if (!r.holder_alive) return "LEAKED";
+  return r.expired ? "EXPIRED" : "alive";
+}
+
+// The lease column: "-" without one, "12.00s left of 30.00s", "passed (30.00s)".
+std::string lease_text(const Reservation& r, std::uint64_t now_ns) {
+  if (r.lease_ms == 0) return "-";
+  const std::uint64_t len_ns = r.lease_ms * 1'000'000;
+  if (r.expired || now_ns >= r.lease_deadline_ns) return "passed (" + format_age(0, len_ns) + ")";
+  return format_age(now_ns, r.lease_deadline_ns) + " left of " + format_age(0, len_ns);
+}
+
 // Left-aligned columns joined with " | " (as the other reports' tables), widths by
 // display width since durations carry "µ"; each row prefixed by `indent`, no trailing
 // blanks.
@@ -142,15 +157,21 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
     const ledger::Gpu& gpu = *gpu_ptr;
     json reservations = json::array();
     for (const auto& [id, r] : gpu.reservations) {
-      reservations.push_back({{"id", id},
-                              {"pid", r.holder.pid},
-                              {"start_time", r.holder.start_time},
-                              {"uid", uid_json(r.uid)},
-                              {"comm", r.comm},
-                              {"bytes", r.bytes},
-                              {"task", r.task},
-                              {"holder_alive", r.holder_alive},
-                              {"age_s", seconds_between(r.reserved_ns, now_ns)}});
+      reservations.push_back(
+          {{"id", id},
+           {"pid", r.holder.pid},
+           {"start_time", r.holder.start_time},
+           {"uid", uid_json(r.uid)},
+           {"comm", r.comm},
+           {"bytes", r.bytes},
+           {"task", r.task},
+           {"holder_alive", r.holder_alive},
+           {"age_s", seconds_between(r.reserved_ns, now_ns)},
+           {"lease_ms", r.lease_ms == 0 ? json(nullptr) : json(r.lease_ms)},
+           {"lease_left_s",
+            r.lease_ms == 0 ? json(nullptr) : json(seconds_between(now_ns, r.lease_deadline_ns))},
+           {"expired", r.expired},
+           {"state", reservation_state(r)}});
     }
     json processes = processes_json(gpu);
     json operations = operations_json(gpu);
@@ -166,6 +187,7 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
               {"overcommitted", gpu.overcommitted},
               {"overcommit_events", gpu.overcommit_events},
               {"leaked_reservations", gpu.leaked()},
+              {"expired_reservations", gpu.expired()},
               {"operations", std::move(operations)},
               {"steps", steps_json(gpu.steps)},
               {"reservations", std::move(reservations)},
@@ -266,16 +288,22 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
     }
 
     const std::size_t leaked = gpu.leaked();
+    const std::size_t expired = gpu.expired();
     out += "  Reservations: " + std::to_string(gpu.reservations.size());
-    if (leaked != 0) out += " (" + std::to_string(leaked) + " leaked)";
+    if (leaked != 0 && expired != 0) {
+      out += " (" + std::to_string(leaked) + " leaked, " + std::to_string(expired) + " expired)";
+    } else if (leaked != 0 || expired != 0) {
+      out += " (" + std::to_string(leaked + expired) + (leaked != 0 ? " leaked)" : " expired)");
+    }
     out += "\n";
     if (!gpu.reservations.empty()) {
       std::vector<std::vector<std::string>> rows = {
-          {"ID", "PID", "Process", "Task", "Size", "Age", "Holder"}};
+          {"ID", "PID", "Process", "Task", "Size", "Age", "Lease", "Holder"}};
       for (const auto& [id, r] : gpu.reservations) {
         rows.push_back({std::to_string(id), std::to_string(r.holder.pid), proto::printable(r.comm),
                         r.task.empty() ? "-" : proto::printable(r.task), format_bytes(r.bytes),
-                        format_age(r.reserved_ns, now_ns), r.holder_alive ? "alive" : "LEAKED"});
+                        format_age(r.reserved_ns, now_ns), lease_text(r, now_ns),
+                        reservation_state(r)});
       }
       append_table(out, "    ", rows);
     }
@@ -337,6 +365,9 @@ void append_ledger_metrics(const ledger::State& state, std::string& out) {
       {"steptrace_gpu_leaked_reservations",
        "Reservations whose holder exited without releasing them.",
        [](const Gpu& g) -> std::optional<std::uint64_t> { return g.leaked(); }},
+      {"steptrace_gpu_expired_reservations",
+       "Reservations whose lease passed unrenewed while their holder lives.",
+       [](const Gpu& g) -> std::optional<std::uint64_t> { return g.expired(); }},
       {"steptrace_gpu_overcommitted",
        "1 when reserved bytes exceed the total (NVML's, else the last client sample's).",
        [](const Gpu& g) -> std::optional<std::uint64_t> { return g.overcommitted ? 1 : 0; }},

@@ -113,6 +113,10 @@ std::string_view ledger_op_name(std::uint8_t op) {
       return "LedgerCleanup";
     case proto::LedgerOp::kVramSample:
       return "VramSample";
+    case proto::LedgerOp::kReserveLease:
+      return "LedgerReserve";
+    case proto::LedgerOp::kRenew:
+      return "LedgerRenew";
   }
   return "LedgerOp";
 }
@@ -432,12 +436,23 @@ void TraceExport::next_mark(std::string& out) {
     append_json_string(out, gpu);
     switch (static_cast<proto::LedgerOp>(r.op)) {
       case proto::LedgerOp::kReserve:
+      case proto::LedgerOp::kReserveLease:
         out.append(",\"reservation_id\":");
         append_uint(out, r.reservation_id);
         out.append(",\"bytes\":");
         append_uint(out, r.bytes);
         out.append(",\"task\":");
         append_json_string(out, field(r.task));
+        if (r.op == static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease)) {
+          out.append(",\"lease_ms\":");
+          append_uint(out, r.total_bytes);
+        }
+        break;
+      case proto::LedgerOp::kRenew:
+        out.append(",\"reservation_id\":");
+        append_uint(out, r.reservation_id);
+        out.append(",\"lease_ms\":");
+        append_uint(out, r.total_bytes);
         break;
       case proto::LedgerOp::kRelease:
         out.append(",\"reservation_id\":");

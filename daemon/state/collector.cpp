@@ -497,18 +497,8 @@ void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record)
   if (record.op == static_cast<std::uint8_t>(proto::LedgerOp::kCleanup)) refresh_holder(record);
   const ProcessRecord& rec = *state_->slots[process];
   const std::uint64_t now = env_.monotonic_now_ns();
-  // Applied or refused: the GPU's count of applied operations says. (The ledger's state
-  // is looked up each time: apply() may clone it when a view holds it.)
-  const auto operations = [&] {
-    const auto& gpus = state_->ledger.state().gpus;
-    const auto gpu = gpus.find(proto::field_view(record.gpu_uuid));
-    if (gpu == gpus.end()) return std::uint64_t{0};
-    std::uint64_t sum = 0;
-    for (const std::uint64_t n : gpu->second.operations) sum += n;
-    return sum;
-  };
-  const std::uint64_t before = recorder_.on() ? operations() : 0;
-  state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record, now);
+  const bool applied =
+      state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record, now);
   if (!recorder_.on()) return;
   TraceMark mark;
   mark.kind = TraceMark::Kind::kLedger;
@@ -516,7 +506,7 @@ void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record)
   mark.arrived_ns = now;
   mark.sender = rec.key();
   mark.record = record;
-  mark.applied = operations() > before;
+  mark.applied = applied;
   const auto& gpus = state_->ledger.state().gpus;
   if (const auto gpu = gpus.find(proto::field_view(record.gpu_uuid)); gpu != gpus.end()) {
     mark.gpu_reserved_bytes = gpu->second.reserved_bytes;
@@ -629,6 +619,7 @@ void Collector::refresh_liveness() {
     if (liveness == Liveness::kDead) mark_exited(state, state.write(h), env_.monotonic_now_ns());
   }
   check_ledger_holders(state, env_, counters_);
+  state.ledger.expire_leases(env_.monotonic_now_ns());
   enforce_exited_limit(state, limits_, counters_);
   recorder_.tick(env_.monotonic_now_ns());
 }
@@ -759,7 +750,7 @@ std::error_code Collector::adopt(RestoredState restored) {
   }
   next->next_exit_order = max_order + 1;
   *next->retired = std::move(restored.retired);
-  next->ledger.adopt(std::move(restored.ledger));
+  next->ledger.adopt(std::move(restored.ledger), env_.monotonic_now_ns());
   state_ = std::move(next);
 
   DaemonCounters& c = counters_;

@@ -46,6 +46,13 @@ enum Anomaly : std::size_t {
   kCleanupRefused,
   kMaxGpusPerUid,
   kMaxReservationsPerUid,
+  // Leases (protocol version 3): a Renew of an unknown reservation, one refused (not the
+  // holder's side), a lease outside 1 ms .. 7 days; and a lease that passed unrenewed
+  // (counted when the view marks it EXPIRED; nothing is refused).
+  kUnknownRenew,
+  kRenewRefused,
+  kBadLease,
+  kLeaseExpired,
   kAnomalyCount,
 };
 
@@ -69,11 +76,16 @@ inline constexpr std::array<std::string_view, kAnomalyCount> kAnomalyNames = {
     "cleanup_refused",
     "max_gpus_per_uid",
     "max_reservations_per_uid",
+    "unknown_renew",
+    "renew_refused",
+    "bad_lease",
+    "lease_expired",
 };
 
-enum Op : std::size_t { kOpReserve, kOpRelease, kOpCleanup, kOpVramSample, kOpCount };
+// Applied operations per GPU; a ReserveLease counts as a reserve.
+enum Op : std::size_t { kOpReserve, kOpRelease, kOpCleanup, kOpVramSample, kOpRenew, kOpCount };
 inline constexpr std::array<std::string_view, kOpCount> kOpNames = {"reserve", "release", "cleanup",
-                                                                    "vram_sample"};
+                                                                    "vram_sample", "renew"};
 
 struct Reservation {
   ProcessKey holder;
@@ -85,6 +97,11 @@ struct Reservation {
   std::string task;
   std::uint64_t reserved_ns = 0;
   bool holder_alive = true;
+  // A lease (ReserveLease, Renew): its length (0: none) and when it passes unrenewed
+  // (monotonic); `expired` once the view saw it pass (expire_leases), until a renewal.
+  std::uint64_t lease_ms = 0;
+  std::uint64_t lease_deadline_ns = 0;
+  bool expired = false;
   // Device truth (NVML): when the holder was last seen using memory on this GPU (0:
   // never since the reservation or the daemon's start). Not kept in snapshots.
   std::uint64_t last_used_ns = 0;
@@ -101,7 +118,8 @@ struct ProcessRow {
   std::uint64_t reserves = 0;
   std::uint64_t releases = 0;
   std::uint64_t cleanups = 0;
-  // Releases and cleanups it sent for this GPU that it was not allowed to make.
+  std::uint64_t renews = 0;
+  // Releases, cleanups and renewals it sent for this GPU that it was not allowed to make.
   std::uint64_t refused = 0;
   std::map<std::uint32_t, StepTime> steps;  // ledger step id -> time
 };
@@ -170,6 +188,12 @@ struct Gpu {
     return static_cast<std::size_t>(
         std::count_if(reservations.begin(), reservations.end(),
                       [](const auto& entry) { return !entry.second.holder_alive; }));
+  }
+  // Leases that passed unrenewed while their holder lives (a dead holder's is a leak).
+  std::size_t expired() const {
+    return static_cast<std::size_t>(std::count_if(
+        reservations.begin(), reservations.end(),
+        [](const auto& entry) { return entry.second.holder_alive && entry.second.expired; }));
   }
 };
 

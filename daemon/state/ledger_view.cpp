@@ -45,6 +45,14 @@ bool valid_text(std::string_view text, bool allow_empty) {
   return proto::all_printable(text);
 }
 
+// When a lease of `lease_ms` taken at `from_ns` passes (saturating).
+std::uint64_t lease_deadline(std::uint64_t from_ns, std::uint64_t lease_ms) {
+  const std::uint64_t ns = lease_ms * 1'000'000;  // lease_ms <= kMaxLeaseMs: no overflow
+  return from_ns > std::numeric_limits<std::uint64_t>::max() - ns
+             ? std::numeric_limits<std::uint64_t>::max()
+             : from_ns + ns;
+}
+
 }  // namespace
 
 // ---- the rows both the report and the snapshot write ----------------------------------
@@ -71,6 +79,7 @@ json processes_json(const Gpu& gpu) {
                          {"reserves", row.reserves},
                          {"releases", row.releases},
                          {"cleanups", row.cleanups},
+                         {"renews", row.renews},
                          {"refused", row.refused},
                          {"steps", steps_json(row.steps)}});
   }
@@ -99,9 +108,19 @@ ledger::State& LedgerView::write_state() {
   return *state_;
 }
 
-void LedgerView::adopt(ledger::State state) {
+void LedgerView::adopt(ledger::State state, std::uint64_t now_ns) {
   // Attribution marks belong to spans in progress; those ended with the daemon.
   state.marks.clear();
+  // A holder could not renew while no daemon ran: its renewals may still be queued in
+  // its library. Every lease not expired runs at least one more lease from now before the
+  // view may call it expired; one expired before the restart stays expired.
+  for (auto& [uuid, gpu] : state.gpus) {
+    for (auto& [id, r] : gpu.reservations) {
+      if (r.lease_ms != 0 && !r.expired) {
+        r.lease_deadline_ns = std::max(r.lease_deadline_ns, lease_deadline(now_ns, r.lease_ms));
+      }
+    }
+  }
   state.recount();
   state_ = std::make_shared<ledger::State>(std::move(state));
 }
@@ -129,7 +148,8 @@ class Apply {
     gpu_ = it == s_.gpus.end() ? nullptr : &it->second;
   }
 
-  bool reserve() {
+  bool reserve(bool leased) {
+    if (leased && !valid_lease()) return true;
     if (record_.bytes == 0) {
       s_.count(kZeroByteReserve);
       return true;
@@ -152,13 +172,16 @@ class Apply {
       return true;
     }
     if (!ensure_gpu()) return false;
-    gpu_->reservations.emplace(record_.reservation_id,
-                               Reservation{actor_.key, actor_.uid, comm_, record_.bytes,
-                                           std::string(task_), at_ns_, true});
+    Reservation& r = gpu_->reservations
+                         .emplace(record_.reservation_id,
+                                  Reservation{actor_.key, actor_.uid, comm_, record_.bytes,
+                                              std::string(task_), at_ns_, true})
+                         .first->second;
+    if (leased) set_lease(r);
     s_.charge(actor_.uid, 0, 1);
     gpu_->reserved_bytes += record_.bytes;
     gpu_->high_water_bytes = std::max(gpu_->high_water_bytes, gpu_->reserved_bytes);
-    ++gpu_->operations[kOpReserve];
+    count_op(kOpReserve);
     if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) ++row->reserves;
     s_.update_overcommit(*gpu_);
     return true;
@@ -172,13 +195,10 @@ class Apply {
     }
     const auto entry = gpu_->reservations.find(record_.reservation_id);
     // The holder's own side (the process, its uid, root) may do either; anyone else only
-    // a cleanup of a holder known dead.
-    if (!holder_side(entry->second) && (!cleanup || entry->second.holder_alive)) {
-      s_.count(cleanup ? kCleanupRefused : kReleaseRefused);
-      if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) {
-        ++row->refused;
-      }
-      return false;  // changes nothing else: not even the attribution mark
+    // a cleanup of a holder known dead or of an expired lease.
+    const Reservation& r = entry->second;
+    if (!holder_side(r) && (!cleanup || (r.holder_alive && !r.expired))) {
+      return refuse(cleanup ? kCleanupRefused : kReleaseRefused);
     }
     if (cleanup && static_cast<std::int64_t>(record_.holder_pid) != entry->second.holder.pid) {
       s_.count(kCleanupHolderMismatch);  // the ledger removed it anyway; so do we
@@ -186,7 +206,7 @@ class Apply {
     s_.charge(entry->second.uid, 0, -1);
     gpu_->reserved_bytes -= entry->second.bytes;
     gpu_->reservations.erase(entry);
-    ++gpu_->operations[cleanup ? kOpCleanup : kOpRelease];
+    count_op(cleanup ? kOpCleanup : kOpRelease);
     if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) {
       ++(cleanup ? row->cleanups : row->releases);
     }
@@ -204,10 +224,29 @@ class Apply {
     if (!gpu_->sample || at_ns_ >= gpu_->sample->at_ns) {
       gpu_->sample = VramSample{record_.bytes, record_.total_bytes, at_ns_};
     }
-    ++gpu_->operations[kOpVramSample];
+    count_op(kOpVramSample);
     s_.update_overcommit(*gpu_);
     return true;
   }
+
+  // The holder's side (as for a release) renews a lease, gives one to a reservation
+  // without, or revives an expired one.
+  bool renew() {
+    if (gpu_ == nullptr || !gpu_->reservations.contains(record_.reservation_id)) {
+      s_.count(kUnknownRenew);
+      return true;
+    }
+    Reservation& r = gpu_->reservations.find(record_.reservation_id)->second;
+    if (!holder_side(r)) return refuse(kRenewRefused);
+    if (!valid_lease()) return true;
+    set_lease(r);
+    count_op(kOpRenew);
+    if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) ++row->renews;
+    return true;
+  }
+
+  // Whether the view changed (an operation was counted on the GPU).
+  bool applied() const { return applied_; }
 
   // Remembers where this thread last was, for the ledger-step span that will enclose it.
   // Only for GPUs the view knows, so attribution never creates one.
@@ -232,6 +271,29 @@ class Apply {
   }
 
  private:
+  bool valid_lease() {
+    if (record_.total_bytes == 0 || record_.total_bytes > proto::kMaxLeaseMs) {
+      s_.count(kBadLease);
+      return false;
+    }
+    return true;
+  }
+  void set_lease(Reservation& r) const {
+    r.lease_ms = record_.total_bytes;
+    r.lease_deadline_ns = lease_deadline(at_ns_, r.lease_ms);
+    r.expired = false;
+  }
+  void count_op(Op op) {
+    ++gpu_->operations[op];
+    applied_ = true;
+  }
+  // Counted as `kind` and in the actor's `refused` on this GPU; nothing else changes,
+  // not even the attribution mark.
+  bool refuse(Anomaly kind) {
+    s_.count(kind);
+    if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) ++row->refused;
+    return false;
+  }
   bool holder_side(const Reservation& r) const {
     return actor_.key == r.holder || actor_.uid == 0 ||
            (r.uid != kUnknownUid && actor_.uid == r.uid);
@@ -273,11 +335,12 @@ class Apply {
   std::string comm_;
   std::uint64_t at_ns_;
   Gpu* gpu_ = nullptr;
+  bool applied_ = false;
 };
 
 }  // namespace
 
-void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& record,
+bool LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& record,
                        std::uint64_t now_ns) {
   State& s = write_state();
   // The client cut an over-long string: the cut value is not what the caller meant (two
@@ -286,7 +349,7 @@ void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
   const bool task_cut = (record.flags & proto::kLedgerTaskTruncated) != 0;
   if (uuid_cut) s.count(kGpuUuidTruncated);
   if (task_cut) s.count(kTaskTruncated);
-  if (uuid_cut || task_cut) return;
+  if (uuid_cut || task_cut) return false;
 
   // The decoder has validated the record already; the view is keyed by these strings,
   // so it refuses bad ones itself too rather than trusting every caller.
@@ -294,13 +357,18 @@ void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
   const std::string_view task = proto::field_view(record.task);
   if (!valid_text(uuid, false) || !valid_text(task, true)) {
     s.count(kBadRecord);
-    return;
+    return false;
   }
   Apply op(s, limits_, counters_, actor, record, uuid, task, now_ns);
   bool attributable = false;
   switch (static_cast<proto::LedgerOp>(record.op)) {
     case proto::LedgerOp::kReserve:
-      attributable = op.reserve();
+    case proto::LedgerOp::kReserveLease:
+      attributable =
+          op.reserve(record.op == static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease));
+      break;
+    case proto::LedgerOp::kRenew:
+      attributable = op.renew();
       break;
     case proto::LedgerOp::kRelease:
       attributable = op.remove(/*cleanup=*/false);
@@ -313,9 +381,33 @@ void LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
       break;
     default:
       s.count(kBadRecord);
-      return;
+      return false;
   }
   if (attributable) op.mark();
+  return op.applied();
+}
+
+std::size_t LedgerView::expire_leases(std::uint64_t now_ns) {
+  const auto passed = [now_ns](const Reservation& r) {
+    return r.lease_ms != 0 && !r.expired && r.holder_alive && now_ns >= r.lease_deadline_ns;
+  };
+  // Clones a shared state only when a lease passed.
+  bool any = false;
+  for (const auto& [uuid, gpu] : state_->gpus) {
+    for (const auto& [id, r] : gpu.reservations) any = any || passed(r);
+  }
+  if (!any) return 0;
+  State& s = write_state();
+  std::size_t n = 0;
+  for (auto& [uuid, gpu] : s.gpus) {
+    for (auto& [id, r] : gpu.reservations) {
+      if (!passed(r)) continue;
+      r.expired = true;
+      s.count(kLeaseExpired);
+      ++n;
+    }
+  }
+  return n;
 }
 
 void LedgerView::attribute_span(const ProcessKey& process, std::uint32_t thread_id,

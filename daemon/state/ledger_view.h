@@ -5,7 +5,10 @@
 // actor). Ledger-step spans (LedgerReserve .. LedgerRelease) are attributed to the GPU
 // named by the last annotation the same thread recorded inside the span. Holders whose
 // process died without releasing are flagged (holder_alive = false, a leak) until a
-// release or a cleanup removes them. Anomalies are counted per kind, never fatal.
+// release or a cleanup removes them. A reservation may carry a lease (protocol version
+// 3): unrenewed past it while its holder lives, it is EXPIRED (expire_leases, on the
+// liveness tick), and anyone may clean it up, as a dead holder's. Anomalies are counted
+// per kind, never fatal.
 // Each reservation keeps its holder's uid: a Release is applied only when sent by the
 // holder process, a process of the holder's uid or root, a Cleanup of a live holder's
 // entry likewise (anyone may clean up a dead holder's); refusals are anomalies
@@ -49,13 +52,17 @@ class LedgerView {
   LedgerView& operator=(const LedgerView&) = delete;
   ~LedgerView();
 
-  void apply(const LedgerActor& actor, const proto::LedgerRecord& record, std::uint64_t now_ns);
+  // Whether the view applied it (false: refused or counted as an anomaly only).
+  bool apply(const LedgerActor& actor, const proto::LedgerRecord& record, std::uint64_t now_ns);
 
   // A ledger-step span of (process, thread) ended: credit its duration to the GPU the
   // thread annotated inside [start_ns, end_ns], if any.
   void attribute_span(const ProcessKey& process, std::uint32_t thread_id, std::uint32_t step,
                       std::uint64_t start_ns, std::uint64_t end_ns);
 
+  // Marks EXPIRED every live holder's lease whose deadline passed unrenewed by `now_ns`,
+  // counting each (anomaly lease_expired); returns how many. The liveness tick calls it.
+  std::size_t expire_leases(std::uint64_t now_ns);
   // Re-evaluates holder_alive of every reservation with `alive(key)`.
   void check_holders(const std::function<bool(const ProcessKey&)>& alive);
   // The process record is dropped from the collector: forget per-thread attribution state
@@ -77,7 +84,8 @@ class LedgerView {
   const ledger::State& state() const { return *state_; }
   // Replaces the state with a restored one, validated by the codec (attribution marks
   // are dropped: the spans they were for ended with the daemon that wrote the snapshot).
-  void adopt(ledger::State state);
+  // Leases not expired then run at least one more lease from `now_ns`.
+  void adopt(ledger::State state, std::uint64_t now_ns);
 
  private:
   ledger::State& write_state();  // clones a state a copy still shares

@@ -1,7 +1,8 @@
 // The flusher against a scripted daemon (a listening socket this test drives frame by
 // frame with the shared codec): the handshake before events, the fall back to protocol
-// version 1, drop reports per cause, and the drop accounting at exit. Each test runs in
-// its own process (gtest discovery): the library's per-process state starts fresh.
+// versions 2 and 1 (leases without their lease), drop reports per cause, and the drop accounting at
+// exit. Each test runs in its own process (gtest discovery): the library's per-process state starts
+// fresh.
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -16,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <variant>
+#include <vector>
 
 #include "client/src/client.h"
 #include "client/src/flusher.h"
@@ -132,6 +134,7 @@ struct Seen {
   int by_cause_frames = 0;
   proto::DroppedByCause last_by_cause{};
   std::uint64_t last_total = 0;
+  std::vector<proto::LedgerRecord> ledger;
 };
 
 // Reads messages (acknowledging user flushes) until `until(seen)` or a quiet `ms`.
@@ -153,6 +156,8 @@ Seen read_until(FakeDaemon& daemon, Until until, int timeout_ms = 5000) {
     } else if (const auto* c = std::get_if<proto::DroppedByCause>(&*m)) {
       ++seen.by_cause_frames;
       seen.last_by_cause = *c;
+    } else if (const auto* l = std::get_if<proto::LedgerRecord>(&*m)) {
+      seen.ledger.push_back(*l);
     } else if (const auto* f = std::get_if<proto::FlushRequest>(&*m)) {
       daemon.send_ack(f->sequence);
     }
@@ -189,18 +194,20 @@ TEST(Flusher, EventsFollowOnlyOnceTheDaemonAcknowledgedTheHello) {
   EXPECT_EQ(steptrace_dropped(), 0u);
 }
 
-TEST(Flusher, VersionOneDaemonGetsVersionOneAndLosesNothing) {
+TEST(Flusher, VersionOneDaemonGetsVersionOneAfterTwoRefusalsAndLosesNothing) {
   FakeDaemon daemon;
   steptrace_start(4000);  // unknown step: one invalid drop
   spans(STEPTRACE_MATMUL, 100);
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  // A version-1 daemon refuses the version-2 hello and closes.
-  ASSERT_TRUE(daemon.accept_connection(5000));
-  const auto hello = daemon.next();
-  ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
-  EXPECT_EQ(std::get<proto::Hello>(*hello).version, 2u);
-  daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
-  daemon.close_connection();
+  // A version-1 daemon refuses the version-3 hello and closes, then the version-2 one.
+  for (const std::uint16_t refused : {3, 2}) {
+    ASSERT_TRUE(daemon.accept_connection(5000));
+    const auto hello = daemon.next();
+    ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
+    EXPECT_EQ(std::get<proto::Hello>(*hello).version, refused);
+    daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
+    daemon.close_connection();
+  }
   // The next connection speaks version 1 (and the daemon decodes it as version 1: a
   // DroppedByCause frame would be a decode error).
   ASSERT_TRUE(daemon.accept_connection(5000));
@@ -222,13 +229,57 @@ TEST(Flusher, VersionOneDaemonGetsVersionOneAndLosesNothing) {
   EXPECT_EQ(daemon.handshake(), 1u);
 }
 
+TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), 3u);
+  steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);
+  steptrace_ledger_renew("GPU-a", 7, 2500);
+  steptrace_ledger_reserve_lease("GPU-a", 8, 1 << 20, "job", 0);  // no lease: refused here
+  steptrace_ledger_renew("GPU-a", 7, 604'800'001);                // past 7 days: refused
+  ASSERT_EQ(by_cause(STEPTRACE_DROP_INVALID), 2u);
+  const Seen seen = read_until(daemon, [](const Seen& s) { return s.ledger.size() >= 2; });
+  ASSERT_EQ(seen.ledger.size(), 2u);
+  EXPECT_EQ(seen.ledger[0].op, static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease));
+  EXPECT_EQ(seen.ledger[0].reservation_id, 7u);
+  EXPECT_EQ(seen.ledger[0].bytes, 1u << 20);
+  EXPECT_EQ(seen.ledger[0].total_bytes, 1500u);  // the lease's field
+  EXPECT_EQ(seen.ledger[1].op, static_cast<std::uint8_t>(proto::LedgerOp::kRenew));
+  EXPECT_EQ(seen.ledger[1].total_bytes, 2500u);
+}
+
+TEST(Flusher, AVersionTwoDaemonGetsLeasedReservationsWithoutTheLeaseAndNoRenewals) {
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  const auto hello = daemon.next();
+  ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
+  EXPECT_EQ(std::get<proto::Hello>(*hello).version, 3u);
+  daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
+  daemon.close_connection();
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), 2u);
+  steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);
+  steptrace_ledger_renew("GPU-a", 7, 1500);
+  steptrace_ledger_release("GPU-a", 7);
+  // The decoder speaks version 2 here: an op 5 or 6 would be a decode error.
+  const Seen seen = read_until(daemon, [](const Seen& s) { return s.ledger.size() >= 2; });
+  EXPECT_FALSE(daemon.error()) << daemon.error().message();
+  ASSERT_EQ(seen.ledger.size(), 2u);
+  EXPECT_EQ(seen.ledger[0].op, static_cast<std::uint8_t>(proto::LedgerOp::kReserve));
+  EXPECT_EQ(seen.ledger[0].total_bytes, 0u);
+  EXPECT_EQ(seen.ledger[1].op, static_cast<std::uint8_t>(proto::LedgerOp::kRelease));
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_INVALID), 1u);  // the renewal
+}
+
 TEST(Flusher, DropCountsAreReportedPerCauseWhenTheyChangeAndAfterEachReconnect) {
   FakeDaemon daemon;
   steptrace_start(4000);
   steptrace_end(5000);  // two invalid drops before any connection
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
   ASSERT_TRUE(daemon.accept_connection(5000));
-  ASSERT_EQ(daemon.handshake(), 2u);
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
   Seen seen = read_until(daemon, [](const Seen& s) { return s.by_cause_frames > 0; });
   ASSERT_EQ(seen.by_cause_frames, 1);
   const auto& counts = seen.last_by_cause.count;
@@ -243,7 +294,7 @@ TEST(Flusher, DropCountsAreReportedPerCauseWhenTheyChangeAndAfterEachReconnect) 
   // Reconnected: sent once more although unchanged.
   daemon.close_connection();
   ASSERT_TRUE(daemon.accept_connection(5000));
-  ASSERT_EQ(daemon.handshake(), 2u);
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
   seen = read_until(daemon, [](const Seen& s) { return s.by_cause_frames > 0; });
   ASSERT_EQ(seen.by_cause_frames, 1);
   EXPECT_EQ(seen.last_by_cause.count[3], 3u);
@@ -255,7 +306,7 @@ TEST(Flusher, EventsInABrokenConnectionsUnsentFramesCountAsInFlight) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
   ASSERT_TRUE(daemon.accept_connection(5000));
-  ASSERT_EQ(daemon.handshake(), 2u);
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
   // The daemon stops reading: far more than the socket buffer is recorded (the ring
   // holds 262,144 events), so the flusher is left with a partly written batch.
   spans(STEPTRACE_FORWARD, 120'000);

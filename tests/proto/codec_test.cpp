@@ -451,12 +451,12 @@ TEST(ProtoMalformed, BadMagic) {
 }
 
 TEST(ProtoMalformed, UnsupportedVersion) {
-  for (std::uint16_t version : {0, 3, 0x100, 0xffff}) {
+  for (std::uint16_t version : {0, 4, 0x100, 0xffff}) {
     expect_rejected(Side::kDaemon, hello_bytes(version), errc::unsupported_version, 0);
   }
   // The version is checked before the rest of the hello, so a future hello with other
   // flags still gets "unsupported version".
-  expect_rejected(Side::kDaemon, hello_bytes(3, 0xffff, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(4, 0xffff, ""), errc::unsupported_version, 0);
 }
 
 TEST(ProtoMalformed, BadHello) {
@@ -646,16 +646,36 @@ TEST(ProtoMalformed, BadStrings) {
 }
 
 TEST(ProtoMalformed, BadLedgerOp) {
-  for (std::uint8_t op : {0, 5, 6, 0x80, 0xff}) {
+  for (std::uint8_t op : {0, 7, 0x80, 0xff}) {
     SCOPED_TRACE(int{op});
     expect_daemon_frame_rejected(frame_bytes(kLedgerType, ledger_payload({.op = op})),
                                  errc::bad_ledger_op);
   }
 }
 
+// The lease ops (5, 6) are protocol version 3: bad_ledger_op on a version 1 or 2 stream.
+TEST(ProtoMalformed, LeaseOpsBeforeVersionThreeAreBadLedgerOps) {
+  for (std::uint16_t version : {1, 2}) {
+    for (std::uint8_t op : {5, 6}) {
+      SCOPED_TRACE(::testing::Message() << "version " << version << " op " << int{op});
+      expect_rejected(
+          Side::kDaemon,
+          concat({hello_bytes(version), frame_bytes(kLedgerType, ledger_payload({.op = op}))}),
+          errc::bad_ledger_op, 1);
+    }
+  }
+  for (std::uint8_t op : {5, 6}) {
+    const DecodeAll d =
+        decode_all(Side::kDaemon,
+                   concat({hello_bytes(3), frame_bytes(kLedgerType, ledger_payload({.op = op}))}));
+    EXPECT_FALSE(d.error) << d.error.message();
+  }
+}
+
 // PROTOCOL.md 9.1: a record breaking several rules gets the first failing check's errc.
 TEST(ProtoMalformed, FirstFailingCheckWins) {
-  expect_rejected(Side::kDaemon, hello_bytes(3, 1, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(kProtocolVersion + 1, 1, ""),
+                  errc::unsupported_version, 0);
   expect_daemon_frame_rejected(header_bytes(0xffffffffu, 0x77, 1), errc::bad_reserved);
   expect_daemon_frame_rejected(header_bytes(0xffffffffu, 0x77), errc::unknown_frame_type);
   expect_daemon_frame_rejected(header_bytes(0xffffffffu, kFlushType), errc::frame_too_large);

@@ -75,10 +75,10 @@ void expect_golden(const std::string& name, const Bytes& encoded, std::size_t ex
                                  << hex(encoded);
 }
 
-// Decodes one frame of `golden` on `side` (after a hello for the daemon side).
-testing::Owned decode_one(Side side, const Bytes& frame) {
-  const Bytes stream =
-      side == Side::kDaemon ? testing::concat({read_hex("hello.hex"), frame}) : frame;
+// Decodes one frame of `golden` on `side` (after the hello of file `hello` for the
+// daemon side).
+testing::Owned decode_one(Side side, const Bytes& frame, const char* hello = "hello.hex") {
+  const Bytes stream = side == Side::kDaemon ? testing::concat({read_hex(hello), frame}) : frame;
   const DecodeAll d = decode_all(side, stream);
   EXPECT_FALSE(d.error) << d.error.message();
   EXPECT_FALSE(d.finish) << d.finish.message();
@@ -146,6 +146,7 @@ struct LedgerCase {
   LedgerOp op;
   std::uint8_t flags;
   std::string gpu_uuid, task;
+  const char* hello = "hello.hex";  // the stream's hello: the lease ops need version 3
 };
 
 void check_ledger(const LedgerCase& c) {
@@ -163,7 +164,7 @@ void check_ledger(const LedgerCase& c) {
   ASSERT_TRUE(set_field(in.task, c.task));
   expect_golden(c.file, encode([&](Encoder& e) { ASSERT_TRUE(e.ledger(in)); }), 8 + 176);
 
-  const auto r = std::get<LedgerRecord>(decode_one(Side::kDaemon, read_hex(c.file)));
+  const auto r = std::get<LedgerRecord>(decode_one(Side::kDaemon, read_hex(c.file), c.hello));
   EXPECT_EQ(r.timestamp_ns, c.timestamp_ns);
   EXPECT_EQ(r.reservation_id, c.reservation_id);
   EXPECT_EQ(r.bytes, c.bytes);
@@ -198,6 +199,29 @@ TEST(ProtoGolden, VramSample) {
                 LedgerOp::kVramSample, 0, kGpu, ""});
 }
 
+TEST(ProtoGolden, LedgerReserveLease) {
+  check_ledger({"ledger_reserve_lease.hex", 523456789, 43, 8ull << 30, 30000, 4242, 0,
+                LedgerOp::kReserveLease, 0, kGpu, "qlora-7b", "hello_v3.hex"});
+}
+
+TEST(ProtoGolden, LedgerRenew) {
+  check_ledger({"ledger_renew.hex", 623456789, 43, 0, 45000, 4242, 0, LedgerOp::kRenew, 0, kGpu, "",
+                "hello_v3.hex"});
+  // A version-2 stream does not carry it.
+  const DecodeAll v2 = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello_v2.hex"), read_hex("ledger_renew.hex")}));
+  EXPECT_EQ(v2.error, make_error_code(errc::bad_ledger_op));
+}
+
+TEST(ProtoGolden, HelloVersion3) {
+  expect_golden("hello_v3.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.3.0", "trainer")); }), 48);
+  const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello_v3.hex"));
+  ASSERT_FALSE(d.error);
+  ASSERT_EQ(d.messages.size(), 1u);
+  EXPECT_EQ(std::get<Hello>(d.messages[0]).version, 3u);
+}
+
 TEST(ProtoGolden, Dropped) {
   expect_golden("dropped.hex", encode([](Encoder& e) { ASSERT_TRUE(e.dropped(1234567)); }), 16);
   EXPECT_EQ(
@@ -207,7 +231,7 @@ TEST(ProtoGolden, Dropped) {
 
 TEST(ProtoGolden, HelloVersion2) {
   expect_golden("hello_v2.hex",
-                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.2.0", "trainer")); }), 48);
+                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.2.0", "trainer", 2)); }), 48);
   const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello_v2.hex"));
   ASSERT_FALSE(d.error);
   ASSERT_EQ(d.messages.size(), 1u);

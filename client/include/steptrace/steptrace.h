@@ -90,7 +90,8 @@ enum steptrace_drop_cause {
    * process exits while connected (the final bounded flush at exit did not take them). */
   STEPTRACE_DROP_IN_FLIGHT = 2,
   /* Refused by the library: an unknown step id (neither built-in nor registered), a
-   * ledger call with a null or empty GPU UUID. */
+   * ledger call with a null or empty GPU UUID or a lease outside 1 ms .. 7 days, or a
+   * lease renewal while connected to a daemon too old for leases (protocol < 3). */
   STEPTRACE_DROP_INVALID = 3
 };
 #define STEPTRACE_DROP_CAUSE_COUNT 4
@@ -117,6 +118,17 @@ STEPTRACE_EXPORT void steptrace_ledger_reserve(const char* gpu_uuid, uint64_t re
 STEPTRACE_EXPORT void steptrace_ledger_release(const char* gpu_uuid, uint64_t reservation_id);
 STEPTRACE_EXPORT void steptrace_ledger_cleanup(const char* gpu_uuid, uint64_t reservation_id,
                                                uint32_t holder_pid);
+/* A reservation with a lease: unless its holder renews it within `lease_ms` (1 ms ..
+ * 7 days) of the reservation or of the last renewal, the daemon marks it EXPIRED (a
+ * worker that hangs without dying), and any process may then clean it up. To a daemon
+ * too old for leases (protocol version < 3) it is sent as steptrace_ledger_reserve. */
+STEPTRACE_EXPORT void steptrace_ledger_reserve_lease(const char* gpu_uuid, uint64_t reservation_id,
+                                                     uint64_t bytes, const char* task,
+                                                     uint32_t lease_ms);
+/* Renews the lease of this process's (or its uid's) reservation for `lease_ms` from now;
+ * gives a reservation without a lease one, and revives an EXPIRED one. */
+STEPTRACE_EXPORT void steptrace_ledger_renew(const char* gpu_uuid, uint64_t reservation_id,
+                                             uint32_t lease_ms);
 STEPTRACE_EXPORT void steptrace_vram_sample(const char* gpu_uuid, uint64_t free_bytes,
                                             uint64_t total_bytes);
 

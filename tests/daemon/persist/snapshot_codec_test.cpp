@@ -110,8 +110,14 @@ std::string file_text(const json& doc) { return doc.dump() + "\n"; }
 // with a default): the ledger's uids and refusals (issue 15, item 7), the anomaly kinds
 // of its permissions and per-uid quotas, and three counters of issue 15. The v1 file has none of
 // them, so the tests of it compare everything else byte for byte, and these fields on their own.
-constexpr const char* kAnomaliesSinceV1[] = {"release_refused", "cleanup_refused",
-                                             "max_gpus_per_uid", "max_reservations_per_uid"};
+// Leases (issue 13) added the reservations' lease fields, the rows' renews, the renew
+// operation count and four anomaly kinds.
+constexpr const char* kAnomaliesSinceV1[] = {
+    "release_refused", "cleanup_refused", "max_gpus_per_uid", "max_reservations_per_uid",
+    "unknown_renew",   "renew_refused",   "bad_lease",        "lease_expired"};
+constexpr const char* kReservationFieldsSinceV1[] = {"uid", "lease_ms", "lease_deadline_ns",
+                                                     "expired"};
+constexpr const char* kRowFieldsSinceV1[] = {"refused", "renews"};
 constexpr const char* kCountersSinceV1[] = {"connections_undrained", "liveness_probe_errors",
                                             "replies_refused"};
 
@@ -119,21 +125,36 @@ json without_fields_since_v1(json doc) {
   json& ledger = doc.at("ledger");
   for (json& gpu : ledger.at("gpus")) {
     EXPECT_EQ(gpu.erase("creator_uid"), 1u);
-    for (json& r : gpu.at("reservations")) EXPECT_EQ(r.erase("uid"), 1u);
-    for (json& p : gpu.at("processes")) EXPECT_EQ(p.erase("refused"), 1u);
+    EXPECT_EQ(gpu.at("operations").erase("renew"), 1u);
+    for (json& r : gpu.at("reservations")) {
+      for (const char* field : kReservationFieldsSinceV1) EXPECT_EQ(r.erase(field), 1u);
+    }
+    for (json& p : gpu.at("processes")) {
+      for (const char* field : kRowFieldsSinceV1) EXPECT_EQ(p.erase(field), 1u);
+    }
   }
   for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").erase(kind), 1u);
   for (const char* name : kCountersSinceV1) EXPECT_EQ(doc.at("counters").erase(name), 1u);
   return doc;
 }
 
-// The fields since v1 of every GPU of `doc`'s ledger: the uids `uid`, nothing refused.
+// The fields since v1 of every GPU of `doc`'s ledger: the uids `uid`, nothing refused,
+// no lease, nothing renewed.
 void expect_fields_since_v1(const json& doc, std::uint64_t uid) {
   const json& ledger = doc.at("ledger");
   for (const json& gpu : ledger.at("gpus")) {
     EXPECT_EQ(gpu.at("creator_uid"), uid) << gpu.dump();
-    for (const json& r : gpu.at("reservations")) EXPECT_EQ(r.at("uid"), uid) << r.dump();
-    for (const json& p : gpu.at("processes")) EXPECT_EQ(p.at("refused"), 0) << p.dump();
+    EXPECT_EQ(gpu.at("operations").at("renew"), 0) << gpu.dump();
+    for (const json& r : gpu.at("reservations")) {
+      EXPECT_EQ(r.at("uid"), uid) << r.dump();
+      EXPECT_EQ(r.at("lease_ms"), 0) << r.dump();
+      EXPECT_EQ(r.at("lease_deadline_ns"), 0) << r.dump();
+      EXPECT_EQ(r.at("expired"), false) << r.dump();
+    }
+    for (const json& p : gpu.at("processes")) {
+      EXPECT_EQ(p.at("refused"), 0) << p.dump();
+      EXPECT_EQ(p.at("renews"), 0) << p.dump();
+    }
   }
   for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").at(kind), 0);
   for (const char* name : kCountersSinceV1) EXPECT_EQ(doc.at("counters").at(name), 0);
@@ -196,7 +217,7 @@ TEST(SnapshotCodecTest, LedgerUidsAndRefusalsRoundTrip) {
   auto decoded = decode_ledger(json::parse(encoded.dump()), limits, error);
   ASSERT_TRUE(decoded) << error;
   LedgerView restored(limits, counters);
-  restored.adopt(std::move(*decoded));
+  restored.adopt(std::move(*decoded), kNow);
   EXPECT_EQ(encode_ledger(restored), encoded);
   EXPECT_EQ(restored.state().gpus.at("GPU-A").reservations.at(1).uid, 1000u);
   EXPECT_EQ(restored.state().usage(1000).gpus, 1u);
@@ -407,7 +428,7 @@ TEST_F(SnapshotCodecLedgerTest, RestoresIntoAFreshViewIdentically) {
 
   DaemonCounters counters;
   LedgerView fresh(limits_, counters);
-  fresh.adopt(std::move(*state));
+  fresh.adopt(std::move(*state), kNow);
   EXPECT_EQ(report::ledger_json(fresh.state(), kNow), report::ledger_json(view_.state(), kNow));
   EXPECT_EQ(report::ledger_anomalies_json(fresh.state()),
             report::ledger_anomalies_json(view_.state()));
@@ -432,7 +453,7 @@ TEST_F(SnapshotCodecLedgerTest, AdoptDropsAttributionMarks) {
   auto state = decode_ledger(encode_ledger(view_), limits_, error);
   ASSERT_TRUE(state) << error;
   LedgerView fresh(limits_, counters_);
-  fresh.adopt(std::move(*state));
+  fresh.adopt(std::move(*state), kNow);
   // The mark of thread 5 inside this span would have credited GPU-A; after a restore
   // there is none, so nothing is attributed.
   fresh.attribute_span(a_.key, 5, kLedgerReserve, 9 * kSecond, 11 * kSecond);

@@ -63,6 +63,24 @@ inline proto::LedgerRecord sample(std::string_view gpu, std::uint64_t free, std:
   return r;
 }
 
+// Protocol version 3: a reservation with a lease, and its renewal (lease in total_bytes).
+inline proto::LedgerRecord reserve_lease(std::string_view gpu, std::uint64_t id,
+                                         std::uint64_t bytes, std::uint64_t lease_ms,
+                                         std::uint64_t ts, std::uint32_t thread = 1) {
+  auto r = reserve(gpu, id, bytes, "leased", ts, thread);
+  r.op = static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease);
+  r.total_bytes = lease_ms;
+  return r;
+}
+
+inline proto::LedgerRecord renew(std::string_view gpu, std::uint64_t id, std::uint64_t lease_ms,
+                                 std::uint64_t ts, std::uint32_t thread = 1) {
+  auto r = make_record(proto::LedgerOp::kRenew, gpu, ts, thread);
+  r.reservation_id = id;
+  r.total_bytes = lease_ms;
+  return r;
+}
+
 // A ledger with something in every field: two GPUs, a sample, a leak, step time,
 // anomalies and an over-commitment.
 inline void populate(LedgerView& view, const LedgerActor& a, const LedgerActor& b) {

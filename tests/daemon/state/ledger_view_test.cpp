@@ -183,7 +183,8 @@ TEST_F(LedgerViewTest, AnomaliesJsonListsEveryKindStartingAtZero) {
        {"unknown_release", "unknown_cleanup", "duplicate_reservation", "zero_byte_reserve",
         "gpu_uuid_truncated", "task_truncated", "cleanup_holder_mismatch", "max_gpus",
         "max_reservations_per_gpu", "overcommitted", "release_refused", "cleanup_refused",
-        "max_gpus_per_uid", "max_reservations_per_uid"}) {
+        "max_gpus_per_uid", "max_reservations_per_uid", "unknown_renew", "renew_refused",
+        "bad_lease", "lease_expired"}) {
     ASSERT_TRUE(a.contains(kind)) << kind;
     EXPECT_EQ(a[kind], 0) << kind;
   }
@@ -606,7 +607,7 @@ TEST_F(LedgerPermissionTest, AnUnknownUidIsReleasedOnlyByTheHolderProcessOrRoot)
   }
   gpu.high_water_bytes = gpu.reserved_bytes;
   state.gpus.emplace("GPU-A", std::move(gpu));
-  view_.adopt(std::move(state));
+  view_.adopt(std::move(state), kNow);
   EXPECT_TRUE((*reservation("GPU-A", 1))["uid"].is_null());
   EXPECT_TRUE((*find_gpu(ledger(), "GPU-A"))["creator_uid"].is_null());
   // Charged to no uid: the restored entries do not use up anyone's quota.
@@ -735,9 +736,9 @@ TEST_F(LedgerViewTest, TextSanitisesEveryClientString) {
   gpu.reservations.emplace(
       1, ledger::Reservation{a_.key, 1000, "\x1b[31mred\n", kGiB, "ta\x1bsk", kSecond, true});
   gpu.reserved_bytes = gpu.high_water_bytes = kGiB;
-  gpu.processes.emplace(a_.key, ledger::ProcessRow{"row\r\x1b[2K", 1, 0, 0, 0, {}});
+  gpu.processes.emplace(a_.key, ledger::ProcessRow{"row\r\x1b[2K", 1, 0, 0, 0, 0, {}});
   state.gpus.emplace("GPU-\x1b[2J\n", std::move(gpu));
-  view_.adopt(std::move(state));
+  view_.adopt(std::move(state), kNow);
   const std::string text = report::ledger_text(view_.state(), kNow);
   EXPECT_EQ(text.find('\x1b'), std::string::npos) << text;
   EXPECT_EQ(text.find('\r'), std::string::npos) << text;
@@ -843,4 +844,141 @@ TEST_F(LedgerViewTest, HiddenMemoryIsNotIdleAndHugeReservationsDoNotWrapTheOverB
   EXPECT_TRUE(ledger::device_findings(view_.state(), "GPU-A", kNow + 3600 * kSecond).empty());
 }
 
+}  // namespace steptrace::daemon
+
+namespace steptrace::daemon {
+namespace {
+
+// ---- leases (issue 13): EXPIRED within one tick, renewals, credited cleanups ----------
+
+using LedgerLeaseTest = LedgerPermissionTest;
+
+TEST_F(LedgerLeaseTest, ALeasePassedUnrenewedIsExpiredCountedAndShownEverywhere) {
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-A", 2, kGiB, "plain", 10 * kSecond), kNow);
+  // Before the deadline (10 s + 2 s): nothing expires.
+  EXPECT_EQ(view_.expire_leases(12 * kSecond - 1), 0u);
+  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "alive");
+  EXPECT_EQ((*reservation("GPU-A", 1))["lease_ms"], 2000);
+  EXPECT_TRUE((*reservation("GPU-A", 2))["lease_ms"].is_null());
+  // At it: expired, once, counted once; the reservation without a lease never is.
+  EXPECT_EQ(view_.expire_leases(12 * kSecond), 1u);
+  EXPECT_EQ(view_.expire_leases(50 * kSecond), 0u);
+  EXPECT_EQ(anomaly("lease_expired"), 1u);
+  const json* r = reservation("GPU-A", 1);
+  EXPECT_EQ((*r)["state"], "EXPIRED");
+  EXPECT_EQ((*r)["expired"], true);
+  EXPECT_EQ((*r)["holder_alive"], true);
+  EXPECT_EQ((*r)["lease_left_s"], 0.0);
+  EXPECT_EQ((*reservation("GPU-A", 2))["state"], "alive");
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["expired_reservations"], 1);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["leaked_reservations"], 0);
+  const std::string text = report::ledger_text(view_.state(), kNow);
+  EXPECT_THAT(text, HasSubstr("Reservations: 2 (1 expired)"));
+  EXPECT_THAT(text, HasSubstr("EXPIRED"));
+  EXPECT_THAT(text, HasSubstr("passed (2.00s)"));
+  std::string metrics;
+  report::append_ledger_metrics(view_.state(), metrics);
+  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_expired_reservations{gpu=\"GPU-A\"} 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"lease_expired\"} 1\n"));
+}
+
+TEST_F(LedgerLeaseTest, ARenewalPushesTheDeadlineAndRevivesAnExpiredLease) {
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
+  view_.apply(alice_, renew("GPU-A", 1, 5000, 11 * kSecond), kNow);  // now until 16 s
+  EXPECT_EQ(view_.expire_leases(15 * kSecond), 0u);
+  EXPECT_EQ(view_.expire_leases(16 * kSecond), 1u);
+  // The holder was only slow: its renewal revives the reservation (the count stays).
+  view_.apply(alice_, renew("GPU-A", 1, 5000, 17 * kSecond), kNow);
+  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "alive");
+  EXPECT_EQ(view_.expire_leases(22 * kSecond - 1), 0u);
+  EXPECT_EQ(view_.expire_leases(22 * kSecond), 1u);
+  EXPECT_EQ(anomaly("lease_expired"), 2u);
+  last_ = ledger();
+  const json* g = find_gpu(last_, "GPU-A");
+  EXPECT_EQ((*g)["operations"]["renew"], 2);
+  EXPECT_EQ((*g)["operations"]["reserve"], 1);
+  EXPECT_EQ((*find_process(*g, alice_.key.pid))["renews"], 2);
+  // A process of the holder's uid and root may renew too; it gives a plain one a lease.
+  view_.apply(alice_, reserve("GPU-A", 2, kGiB, "plain", 10 * kSecond), kNow);
+  view_.apply(alice2_, renew("GPU-A", 2, 1000, 30 * kSecond), kNow);
+  view_.apply(root_, renew("GPU-A", 1, 1000, 30 * kSecond), kNow);
+  EXPECT_EQ((*reservation("GPU-A", 2))["lease_ms"], 1000);
+  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "alive");
+}
+
+TEST_F(LedgerLeaseTest, BadRenewalsAreCountedAndChangeNothing) {
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
+  const std::uint64_t deadline =
+      view_.state().gpus.at("GPU-A").reservations.at(1).lease_deadline_ns;
+  view_.apply(bob_, renew("GPU-A", 1, 60000, 11 * kSecond), kNow);  // another uid
+  EXPECT_EQ(anomaly("renew_refused"), 1u);
+  EXPECT_EQ(refused("GPU-A", bob_), 1u);
+  view_.apply(alice_, renew("GPU-A", 9, 60000, 11 * kSecond), kNow);  // no such reservation
+  view_.apply(alice_, renew("GPU-B", 1, 60000, 11 * kSecond), kNow);  // no such GPU
+  EXPECT_EQ(anomaly("unknown_renew"), 2u);
+  view_.apply(alice_, renew("GPU-A", 1, 0, 11 * kSecond), kNow);
+  view_.apply(alice_, renew("GPU-A", 1, proto::kMaxLeaseMs + 1, 11 * kSecond), kNow);
+  view_.apply(alice_, reserve_lease("GPU-A", 3, kGiB, 0, 11 * kSecond), kNow);
+  EXPECT_EQ(anomaly("bad_lease"), 3u);
+  const ledger::Gpu& gpu = view_.state().gpus.at("GPU-A");
+  EXPECT_EQ(gpu.reservations.at(1).lease_deadline_ns, deadline);
+  EXPECT_FALSE(gpu.reservations.contains(3));  // a reserve with a bad lease is refused whole
+  EXPECT_EQ(gpu.operations[ledger::kOpRenew], 0u);
+  // The longest lease is accepted.
+  view_.apply(alice_, renew("GPU-A", 1, proto::kMaxLeaseMs, 11 * kSecond), kNow);
+  EXPECT_EQ(view_.state().gpus.at("GPU-A").reservations.at(1).lease_ms, proto::kMaxLeaseMs);
+}
+
+TEST_F(LedgerLeaseTest, AnyoneMayCleanUpAnExpiredLeaseAndIsCreditedForIt) {
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
+  const auto holder = static_cast<std::uint32_t>(alice_.key.pid);
+  // Live and not expired: another uid's cleanup is refused.
+  view_.apply(bob_, cleanup("GPU-A", 1, holder, 11 * kSecond), kNow);
+  EXPECT_EQ(anomaly("cleanup_refused"), 1u);
+  ASSERT_NE(reservation("GPU-A", 1), nullptr);
+  view_.expire_leases(13 * kSecond);
+  view_.apply(bob_, cleanup("GPU-A", 1, holder, 14 * kSecond), kNow);
+  EXPECT_EQ(reservation("GPU-A", 1), nullptr);
+  const json* g = find_gpu(last_, "GPU-A");
+  EXPECT_EQ((*find_process(*g, bob_.key.pid))["cleanups"], 1);
+  EXPECT_EQ((*g)["reserved_bytes"], 0);
+  EXPECT_EQ(view_.state().usage(1000).reservations, 0u);  // alice's quota is freed
+}
+
+TEST_F(LedgerLeaseTest, ADeadHoldersLeaseIsALeakNotAnExpiry) {
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
+  view_.check_holders([](const ProcessKey&) { return false; });
+  EXPECT_EQ(view_.expire_leases(60 * kSecond), 0u);
+  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "LEAKED");
+  EXPECT_EQ(anomaly("lease_expired"), 0u);
+}
+
+TEST_F(LedgerLeaseTest, AFutureTimestampCannotStretchALease) {
+  // The deadline runs from the daemon's clock when the record claims a later time.
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 1000 * kSecond), kNow);
+  EXPECT_EQ(view_.expire_leases(kNow + 2 * kSecond), 1u);
+}
+
+TEST_F(LedgerLeaseTest, ARestoreGivesUnexpiredLeasesOneMoreLeaseAndKeepsExpiredOnes) {
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
+  view_.apply(alice_, reserve_lease("GPU-A", 2, kGiB, 2000, 10 * kSecond), kNow);
+  view_.apply(alice_, reserve_lease("GPU-A", 3, kGiB, 60000, 10 * kSecond), kNow);
+  view_.expire_leases(12 * kSecond);  // 1 and 2 expire; 3 runs until 70 s
+  view_.apply(alice_, renew("GPU-A", 2, 2000, 11 * kSecond), kNow);  // 2 renewed until 13 s
+  ledger::State saved = view_.state();
+  // The daemon comes back at 40 s: lease 2 passed while it was away (its renewals may be
+  // queued in the holder's library), so it runs one more lease from now, and so does 3
+  // (60 s from now is later than its 70 s); 1 stays expired.
+  view_.adopt(std::move(saved), 40 * kSecond);
+  const auto& rs = view_.state().gpus.at("GPU-A").reservations;
+  EXPECT_TRUE(rs.at(1).expired);
+  EXPECT_FALSE(rs.at(2).expired);
+  EXPECT_EQ(rs.at(2).lease_deadline_ns, 42 * kSecond);
+  EXPECT_EQ(rs.at(3).lease_deadline_ns, 100 * kSecond);
+  EXPECT_EQ(view_.expire_leases(41 * kSecond), 0u);
+  EXPECT_EQ(view_.expire_leases(42 * kSecond), 1u);
+}
+
+}  // namespace
 }  // namespace steptrace::daemon
