@@ -234,6 +234,18 @@ std::string report::metrics_text(const CollectorView& view) {
     f.sample({{"outcome", "evicted"}}, r.events_evicted);
   }
   {
+    const NvmlCounters& n = c.nvml;
+    MetricFamily(out, "steptrace_nvml_samples_total", "counter",
+                 "NVML device samples applied (0 when NVML is off or absent).")
+        .sample({}, n.samples);
+    MetricFamily(out, "steptrace_nvml_sample_errors_total", "counter",
+                 "NVML device samples in which a call failed (stats nvml.sample_errors).")
+        .sample({}, n.sample_errors);
+    MetricFamily(out, "steptrace_nvml_slow_samples_total", "counter",
+                 "NVML device samples that took longer than nvml_interval_ms.")
+        .sample({}, n.slow_samples);
+  }
+  {
     std::uint64_t live = 0;
     for (const auto& slot : state.slots) live += (slot && slot->alive) ? 1 : 0;
     MetricFamily f(out, "steptrace_processes", "gauge", "Processes tracked, by state.");

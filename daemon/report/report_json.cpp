@@ -201,6 +201,11 @@ nlohmann::json report::stats_json(const CollectorView& view) {
             {"marks_recorded", view.counters().flight_recorder.marks_recorded},
             {"marks_evicted", view.counters().flight_recorder.marks_evicted},
             {"captures_active", view.counters().flight_recorder.captures_active}}},
+          {"nvml",
+           {{"samples", view.counters().nvml.samples},
+            {"sample_errors", view.counters().nvml.sample_errors},
+            {"slow_samples", view.counters().nvml.slow_samples},
+            {"devices", view.counters().nvml.devices}}},
           {"uptime_s", uptime_s(view.uptime())},
           {"ledger_anomalies", report::ledger_anomalies_json(state.ledger.state())}};
 }

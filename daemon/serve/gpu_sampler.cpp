@@ -96,10 +96,6 @@ void GpuSampler::run() {
       if (!sample.error.empty()) spdlog::warn("NVML: {}", sample.error);
       last_error = sample.error;
     }
-    boost::asio::post(io_, [this, alive = alive_, devices = std::move(devices),
-                            error = sample.error, now]() mutable {
-      if (alive->load()) collector_.apply_devices(std::move(devices), std::move(error), now);
-    });
     next += interval;
     const auto after = std::chrono::steady_clock::now();
     if (after > next) {
@@ -107,6 +103,10 @@ void GpuSampler::run() {
       ++slow_samples_;
       next = after;
     }
+    boost::asio::post(io_, [this, alive = alive_, devices = std::move(devices),
+                            error = sample.error, now, slow = slow_samples_.load()]() mutable {
+      if (alive->load()) collector_.apply_devices(std::move(devices), std::move(error), now, slow);
+    });
     std::unique_lock<std::mutex> lock(mutex_);
     if (wake_.wait_until(lock, next, [this] { return stop_; })) return;
   }

@@ -661,7 +661,12 @@ std::shared_ptr<const CollectorView> Collector::freeze(const ServerCounters* ser
 }
 
 void Collector::apply_devices(std::map<std::string, ledger::Device, std::less<>> devices,
-                              std::string error, std::uint64_t now_ns) {
+                              std::string error, std::uint64_t now_ns, std::uint64_t slow_samples) {
+  NvmlCounters& c = counters_.nvml;
+  ++c.samples;
+  if (!error.empty()) ++c.sample_errors;
+  c.slow_samples = slow_samples;
+  c.devices = devices.size();
   state_->ledger.apply_devices(std::move(devices), std::move(error), now_ns);
 }
 

@@ -127,9 +127,10 @@ class Collector {
   std::uint64_t now_ns() const { return env_.monotonic_now_ns(); }
 
   // ---- device truth (daemon/serve/gpu_sampler.h) --------------------------------------
-  // NVML's latest sample of every GPU, by UUID; `error`: what failed ("" if nothing).
+  // NVML's latest sample of every GPU, by UUID; `error`: what failed ("" if nothing);
+  // `slow_samples`: the sampler's count of samples slower than its interval so far.
   void apply_devices(std::map<std::string, ledger::Device, std::less<>> devices, std::string error,
-                     std::uint64_t now_ns);
+                     std::uint64_t now_ns, std::uint64_t slow_samples);
   void set_device_rules(const ledger::DeviceRules& rules);
 
   // ---- persistence -------------------------------------------------------------------

@@ -147,6 +147,15 @@ struct FlightRecorderCounters {
   std::size_t captures_active = 0;
 };
 
+// The NVML device sampler's (daemon/serve/gpu_sampler.h), counted as its samples reach the
+// io thread; all 0 when NVML is off or not found.
+struct NvmlCounters {
+  std::uint64_t samples = 0;        // samples applied to the ledger view
+  std::uint64_t sample_errors = 0;  // of those, samples with an error (a call failed)
+  std::uint64_t slow_samples = 0;   // samples that took longer than nvml_interval_ms
+  std::uint64_t devices = 0;        // GPUs in the last sample
+};
+
 // Every counter the daemon shows: stats, metrics, the "daemon" object of report --json,
 // and snapshots. The Collector owns one (ingest, limits, and what a snapshot restored of
 // the server's); a view holds that plus the server's live ServerCounters.
@@ -170,6 +179,7 @@ struct DaemonCounters {
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
   HttpCounters http;                       // the server's, as it is now (not kept in snapshots)
   FlightRecorderCounters flight_recorder;  // as it is now (not kept in snapshots)
+  NvmlCounters nvml;                       // since start (not kept in snapshots)
   std::map<std::string, std::uint64_t> limits_hit;  // by limit name, e.g. "max_open_depth"
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 

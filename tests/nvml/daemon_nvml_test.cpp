@@ -555,6 +555,7 @@ TEST_F(NvmlDaemonTest, AutoWithMissingLibraryRunsWithoutDevices) {
   ASSERT_TRUE(metrics.has_value());
   EXPECT_EQ(metrics->find("steptrace_gpu_device_total_bytes{"), std::string::npos) << *metrics;
   EXPECT_EQ(metrics->find("steptrace_gpu_findings{"), std::string::npos) << *metrics;
+  EXPECT_NE(metrics->find("steptrace_nvml_samples_total 0\n"), std::string::npos) << *metrics;
   // The daemon says why it runs without NVML.
   EXPECT_NE(daemon_->log().find(missing), std::string::npos) << daemon_->log();
 }
@@ -630,6 +631,14 @@ TEST_F(NvmlDaemonTest, SlowLibraryDoesNotBlockIoThread) {
   const json* g = find_gpu(*l, kGpuA);
   ASSERT_TRUE(has_device(g));
   EXPECT_LT((*g)["device"]["sample_age_s"].get<double>(), 3.0) << g->dump(2);
+  // stats counts the samples and those slower than the interval (every one here).
+  const auto stats = command(socket(), "stats --json", 5000);
+  ASSERT_TRUE(stats.has_value());
+  const json nvml = json::parse(*stats).at("nvml");
+  EXPECT_GE(nvml.at("samples").get<std::uint64_t>(), 2u) << nvml.dump();
+  EXPECT_GE(nvml.at("slow_samples").get<std::uint64_t>(), 1u) << nvml.dump();
+  EXPECT_EQ(nvml.at("sample_errors"), 0) << nvml.dump();
+  EXPECT_EQ(nvml.at("devices"), 1) << nvml.dump();
   // SIGTERM during a slow sample: a clean exit, after one sample at most.
   const auto before = Clock::now();
   EXPECT_EQ(daemon_->stop(SIGTERM, 10000), 0) << daemon_->log();
@@ -700,6 +709,9 @@ TEST_F(NvmlDaemonTest, DeviceErrorsAndUnknownProcesses) {
   EXPECT_TRUE((*a)["device"]["processes"].empty());
   EXPECT_TRUE((*a)["findings"].empty()) << a->dump(2);
   EXPECT_EQ((*a)["capacity_source"], "device");
+  const auto stats = command(socket(), "stats --json", 5000);
+  ASSERT_TRUE(stats.has_value());
+  EXPECT_GE(json::parse(*stats)["nvml"]["sample_errors"].get<std::uint64_t>(), 1u) << *stats;
 
   write_script(gpu_line(kGpuA, 80 * kGiB, kGiB, kNameA) + proc_line(self, kGiB) +
                gpu_line(kGpuB, 80 * kGiB, 0, kNameB));
