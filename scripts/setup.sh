@@ -11,6 +11,11 @@ packages=(
   socat python3 systemd
   dpkg-dev file prometheus
 )
+# The Rust binding's tests (tests/rust) need cargo: Debian's, unless one is on PATH
+# already (rustup's, say).
+if ! command -v cargo >/dev/null; then
+  packages+=(cargo)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
