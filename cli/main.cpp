@@ -4,26 +4,41 @@
 // (--socket, else $STEPTRACE_SOCKET, else the default), sends the command over one Unix
 // stream connection (cli/control_client.h) and prints the reply. `top` polls
 // `report --json` and renders it (cli/top_view.h); `trace` streams the daemon's timeline
-// to a file (cli/trace_command.h). Exit status: 0 success, 1 the daemon could not be
-// reached or answered with an error, 2 bad usage.
+// to a file (cli/trace_command.h). `help` and no subcommand at all list the subcommands.
+//
+// Exit status, the same for every subcommand: 0 success; 1 a daemon or lookup failure
+// (the daemon could not be reached, answered `error: ...`, or does not track the pid
+// asked for); 2 bad usage (unknown subcommand, flag or argument). Standard output that
+// goes away (`steptrace top | head -3`) ends the command quietly with 0: SIGPIPE is
+// ignored and EPIPE on standard output is taken as the end of the reader.
+//
+// ANSI sequences (colour, clearing the screen: only `top` emits any) go to a terminal
+// only, and never when NO_COLOR is set to a non-empty value or TERM is `dumb`.
 #include <fmt/chrono.h>
 #include <fmt/format.h>
+#include <poll.h>
 #include <signal.h>
 #include <steptrace/steptrace.h>
 #include <steptrace/version.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <variant>
+#include <vector>
 
 #include "cli/control_client.h"
 #include "cli/top_view.h"
@@ -44,11 +59,42 @@ constexpr const char* kDescription =
     "and VRAM-ledger annotations to the steptraced daemon; this tool queries it over its Unix "
     "socket.";
 
+constexpr const char* kExitStatus =
+    "Exit status: 0 ok, 1 daemon unreachable, unknown pid or error reply, 2 bad usage.\n";
+
 constexpr const char* kFooter =
     "Socket: --socket PATH, else $STEPTRACE_SOCKET, else " STEPTRACE_DEFAULT_SOCKET
     ".\nIf the daemon is not running: systemctl start steptraced.socket\n"
-    "Exit status: 0 ok, 1 daemon unreachable or answered an error, 2 bad usage.\n"
-    "Run `steptrace SUBCOMMAND --help` for a subcommand's options.\n";
+    "Exit status: 0 ok, 1 daemon unreachable, unknown pid or error reply, 2 bad usage.\n"
+    "Run `steptrace help SUBCOMMAND` (or `steptrace SUBCOMMAND --help`) for a subcommand's "
+    "options.\n";
+
+constexpr const char* kReportFooter =
+    "Text: the shape of the in-process tracer steptrace replaces (per step: count, duration,\n"
+    "share of the time, sorted by time; the compute-versus-overhead analysis), for all\n"
+    "processes and then per process, followed by the VRAM ledger per GPU. --json: one line,\n"
+    "schema steptrace.report/v1 (proto/PROTOCOL.md, section 10.4).\n"
+    "--pid N of a process the daemon does not track exits 1.\n";
+
+constexpr const char* kResetFooter =
+    "Without options: the per-step aggregates of every process; --pid N: of that process\n"
+    "only (exit 1 when the daemon tracks no such pid). --ledger: every GPU of the VRAM\n"
+    "ledger view (reservations, per-process rows, samples); --gpu UUID: that GPU only.\n"
+    "The daemon's counters stay. Allowed for root and the daemon's own user only.\n";
+
+constexpr const char* kTopFooter =
+    "Polls `report --json` every --interval seconds until interrupted (or --iterations N)\n"
+    "and shows, per live process, the span each thread is in and for how long (a worker\n"
+    "polling for VRAM is marked WAITING FOR VRAM), its step totals, and the VRAM ledger.\n"
+    "On a terminal the screen is redrawn in place with highlighting; piped, or with NO_COLOR\n"
+    "set, frames follow each other as plain text. When the reader of its output goes away\n"
+    "(steptrace top | head -3) it ends at once.\n";
+
+constexpr const char* kVersionFooter =
+    "Human-readable: the CLI's version, and the daemon's version and protocol when it\n"
+    "answers. --json: {\"cli\": {\"version\": ...}, \"socket\": PATH, \"daemon\": the daemon's\n"
+    "`version` reply, or null when it cannot be reached}. Exit status 1 when the daemon\n"
+    "cannot be reached (the CLI's version is printed all the same).\n";
 
 constexpr const char* kTraceFooter =
     "A trace is the timeline behind `steptrace report`: every span each thread recorded\n"
@@ -84,8 +130,9 @@ struct Options {
   int pid = 0;
   double interval_s = 1.0;
   int iterations = 0;
-  bool ledger = false;  // reset --ledger
-  std::string gpu;      // reset --gpu UUID
+  bool ledger = false;     // reset --ledger
+  std::string gpu;         // reset --gpu UUID
+  std::string help_topic;  // help SUBCOMMAND
 };
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -97,6 +144,97 @@ void write_line(std::FILE* out, const std::string& text) {
   if (text.empty() || text.back() != '\n') std::fputc('\n', out);
   std::fflush(out);
 }
+
+// ---- standard output ---------------------------------------------------------------
+
+enum class Written { kOk, kReaderGone, kFailed };
+
+// Writes `text` to standard output and flushes it. kReaderGone when the reader went away
+// (EPIPE: SIGPIPE is ignored), kFailed (with a message on stderr) for any other error.
+Written write_stdout(std::string_view text) {
+  errno = 0;
+  const bool ok =
+      (text.empty() || std::fwrite(text.data(), 1, text.size(), stdout) == text.size()) &&
+      std::fflush(stdout) == 0;
+  if (ok) return Written::kOk;
+  const int error = errno;
+  if (error == EPIPE) return Written::kReaderGone;
+  write_line(stderr, std::string("steptrace: cannot write to standard output: ") +
+                         (error != 0 ? std::strerror(error) : "write error"));
+  return Written::kFailed;
+}
+
+// The exit status for what write_stdout() returned: the end of the reader is no error.
+int exit_status(Written written) { return written == Written::kFailed ? kExitFailure : kExitOk; }
+
+// Whether ANSI sequences may go to standard output: a terminal, NO_COLOR unset or empty
+// (https://no-color.org), and a TERM other than `dumb`.
+bool use_ansi() {
+  if (::isatty(STDOUT_FILENO) != 1) return false;
+  const char* no_color = std::getenv("NO_COLOR");
+  if (no_color != nullptr && *no_color != '\0') return false;
+  const char* term = std::getenv("TERM");
+  return term == nullptr || std::string_view(term) != "dumb";
+}
+
+// Sleeps until `deadline`, or returns false as soon as standard output reports an error or
+// hang-up (a pipe whose reader exited reports POLLERR), so `top | head` ends at once even
+// with a long interval. Terminals, files and /dev/null never report either.
+bool sleep_unless_reader_gone(std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return true;
+    pollfd out{STDOUT_FILENO, 0, 0};  // no events: only POLLERR, POLLHUP, POLLNVAL come back
+    const int wait_ms =
+        static_cast<int>(std::min<long long>(left.count() + 1, std::numeric_limits<int>::max()));
+    const int n = ::poll(&out, 1, wait_ms);
+    if (n < 0 && errno == EINTR) continue;
+    if (n > 0 && (out.revents & (POLLERR | POLLHUP)) != 0) return false;
+    if (n != 0) {  // POLLNVAL or a failed poll: sleep without watching
+      std::this_thread::sleep_until(deadline);
+      return true;
+    }
+  }
+}
+
+// ---- subcommand list ---------------------------------------------------------------
+
+// "  name    description" for every subcommand, in the order they were added.
+std::string subcommand_list(const CLI::App& app) {
+  const auto subs = app.get_subcommands([](const CLI::App*) { return true; });
+  std::size_t width = 0;
+  for (const CLI::App* sub : subs) width = std::max(width, sub->get_name().size());
+  std::string out;
+  for (const CLI::App* sub : subs) {
+    out += fmt::format("  {:<{}}  {}\n", sub->get_name(), width, sub->get_description());
+  }
+  return out;
+}
+
+// What `steptrace help` prints, and `steptrace` alone (to stderr, as a usage error).
+std::string usage_overview(const CLI::App& app) {
+  return "Usage: steptrace [--socket PATH] [--timeout SECONDS] SUBCOMMAND [OPTIONS]\n"
+         "Ask steptraced, the steptrace trace collector, what the training processes on\n"
+         "this machine are doing.\n\nSubcommands:\n" +
+         subcommand_list(app) +
+         "\nRun `steptrace help SUBCOMMAND` for a subcommand's options, `steptrace --help`\n"
+         "for the global ones: --socket PATH (default $STEPTRACE_SOCKET, "
+         "else\n" STEPTRACE_DEFAULT_SOCKET "), --timeout SECONDS (default 10).\n" +
+         kExitStatus;
+}
+
+int run_help(const CLI::App& app, const std::string& topic) {
+  if (topic.empty()) return exit_status(write_stdout(usage_overview(app)));
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    if (sub->get_name() == topic) return exit_status(write_stdout(sub->help("steptrace")));
+  }
+  std::fprintf(stderr, "steptrace: help: no subcommand '%s'; the subcommands are:\n%s",
+               topic.c_str(), subcommand_list(app).c_str());
+  return kExitUsage;
+}
+
+// ---- one command -------------------------------------------------------------------
 
 // --last / --for: a number of seconds the daemon's grammar takes, in (min, max] or, with
 // `min_inclusive`, [min, max].
@@ -118,28 +256,122 @@ CLI::Validator seconds_check(double min, bool min_inclusive, double max) {
       "");
 }
 
-// Runs one command and prints its reply; returns the exit status.
-int run_and_print(const SocketPath& socket, const std::string& line,
-                  std::chrono::milliseconds timeout) {
+// The daemon's reply to `line`, or nullopt after saying on stderr why there is none
+// (unreachable, no answer, or an `error:` reply).
+std::optional<std::string> ask(const SocketPath& socket, const std::string& line,
+                               std::chrono::milliseconds timeout) {
   auto result = steptrace::cli::run_command(socket.path, line, timeout);
   if (const auto* failure = std::get_if<CommandFailure>(&result)) {
     write_line(stderr, steptrace::cli::describe_failure(*failure, socket, line, timeout));
-    return kExitFailure;
+    return std::nullopt;
   }
-  const std::string& reply = std::get<std::string>(result);
+  std::string& reply = std::get<std::string>(result);
   if (reply.empty()) {
     write_line(stderr, "steptrace: steptraced at " + socket.path +
                            " closed the connection without answering `" + line + "`");
-    return kExitFailure;
+    return std::nullopt;
   }
   if (reply.rfind("error:", 0) == 0) {
     write_line(stderr, reply);
+    return std::nullopt;
+  }
+  return std::move(reply);
+}
+
+int print_reply(std::string reply) {
+  if (reply.empty() || reply.back() != '\n') reply += '\n';
+  return exit_status(write_stdout(reply));
+}
+
+// Runs one command and prints its reply; returns the exit status.
+int run_and_print(const SocketPath& socket, const std::string& line,
+                  std::chrono::milliseconds timeout) {
+  auto reply = ask(socket, line, timeout);
+  return reply ? print_reply(std::move(*reply)) : kExitFailure;
+}
+
+// `report [--json] --pid N`. The daemon answers a pid it does not track with an empty
+// report; for the CLI that is a failed lookup (exit 1), whichever form was asked for.
+int run_report_of_pid(const SocketPath& socket, int pid, bool json,
+                      std::chrono::milliseconds timeout) {
+  const std::string pid_arg = " --pid " + std::to_string(pid);
+  const std::string json_line = "report --json" + pid_arg;
+  auto reply = ask(socket, json_line, timeout);
+  if (!reply) return kExitFailure;
+  const nlohmann::json report = nlohmann::json::parse(*reply, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json* processes = nullptr;
+  if (report.is_object()) {
+    const auto it = report.find("processes");
+    if (it != report.end() && it->is_array()) processes = &*it;
+  }
+  if (processes == nullptr) {
+    write_line(stderr, "steptrace: steptraced at " + socket.path + " answered `" + json_line +
+                           "` with something that is not a report");
     return kExitFailure;
   }
-  std::fputs(reply.c_str(), stdout);
-  if (reply.back() != '\n') std::fputc('\n', stdout);
-  return std::fflush(stdout) == 0 ? kExitOk : kExitFailure;
+  const bool tracked = std::any_of(processes->begin(), processes->end(), [pid](const auto& p) {
+    return p.is_object() && p.contains("pid") && p["pid"].is_number_integer() &&
+           p["pid"].template get<long long>() == pid;
+  });
+  if (!tracked) {
+    write_line(stderr, fmt::format("steptrace: steptraced at {} tracks no process with pid {} "
+                                   "(`steptrace report` lists those it does)",
+                                   socket.path, pid));
+    return kExitFailure;
+  }
+  if (json) return print_reply(std::move(*reply));
+  return run_and_print(socket, "report" + pid_arg, timeout);
 }
+
+int run_version(const SocketPath& socket, bool json, std::chrono::milliseconds timeout) {
+  auto result = steptrace::cli::run_command(socket.path, "version", timeout);
+  std::string problem;  // why there is no daemon version
+  nlohmann::json daemon;
+  if (const auto* failure = std::get_if<CommandFailure>(&result)) {
+    problem = steptrace::cli::describe_failure(*failure, socket, "version", timeout);
+  } else {
+    const std::string& reply = std::get<std::string>(result);
+    if (reply.rfind("error:", 0) == 0) {
+      problem = "steptrace: steptraced at " + socket.path + " answered `version` with " +
+                reply.substr(0, reply.find('\n'));
+    } else {
+      daemon = nlohmann::json::parse(reply, nullptr, /*allow_exceptions=*/false);
+      if (!daemon.is_object()) {
+        problem = "steptrace: steptraced at " + socket.path +
+                  " answered `version` with something that is not a JSON object";
+      }
+    }
+  }
+  if (!problem.empty()) daemon = nullptr;
+
+  std::string out;
+  if (json) {
+    const nlohmann::json doc = {{"cli", {{"version", STEPTRACE_VERSION_STRING}}},
+                                {"socket", socket.path},
+                                {"daemon", daemon}};
+    out = doc.dump() + "\n";
+  } else {
+    out = "steptrace " STEPTRACE_VERSION_STRING " (CLI)";
+    if (daemon.is_object()) {
+      const auto field = [&](const char* key) {
+        const auto it = daemon.find(key);
+        if (it == daemon.end()) return std::string("?");
+        return it->is_string() ? it->get<std::string>() : it->dump();
+      };
+      out += "; steptraced " + field("version") + ", protocol " + field("protocol") + ", at " +
+             socket.path;
+    }
+    out += "\n";
+  }
+  const Written written = write_stdout(out);
+  if (!problem.empty()) {
+    write_line(stderr, problem);
+    return kExitFailure;
+  }
+  return exit_status(written);
+}
+
+// ---- top -----------------------------------------------------------------------------
 
 std::string wall_clock() {
   const std::time_t now = std::time(nullptr);
@@ -176,14 +408,14 @@ Frame top_frame(const SocketPath& socket, const Options& options, bool color) {
 }
 
 int run_top(const SocketPath& socket, const Options& options) {
-  const bool tty = ::isatty(STDOUT_FILENO) == 1;
+  const bool ansi = use_ansi();
   const auto interval = to_ms(options.interval_s);
   auto next = std::chrono::steady_clock::now();
   bool last_ok = false;
   for (int i = 0; options.iterations == 0 || i < options.iterations; ++i) {
-    if (i > 0) std::this_thread::sleep_until(next);
+    if (i > 0 && !sleep_unless_reader_gone(next)) return kExitOk;
     next = std::chrono::steady_clock::now() + interval;
-    Frame frame = top_frame(socket, options, tty);
+    Frame frame = top_frame(socket, options, ansi);
     if (!frame.ok && i == 0) {
       // Nothing to show yet: fail the way every other subcommand does.
       write_line(stderr, frame.text);
@@ -191,13 +423,15 @@ int run_top(const SocketPath& socket, const Options& options) {
     }
     if (!frame.ok) frame.text += " (retrying)\n";
     last_ok = frame.ok;
-    if (tty) {
-      std::fputs("\x1b[H\x1b[2J", stdout);  // home, clear screen
+    std::string screen;
+    if (ansi) {
+      screen = "\x1b[H\x1b[2J";  // home, clear screen
     } else if (i > 0) {
-      std::fputs("\n", stdout);  // frames stay readable when piped or logged
+      screen = "\n";  // frames stay readable when piped or logged
     }
-    std::fputs(frame.text.c_str(), stdout);
-    std::fflush(stdout);
+    screen += frame.text;
+    const Written written = write_stdout(screen);
+    if (written != Written::kOk) return exit_status(written);
   }
   return last_ok ? kExitOk : kExitFailure;
 }
@@ -205,7 +439,8 @@ int run_top(const SocketPath& socket, const Options& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // A daemon that goes away mid-reply must give an error, not kill us with SIGPIPE.
+  // A daemon that goes away mid-reply must give an error, not kill us with SIGPIPE; a
+  // reader of our output that goes away shows as EPIPE (see write_stdout).
   ::signal(SIGPIPE, SIG_IGN);
 
   Options options;
@@ -224,9 +459,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0.01, 3600.0));
 
+  // One line each: `steptrace help` lists them; the details go in each one's footer.
   auto* ping = app.add_subcommand("ping", "Check that steptraced answers (prints pong)");
   auto* report = app.add_subcommand(
-      "report", "Time per step for all processes and for each one, then the VRAM ledger");
+      "report", "Time per step, for all processes and each one, then the VRAM ledger");
+  report->footer(kReportFooter);
   report->add_flag("--json", options.json, "Machine-readable report (steptrace.report/v1)");
   report->add_option("--pid", options.pid, "Only this process")
       ->type_name("PID")
@@ -235,14 +472,13 @@ int main(int argc, char** argv) {
       app.add_subcommand("ledger", "Who holds VRAM on each GPU; leaked reservations are marked");
   ledger->add_flag("--json", options.json, "As JSON");
   auto* stats = app.add_subcommand(
-      "stats", "The daemon's own counters: events, connections, protocol errors, limits hit");
+      "stats", "The daemon's own counters: events, connections, errors, limits hit");
   stats->add_flag("--json", options.json, "As JSON");
   auto* metrics =
       app.add_subcommand("metrics", "Everything in the Prometheus text exposition format");
   auto* reset = app.add_subcommand(
-      "reset",
-      "Clear the step aggregates (all, or one process's), or the VRAM ledger view (--ledger: "
-      "every GPU, --gpu: one); root or the daemon's user only");
+      "reset", "Clear step aggregates or the VRAM ledger view (root or the daemon's user)");
+  reset->footer(kResetFooter);
   auto* reset_pid = reset->add_option("--pid", options.pid, "Only this process's aggregates")
                         ->type_name("PID")
                         ->check(CLI::Range(1, 1 << 30));
@@ -254,10 +490,11 @@ int main(int argc, char** argv) {
   reset_pid->excludes(reset_ledger)->excludes(reset_gpu);
   reset_ledger->excludes(reset_gpu);
   auto* version = app.add_subcommand("version", "Versions of this CLI and of the running daemon");
+  version->footer(kVersionFooter);
+  version->add_flag("--json", options.json, "As JSON");
   auto* top = app.add_subcommand(
-      "top",
-      "Live view: what each process is doing right now (WAITING FOR VRAM stands out), its step "
-      "totals, and the VRAM ledger");
+      "top", "Live view: what each process does now, who waits for VRAM, the ledger");
+  top->footer(kTopFooter);
   top->add_option("--interval", options.interval_s, "Seconds between refreshes")
       ->type_name("SECONDS")
       ->capture_default_str()
@@ -268,9 +505,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 30));
   steptrace::cli::TraceRequest trace_request;
   auto* trace = app.add_subcommand(
-      "trace",
-      "Save a timeline (Chrome trace JSON) of recent spans, VRAM-ledger operations and drops, "
-      "for https://ui.perfetto.dev or chrome://tracing");
+      "trace", "Save a timeline (Chrome trace JSON) for ui.perfetto.dev or chrome://tracing");
   trace->footer(kTraceFooter);
   trace
       ->add_option("--pid", trace_request.pids,
@@ -299,16 +534,27 @@ int main(int argc, char** argv) {
                    "steptrace-trace-HOST-YYYYmmdd-HHMMSS.json")
       ->type_name("FILE");
   trace->add_flag("--force", trace_request.force, "Replace FILE if it exists");
+  auto* help =
+      app.add_subcommand("help", "This list, or one subcommand's options: help SUBCOMMAND");
+  help->add_option("subcommand", options.help_topic, "The subcommand to describe")
+      ->type_name("SUBCOMMAND");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr && app.remaining_size() > 0 &&
-        app.remaining().front().rfind('-', 0) != 0) {
-      // CLI11 would say "a subcommand is required" for a misspelt one; name it instead.
+    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr && app.get_subcommands().empty()) {
+      if (app.remaining_size() == 0) {
+        // No subcommand at all: the list, as a usage error.
+        std::fputs(usage_overview(app).c_str(), stderr);
+        return kExitUsage;
+      }
+      // CLI11 would say "a subcommand is required" for a misspelt one, or for an unknown
+      // option before the subcommand; name it instead.
+      const std::string word = app.remaining().front();
       std::fprintf(stderr,
-                   "steptrace: unknown subcommand '%s'\nRun with --help for more information.\n",
-                   app.remaining().front().c_str());
+                   "steptrace: unknown %s '%s'; run `steptrace help` for the subcommands, "
+                   "`steptrace --help` for the global options\n",
+                   word.rfind('-', 0) == 0 ? "option" : "subcommand", word.c_str());
       return kExitUsage;
     }
     const int code = app.exit(e);  // prints help/version to stdout, errors to stderr
@@ -320,9 +566,12 @@ int main(int argc, char** argv) {
   const std::string pid_arg = options.pid > 0 ? " --pid " + std::to_string(options.pid) : "";
   const std::string json_arg = options.json ? " --json" : "";
 
+  if (app.got_subcommand(help)) return run_help(app, options.help_topic);
   if (app.got_subcommand(ping)) return run_and_print(socket, "ping", timeout);
-  if (app.got_subcommand(report))
-    return run_and_print(socket, "report" + json_arg + pid_arg, timeout);
+  if (app.got_subcommand(report)) {
+    if (options.pid > 0) return run_report_of_pid(socket, options.pid, options.json, timeout);
+    return run_and_print(socket, "report" + json_arg, timeout);
+  }
   if (app.got_subcommand(ledger)) return run_and_print(socket, "ledger" + json_arg, timeout);
   if (app.got_subcommand(stats)) return run_and_print(socket, "stats" + json_arg, timeout);
   if (app.got_subcommand(metrics)) return run_and_print(socket, "metrics", timeout);
@@ -338,11 +587,7 @@ int main(int argc, char** argv) {
     }
     return run_and_print(socket, "reset" + pid_arg, timeout);
   }
-  if (app.got_subcommand(version)) {
-    std::printf("steptrace %s (CLI)\n", STEPTRACE_VERSION_STRING);
-    std::fflush(stdout);
-    return run_and_print(socket, "version", timeout);
-  }
+  if (app.got_subcommand(version)) return run_version(socket, options.json, timeout);
   if (app.got_subcommand(top)) return run_top(socket, options);
   if (app.got_subcommand(trace)) {
     if (trace_request.pids.size() > steptrace::cli::kMaxTracePids) {

@@ -2,6 +2,7 @@
 // steptraced on a temporary socket, with sim_trainer and the C example as real traced
 // processes.
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,6 +31,7 @@ using nlohmann::json;
 using steptrace::testing::DaemonProcess;
 using steptrace::testing::TempDir;
 using ::testing::HasSubstr;
+using ::testing::MatchesRegex;
 using ::testing::Not;
 using Clock = std::chrono::steady_clock;
 
@@ -83,6 +85,78 @@ Output run(const TempDir& dir, std::vector<std::string> argv,
   }
   result.out = read_file(base + ".out");
   result.err = read_file(base + ".err");
+  return result;
+}
+
+// fork/exec argv with standard output on `out_fd` and standard error in `err_path`; the
+// child's pid (or -1).
+pid_t spawn_with_stdout(std::vector<std::string> argv, int out_fd, const std::string& err_path,
+                        const std::vector<std::string>& env = {}) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (err < 0 || ::dup2(out_fd, STDOUT_FILENO) < 0) std::_Exit(126);
+    ::dup2(err, STDERR_FILENO);
+    for (const auto& e : env) {
+      const auto eq = e.find('=');
+      if (eq == std::string::npos) {
+        ::unsetenv(e.c_str());
+      } else {
+        ::setenv(e.substr(0, eq).c_str(), e.substr(eq + 1).c_str(), 1);
+      }
+    }
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    std::_Exit(127);
+  }
+  return pid;
+}
+
+// Like run(), but standard output is a new pseudo-terminal, so the CLI sees a terminal
+// (isatty); `out` is what the terminal received (line ends as "\r\n").
+Output run_on_terminal(const TempDir& dir, std::vector<std::string> argv,
+                       const std::vector<std::string>& env = {}, int timeout_ms = 20000) {
+  static int counter = 0;
+  const std::string err_path = dir.file("tty" + std::to_string(++counter) + ".err");
+  Output result;
+  const int master = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (master < 0 || ::grantpt(master) != 0 || ::unlockpt(master) != 0) return result;
+  // The test keeps a descriptor of the terminal open itself, so the master stays
+  // readable (no EIO) until everything the child wrote has been read.
+  const int slave = ::open(::ptsname(master), O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (slave < 0) {
+    ::close(master);
+    return result;
+  }
+  const pid_t pid = spawn_with_stdout(std::move(argv), slave, err_path, env);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  bool exited = false;
+  for (;;) {
+    pollfd in{master, POLLIN, 0};
+    if (::poll(&in, 1, 50) > 0 && (in.revents & POLLIN) != 0) {
+      char buffer[4096];
+      const ssize_t n = ::read(master, buffer, sizeof buffer);
+      if (n > 0) {
+        result.out.append(buffer, static_cast<std::size_t>(n));
+        continue;
+      }
+    }
+    if (exited) break;  // exited, and nothing more to read
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      result.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    } else if (Clock::now() >= deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+      break;
+    }
+  }
+  ::close(slave);
+  ::close(master);
+  result.err = read_file(err_path);
   return result;
 }
 
@@ -162,6 +236,131 @@ TEST(CliNoDaemon, HelpDescribesEverySubcommand) {
   EXPECT_THAT(r.out, HasSubstr("STEPTRACE_SOCKET"));
 }
 
+// Every subcommand, in the order `steptrace help` lists them.
+const std::vector<std::string> kSubcommands = {"ping",  "report",  "ledger", "stats", "metrics",
+                                               "reset", "version", "top",    "trace", "help"};
+
+TEST(CliNoDaemon, WithoutArgumentsListsTheSubcommandsAndExitsTwo) {
+  TempDir dir;
+  const Output r = run(dir, {STEPTRACE_CLI_BIN});
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.out, "");  // a usage error: the list goes to stderr
+  for (const auto& sub : kSubcommands) {
+    // One line each: the name, then its one-line description.
+    EXPECT_THAT(r.err, MatchesRegex("(.*\n)?  " + sub + " +[A-Z][^\n]+\n.*")) << sub;
+  }
+  EXPECT_THAT(r.err, HasSubstr("steptrace help SUBCOMMAND"));
+  EXPECT_THAT(r.err, HasSubstr("Exit status: 0 ok, 1 "));
+
+  // Global options without a subcommand are no subcommand either.
+  const Output only_globals = run(dir, {STEPTRACE_CLI_BIN, "--timeout", "3"});
+  EXPECT_EQ(only_globals.status, 2);
+  EXPECT_EQ(only_globals.err, r.err);
+}
+
+TEST(CliNoDaemon, HelpListsTheSubcommandsAndExitsZero) {
+  TempDir dir;
+  const Output help = run(dir, {STEPTRACE_CLI_BIN, "help"});
+  EXPECT_EQ(help.status, 0) << help.err;
+  EXPECT_EQ(help.err, "");
+  const Output none = run(dir, {STEPTRACE_CLI_BIN});
+  EXPECT_EQ(help.out, none.err);  // the same list, on stdout
+  // Subcommands are listed in order, each on one line.
+  std::size_t at = 0;
+  for (const auto& sub : kSubcommands) {
+    const auto pos = help.out.find("\n  " + sub + " ", at);
+    ASSERT_NE(pos, std::string::npos) << sub << " after byte " << at << ":\n" << help.out;
+    at = pos + 1;
+  }
+}
+
+TEST(CliNoDaemon, HelpOfOneSubcommandPrintsItsOptions) {
+  TempDir dir;
+  const Output trace = run(dir, {STEPTRACE_CLI_BIN, "help", "trace"});
+  EXPECT_EQ(trace.status, 0) << trace.err;
+  EXPECT_THAT(trace.out, HasSubstr("Usage: steptrace trace [OPTIONS]"));
+  for (const char* flag : {"--pid", "--last", "--for", "-o,--output", "--force"}) {
+    EXPECT_THAT(trace.out, HasSubstr(flag)) << flag;
+  }
+  // The same text as `steptrace trace --help`.
+  EXPECT_EQ(trace.out, run(dir, {STEPTRACE_CLI_BIN, "trace", "--help"}).out);
+
+  const Output top = run(dir, {STEPTRACE_CLI_BIN, "help", "top"});
+  EXPECT_EQ(top.status, 0);
+  EXPECT_THAT(top.out, HasSubstr("Usage: steptrace top"));
+  EXPECT_THAT(top.out, HasSubstr("--interval"));
+  EXPECT_THAT(top.out, HasSubstr("--iterations"));
+  EXPECT_THAT(top.out, Not(HasSubstr("--pid")));
+
+  const Output version = run(dir, {STEPTRACE_CLI_BIN, "help", "version"});
+  EXPECT_EQ(version.status, 0);
+  EXPECT_THAT(version.out, HasSubstr("--json"));
+
+  const Output unknown = run(dir, {STEPTRACE_CLI_BIN, "help", "frobnicate"});
+  EXPECT_EQ(unknown.status, 2);
+  EXPECT_EQ(unknown.out, "");
+  EXPECT_THAT(unknown.err, HasSubstr("'frobnicate'"));
+  EXPECT_THAT(unknown.err, HasSubstr("  report "));
+}
+
+TEST(CliNoDaemon, UnknownFlagExitsTwoNamingIt) {
+  TempDir dir;
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--bogus"},
+                                               {"--bogus", "ping"},
+                                               {"report", "--bogus"},
+                                               {"top", "--bogus"},
+                                               {"version", "--bogus"},
+                                               {"trace", "--bogus"}}) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const Output r = run(dir, argv);
+    EXPECT_EQ(r.status, 2) << args.front() << " " << args.back() << ": " << r.err;
+    EXPECT_EQ(r.out, "");
+    EXPECT_THAT(r.err, HasSubstr("--bogus"));
+    EXPECT_THAT(r.err, Not(HasSubstr("cannot reach")));  // refused before connecting
+  }
+}
+
+// Every subcommand that asks the daemon fails the same way when there is none.
+TEST(CliNoDaemon, EverySubcommandExitsOneWhenTheDaemonIsUnreachable) {
+  TempDir dir;
+  const std::string socket = dir.file("absent.sock");
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"ping"},
+                                               {"report"},
+                                               {"report", "--json"},
+                                               {"report", "--pid", "42"},
+                                               {"ledger"},
+                                               {"stats", "--json"},
+                                               {"metrics"},
+                                               {"reset"},
+                                               {"top", "--iterations", "1"},
+                                               {"trace", "-o", "-"}}) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN, "--socket", socket};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const Output r = run(dir, argv);
+    EXPECT_EQ(r.status, 1) << args.front() << ": " << r.err;
+    EXPECT_EQ(r.out, "") << args.front();
+    EXPECT_THAT(r.err, HasSubstr("cannot reach steptraced at " + socket)) << args.front();
+  }
+}
+
+TEST(CliNoDaemon, VersionWithoutDaemonPrintsTheCliVersionAndExitsOne) {
+  TempDir dir;
+  const std::string socket = dir.file("absent.sock");
+  const Output r = run(dir, {STEPTRACE_CLI_BIN, "--socket", socket, "version"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.out, MatchesRegex("steptrace [0-9][^ ]* \\(CLI\\)\n"));
+  EXPECT_THAT(r.err, HasSubstr("cannot reach steptraced at " + socket));
+
+  const Output j = run(dir, {STEPTRACE_CLI_BIN, "--socket", socket, "version", "--json"});
+  EXPECT_EQ(j.status, 1);
+  const json doc = json::parse(j.out, nullptr, false);
+  ASSERT_TRUE(doc.is_object()) << j.out;
+  EXPECT_TRUE(doc["cli"]["version"].is_string());
+  EXPECT_TRUE(doc["daemon"].is_null());
+  EXPECT_EQ(doc.value("socket", ""), socket);
+}
+
 // ---------------------------------------------------------------------------------
 // Against a live daemon
 
@@ -228,14 +427,39 @@ TEST_F(CliLive, ReportLedgerStatsMetricsAnswer) {
   EXPECT_THAT(metrics.out, HasSubstr("# TYPE "));
 }
 
-TEST_F(CliLive, VersionShowsTheCliAndTheDaemon) {
+TEST_F(CliLive, VersionShowsTheCliAndTheDaemonOnOneLine) {
   const Output r = cli({"version"});
   EXPECT_EQ(r.status, 0) << r.err;
-  EXPECT_THAT(r.out, HasSubstr("(CLI)"));
-  const auto second = r.out.substr(r.out.find('\n') + 1);
-  const json daemon_version = json::parse(second, nullptr, false);
-  ASSERT_TRUE(daemon_version.is_object()) << r.out;
-  EXPECT_TRUE(daemon_version.contains("version"));
+  EXPECT_EQ(r.err, "");
+  // "steptrace 0.1.0 (CLI); steptraced 0.1.0, protocol 2, at /tmp/.../d.sock"
+  EXPECT_THAT(r.out, MatchesRegex("steptrace [0-9][^ ]* \\(CLI\\); steptraced [0-9][^ ]*, "
+                                  "protocol [0-9]+, at " +
+                                  daemon_.socket() + "\n"));
+
+  const json doc = cli_json({"version", "--json"});
+  ASSERT_TRUE(doc.contains("cli") && doc.contains("daemon")) << doc.dump();
+  EXPECT_EQ(doc["cli"].value("version", "cli"), doc["daemon"].value("version", "daemon"));
+  EXPECT_TRUE(doc["daemon"]["protocol"].is_number_integer()) << doc.dump();
+  EXPECT_EQ(doc.value("socket", ""), daemon_.socket());
+  EXPECT_THAT(r.out, HasSubstr("protocol " + doc["daemon"]["protocol"].dump() + ","));
+}
+
+// The daemon answers `report --pid N` of a pid it does not track with an empty report;
+// the CLI makes that a failed lookup, as `reset --pid N` (an error reply) is.
+TEST_F(CliLive, UnknownPidExitsOne) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"report", "--pid", "999999"},
+        {"report", "--json", "--pid", "999999"},
+        {"reset", "--pid", "999999"}}) {
+    const Output r = cli(args);
+    EXPECT_EQ(r.status, 1) << args.front() << " " << args[1] << ": " << r.out << r.err;
+    EXPECT_EQ(r.out, "");
+    EXPECT_THAT(r.err, HasSubstr("999999"));
+  }
+  // A daemon error reply is a failure too: `reset --gpu` of a GPU the view does not have.
+  const Output gpu = cli({"reset", "--gpu", "GPU-none"});
+  EXPECT_EQ(gpu.status, 1) << gpu.out << gpu.err;
+  EXPECT_THAT(gpu.err, HasSubstr("error:"));
 }
 
 TEST_F(CliLive, ReportOfOneProcessAfterTheCExample) {
@@ -350,6 +574,84 @@ TEST_F(CliLive, TopIterationsRefreshesThatManyTimes) {
     ++frames;
   }
   EXPECT_EQ(frames, 3u) << r.out;
+}
+
+// `steptrace top | head -3`: once the reader is gone, top ends (status 0) instead of
+// refreshing into a broken pipe forever. A pipe with no reader from the start: the first
+// write fails with EPIPE.
+TEST_F(CliLive, TopEndsAtOnceWithoutAReader) {
+  int fds[2];
+  ASSERT_EQ(::pipe2(fds, O_CLOEXEC), 0);
+  ::close(fds[0]);
+  const auto start = Clock::now();
+  const pid_t pid = spawn_with_stdout(
+      {STEPTRACE_CLI_BIN, "--socket", daemon_.socket(), "top", "--interval", "0.1"}, fds[1],
+      dir_.file("top-noreader.err"));
+  ::close(fds[1]);
+  ASSERT_GT(pid, 0);
+  const int status = steptrace::testing::wait_or_kill(pid, 5000);
+  EXPECT_EQ(status, 0) << read_file(dir_.file("top-noreader.err"));
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(read_file(dir_.file("top-noreader.err")), "");
+}
+
+// The reader goes away while top sleeps between refreshes (an hour here): top notices
+// at once, not at its next refresh.
+TEST_F(CliLive, TopEndsAtOnceWhenTheReaderGoesAwayBetweenRefreshes) {
+  int fds[2];
+  ASSERT_EQ(::pipe2(fds, O_CLOEXEC), 0);
+  const pid_t pid = spawn_with_stdout(
+      {STEPTRACE_CLI_BIN, "--socket", daemon_.socket(), "top", "--interval", "3600"}, fds[1],
+      dir_.file("top-head.err"));
+  ::close(fds[1]);
+  ASSERT_GT(pid, 0);
+  Reaper reaper{{pid}};
+  // Like `head -3`: read the first lines of the first frame, then close.
+  std::string got;
+  while (count_lines(got) < 3) {
+    pollfd in{fds[0], POLLIN, 0};
+    ASSERT_GT(::poll(&in, 1, 10000), 0) << "no frame within 10 s: " << got;
+    char buffer[256];
+    const ssize_t n = ::read(fds[0], buffer, sizeof buffer);
+    ASSERT_GT(n, 0) << got;
+    got.append(buffer, static_cast<std::size_t>(n));
+  }
+  EXPECT_THAT(got, HasSubstr("steptrace top"));
+  ::close(fds[0]);
+  const auto closed = Clock::now();
+  const int status = steptrace::testing::wait_or_kill(pid, 5000);
+  reaper.pids.clear();
+  EXPECT_EQ(status, 0) << read_file(dir_.file("top-head.err"));
+  EXPECT_LT(Clock::now() - closed, std::chrono::seconds(5));
+}
+
+// On a terminal top highlights and redraws with ANSI sequences; NO_COLOR (any non-empty
+// value) and TERM=dumb turn every escape sequence off.
+TEST_F(CliLive, NoColorMeansNoEscapeByteEvenOnATerminal) {
+  const std::vector<std::string> top = {STEPTRACE_CLI_BIN, "--socket", daemon_.socket(), "top",
+                                        "--iterations",    "2",        "--interval",     "0.05"};
+  const Output colour = run_on_terminal(dir_, top, {"TERM=xterm", "NO_COLOR"});
+  EXPECT_EQ(colour.status, 0) << colour.err;
+  EXPECT_THAT(colour.out, HasSubstr("\x1b[")) << "not a terminal?";  // the test's premise
+
+  const Output empty_no_color = run_on_terminal(dir_, top, {"TERM=xterm", "NO_COLOR="});
+  EXPECT_THAT(empty_no_color.out, HasSubstr("\x1b[")) << "an empty NO_COLOR counts as unset";
+
+  for (const std::vector<std::string>& env :
+       {std::vector<std::string>{"TERM=xterm", "NO_COLOR=1"}, {"TERM=dumb", "NO_COLOR"}}) {
+    const Output plain = run_on_terminal(dir_, top, env);
+    EXPECT_EQ(plain.status, 0) << env[0] << " " << env[1] << ": " << plain.err;
+    EXPECT_THAT(plain.out, HasSubstr("steptrace top")) << env[0] << " " << env[1];
+    EXPECT_EQ(plain.out.find('\x1b'), std::string::npos) << env[0] << " " << env[1];
+  }
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"report"}, {"ledger"}, {"version"}, {"help"}}) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN, "--socket", daemon_.socket()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const Output r = run_on_terminal(dir_, argv, {"TERM=xterm", "NO_COLOR=1"});
+    EXPECT_EQ(r.status, 0) << args.front() << ": " << r.err;
+    EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << args.front();
+  }
 }
 
 TEST_F(CliLive, SimTrainerKillOneLeaksThenIsCleanedUpByAnother) {
