@@ -8,6 +8,8 @@
 #   daemon, CLI     installed by daemon/ and cli/ themselves
 #   system files    systemd units, sysusers.d and tmpfiles.d entries, the default config
 #   extras          the Python (ctypes) binding, Prometheus examples, a metrics drop-in
+#   documentation   man pages, bash completion, copyright and changelog.gz
+#                   (SteptraceDocs.cmake)
 #
 # Files that name absolute paths (the units' ExecStart, the config they pass, the .pc's
 # prefix) are written at install time by SteptraceInstallGenerated.cmake.in, for the
@@ -33,7 +35,7 @@ set(STEPTRACE_INSTALL_TMPFILESDIR "lib/tmpfiles.d" CACHE STRING "Where tmpfiles.
 # Debian's directory for version-independent Python modules: with prefix /usr (the .deb)
 # `import steptrace` works with the system python3. Other prefixes: set PYTHONPATH.
 set(STEPTRACE_INSTALL_PYTHONDIR "lib/python3/dist-packages"
-  CACHE STRING "Where the Python binding steptrace.py goes")
+  CACHE STRING "Where the Python package steptrace goes")
 set(STEPTRACE_INSTALL_DATADIR "${CMAKE_INSTALL_DATADIR}/steptrace"
   CACHE STRING "Where examples (Prometheus configs, systemd drop-in) go")
 option(STEPTRACE_INSTALL_SYSTEM_FILES
@@ -75,9 +77,7 @@ install(FILES
   ${PROJECT_BINARY_DIR}/steptraceConfigVersion.cmake
   DESTINATION ${STEPTRACE_INSTALL_CMAKEDIR})
 
-# --- Python binding and examples --------------------------------------------------
-install(FILES ${PROJECT_SOURCE_DIR}/bindings/python/steptrace.py
-  DESTINATION ${STEPTRACE_INSTALL_PYTHONDIR})
+# --- Python binding (SteptracePython.cmake, included at the end) and examples -------
 install(FILES
   ${PROJECT_SOURCE_DIR}/config/prometheus/prometheus.yml
   ${PROJECT_SOURCE_DIR}/config/prometheus/steptrace.rules.yml
@@ -105,6 +105,10 @@ install(SCRIPT ${PROJECT_BINARY_DIR}/SteptraceInstallGenerated.cmake)
 # --- Debian package: cpack -G DEB -> steptrace_<version>_amd64.deb -----------------
 set(STEPTRACE_PACKAGE_MAINTAINER "steptrace maintainers <steptrace@example.org>"
   CACHE STRING "Maintainer field of the Debian package")
+
+# Man pages, completion, /usr/share/doc/steptrace/{copyright,changelog.gz} (the last two
+# name the maintainer above).
+include(SteptraceDocs)
 
 set(CPACK_PACKAGE_NAME steptrace)
 set(CPACK_PACKAGE_VENDOR steptrace)
@@ -161,3 +165,4 @@ set(CPACK_GENERATOR DEB)
 set(CPACK_SOURCE_GENERATOR TGZ)
 set(CPACK_SOURCE_IGNORE_FILES "/\\\\.git/" "/build[^/]*/" "/out/" "__pycache__")
 include(CPack)
+include(SteptracePython)  # the Python package (cmake/SteptracePython.cmake)

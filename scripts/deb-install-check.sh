@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the Debian package with CPack from BUILD_DIR (default build), installs it on
 # THIS machine with apt-get (so its Depends are resolved from Debian's archive), checks
-# that the files are where the units expect them, that the units verify, and that the
-# installed daemon and CLI work together, then purges the package again.
+# that the files are where the units expect them, that the units verify, that the
+# documentation is there (copyright, bash completion, man pages: `man -w` only where
+# man-db is installed), and that the installed daemon and CLI work together, then purges
+# the package again.
 #
 # It changes the machine (files under /usr and /etc, a system user), so it runs only
 # when CI=true (a throw-away CI machine) or STEPTRACE_DEB_INSTALL=1; otherwise it says
@@ -60,6 +62,28 @@ exec_start=$(grep -E '^ExecStart=' $(grep service <<<"$units") | head -1)
 # shellcheck disable=SC2086
 systemd-analyze verify $units || fail "systemd-analyze verify on the installed units"
 getent passwd steptrace >/dev/null || fail "postinst did not create the steptrace user"
+
+# Documentation: the copyright file and the bash completion (which loads with plain bash).
+for f in /usr/share/doc/steptrace/copyright /usr/share/bash-completion/completions/steptrace \
+  /usr/share/bash-completion/completions/steptraced; do
+  [[ -e $f ]] || fail "$f is not installed"
+done
+bash --norc --noprofile -c 'source /usr/share/bash-completion/completions/steptrace &&
+  complete -p steptrace steptraced' >/dev/null || fail "the installed bash completion does not load"
+# Man pages: in the package always; installed unless dpkg's path-exclude drops them (as
+# in minimal container images); found by man only where man-db is installed.
+contents=$(dpkg-deb -c "$deb")
+for page in man1/steptrace.1.gz man8/steptraced.8.gz; do
+  grep -q "/usr/share/man/$page\$" <<<"$contents" || fail "the package lacks /usr/share/man/$page"
+done
+if [[ ! -e /usr/share/man/man1/steptrace.1.gz ]]; then
+  echo "deb-install-check: man pages not installed (dpkg path-exclude?); not checking man -w"
+elif command -v man >/dev/null; then
+  [[ $(man -w steptrace) == /usr/share/man/man1/steptrace.1.gz ]] || fail "man -w steptrace: $(man -w steptrace 2>&1)"
+  [[ $(man -w 8 steptraced) == /usr/share/man/man8/steptraced.8.gz ]] || fail "man -w 8 steptraced: $(man -w 8 steptraced 2>&1)"
+else
+  echo "deb-install-check: man-db is not installed; not checking man -w"
+fi
 
 # The installed daemon with the installed default config, on a temporary socket.
 /usr/bin/steptraced --config /etc/steptrace/steptraced.json --socket "$work/s.sock" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The smallest Python user of libsteptrace (through bindings/python/steptrace.py).
+"""The smallest Python user of libsteptrace (through the steptrace package, bindings/python).
 
 Times a toy training loop with `with steptrace.span(...)` blocks and a decorated
 function, annotates a VRAM-ledger reservation and its release, then flushes so the daemon
@@ -8,7 +8,9 @@ has everything before the process exits. Run it against a daemon:
     STEPTRACE_SOCKET=$PWD/run/steptraced.sock python3 examples/python/minimal.py
     steptrace report --pid <the pid it prints>
 
-Set STEPTRACE_LIBRARY=/path/to/libsteptrace.so if the library is not found.
+From a source checkout it uses bindings/python and the build tree's library; with the
+.deb installed, Debian's python3 has both. Set STEPTRACE_LIBRARY=/path/to/libsteptrace.so
+to choose the library (bindings/python/README.md, "Finding the library").
 """
 
 import os
@@ -17,7 +19,7 @@ import sys
 try:
     import steptrace
 except ImportError:
-    # Running from a source checkout: use the binding next to the sources.
+    # Running from a source checkout: use the package next to the sources.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "..", "..", "bindings", "python"))
     try:
@@ -35,7 +37,7 @@ def matmul(a, b):
         return [[sum(a[i][k] * b[k][j] for k in range(N)) for j in range(N)] for i in range(N)]
 
 
-@steptrace.traced("Tokenize")  # not a built-in step: registered as a custom one
+@steptrace.span("Tokenize")  # also a decorator; a custom step (not a built-in name)
 def tokenize(text):
     return [ord(c) % 7 for c in text]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Python binding (bindings/python/steptrace.py) against the real steptraced.
+"""The Python package (bindings/python/steptrace) against the real steptraced.
 
 Run by ctest with STEPTRACE_LIBRARY (libsteptrace.so), PYTHONPATH (the bindings dir) and
 STEPTRACED_BIN (the daemon) set. Starts its own daemon on a temporary socket."""
@@ -7,60 +7,17 @@ STEPTRACED_BIN (the daemon) set. Starts its own daemon on a temporary socket."""
 import errno
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import unittest
 
 import steptrace
-
-
-def command(sock_path, line, timeout=10.0):
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(sock_path)
-        s.sendall(line.encode() + b"\n")
-        s.shutdown(socket.SHUT_WR)
-        chunks = []
-        while True:
-            data = s.recv(65536)
-            if not data:
-                break
-            chunks.append(data)
-    return b"".join(chunks).decode()
-
-
-class Daemon:
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="steptrace-py-")
-        self.socket = os.path.join(self.dir, "d.sock")
-        self.log = open(os.path.join(self.dir, "d.log"), "wb")
-        self.proc = subprocess.Popen([os.environ["STEPTRACED_BIN"], "--socket", self.socket],
-                                     stderr=self.log)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if command(self.socket, "ping", 1.0).startswith("pong"):
-                    return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("steptraced did not answer ping")
-
-    def close(self):
-        self.proc.kill()
-        self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+from python_testutil import Daemon, command
 
 
 class BindingTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.daemon = Daemon()
+        cls.connected = steptrace.connect(cls.daemon.socket)
 
     @classmethod
     def tearDownClass(cls):
@@ -75,23 +32,34 @@ class BindingTest(unittest.TestCase):
         self.fail("pid not in report")
 
     def test_round_trip(self):
-        self.assertEqual(steptrace.connect(self.daemon.socket), 0)
+        self.assertEqual(self.connected, 0)
         self.assertEqual(steptrace.step_id("Forward"), steptrace.Step.Forward)
         custom = steptrace.register_step("PyStep")
         self.assertNotEqual(custom, steptrace.INVALID_STEP)
         self.assertEqual(steptrace.register_step("PyStep"), custom)
-        self.assertEqual(steptrace.register_step(""), steptrace.INVALID_STEP)
+        self.assertEqual(steptrace.step_id(custom), custom)
+        with self.assertRaises(ValueError):
+            steptrace.register_step("")
 
         for _ in range(10):
             with steptrace.span("Forward"):
                 with steptrace.span(steptrace.Step.Matmul):
                     pass
 
-        @steptrace.traced("PyDecorated")
+        @steptrace.span("PyDecorated")
         def work(x):
             return x * 2
 
+        @steptrace.traced("PyTraced")  # the older spelling of the decorator
+        def legacy():
+            return "ok"
+
         self.assertEqual([work(i) for i in range(5)], [0, 2, 4, 6, 8])
+        self.assertEqual(legacy(), "ok")
+        reused = steptrace.span("Transpose")  # one object, nested and entered again
+        with reused:
+            with reused:
+                pass
         steptrace.start("PyStep")
         steptrace.end("PyStep")
         with self.assertRaises(ValueError):
@@ -112,6 +80,8 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(counts.get("Forward"), 10)
         self.assertEqual(counts.get("Matmul"), 10)
         self.assertEqual(counts.get("PyDecorated"), 5)
+        self.assertEqual(counts.get("PyTraced"), 1)
+        self.assertEqual(counts.get("Transpose"), 2)
         self.assertEqual(counts.get("PyStep"), 1)
         self.assertEqual(counts.get("Backward"), 1)
         self.assertEqual(counts.get("LedgerReserve"), 1)
@@ -123,13 +93,35 @@ class BindingTest(unittest.TestCase):
         self.assertIn((11, os.getpid(), 4096), [(r["id"], r["pid"], r["bytes"])
                                                 for r in reservations])
 
-        # Last (the daemon's view above expects no drop): an unknown step id is counted
-        # as invalid.
-        steptrace.start(5000)
+        # An unknown step id never reaches the library from Python...
+        with self.assertRaises(ValueError):
+            steptrace.start(5000)
+        self.assertEqual(steptrace.dropped_by_cause()["invalid"], 0)
+        # ... and last (the daemon's view above expects no drop): sent to the C function
+        # directly, the library counts it as invalid.
+        steptrace._c_start(5000)
         after = steptrace.dropped_by_cause()
         self.assertEqual(list(after), list(steptrace.DROP_CAUSES))
         self.assertEqual(after["invalid"], 1)
         self.assertEqual(sum(after.values()), steptrace.dropped())
+
+    @unittest.skipUnless(steptrace.HAS_LEASES, "the library has no leases")
+    def test_leases(self):
+        # No LedgerReserve span around it: test_round_trip counts those.
+        steptrace.ledger_reserve_lease("GPU-python-lease", 21, 8192, "py-lease", 60000)
+        steptrace.ledger_renew("GPU-python-lease", 21, 120000)
+        with self.assertRaises(ValueError):
+            steptrace.ledger_renew("GPU-python-lease", 21, 0)
+        with self.assertRaises(ValueError):
+            steptrace.ledger_reserve_lease("GPU-python-lease", 22, 1, None,
+                                           steptrace.MAX_LEASE_MS + 1)
+        self.assertEqual(steptrace.flush(10000), 0)
+        self.assertEqual(steptrace.dropped_by_cause()["invalid"], 0)
+        ledger = json.loads(command(self.daemon.socket, "ledger --json"))
+        reservations = [r for g in ledger["gpus"] if g["gpu"] == "GPU-python-lease"
+                        for r in g["reservations"]]
+        self.assertEqual([(r["id"], r["pid"], r["bytes"]) for r in reservations],
+                         [(21, os.getpid(), 8192)], reservations)
 
     def test_buffer_size(self):
         self.assertEqual(steptrace.set_buffer_size(1 << 20, 0), 0)

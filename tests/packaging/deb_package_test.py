@@ -1,7 +1,10 @@
 """`cpack -G DEB` makes steptrace_<version>_amd64.deb with the files where the units and
 Debian expect them (prefix /usr, config in /etc), shlibdeps-computed Depends, the
-conffile and maintainer scripts. The package is inspected, never installed here."""
+conffile and maintainer scripts, and the documentation Debian asks for (gzipped man
+pages, bash completion, copyright in the machine-readable format, changelog.gz). The
+package is inspected, never installed here."""
 import glob
+import gzip
 import os
 import re
 import shutil
@@ -9,7 +12,7 @@ import subprocess
 import tempfile
 import unittest
 
-from packaging_util import BUILD_DIR, VERSION, TempDirTestCase, check_run, run, tool
+from packaging_util import BUILD_DIR, SOURCE_DIR, VERSION, TempDirTestCase, check_run, run, tool
 
 CPACK = os.environ["STEPTRACE_CPACK"]
 
@@ -122,10 +125,14 @@ class DebPackageTest(TempDirTestCase):
             "/usr/lib/systemd/system/steptraced.socket",
             "/usr/lib/sysusers.d/steptrace.conf", "/usr/lib/tmpfiles.d/steptrace.conf",
             "/etc/steptrace/steptraced.json",
-            "/usr/lib/python3/dist-packages/steptrace.py",
+            "/usr/lib/python3/dist-packages/steptrace/__init__.py",
             "/usr/share/steptrace/systemd/metrics-listen.conf",
             "/usr/share/steptrace/prometheus/prometheus.yml",
             "/usr/share/steptrace/prometheus/steptrace.rules.yml",
+            "/usr/share/bash-completion/completions/steptrace",
+            "/usr/share/bash-completion/completions/steptraced",
+            "/usr/share/man/man1/steptrace.1.gz", "/usr/share/man/man8/steptraced.8.gz",
+            "/usr/share/doc/steptrace/copyright", "/usr/share/doc/steptrace/changelog.gz",
         }
         self.assertEqual(expected - files, set())
         libdir = r"/usr/lib(/[a-z0-9_]+-linux-gnu)?"
@@ -140,6 +147,96 @@ class DebPackageTest(TempDirTestCase):
         self.assertEqual({f for f in files if not f.startswith(("/usr/", "/etc/"))}, set())
         self.assertEqual({f for f in files if f.endswith((".h", ".hpp"))
                           and not f.startswith("/usr/include/steptrace/")}, set())
+
+    def listing(self):
+        """{path: mode string} of the regular files in the package."""
+        listing = check_run(self, [self.dpkg_deb, "-c", self.deb]).stdout
+        return {line.split(maxsplit=5)[5].lstrip("."): line.split()[0]
+                for line in listing.splitlines() if line.startswith("-")}
+
+    def unpack(self):
+        root = os.path.join(self.tmp, "root")
+        if not os.path.isdir(root):
+            check_run(self, [self.dpkg_deb, "-x", self.deb, root])
+        return root
+
+    def test_documentation_files_are_plain_files_readable_by_all(self):
+        files = self.listing()
+        for path in ("/usr/share/bash-completion/completions/steptrace",
+                     "/usr/share/bash-completion/completions/steptraced",
+                     "/usr/share/man/man1/steptrace.1.gz", "/usr/share/man/man8/steptraced.8.gz",
+                     "/usr/share/doc/steptrace/copyright", "/usr/share/doc/steptrace/changelog.gz"):
+            self.assertEqual(files.get(path), "-rw-r--r--", path)
+
+    def assert_gzip_n(self, path):
+        """Debian's gzip -9n: no file name and no time stamp in the header."""
+        with open(path, "rb") as f:
+            header = f.read(10)
+        self.assertEqual(header[:3], b"\x1f\x8b\x08", path)
+        self.assertEqual(header[3] & 0x08, 0, f"{path}: the gzip header names a file")
+        self.assertEqual(header[4:8], b"\0\0\0\0", f"{path}: the gzip header has a time stamp")
+
+    def test_man_pages_are_the_hand_written_ones_gzipped(self):
+        root = self.unpack()
+        for packaged, source in (("usr/share/man/man1/steptrace.1.gz", "steptrace.1"),
+                                 ("usr/share/man/man8/steptraced.8.gz", "steptraced.8")):
+            with self.subTest(packaged):
+                path = os.path.join(root, packaged)
+                self.assert_gzip_n(path)
+                with gzip.open(path, "rt", encoding="utf-8") as f, \
+                        open(os.path.join(SOURCE_DIR, "docs", "man", source), encoding="utf-8") as g:
+                    self.assertEqual(f.read(), g.read())
+        man = shutil.which("man")
+        if man is not None:  # man-db formats the packaged page as installed
+            result = run([man, "--warnings", "-l", os.path.join(root, "usr/share/man/man1/steptrace.1.gz")],
+                         env={"MANPAGER": "cat", "MANWIDTH": "80", "LC_ALL": "C.UTF-8"})
+            self.assertEqual(result.returncode, 0, result.stderr)
+            self.assertIn("steptrace", result.stdout)
+            self.assertIn("EXIT STATUS", result.stdout)
+
+    def test_bash_completion_is_the_source_file(self):
+        root = self.unpack()
+        with open(os.path.join(SOURCE_DIR, "config", "completion", "steptrace.bash")) as f:
+            source = f.read()
+        for command in ("steptrace", "steptraced"):
+            with open(os.path.join(root, "usr/share/bash-completion/completions", command)) as f:
+                self.assertEqual(f.read(), source, command)
+
+    def test_copyright_is_machine_readable_with_the_license(self):
+        with open(os.path.join(self.unpack(), "usr/share/doc/steptrace/copyright")) as f:
+            copyright_text = f.read()
+        paragraphs = [p for p in copyright_text.split("\n\n") if p.strip()]
+        header = dict(line.split(": ", 1) for line in paragraphs[0].splitlines())
+        self.assertEqual(header["Format"],
+                         "https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/")
+        self.assertEqual(header["Upstream-Name"], "steptrace")
+        files = paragraphs[1].splitlines()
+        self.assertEqual(files[:3], ["Files: *", "Copyright: 2026 the steptrace authors",
+                                     "License: Expat"])
+        # The license text, one space in, an empty line as " .", is LICENSE's.
+        body = "\n".join("" if line == " ." else line[1:] for line in files[3:])
+        self.assertTrue(all(line.startswith(" ") for line in files[3:]), files)
+        with open(os.path.join(SOURCE_DIR, "LICENSE")) as f:
+            license_text = f.read()
+        self.assertIn("Copyright (c) 2026 the steptrace authors\n", license_text)
+        self.assertTrue(body.startswith("Permission is hereby granted"), body)
+        self.assertTrue(license_text.rstrip().endswith(body), body)
+
+    def test_changelog_has_one_entry_for_this_version(self):
+        path = os.path.join(self.unpack(), "usr/share/doc/steptrace/changelog.gz")
+        self.assert_gzip_n(path)
+        with gzip.open(path, "rt") as f:
+            text = f.read()
+        plain = os.path.join(self.tmp, "changelog")
+        with open(plain, "w") as f:
+            f.write(text)
+        self.assertEqual(len(re.findall(r"(?m)^steptrace \(", text)), 1, text)
+        parse = tool("dpkg-parsechangelog", "dpkg-dev")
+        fields = check_run(self, [parse, "-l", plain]).stdout
+        self.assertIn("\nVersion: " + VERSION + "\n", fields)
+        self.assertIn("Source: steptrace\n", fields)
+        self.assertIn("\nMaintainer: " + self.field("Maintainer") + "\n", fields)
+        self.assertRegex(fields, r"\nDate: \w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} \+0000\n")
 
     def test_control_fields(self):
         self.assertEqual(self.field("Package"), "steptrace")

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""bindings/python as an installed package, and how each copy finds libsteptrace.
+
+- pip: `pip install --no-build-isolation --no-deps --target DIR bindings/python` (offline)
+  and `import steptrace` from DIR with STEPTRACE_LIBRARY unset: the library is found by
+  the system's search, here through LD_LIBRARY_PATH=<build>/client (as a library installed
+  outside the ld.so cache would be); spans reach the real daemon.
+- CMake: `cmake --install <build> --component python --prefix P` (the rules the .deb
+  uses) with the build's library copied where the install puts it (P/<libdir>, as the
+  full install would), found through the install's _install_paths.py, also once P moved.
+- A source checkout with neither STEPTRACE_LIBRARY nor LD_LIBRARY_PATH: the build tree.
+- Nothing found, or STEPTRACE_LIBRARY naming a missing file: ImportError listing the
+  places tried.
+
+Every import runs in a child python with a controlled environment. Run by ctest with
+STEPTRACE_LIBRARY (the build's library; the children do not inherit it), STEPTRACED_BIN,
+STEPTRACE_SOURCE_DIR, STEPTRACE_VERSION, and for the CMake case STEPTRACE_BUILD_DIR,
+STEPTRACE_CMAKE and STEPTRACE_INSTALL_LIBDIR."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from python_testutil import Daemon
+
+SOURCE_DIR = os.environ["STEPTRACE_SOURCE_DIR"]
+BINDINGS = os.path.join(SOURCE_DIR, "bindings", "python")
+LIBRARY = os.path.realpath(os.environ["STEPTRACE_LIBRARY"])
+VERSION = os.environ["STEPTRACE_VERSION"]
+SONAME = "libsteptrace.so.0"
+
+# What the child prints: where the package and the library came from.
+PROBE = """
+import json, os, sys, steptrace
+rc = steptrace.connect(sys.argv[1]) if len(sys.argv) > 1 else None
+if rc == 0:
+    for _ in range(3):
+        with steptrace.span("PyPackage"):
+            pass
+    rc = steptrace.flush(10000)
+print(json.dumps({"file": steptrace.__file__, "library": steptrace.library_path,
+                  "found_by": steptrace._found_by, "version": steptrace.__version__,
+                  "rc": rc, "pid": os.getpid()}))
+"""
+
+
+def child_env(**extra):
+    """The environment without anything that points at a library or a package."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("STEPTRACE_LIBRARY", "LD_LIBRARY_PATH", "PYTHONPATH")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__ in the source tree
+    env.update(extra)
+    return env
+
+
+def probe(env, *args, cwd=None):
+    """(returncode, parsed output or None, stderr) of PROBE run in a child python."""
+    r = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, cwd=cwd,
+                       capture_output=True, text=True, timeout=60)
+    out = json.loads(r.stdout) if r.returncode == 0 else None
+    return r.returncode, out, r.stderr
+
+
+def system_has_library():
+    """Whether dlopen("libsteptrace.so.0") works here without help (an installed .deb)."""
+    r = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL('{SONAME}')"],
+                       env=child_env(), capture_output=True, timeout=60)
+    return r.returncode == 0
+
+
+def pip_python():
+    """A python that can build this package offline: pip, setuptools, and wheel (which
+    setuptools before 70.1 needs to build wheels). The one running the test first, then
+    Debian's (python3-pip, python3-setuptools, python3-wheel); None when neither can."""
+    check = ("import importlib.util, sys, setuptools\n"
+             "if importlib.util.find_spec('pip') is None:\n    sys.exit(1)\n"
+             "v = tuple(int(p) for p in setuptools.__version__.split('.')[:2])\n"
+             "sys.exit(0 if v >= (70, 1) or importlib.util.find_spec('wheel') else 1)\n")
+    for python in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(python) and subprocess.run(
+                [python, "-c", check], capture_output=True, timeout=60).returncode == 0:
+            return python
+    return None
+
+
+class PackageTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="steptrace-pypkg-")
+        cls.system_library = system_has_library()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    _pip_target = None  # one pip install for the tests that use it
+
+    def pip_install(self):
+        """The package installed by pip into a fresh directory (once); that directory."""
+        if PackageTest._pip_target is not None:
+            return PackageTest._pip_target
+        python = pip_python()
+        if python is None:
+            self.skipTest("no python here has pip, setuptools and wheel (Debian: "
+                          "python3-pip python3-setuptools python3-wheel)")
+        work = tempfile.mkdtemp(dir=self.tmp)
+        # A copy: building writes build/ and steptrace.egg-info/ next to pyproject.toml.
+        src = os.path.join(work, "src")
+        shutil.copytree(BINDINGS, src, ignore=shutil.ignore_patterns(
+            "__pycache__", "build", "*.egg-info", "_install_paths.py"))
+        target = os.path.join(work, "site")
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONPATH")}
+        r = subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-build-isolation",
+                            "--no-deps", "--no-cache-dir", "--disable-pip-version-check",
+                            "--target", target, src],
+                           env=env, capture_output=True, text=True, timeout=300)
+        self.assertEqual(r.returncode, 0, f"{python} -m pip install:\n{r.stdout}{r.stderr}")
+        PackageTest._pip_target = target
+        return target
+
+    def test_pip_install_finds_library_by_system_search(self):
+        target = self.pip_install()
+        self.assertEqual(sorted(f for f in os.listdir(os.path.join(target, "steptrace"))
+                                if f.endswith(".py")),
+                         ["__init__.py", "_loader.py", "_version.py", "torch.py"])
+        self.assertTrue(os.path.isdir(os.path.join(target, f"steptrace-{VERSION}.dist-info")),
+                        os.listdir(target))
+        daemon = Daemon()
+        self.addCleanup(daemon.close)
+        rc, out, err = probe(child_env(PYTHONPATH=target,
+                                       LD_LIBRARY_PATH=os.path.dirname(LIBRARY)),
+                             daemon.socket, cwd=self.tmp)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(os.path.dirname(out["file"]), os.path.join(target, "steptrace"))
+        self.assertEqual(out["found_by"], "system search")
+        self.assertEqual(out["library"], LIBRARY)
+        self.assertEqual(out["version"], VERSION)
+        self.assertEqual(out["rc"], 0)
+        steps = daemon.steps(out["pid"])
+        self.assertEqual(steps["PyPackage"]["count"], 3, steps)
+
+    def test_pip_install_without_library(self):
+        if self.system_library:
+            self.skipTest(f"{SONAME} is installed on this machine")
+        target = self.pip_install()
+        rc, _, err = probe(child_env(PYTHONPATH=target), cwd=self.tmp)
+        self.assertNotEqual(rc, 0)
+        self.assertIn("ImportError: steptrace: cannot load libsteptrace; tried, in order:", err)
+        self.assertIn(f"system search: {SONAME}:", err)
+        self.assertIn("STEPTRACE_LIBRARY", err)
+        self.assertNotIn("source tree", err)  # a pip copy is not in a checkout
+
+    def test_explicit_library_is_the_only_one_tried(self):
+        missing = os.path.join(self.tmp, "no-such-libsteptrace.so")
+        rc, _, err = probe(child_env(PYTHONPATH=BINDINGS, STEPTRACE_LIBRARY=missing,
+                                     LD_LIBRARY_PATH=os.path.dirname(LIBRARY)), cwd=self.tmp)
+        self.assertNotEqual(rc, 0)
+        self.assertIn(f"$STEPTRACE_LIBRARY: {missing}:", err)
+        self.assertNotIn("system search", err)
+
+    def test_source_tree_falls_back_to_the_build_tree(self):
+        rc, out, err = probe(child_env(PYTHONPATH=BINDINGS), cwd=self.tmp)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(os.path.dirname(out["file"]), os.path.join(BINDINGS, "steptrace"))
+        if self.system_library:
+            self.assertEqual(out["found_by"], "system search")
+        else:
+            self.assertEqual(out["found_by"], "source tree")
+            lib_dir = os.path.dirname(out["library"])
+            self.assertEqual(os.path.basename(lib_dir), "client")
+            self.assertEqual(os.path.dirname(os.path.dirname(lib_dir)),
+                             os.path.realpath(SOURCE_DIR))
+            self.assertTrue(os.path.basename(os.path.dirname(lib_dir)).startswith("build"))
+
+    def test_cmake_install_finds_the_installed_library(self):
+        names = ("STEPTRACE_BUILD_DIR", "STEPTRACE_CMAKE", "STEPTRACE_INSTALL_LIBDIR")
+        if not all(os.environ.get(n) for n in names):
+            self.skipTest("STEPTRACE_INSTALL is OFF: no install rules")
+        build, cmake, libdir = (os.environ[n] for n in names)
+        if os.path.isabs(libdir):
+            self.skipTest(f"CMAKE_INSTALL_LIBDIR {libdir} is outside the prefix")
+        prefix = os.path.join(tempfile.mkdtemp(dir=self.tmp), "prefix")
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        r = subprocess.run([cmake, "--install", build, "--component", "python",
+                            "--prefix", prefix], env=env, capture_output=True, text=True,
+                           timeout=300)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        installed = [os.path.relpath(os.path.join(d, f), prefix)
+                     for d, _, files in os.walk(prefix) for f in files]
+        packages = {os.path.dirname(f) for f in installed}
+        self.assertEqual(len(packages), 1, installed)  # one directory, nothing else
+        package = os.path.join(prefix, packages.pop())
+        self.assertEqual(os.path.basename(package), "steptrace")
+        self.assertEqual(sorted(os.listdir(package)),
+                         ["__init__.py", "_install_paths.py", "_loader.py", "_version.py",
+                          "torch.py"])
+        # What the full install does for the library (not done here: the python component
+        # alone is installed, so this test does not depend on the other install rules).
+        os.makedirs(os.path.join(prefix, libdir), exist_ok=True)
+        shutil.copy(LIBRARY, os.path.join(prefix, libdir, SONAME))
+
+        rc, out, err = probe(child_env(PYTHONPATH=os.path.dirname(package)), cwd=self.tmp)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out["found_by"], "installed prefix")
+        self.assertEqual(out["library"], os.path.realpath(os.path.join(prefix, libdir, SONAME)))
+
+        # The prefix moved elsewhere: the path relative to the package still holds.
+        moved = prefix + "-moved"
+        os.rename(prefix, moved)
+        moved_package = os.path.join(moved, os.path.relpath(package, prefix))
+        rc, out, err = probe(child_env(PYTHONPATH=os.path.dirname(moved_package)), cwd=self.tmp)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out["found_by"], "installed prefix")
+        self.assertEqual(out["library"], os.path.realpath(os.path.join(moved, libdir, SONAME)))
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
