@@ -17,6 +17,7 @@ using nlohmann::json;
 constexpr std::string_view kWaitPollStep = "WaitPoll";
 constexpr const char* kWaitingMarker = "<<< WAITING FOR VRAM";
 constexpr const char* kLeakedMarker = "LEAKED (holder exited)";
+constexpr const char* kExpiredMarker = "EXPIRED (lease not renewed)";
 
 // Non-throwing field readers: a report from a newer or broken daemon must not crash top.
 std::uint64_t u64(const json& object, const char* key) {
@@ -156,11 +157,31 @@ void render_gpu(const json& gpu, const Painter& paint, std::string& out) {
                                "holder")) +
          "\n";
   for (const json& r : reservations) {
-    const bool alive = flag(r, "holder_alive", true);
+    // "state" (daemons with leases), else holder_alive.
+    const std::string state = str(r, "state", flag(r, "holder_alive", true) ? "alive" : "LEAKED");
     out += fmt::format("  {:<20} {:<8} {:>12}  {} ", u64(r, "id"), u64(r, "pid"),
                        format_bytes(u64(r, "bytes")), pad_right(str(r, "task", ""), 24));
-    out += alive ? std::string("alive") : paint.alert(kLeakedMarker);
+    if (state == "LEAKED") {
+      out += paint.alert(kLeakedMarker);
+    } else if (state == "EXPIRED") {
+      out += paint.alert(kExpiredMarker);
+    } else {
+      out += "alive";
+    }
     out += "\n";
+  }
+  // Declared versus actual (NVML): one line a finding.
+  const json& findings = array_at(gpu, "findings");
+  for (const json& f : findings) {
+    const std::string kind = str(f, "kind", "?");
+    std::string line = "  " + kind + " pid " + std::to_string(u64(f, "pid")) + ": ";
+    if (kind == "IDLE") {
+      line += "holds " + format_bytes(u64(f, "reserved_bytes")) + " and uses none";
+    } else {
+      line += "uses " + format_bytes(u64(f, "used_bytes")) + ", reserved " +
+              format_bytes(u64(f, "reserved_bytes"));
+    }
+    out += paint.alert(line) + "\n";
   }
 }
 
@@ -176,7 +197,7 @@ std::string format_uptime(std::uint64_t s) {
 std::string format_duration_ns(std::uint64_t ns) {
   if (ns < 1000) return fmt::format("{} ns", ns);
   const double v = static_cast<double>(ns);
-  if (ns < 1000000) return fmt::format("{:.1f} us", v / 1e3);
+  if (ns < 1000000) return fmt::format("{:.1f} µs", v / 1e3);
   if (ns < 1000000000) return fmt::format("{:.2f} ms", v / 1e6);
   if (ns < 60ULL * 1000000000) return fmt::format("{:.2f} s", v / 1e9);
   const std::uint64_t s = ns / 1000000000;
@@ -194,8 +215,7 @@ std::string format_bytes(std::uint64_t bytes) {
     v /= 1024;
     ++unit;
   }
-  return v < 10 ? fmt::format("{:.2f} {}", v, kUnits[unit])
-                : fmt::format("{:.1f} {}", v, kUnits[unit]);
+  return fmt::format("{:.2f} {}", v, kUnits[unit]);
 }
 
 std::string render_top(const json& report, const TopStyle& style) {

@@ -114,6 +114,33 @@ TEST(TopView, LedgerShowsReservationsAndMarksLeakedOnes) {
   EXPECT_THAT(dead_line.substr(0, dead_line.find('\n')), HasSubstr("LEAKED"));
 }
 
+TEST(TopView, LedgerMarksExpiredLeasesAndShowsFindings) {
+  const json gpu = {{"gpu", "GPU-test"},
+                    {"total_bytes", 8ULL << 30},
+                    {"free_bytes", 2ULL << 30},
+                    {"reserved_bytes", 3ULL << 30},
+                    {"reservations", json::array({{{"id", 9},
+                                                   {"pid", 403},
+                                                   {"bytes", 3ULL << 30},
+                                                   {"task", "hung-task"},
+                                                   {"holder_alive", true},
+                                                   {"state", "EXPIRED"}}})},
+                    {"findings", json::array({{{"kind", "UNDECLARED"},
+                                               {"pid", 404},
+                                               {"used_bytes", 1ULL << 30},
+                                               {"reserved_bytes", 0}},
+                                              {{"kind", "IDLE"},
+                                               {"pid", 403},
+                                               {"used_bytes", 0},
+                                               {"reserved_bytes", 3ULL << 30},
+                                               {"reservation_id", 9}}})}};
+  const std::string out = render_top(report(json::array(), json::array({gpu})), {});
+  const auto hung = out.substr(out.find("hung-task"));
+  EXPECT_THAT(hung.substr(0, hung.find('\n')), HasSubstr("EXPIRED (lease not renewed)"));
+  EXPECT_THAT(out, HasSubstr("UNDECLARED pid 404: uses 1.00 GiB, reserved 0 B"));
+  EXPECT_THAT(out, HasSubstr("IDLE pid 403: holds 3.00 GiB and uses none"));
+}
+
 // Every string of the report is a client's (comm, step names, task, GPU UUID): none may
 // put escape codes, line breaks or other control bytes on the terminal (issue 15, item 8).
 TEST(TopView, ClientStringsAreSanitised) {
@@ -196,14 +223,14 @@ TEST(TopView, FieldsOfTheWrongTypeRenderWithoutThrowing) {
 
 TEST(TopView, DurationAndByteUnits) {
   EXPECT_EQ(format_duration_ns(999), "999 ns");
-  EXPECT_EQ(format_duration_ns(12345), "12.3 us");
+  EXPECT_EQ(format_duration_ns(12345), "12.3 µs");
   EXPECT_EQ(format_duration_ns(4560000), "4.56 ms");
   EXPECT_EQ(format_duration_ns(1200000000), "1.20 s");
   EXPECT_EQ(format_duration_ns(185ULL * 1000000000), "3m05s");
   EXPECT_EQ(format_bytes(512), "512 B");
   EXPECT_EQ(format_bytes(3 * 1024), "3.00 KiB");
   EXPECT_EQ(format_bytes(1536ULL << 20), "1.50 GiB");
-  EXPECT_EQ(format_bytes(24ULL << 30), "24.0 GiB");
+  EXPECT_EQ(format_bytes(24ULL << 30), "24.00 GiB");
 }
 
 }  // namespace
