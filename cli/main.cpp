@@ -130,9 +130,10 @@ struct Options {
   int pid = 0;
   double interval_s = 1.0;
   int iterations = 0;
-  bool ledger = false;     // reset --ledger
-  std::string gpu;         // reset --gpu UUID
-  std::string help_topic;  // help SUBCOMMAND
+  bool ledger = false;      // reset --ledger
+  std::string gpu;          // reset --gpu UUID, ledger cleanup GPU
+  std::string reservation;  // ledger cleanup GPU ID
+  std::string help_topic;   // help SUBCOMMAND
 };
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -471,6 +472,13 @@ int main(int argc, char** argv) {
   auto* ledger =
       app.add_subcommand("ledger", "Who holds VRAM on each GPU; leaked reservations are marked");
   ledger->add_flag("--json", options.json, "As JSON");
+  auto* ledger_cleanup = ledger->add_subcommand(
+      "cleanup",
+      "Remove a reservation, credited to you: root, the holder's uid, or anyone once it is "
+      "LEAKED or EXPIRED");
+  ledger_cleanup->add_option("GPU", options.gpu, "The GPU's UUID, as `steptrace ledger` shows it")
+      ->required();
+  ledger_cleanup->add_option("ID", options.reservation, "The reservation id")->required();
   auto* stats = app.add_subcommand(
       "stats", "The daemon's own counters: events, connections, errors, limits hit");
   stats->add_flag("--json", options.json, "As JSON");
@@ -572,7 +580,24 @@ int main(int argc, char** argv) {
     if (options.pid > 0) return run_report_of_pid(socket, options.pid, options.json, timeout);
     return run_and_print(socket, "report" + json_arg, timeout);
   }
-  if (app.got_subcommand(ledger)) return run_and_print(socket, "ledger" + json_arg, timeout);
+  if (app.got_subcommand(ledger)) {
+    if (ledger->got_subcommand(ledger_cleanup)) {
+      if (options.json) {
+        std::fprintf(stderr, "steptrace: ledger cleanup: --json does not apply\n");
+        return kExitUsage;
+      }
+      // One word each: the daemon refuses the rest by name.
+      for (const std::string* word : {&options.gpu, &options.reservation}) {
+        if (word->empty() || word->find_first_of(" \t\r\n") != std::string::npos) {
+          std::fprintf(stderr, "steptrace: ledger cleanup: GPU and ID have no blanks\n");
+          return kExitUsage;
+        }
+      }
+      return run_and_print(socket, "ledger cleanup " + options.gpu + " " + options.reservation,
+                           timeout);
+    }
+    return run_and_print(socket, "ledger" + json_arg, timeout);
+  }
   if (app.got_subcommand(stats)) return run_and_print(socket, "stats" + json_arg, timeout);
   if (app.got_subcommand(metrics)) return run_and_print(socket, "metrics", timeout);
   if (app.got_subcommand(reset)) {

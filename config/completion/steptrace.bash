@@ -86,7 +86,15 @@ _steptrace() {
   local flags=""
   case $sub in
     report) flags="--json --pid" ;;
-    ledger | stats | version) flags="--json" ;;
+    ledger)
+      flags="--json"
+      # `ledger cleanup GPU ID`: the subcommand word right after `ledger`.
+      if ((COMP_CWORD == sub_at + 1)) && [[ $cur != -* ]]; then
+        _steptrace_words "cleanup" "$cur"
+        return
+      fi
+      ;;
+    stats | version) flags="--json" ;;
     reset) flags="--pid --ledger --gpu" ;;
     top) flags="--interval --iterations" ;;
     trace) flags="--pid --last --for -o --output --force" ;;

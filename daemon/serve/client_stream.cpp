@@ -329,7 +329,7 @@ void ClientStream::answer_line(std::string_view line) {
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
   if (line.find_first_not_of(" \t") == std::string_view::npos) return;  // blank: no reply
   ++shared_.counters.commands_served;
-  const CommandContext context{shared_.collector, peer_.uid, shared_.daemon_euid};
+  const CommandContext context{shared_.collector, peer_.uid, shared_.daemon_euid, &peer_};
   answer(shared_.commands.dispatch(line, context));
 }
 

@@ -299,9 +299,31 @@ Parsed<ReportRequest> ReportRequest::parse(Args args) {
   return ReportRequest{o.json, o.pid};
 }
 Parsed<LedgerRequest> LedgerRequest::parse(Args args) {
+  if (!args.empty() && args[0] == "cleanup") {
+    constexpr std::string_view kUsage = " (usage: ledger cleanup GPU ID)";
+    if (args.size() != 3) {
+      return CommandError{"ledger cleanup: needs a GPU UUID and a reservation id" +
+                          std::string(kUsage)};
+    }
+    const std::string_view gpu = args[1];
+    if (gpu.size() > proto::kMaxNameLength || !proto::all_printable(gpu)) {
+      return CommandError{"ledger cleanup: a GPU UUID is 1.." +
+                          std::to_string(proto::kMaxNameLength) + " printable characters"};
+    }
+    std::uint64_t id = 0;
+    const std::string_view text = args[2];
+    const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), id);
+    if (ec != std::errc{} || ptr != text.data() + text.size()) {
+      return CommandError{
+          "ledger cleanup: the reservation id must be an integer in "
+          "0..18446744073709551615, got '" +
+          proto::printable(text, 64) + "'"};
+    }
+    return LedgerRequest{false, LedgerRequest::Cleanup{std::string(gpu), id}};
+  }
   auto parsed = parse_options("ledger", {.json = true}, args);
   if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
-  return LedgerRequest{std::get<Options>(parsed).json};
+  return LedgerRequest{std::get<Options>(parsed).json, std::nullopt};
 }
 Parsed<StatsRequest> StatsRequest::parse(Args args) {
   auto parsed = parse_options("stats", {.json = true}, args);
@@ -350,8 +372,16 @@ CommandTable::CommandTable() {
                                        : text_reply(report::report_text(v, r.pid));
                        });
                      });
-  add<LedgerRequest>("ledger", "ledger [--json]", "the VRAM ledger view per GPU",
-                     [](const LedgerRequest& r, const CommandContext&) -> Reply {
+  add<LedgerRequest>("ledger", "ledger [--json] | ledger cleanup GPU ID",
+                     "the VRAM ledger view per GPU; cleanup: remove a reservation (root, the "
+                     "holder's uid, or anyone once it is LEAKED or EXPIRED)",
+                     [](const LedgerRequest& r, const CommandContext& c) -> Reply {
+                       if (r.cleanup) {
+                         static const PeerIdentity kNobody{{0, 0}, 65534, 65534, ""};
+                         return c.collector.operator_cleanup(c.peer ? *c.peer : kNobody,
+                                                             r.cleanup->gpu, r.cleanup->id) +
+                                "\n";
+                       }
                        return RenderJob([r](const CollectorView& v) {
                          return r.json ? json_line(report::ledger_json(v))
                                        : text_reply(report::ledger_text(v));

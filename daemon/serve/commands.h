@@ -33,6 +33,8 @@ struct CommandContext {
   Collector& collector;
   std::uint32_t peer_uid = 0;
   std::uint32_t daemon_euid = 0;
+  // The peer process (pid 0 when unknown): `ledger cleanup` credits it.
+  const PeerIdentity* peer = nullptr;
 };
 
 // A rejected command line; the reply is "error: " + message.
@@ -87,6 +89,12 @@ struct ReportRequest {
 };
 struct LedgerRequest {
   bool json = false;
+  // `ledger cleanup GPU ID`: an operator removes a reservation (section 4.6's rules).
+  struct Cleanup {
+    std::string gpu;
+    std::uint64_t id = 0;
+  };
+  std::optional<Cleanup> cleanup;
   static Parsed<LedgerRequest> parse(Args args);
 };
 struct StatsRequest {

@@ -110,6 +110,10 @@ class Collector {
   // Clears the ledger's GPUs (all, or the one named); how many went. Root only: the
   // command checks.
   std::size_t reset_ledger(std::optional<std::string_view> gpu);
+  // `ledger cleanup GPU ID`: `peer` (the command's sender) removes a reservation under
+  // the rules of a Cleanup record (PROTOCOL.md 4.6), credited to it. The reply line:
+  // "ok: ..." or "error: ..." saying why not.
+  std::string operator_cleanup(const PeerIdentity& peer, std::string_view gpu, std::uint64_t id);
 
   // ---- reports ---------------------------------------------------------------------
   // The state now, to render on any thread with the functions of daemon/report/report.h.

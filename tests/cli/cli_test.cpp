@@ -462,6 +462,48 @@ TEST_F(CliLive, UnknownPidExitsOne) {
   EXPECT_THAT(gpu.err, HasSubstr("error:"));
 }
 
+// `ledger cleanup GPU ID`: an operator clears a leaked reservation; the cleanup is
+// credited to the CLI's process; an unknown one, a bad id and a live one of another uid
+// are refused with exit 1 (2 for usage).
+TEST_F(CliLive, LedgerCleanupClearsALeakAndIsCreditedToTheCaller) {
+  const std::string gpu = "GPU-cli-cleanup";
+  // The worker reserves and exits holding it: a leak once the daemon notices the exit.
+  const Output worker = run(dir_, {STEPTRACE_LEDGER_WORKER, daemon_.socket(), "reserve", gpu, "5",
+                                   std::to_string(kGiB), "leaky"});
+  ASSERT_EQ(worker.status, 0) << worker.out << worker.err;
+  bool leaked = false;
+  for (int i = 0; i < 200 && !leaked; ++i) {
+    const json now = cli_json({"ledger", "--json"});
+    for (const auto& g : now["gpus"]) {
+      for (const auto& r : g["reservations"]) leaked = leaked || r.value("state", "") == "LEAKED";
+    }
+    if (!leaked) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(leaked) << cli({"ledger"}).out << worker.out << worker.err;
+
+  const Output unknown = cli({"ledger", "cleanup", gpu, "6"});
+  EXPECT_EQ(unknown.status, 1) << unknown.out << unknown.err;
+  EXPECT_THAT(unknown.err, HasSubstr("error: no reservation 6 on GPU 'GPU-cli-cleanup'"));
+  const Output bad_id = cli({"ledger", "cleanup", gpu, "five"});
+  EXPECT_EQ(bad_id.status, 1) << bad_id.out << bad_id.err;
+  EXPECT_THAT(bad_id.err, HasSubstr("reservation id must be an integer"));
+  const Output usage = cli({"ledger", "cleanup", gpu});
+  EXPECT_EQ(usage.status, 2) << usage.out << usage.err;
+
+  const Output ok = cli({"ledger", "cleanup", gpu, "5"});
+  EXPECT_EQ(ok.status, 0) << ok.out << ok.err;
+  EXPECT_THAT(ok.out, HasSubstr("ok: reservation 5 on GPU 'GPU-cli-cleanup' (LEAKED"));
+  const json ledger = cli_json({"ledger", "--json"});
+  ASSERT_EQ(ledger["gpus"].size(), 1u) << ledger.dump();
+  const json& g = ledger["gpus"][0];
+  EXPECT_TRUE(g["reservations"].empty()) << g.dump();
+  EXPECT_EQ(g["operations"]["cleanup"], 1) << g.dump();
+  // Credited to the CLI process that asked (not the dead holder).
+  std::uint64_t credited = 0;
+  for (const auto& p : g["processes"]) credited += p.value("cleanups", std::uint64_t{0});
+  EXPECT_EQ(credited, 1u) << g.dump();
+}
+
 TEST_F(CliLive, ReportOfOneProcessAfterTheCExample) {
   const Output c = run(dir_, {MINIMAL_C_BIN}, {"STEPTRACE_SOCKET=" + daemon_.socket()});
   ASSERT_EQ(c.status, 0) << c.out << c.err;

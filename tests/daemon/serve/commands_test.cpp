@@ -26,8 +26,9 @@ class CommandsTest : public ::testing::Test {
  protected:
   CommandsTest() : collector_(Limits{}, test_env()) {}
 
-  std::string run(std::string_view line, std::uint32_t uid = 1000) {
-    const CommandContext context{collector_, uid, /*daemon_euid=*/1000};
+  std::string run(std::string_view line, std::uint32_t uid = 1000,
+                  const PeerIdentity* peer = nullptr) {
+    const CommandContext context{collector_, uid, /*daemon_euid=*/1000, peer};
     return table_.execute(line, context);
   }
 
@@ -242,6 +243,41 @@ TEST_F(CommandsTest, ResetLedgerAndGpuClearTheLedgerForRootOrTheDaemonsUidOnly) 
   // The aggregates are another reset's: they stay.
   EXPECT_EQ(forward_count(json::parse(run("report --json")), 4242), 2u);
   EXPECT_NE(run("help").find("reset [--pid N | --ledger | --gpu UUID]"), std::string::npos);
+}
+
+// `ledger cleanup GPU ID`: the rules of a Cleanup record (PROTOCOL.md 4.6), credited to
+// the sender's process; every refusal is one error line saying why.
+TEST_F(CommandsTest, LedgerCleanupFollowsTheCleanupRulesAndCreditsTheSender) {
+  reserve(10, "GPU-A", 1);
+  const PeerIdentity stranger{{20, 5}, 2000, 2000, "steptrace"};
+  const PeerIdentity admin{{21, 6}, 0, 0, "steptrace"};
+  const std::string refused = run("ledger cleanup GPU-A 1", 2000, &stranger);
+  EXPECT_TRUE(is_error_line(refused)) << refused;
+  EXPECT_EQ(refused.rfind("error: permission denied: reservation 1 on GPU 'GPU-A' is held by "
+                          "pid 10, uid 1000, alive and not expired",
+                          0),
+            0u)
+      << refused;
+  EXPECT_EQ(run("ledger cleanup GPU-A 2", 0, &admin), "error: no reservation 2 on GPU 'GPU-A'\n");
+  EXPECT_EQ(run("ledger cleanup GPU-Z 1", 0, &admin), "error: no reservation 1 on GPU 'GPU-Z'\n");
+  for (const char* bad : {"ledger cleanup", "ledger cleanup GPU-A", "ledger cleanup GPU-A 1 2",
+                          "ledger cleanup GPU-A -1", "ledger cleanup GPU-A x",
+                          "ledger cleanup GPU-A 18446744073709551616"}) {
+    const std::string reply = run(bad, 0, &admin);
+    EXPECT_TRUE(is_error_line(reply)) << bad << ": " << reply;
+    EXPECT_EQ(reply.rfind("error: ledger cleanup: ", 0), 0u) << bad << ": " << reply;
+  }
+  EXPECT_EQ(run("ledger cleanup GPU-A 1", 0, &admin),
+            "ok: reservation 1 on GPU 'GPU-A' (alive, held by pid 10, uid 1000) cleaned up, "
+            "credited to pid 21\n");
+  const json ledger = json::parse(run("ledger --json"));
+  const json& gpu = ledger["gpus"][0];
+  EXPECT_TRUE(gpu["reservations"].empty());
+  bool credited = false;
+  for (const auto& p : gpu["processes"])
+    credited = credited || (p["pid"] == 21 && p["cleanups"] == 1);
+  EXPECT_TRUE(credited) << gpu.dump();
+  EXPECT_EQ(json::parse(run("stats --json"))["ledger_anomalies"]["cleanup_refused"], 1);
 }
 
 TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
