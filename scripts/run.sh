@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # README command (1): set up, build, start steptraced on a local socket (no root), and walk
-# through what it sees of the simulated trainer (examples/sim_trainer): six worker
+# through what it sees of the simulated trainer (examples/sim_trainer): seven worker
 # processes sharing two 8 GiB GPUs through a VRAM ledger file, 3 GiB per reservation.
 #  - Worker 0 (GPU 0) is SIGKILLed while it holds its reservation: the daemon shows it LEAKED.
 #  - Workers 1-3 on GPU 0 and worker 5 on GPU 1 then hold their reservations at once: the
@@ -9,8 +9,13 @@
 #    over-committed (9 GiB reserved, 8 GiB total). `steptrace stats` counts the anomalies.
 #  - steptraced is restarted (SIGTERM writes a snapshot to the state dir; the new daemon
 #    restores it and re-checks the holders against /proc): the view is the same.
-#  - Worker 4 starts late and waits for VRAM (`steptrace top`); the others train, release.
-#  - Then the per-step report, the ledger and the stats.
+#  - Worker 4 starts late and waits for VRAM (`steptrace top`). Worker 6 (GPU 1) starts
+#    then too (--hang-one): it reserves with a 1 s lease and renews it while it waits to
+#    train and every training step, a trainer's heartbeat. The others train, release.
+#  - Worker 6 hangs halfway without dying: it stops renewing. Within one liveness interval
+#    past its lease the daemon shows it EXPIRED (not LEAKED: its process lives); the
+#    trainer's parent, a watchdog, cleans it up (credited to it) and SIGKILLs the worker.
+#  - Then the per-step report, the ledger and the stats (lease_expired: 1).
 # sim_trainer pauses at checkpoints (--checkpoints) until this script has looked. The
 # daemon is stopped with SIGTERM on exit, whatever happens. Any failure exits non-zero with
 # a message saying what failed.
@@ -155,9 +160,10 @@ anomalies() {
   stats=$("$steptrace" stats) || die "steptrace stats failed"
   awk -F': ' '/^ledger_anomalies\./ && $2 != "0"' <<<"$stats"
 }
-# The reservation rows of a ledger text, without the Age column.
+# The reservation rows of a ledger text (ID | PID | Process | Task | Size | Age | Lease |
+# Holder), without the Age and Lease columns, which change as time passes.
 reservation_rows() {
-  awk -F' *[|] *' 'NF == 7 && ($7 == "alive" || $7 == "LEAKED") { print $1, $2, $3, $4, $5, $7 }'
+  awk -F' *[|] *' 'NF == 8 && $8 ~ /^(alive|LEAKED|EXPIRED)$/ { print $1, $2, $3, $4, $5, $8 }'
 }
 expect() { # TEXT PATTERN WHAT
   grep -qE -- "$2" <<<"$1" || die "expected $3 (no match for '$2')"
@@ -166,11 +172,12 @@ expect() { # TEXT PATTERN WHAT
 say "Starting steptraced on $socket (state in $state_dir, log in $log)"
 start_daemon
 
-say "Running sim_trainer: 6 workers x $steps steps, two 8 GiB GPUs, 3 GiB per reservation" \
-  "GPU 0 $gpu0: workers 0-4" "GPU 1 $gpu1: worker 5"
-"$sim_trainer" --gpu "$gpu0" --workers 5 --gpu "$gpu1" --workers 1 --steps "$steps" \
+say "Running sim_trainer: 7 workers x $steps steps, two 8 GiB GPUs, 3 GiB per reservation" \
+  "GPU 0 $gpu0: workers 0-4" "GPU 1 $gpu1: workers 5-6"
+"$sim_trainer" --gpu "$gpu0" --workers 5 --gpu "$gpu1" --workers 2 --steps "$steps" \
   --vram-total $((8 * gib)) --reserve $((3 * gib)) --kill-one --anomalies --overcommit \
-  --late-workers 1 --ledger "$ledger_file" --checkpoints "$checkpoints" >"$trainer_out_file" &
+  --late-workers 1 --hang-one --lease-ms 1000 --ledger "$ledger_file" \
+  --checkpoints "$checkpoints" >"$trainer_out_file" &
 trainer_pid=$!
 trainer_out=$trainer_out_file
 
@@ -240,7 +247,33 @@ done
 go_on waiting
 [[ -n $waiting_seen ]] || die "steptrace top never showed worker 4 WAITING FOR VRAM"
 
-say "sim_trainer's summary (the holders trained and released, then worker 4 got its turn)"
+# Worker 6 trains half its steps, renewing its lease each step, then hangs. sim_trainer
+# stops at this checkpoint once the daemon shows the lease EXPIRED; look for it here too
+# (bounded: 10 s, though it takes at most one liveness interval past the lease).
+reach expired
+expired_now=""
+for _ in $(seq 100); do
+  expired_now=$(ledger)
+  grep -q '| EXPIRED$' <<<"$expired_now" && break
+  sleep 0.1
+done
+say "steptrace ledger: worker 6 hangs without dying: it stopped renewing its 1 s lease" \
+  "The daemon marks it EXPIRED within one liveness interval (500 ms) once the lease passes;" \
+  "unlike LEAKED, its process is alive (a hung trainer, not a dead one). Anyone may clean" \
+  "up an EXPIRED lease: next the trainer's parent, a watchdog, cleans it up (credited to it)" \
+  "and SIGKILLs the hung worker; the others go on."
+echo "$expired_now"
+expect "$expired_now" '[|] EXPIRED$' "the hung worker's reservation shown as EXPIRED within 10 s"
+expect "$expired_now" 'Reservations: [0-9]+ \(1 expired\)$' "one expired reservation (GPU 1)"
+hung_rows=$(reservation_rows <<<"$expired_now" | awk '$NF == "EXPIRED"')
+[[ $(wc -l <<<"$hung_rows") == 1 && $(awk '{ print $3 }' <<<"$hung_rows") == sim-worker-6 ]] ||
+  die "expected one EXPIRED reservation, worker 6's; got: $hung_rows"
+hung_pid=$(awk '{ print $2 }' <<<"$hung_rows")
+kill -0 "$hung_pid" 2>/dev/null || die "the hung worker (pid $hung_pid) is not alive"
+go_on expired
+
+say "sim_trainer's summary (the holders trained and released, then worker 4 got its turn;" \
+  "worker 6's expired reservation was cleaned up by the janitor, which SIGKILLed it)"
 trainer_status=0
 wait "$trainer_pid" || trainer_status=$?
 trainer_pid=""
@@ -249,12 +282,20 @@ cat "$trainer_out_file"
 
 say "steptrace report"
 "$steptrace" report || die "steptrace report failed"
-say "steptrace ledger: everything released (Releases), the cleanup still credited to worker 1"
-ledger
-say "steptrace stats: the ledger anomalies, kept across the restart"
-anomalies
-
+say "steptrace ledger: everything released (Releases) or cleaned up (Cleanups): worker 0's" \
+  "leak by worker 1 on GPU 0, worker 6's expired lease by the janitor (sim_trainer) on GPU 1"
+final_ledger=$(ledger)
+echo "$final_ledger"
 ((trainer_status == 0)) || die "sim_trainer failed with status $trainer_status (its summary is above)"
+expect "$final_ledger" '^  Reservations: 0$' "no reservation left"
+[[ $(grep -c '^  Reservations: 0$' <<<"$final_ledger") == 2 ]] ||
+  die "expected both GPUs to hold no reservation at the end"
+expect "$final_ledger" '^ +[0-9]+ +[|] sim_trainer +[|] 0 +[|] 0 +[|] 1 +[|]' \
+  "the expired lease's cleanup credited to the janitor (sim_trainer: Cleanups 1)"
+say "steptrace stats: the ledger anomalies, kept across the restart; one lease expired"
+counts=$(anomalies)
+echo "$counts"
+expect "$counts" '^ledger_anomalies\.lease_expired: 1$' "lease_expired counted exactly once"
 
 say "Stopping steptraced (SIGTERM)"
 stop_daemon

@@ -19,13 +19,28 @@
 // without waiting for room (a trainer ignoring the ledger), --anomalies makes one send
 // annotations the daemon refuses and counts, and --late-workers start only once the
 // others hold their reservations, so they wait for VRAM. --checkpoints lets an observer
-// (scripts/run.sh) look at the daemon, or restart it, at fixed points. At the end the
-// parent, as a janitor connected to steptrace itself, cleans anything still left by dead
-// processes and checks that nothing is held.
+// (scripts/run.sh) look at the daemon, or restart it, at fixed points.
+//
+// With --hang-one, the last worker (of the last GPU) reserves with a lease (--lease-ms,
+// steptrace_ledger_reserve_lease) and renews it (steptrace_ledger_renew) every training
+// step, and while it waits at the start barrier, as a real trainer's heartbeat would.
+// Halfway through its steps it hangs without dying: it stops renewing and sleeps. The
+// parent, a watchdog, polls steptraced's `ledger --json` until the daemon marks the lease
+// EXPIRED (at its liveness tick, once the lease passed unrenewed), then as janitor cleans
+// the expired entry up (credited to the parent) and SIGKILLs the hung worker; the others
+// go on. It starts once the others hold their reservations (with the late workers, but it
+// waits at the barrier), so its short lease never has to outlive a daemon restart at the
+// `holding` checkpoint (a restored lease gets one more lease, but a library reconnects
+// with a backoff of up to 1 s).
+//
+// At the end the parent, as a janitor connected to steptrace itself, cleans anything
+// still left by dead processes and checks that nothing is held.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <steptrace/steptrace.hpp>
@@ -36,7 +51,9 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -61,7 +78,7 @@ constexpr int kExitUsage = 2;
 constexpr int kExitLedgerError = 3;
 constexpr int kExitWaitTimeout = 4;
 constexpr int kExitFlushFailed = 5;
-constexpr int kExitNotKilled = 6;
+constexpr int kExitNotKilled = 6;  // the --kill-one victim or the --hang-one worker
 constexpr int kExitNoStart = 7;
 
 constexpr std::uint64_t kGiB = 1024ULL * 1024 * 1024;
@@ -69,6 +86,9 @@ constexpr const char* kDefaultGpu = "GPU-00000000-sim0-0000-0000-000000000000";
 constexpr int kDefaultWorkers = 3;
 // Bound on the whole run, and so on how long a worker waits at the start barrier.
 constexpr auto kRunBudget = std::chrono::seconds(120);
+// --hang-one: how long, past its lease, the watchdog waits for steptraced to show the hung
+// worker's lease EXPIRED (it takes at most one liveness interval; this is for a loaded host).
+constexpr auto kExpiryWait = std::chrono::seconds(30);
 
 // What one worker does, fixed by the command line before any process starts.
 struct Role {
@@ -78,6 +98,7 @@ struct Role {
   bool late = false;        // --late-workers: started once the others hold their VRAM
   bool overcommit = false;  // --overcommit: reserves without waiting for room
   bool anomalies = false;   // --anomalies: also sends annotations the daemon refuses
+  bool hangs = false;       // --hang-one: renews a lease every step, then hangs alive
 };
 
 struct Config {
@@ -91,6 +112,8 @@ struct Config {
   bool overcommit = false;
   bool anomalies = false;
   int late_workers = 0;
+  bool hang_one = false;
+  int lease_ms = 1000;
   std::string checkpoints;  // empty: no checkpoints
   std::string socket;       // empty: $STEPTRACE_SOCKET, then the default
   int dim = 48;
@@ -184,7 +207,12 @@ std::optional<std::uint64_t> acquire(const Config& config, const Role& role, int
         exit_code = kExitLedgerError;
         return std::nullopt;
       }
-      steptrace_ledger_reserve(gpu.c_str(), id, config.reserve, task.c_str());
+      if (role.hangs) {
+        steptrace_ledger_reserve_lease(gpu.c_str(), id, config.reserve, task.c_str(),
+                                       static_cast<std::uint32_t>(config.lease_ms));
+      } else {
+        steptrace_ledger_reserve(gpu.c_str(), id, config.reserve, task.c_str());
+      }
       if (role.anomalies) {
         // Bugs of a careless trainer; the daemon refuses each and counts it in `stats`.
         steptrace_ledger_reserve(gpu.c_str(), id, config.reserve, task.c_str());  // duplicate
@@ -232,15 +260,28 @@ std::error_code release(const Config& config, const std::string& gpu, std::uint6
   return {};
 }
 
-// Blocks until the parent closes the start barrier's write end (EOF on `go_fd`).
-bool wait_for_start(int go_fd) {
+// Blocks until the parent closes the start barrier's write end (EOF on `go_fd`), calling
+// `heartbeat` (when set) every `heartbeat_ms` meanwhile.
+bool wait_for_start(int go_fd, int heartbeat_ms = 0,
+                    const std::function<void()>& heartbeat = nullptr) {
   const auto deadline = Clock::now() + kRunBudget;
+  const auto beat = std::chrono::milliseconds(std::max(1, heartbeat_ms));
+  auto next_beat = Clock::now() + beat;
   for (;;) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return false;
+    const auto now = Clock::now();
+    if (heartbeat && now >= next_beat) {
+      heartbeat();
+      next_beat = now + beat;
+    }
+    long long wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+    if (wait <= 0) return false;
+    wait = std::min<long long>(wait, 1000);
+    if (heartbeat) {
+      wait = std::clamp<long long>(
+          std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - now).count(), 1, wait);
+    }
     pollfd p{go_fd, POLLIN, 0};
-    const int ready = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    const int ready = ::poll(&p, 1, static_cast<int>(wait));
     if (ready < 0 && errno != EINTR) return false;
     if (ready <= 0) continue;
     char byte;
@@ -281,11 +322,37 @@ int run_worker(const Config& config, const Role& role, int report_fd, int go_fd)
     send_message(report_fd, "error " + who + " was never killed");
     return kExitNotKilled;
   }
+  // --hang-one: the lease's heartbeat. A renewal every step while training, and four a
+  // lease while idle at the barrier, so a healthy worker's lease never passes.
+  const auto lease = static_cast<std::uint32_t>(config.lease_ms);
+  int renewals = 0;
+  const auto renew = [&] {
+    steptrace_ledger_renew(gpu.c_str(), *id, lease);
+    ++renewals;
+  };
   // Holding the reservation, idle (no span open), until every worker started with us
   // holds its own.
-  if (go_fd >= 0 && !wait_for_start(go_fd)) {
+  if (go_fd >= 0 &&
+      !wait_for_start(go_fd, config.lease_ms / 4, role.hangs ? renew : std::function<void()>())) {
     send_message(report_fd, "error " + who + " was never told to start training");
     return kExitNoStart;
+  }
+  if (role.hangs) {
+    const int healthy = std::max(1, config.steps / 2);
+    for (int s = 0; s < healthy; ++s) {
+      model.step();
+      renew();
+    }
+    // Everything sent so far is applied (so the lease runs from the last renewal, and the
+    // daemon knows the spans); from here on nothing: no renewal, no release, no exit. The
+    // library's own thread stays connected, as in a trainer stuck in a collective.
+    const int flushed = steptrace_flush(2000);
+    send_message(report_fd, "hung " + who + " " + std::to_string(healthy) + " " +
+                                std::to_string(renewals) + " " + std::to_string(flushed));
+    const auto give_up = Clock::now() + kRunBudget;
+    while (Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    send_message(report_fd, "error " + who + " hung but was never killed");
+    return kExitNotKilled;
   }
   for (int s = 0; s < config.steps; ++s) model.step();
 
@@ -315,6 +382,9 @@ struct WorkerRecord {
   int steps = 0;
   int flush_rc = 0;
   std::string checksum;
+  bool hung = false;     // --hang-one: it said it hangs (after `steps` steps)
+  int renewals = 0;      // lease renewals it sent before hanging
+  bool expired = false;  // the watchdog saw steptraced show its lease EXPIRED
   std::vector<std::pair<std::uint64_t, pid_t>> cleaned;  // (reservation id, dead holder)
   std::vector<std::string> errors;
 };
@@ -345,6 +415,11 @@ class Parent {
   void reap(bool block);
   WorkerRecord* by_index(int index);
   bool janitor(std::vector<std::pair<std::uint64_t, pid_t>>& cleaned, std::string& error);
+  // --hang-one, once the barrier is open: waits for the worker to hang and steptraced to
+  // mark its lease EXPIRED, then cleans its entry up and SIGKILLs it (whatever happened).
+  bool watchdog(WorkerRecord& hung, Clock::time_point deadline, std::vector<std::string>& problems);
+  // Whether steptraced's `ledger --json` shows `gpu`'s reservation `id` EXPIRED.
+  bool daemon_shows_expired(const std::string& gpu, std::uint64_t id) const;
   void kill_all();
   void print_summary(bool ok, const std::vector<std::pair<std::uint64_t, pid_t>>& janitor_cleaned,
                      const std::vector<std::string>& problems) const;
@@ -357,6 +432,8 @@ class Parent {
   int go_write_ = -1;  // closed by the parent to let them train
   bool eof_ = false;
   std::string pending_;
+  // --hang-one: (reservation id, hung holder) the janitor cleaned up once EXPIRED.
+  std::vector<std::pair<std::uint64_t, pid_t>> expired_cleaned_;
 };
 
 bool Parent::spawn(const Role& role) {
@@ -461,6 +538,14 @@ void Parent::handle_line(const std::string& line) {
     w->cleaned.emplace_back(id, holder);
   } else if (kind == "done") {
     in >> w->steps >> w->flush_rc >> w->checksum;
+  } else if (kind == "hung") {
+    int flushed = 0;
+    in >> w->steps >> w->renewals >> flushed;
+    w->hung = true;
+    if (flushed != 0) {
+      w->errors.push_back("steptrace_flush before hanging failed (" +
+                          std::string(std::strerror(-flushed)) + ")");
+    }
   } else if (kind == "error") {
     std::string rest;
     std::getline(in, rest);
@@ -549,6 +634,163 @@ bool Parent::janitor(std::vector<std::pair<std::uint64_t, pid_t>>& cleaned, std:
   return true;
 }
 
+// steptraced's socket, found as the library finds it: --socket, else $STEPTRACE_SOCKET,
+// else the default.
+std::string socket_path(const Config& config) {
+  if (!config.socket.empty()) return config.socket;
+  if (const char* env = std::getenv("STEPTRACE_SOCKET"); env != nullptr && env[0] != '\0') {
+    return env;
+  }
+  return STEPTRACE_DEFAULT_SOCKET;
+}
+
+// One text command (proto/PROTOCOL.md), as `steptrace` sends it: connect, send the line,
+// shut down the writing side, read the reply until the daemon closes. nullopt when the
+// daemon cannot be reached or does not answer within `timeout`.
+std::optional<std::string> daemon_command(const std::string& path, const std::string& line,
+                                          std::chrono::milliseconds timeout) {
+  struct Fd {
+    int fd;
+    ~Fd() {
+      if (fd >= 0) ::close(fd);
+    }
+  } sock{::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (sock.fd < 0 || path.size() >= sizeof addr.sun_path) return std::nullopt;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  if (::connect(sock.fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return std::nullopt;
+  const std::string out = line + "\n";
+  for (std::size_t sent = 0; sent < out.size();) {
+    const ssize_t n = ::send(sock.fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return std::nullopt;
+    sent += static_cast<std::size_t>(n);
+  }
+  ::shutdown(sock.fd, SHUT_WR);
+  std::string reply;
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return std::nullopt;
+    pollfd p{sock.fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(left));
+    if (ready < 0 && errno != EINTR) return std::nullopt;
+    if (ready <= 0) continue;
+    char buf[16384];
+    const ssize_t n = ::recv(sock.fd, buf, sizeof buf, 0);
+    if (n == 0) return reply;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return std::nullopt;
+    }
+    reply.append(buf, static_cast<std::size_t>(n));
+  }
+}
+
+bool Parent::daemon_shows_expired(const std::string& gpu, std::uint64_t id) const {
+  const auto reply =
+      daemon_command(socket_path(config_), "ledger --json", std::chrono::milliseconds(5000));
+  if (!reply) return false;
+  const auto view = nlohmann::json::parse(*reply, nullptr, false);
+  if (view.is_discarded() || !view.contains("gpus") || !view["gpus"].is_array()) return false;
+  for (const auto& g : view["gpus"]) {
+    if (g.value("gpu", "") != gpu || !g.contains("reservations")) continue;
+    for (const auto& r : g["reservations"]) {
+      if (r.value("id", std::uint64_t{0}) == id) return r.value("state", "") == "EXPIRED";
+    }
+  }
+  return false;
+}
+
+bool Parent::watchdog(WorkerRecord& hung, Clock::time_point deadline,
+                      std::vector<std::string>& problems) {
+  const std::string who = "worker " + std::to_string(hung.role.index);
+  const std::string& gpu = config_.gpus[static_cast<std::size_t>(hung.role.gpu)];
+  bool ok = pump(deadline, [&] { return hung.hung || hung.status.has_value(); }) && hung.hung &&
+            hung.reservation.has_value();
+  if (!ok) {
+    problems.push_back(who + " never hung holding its reservation (" +
+                       (hung.status ? "it exited with status " + std::to_string(*hung.status)
+                                    : std::string("it was still running")) +
+                       ")");
+  }
+  bool connected = false;
+  if (ok) {
+    // The janitor connects now that every worker is forked.
+    if (const int rc = steptrace_connect(config_.socket.empty() ? nullptr : config_.socket.c_str());
+        rc != 0) {
+      problems.push_back(std::string("the watchdog cannot reach steptraced: ") +
+                         std::strerror(-rc));
+      ok = false;
+    } else {
+      connected = true;
+    }
+  }
+  if (ok) {
+    // The watchdog acts on what steptraced says, as one reading `steptrace ledger --json`:
+    // the lease passed unrenewed, and the daemon marks it EXPIRED at its liveness tick.
+    const auto wait = std::chrono::milliseconds(config_.lease_ms) + kExpiryWait;
+    auto next_query = Clock::now();
+    ok = pump(std::min(deadline, Clock::now() + wait), [&] {
+      if (Clock::now() < next_query) return false;
+      next_query = Clock::now() + std::chrono::milliseconds(50);
+      return daemon_shows_expired(gpu, *hung.reservation);
+    });
+    hung.expired = ok;
+    if (!ok) {
+      problems.push_back("steptraced did not show " + who + "'s lease EXPIRED within " +
+                         std::to_string(wait.count()) + " ms of it hanging");
+    }
+  }
+  if (ok) ok = checkpoint("expired", deadline, problems);
+  // Whatever happened above, the janitor removes the hung worker's entry (the file, then
+  // steptraced: anyone may clean up an EXPIRED lease) and the watchdog SIGKILLs it, so
+  // the run can end.
+  if (hung.reservation) {
+    sim::LockedLedger ledger;
+    std::string error;
+    if (ledger.lock(config_.ledger, error)) {
+      problems.push_back(error);
+      ok = false;
+    } else {
+      Span span(Step::kLedgerCleanup);
+      auto& entries = ledger.contents().entries;
+      const auto it = std::find_if(entries.begin(), entries.end(), [&](const sim::LedgerEntry& e) {
+        return e.id == *hung.reservation && e.pid == hung.pid;
+      });
+      if (it == entries.end()) {
+        problems.push_back(who + "'s reservation " + std::to_string(*hung.reservation) +
+                           " vanished from the ledger file");
+        ok = false;
+      } else {
+        entries.erase(it);
+        if (auto ec = ledger.write()) {
+          problems.push_back("cannot write ledger file " + config_.ledger + ": " + ec.message());
+          ok = false;
+        }
+        steptrace_ledger_cleanup(gpu.c_str(), *hung.reservation,
+                                 static_cast<std::uint32_t>(hung.pid));
+        expired_cleaned_.emplace_back(*hung.reservation, hung.pid);
+      }
+    }
+  }
+  // Applied while the holder still lives: the cleanup of a live holder's EXPIRED lease.
+  if (connected) {
+    if (const int rc = steptrace_flush(2000); rc != 0) {
+      problems.push_back(std::string("janitor's steptrace_flush failed: ") + std::strerror(-rc));
+      ok = false;
+    }
+  }
+  if (!hung.status) {
+    ::kill(hung.pid, SIGKILL);
+    int status = 0;
+    if (::waitpid(hung.pid, &status, 0) == hung.pid) hung.status = decode_status(status);
+  }
+  return ok;
+}
+
 std::string bytes_text(std::uint64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / kGiB);
@@ -599,15 +841,17 @@ int Parent::run() {
   // 2. The others, one at a time; they hold their reservations at the start barrier.
   for (const Role& role : config_.plan) {
     if (!ok) break;
-    if (!role.victim && !role.late) ok = start(role, deadline, problems);
+    if (!role.victim && !role.late && !role.hangs) ok = start(role, deadline, problems);
   }
   if (ok) ok = checkpoint("holding", deadline, problems);
   // 3. Late workers: the others still hold their VRAM, so these (usually) wait for it.
+  // The --hang-one worker starts here too (after a restart at `holding`), but waits at
+  // the barrier, renewing its lease.
   bool any_late = false;
   for (const Role& role : config_.plan) {
     if (!ok) break;
-    if (role.late) {
-      any_late = true;
+    if (role.late || role.hangs) {
+      any_late = any_late || role.late;
       ok = start(role, deadline, problems);
     }
   }
@@ -622,6 +866,10 @@ int Parent::run() {
   go_read_ = -1;
   ::close(write_fd_);
   write_fd_ = -1;
+  // --hang-one: the watchdog and janitor deal with the worker that hangs; the others go on.
+  for (auto& w : workers_) {
+    if (ok && w.role.hangs) ok = watchdog(w, deadline, problems);
+  }
   const bool finished = pump(deadline, [&] {
     if (!eof_) return false;
     for (const auto& w : workers_) {
@@ -655,7 +903,7 @@ int Parent::run() {
   steptrace_shutdown();
 
   for (const auto& w : workers_) {
-    const int expected = w.role.victim ? 128 + SIGKILL : kExitOk;
+    const int expected = w.role.victim || w.role.hangs ? 128 + SIGKILL : kExitOk;
     if (w.status != expected) {
       problems.push_back("worker " + std::to_string(w.role.index) + " (pid " +
                          std::to_string(w.pid) + ") exited with status " +
@@ -699,6 +947,10 @@ void Parent::print_summary(bool ok,
            {"late", w.role.late},
            {"overcommit", w.role.overcommit},
            {"anomalies", w.role.anomalies},
+           {"hung", w.role.hangs},
+           {"lease_ms", w.role.hangs ? nlohmann::json(config_.lease_ms) : nlohmann::json()},
+           {"renewals", w.renewals},
+           {"expired_seen", w.expired},
            {"status", w.status.value_or(-1)},
            {"reservation", w.reservation ? nlohmann::json(*w.reservation) : nlohmann::json()},
            {"wait_polls", w.polls},
@@ -709,6 +961,10 @@ void Parent::print_summary(bool ok,
     for (const auto& [id, holder] : janitor_cleaned)
       cleaned.push_back({{"id", id}, {"holder_pid", holder}});
     out["janitor_cleaned"] = std::move(cleaned);
+    nlohmann::json expired = nlohmann::json::array();
+    for (const auto& [id, holder] : expired_cleaned_)
+      expired.push_back({{"id", id}, {"holder_pid", holder}});
+    out["janitor_cleaned_expired"] = std::move(expired);
     out["problems"] = problems;
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
@@ -731,6 +987,12 @@ void Parent::print_summary(bool ok,
     const std::string reservation = w.reservation ? std::to_string(*w.reservation) : "(none)";
     if (w.role.victim) {
       std::printf("SIGKILLed while holding reservation %s", reservation.c_str());
+    } else if (w.role.hangs) {
+      std::printf(
+          "%d steps with reservation %s under a %d ms lease, renewed %d times, then hung "
+          "without dying; SIGKILLed by the watchdog%s",
+          w.steps, reservation.c_str(), config_.lease_ms, w.renewals,
+          w.expired ? " once its lease was EXPIRED" : "");
     } else {
       std::printf("%s%d steps, reservation %s", w.role.late ? "started late, " : "", w.steps,
                   reservation.c_str());
@@ -750,7 +1012,17 @@ void Parent::print_summary(bool ok,
     std::printf("\n");
   }
   std::printf("  janitor pid %d: ", static_cast<int>(::getpid()));
-  if (janitor_cleaned.empty()) std::printf("nothing left to clean");
+  for (const auto& [id, holder] : expired_cleaned_) {
+    const bool seen = std::any_of(workers_.begin(), workers_.end(), [&](const WorkerRecord& w) {
+      return w.pid == holder && w.expired;
+    });
+    std::printf("cleaned up the %sreservation %" PRIu64 " of hung pid %d; ", seen ? "EXPIRED " : "",
+                id, static_cast<int>(holder));
+  }
+  if (janitor_cleaned.empty()) {
+    std::printf("%s",
+                expired_cleaned_.empty() ? "nothing left to clean" : "nothing else left to clean");
+  }
   for (const auto& [id, holder] : janitor_cleaned) {
     std::printf("cleaned up reservation %" PRIu64 " of dead pid %d; ", id,
                 static_cast<int>(holder));
@@ -796,7 +1068,8 @@ bool make_plan(Config& config, std::string& error) {
     error = "--kill-one needs 2 workers or more";
     return false;
   }
-  // Roles on the first GPU: [victim] [anomalies ... overcommit] [late ...]
+  // Roles on the first GPU: [victim] [anomalies ... overcommit] [late ...]; with
+  // --hang-one, the last worker of the last GPU hangs.
   const int first = config.workers[0];
   const int victims = config.kill_one ? 1 : 0;
   const int initial = first - victims - config.late_workers;
@@ -825,6 +1098,16 @@ bool make_plan(Config& config, std::string& error) {
       }
       config.plan.push_back(role);
     }
+  }
+  if (config.hang_one) {
+    Role& last = config.plan.back();
+    if (last.victim || last.late || last.anomalies || last.overcommit) {
+      error =
+          "--hang-one needs the last worker of the last GPU free of other roles (killed, late, "
+          "over-committing, anomalies): add a worker to the last --workers";
+      return false;
+    }
+    last.hangs = true;
   }
   return true;
 }
@@ -874,12 +1157,27 @@ int main(int argc, char** argv) {
                  "reservations (so they wait for VRAM), and skip the start barrier")
       ->capture_default_str()
       ->check(CLI::Range(0, 64));
-  app.add_option("--checkpoints", config.checkpoints,
-                 "Directory for an observer such as scripts/run.sh: at each checkpoint create "
-                 "DIR/NAME.reached, then wait (up to --max-wait-ms) for DIR/NAME.go. NAME: killed "
-                 "(with --kill-one, after the kill, before the others start), holding (every "
-                 "other worker holds its VRAM or waits for it, all flushed to steptraced, none "
-                 "trains yet), waiting (with --late-workers, once they have started)");
+  app.add_flag("--hang-one", config.hang_one,
+               "The last worker of the last GPU reserves with a lease (--lease-ms) and renews it "
+               "every step (and while it waits to train), then halfway through its steps hangs "
+               "without dying: it stops renewing and sleeps. It starts once the others hold their "
+               "reservations. The parent, a watchdog, waits until steptraced's `ledger --json` "
+               "shows the lease EXPIRED, cleans the entry up (credited to it) and SIGKILLs the "
+               "hung worker; the others go on");
+  app.add_option("--lease-ms", config.lease_ms,
+                 "With --hang-one: the hanging worker's lease, renewed every step (a step must "
+                 "take less)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 604800000));
+  app.add_option(
+      "--checkpoints", config.checkpoints,
+      "Directory for an observer such as scripts/run.sh: at each checkpoint create "
+      "DIR/NAME.reached, then wait (up to --max-wait-ms) for DIR/NAME.go. NAME: killed "
+      "(with --kill-one, after the kill, before the others start), holding (every "
+      "other worker holds its VRAM or waits for it, all flushed to steptraced, none "
+      "trains yet), waiting (with --late-workers, once they have started), expired (with "
+      "--hang-one, once steptraced shows the hung worker's lease EXPIRED, before the "
+      "janitor cleans it up and the watchdog kills it)");
   app.add_option("--socket", config.socket, "steptraced's socket (default: $STEPTRACE_SOCKET)");
   app.add_option("--dim", config.dim, "Model width (work per step grows as dim^3)")
       ->capture_default_str()

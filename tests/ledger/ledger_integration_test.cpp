@@ -1,11 +1,17 @@
 // The VRAM ledger view end to end: the real steptraced on a temporary socket and state
 // directory, fed by real ledger_worker processes (fork/exec, libsteptrace's C ABI), read
 // back with `ledger --json`, `report --json` and `stats --json`. Holders that must stay
-// alive ("hold") talk to the test over pipes: they print "ready" only after
+// alive ("hold", "lease") talk to the test over pipes: they print "ready" only after
 // steptrace_flush returned 0, so every reservation they made is applied by then.
+// Leases (LedgerLeaseIntegration): a holder that renews on a heartbeat and then hangs
+// without dying is EXPIRED (not LEAKED) at the daemon's liveness tick, and another
+// process (of another uid when the test runs as root) cleans it up; a renewal revives an
+// expired lease; a lease outlives a daemon restart.
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -44,11 +51,15 @@ constexpr int kReadyTimeoutMs = 30000;
 const std::string kGpuA = "GPU-8f2c1a3e-0000-4e5b-9a7d-aaaaaaaaaaaa";
 const std::string kGpuB = "GPU-3b9d7c21-1111-4c2a-8e6f-bbbbbbbbbbbb";
 
+// A uid no test user has: `nobody` on Debian. Only root can run a child as it.
+constexpr uid_t kNobody = 65534;
+
 // A ledger_worker with its stdin and stdout on pipes, SIGKILLed and reaped by the
-// destructor if it still runs.
+// destructor if it still runs. With `as_uid` (not 0; the test must be root) the child
+// drops to that uid and gid (setresgid, setresuid) before the exec.
 class Worker {
  public:
-  Worker(const std::string& socket, std::vector<std::string> args) {
+  Worker(const std::string& socket, std::vector<std::string> args, uid_t as_uid = 0) {
     args.insert(args.begin(), {STEPTRACE_LEDGER_WORKER, socket});
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -65,6 +76,11 @@ class Worker {
     if (pid_ == 0) {
       ::dup2(to_child[0], STDIN_FILENO);  // dup2 clears close-on-exec on the copies
       ::dup2(from_child[1], STDOUT_FILENO);
+      if (as_uid != 0 &&
+          (::setgroups(0, nullptr) != 0 || ::setresgid(as_uid, as_uid, as_uid) != 0 ||
+           ::setresuid(as_uid, as_uid, as_uid) != 0 || ::setuid(0) == 0)) {
+        ::_exit(126);  // could not drop root (or could get it back)
+      }
       ::execve(argv[0], argv.data(), environ);
       ::_exit(127);
     }
@@ -119,9 +135,9 @@ class Worker {
     return failure << "nothing; exit status " << wait_exit(5000);
   }
 
-  // Asks a holder to release one of its reservations and waits until it has flushed.
-  ::testing::AssertionResult release(const std::string& gpu, std::uint64_t id) {
-    const std::string line = "release " + gpu + " " + std::to_string(id) + "\n";
+  // Writes one request line to the worker's stdin; false when it is gone.
+  bool send(const std::string& request) {
+    const std::string line = request + "\n";
     // A worker that died must fail the test, not kill it with SIGPIPE.
     struct sigaction ignore {};
     struct sigaction old {};
@@ -129,8 +145,24 @@ class Worker {
     ::sigaction(SIGPIPE, &ignore, &old);
     const bool sent = ::write(in_, line.data(), line.size()) == static_cast<ssize_t>(line.size());
     ::sigaction(SIGPIPE, &old, nullptr);
-    if (!sent) return ::testing::AssertionFailure() << "worker " << pid_ << " gone";
+    return sent;
+  }
+
+  // Asks a holder to release one of its reservations and waits until it has flushed.
+  ::testing::AssertionResult release(const std::string& gpu, std::uint64_t id) {
+    if (!send("release " + gpu + " " + std::to_string(id))) {
+      return ::testing::AssertionFailure() << "worker " << pid_ << " gone";
+    }
     return expect_line("released");
+  }
+
+  // Whether the process still runs (has not exited; a zombie would answer kill(pid, 0)).
+  bool running() {
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == 0) return true;
+    pid_ = -1;  // exited (and now reaped)
+    return false;
   }
 
   // Closes its stdin (a holder then exits 0) and returns the exit status.
@@ -243,8 +275,9 @@ class LedgerIntegration : public ::testing::Test {
   void SetUp() override { ASSERT_NO_FATAL_FAILURE(start_daemon()); }
 
   void start_daemon() {
-    daemon_ = std::make_unique<DaemonProcess>(socket(),
-                                              std::vector<std::string>{"--state-dir", state_dir()});
+    std::vector<std::string> args{"--state-dir", state_dir()};
+    args.insert(args.end(), daemon_args_.begin(), daemon_args_.end());
+    daemon_ = std::make_unique<DaemonProcess>(socket(), std::move(args));
     ASSERT_TRUE(daemon_->start()) << daemon_->log();
   }
 
@@ -301,6 +334,7 @@ class LedgerIntegration : public ::testing::Test {
   }
 
   TempDir dir_;
+  std::vector<std::string> daemon_args_;  // more flags for steptraced
   std::unique_ptr<DaemonProcess> daemon_;
 };
 
@@ -581,6 +615,331 @@ TEST_F(LedgerIntegration, RestartWithTheSameStateDirKeepsTheView) {
   expect_row(*a, cleaner, {0, 0, 1});
 
   for (auto* h : {h1.get(), h2.get(), h3.get()}) EXPECT_EQ(h->finish(), 0);
+}
+
+// ---- leases ---------------------------------------------------------------------------
+
+constexpr int kLivenessMs = 500;  // steptraced's liveness tick, set in the config below
+
+// The ledger tests with a daemon whose socket other uids may use (mode 0666, the test
+// directory searchable), so that, as root, the test can run a client as kNobody.
+class LedgerLeaseIntegration : public LedgerIntegration {
+ protected:
+  void SetUp() override {
+    const std::string config = dir_.file("steptraced.json");
+    std::ofstream(config)
+        << json{{"socket_mode", "0666"}, {"liveness_interval_ms", kLivenessMs}}.dump();
+    daemon_args_ = {"--config", config};
+    if (root()) {
+      ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
+    }
+    ASSERT_NO_FATAL_FAILURE(start_daemon());
+  }
+
+  static bool root() { return ::geteuid() == 0; }
+
+  // `lease GPU ID BYTES TASK LEASE_MS HEARTBEAT_MS`; wait with expect_line("ready").
+  std::unique_ptr<Worker> lease(const std::string& gpu, std::uint64_t id, std::uint64_t bytes,
+                                const std::string& task, int lease_ms, int heartbeat_ms) const {
+    return std::make_unique<Worker>(
+        socket(),
+        std::vector<std::string>{"lease", gpu, std::to_string(id), std::to_string(bytes), task,
+                                 std::to_string(lease_ms), std::to_string(heartbeat_ms)});
+  }
+
+  // A one-shot worker run as `uid` (0: as the test): its exit status and, in `pid`, its pid.
+  int run_as(uid_t uid, std::vector<std::string> args, pid_t& pid) const {
+    Worker worker(socket(), std::move(args), uid);
+    pid = worker.pid();
+    return worker.finish(60000);
+  }
+
+  std::uint64_t anomaly(const char* kind) const {
+    return anomalies().value(kind, std::uint64_t{0});
+  }
+
+  // The reservation `id` of GPU `uuid` in `view` (nullptr when absent).
+  static const json* reservation(const json& view, const std::string& uuid, std::uint64_t id) {
+    const json* gpu = find_gpu(view, uuid);
+    return gpu ? find_reservation(*gpu, id) : nullptr;
+  }
+
+  static std::function<bool(const json&)> state_is(const std::string& uuid, std::uint64_t id,
+                                                   const std::string& state) {
+    return [uuid, id, state](const json& view) {
+      const json* r = reservation(view, uuid, id);
+      return r != nullptr && (*r)["state"] == state;
+    };
+  }
+};
+
+std::int64_t ms_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration_cast<milliseconds>(to - from).count();
+}
+
+TEST_F(LedgerLeaseIntegration, HungHolderIsExpiredWhileAliveAndAnotherProcessCleansItUp) {
+  constexpr int kLeaseMs = 2000;
+  constexpr int kHeartbeatMs = 250;
+  constexpr std::uint64_t kBytes = 3 * kGiB + 21;
+  auto holder = lease(kGpuA, 21, kBytes, "hangs", kLeaseMs, kHeartbeatMs);
+  ASSERT_TRUE(holder->expect_line("ready"));
+  const pid_t holder_pid = holder->pid();
+  {
+    const json view = ledger();
+    const json* r = reservation(view, kGpuA, 21);
+    ASSERT_NE(r, nullptr) << view.dump();
+    EXPECT_EQ((*r)["pid"], holder_pid) << r->dump();
+    EXPECT_EQ((*r)["lease_ms"], kLeaseMs) << r->dump();
+    EXPECT_EQ((*r)["state"], "alive") << r->dump();
+    EXPECT_EQ((*r)["expired"], false) << r->dump();
+    EXPECT_GT((*r)["lease_left_s"].get<double>(), 0.0) << r->dump();
+    EXPECT_EQ((*find_gpu(view, kGpuA))["expired_reservations"], 0) << view.dump();
+  }
+
+  // Before the lease passes, a process of another uid may not clean the entry up.
+  if (root()) {
+    pid_t intruder = -1;
+    ASSERT_EQ(run_as(kNobody, {"cleanup", kGpuA, "21", std::to_string(holder_pid)}, intruder), 0);
+    const json view = ledger();
+    const json* a = find_gpu(view, kGpuA);
+    ASSERT_NE(a, nullptr) << view.dump();
+    const json* r = find_reservation(*a, 21);
+    ASSERT_NE(r, nullptr) << "a live lease was cleaned up by uid " << kNobody << ": "
+                          << view.dump();
+    EXPECT_EQ((*r)["state"], "alive") << r->dump();
+    EXPECT_EQ((*a)["operations"]["cleanup"], 0) << a->dump();
+    const json* row = find_row(*a, intruder);
+    ASSERT_NE(row, nullptr) << a->dump();
+    EXPECT_EQ((*row)["refused"], 1) << row->dump();
+    EXPECT_EQ((*row)["cleanups"], 0) << row->dump();
+    EXPECT_EQ(anomaly("cleanup_refused"), 1u);
+  } else {
+    std::cout << "[   NOTE   ] not root: skipped the cleanup by another uid (" << kNobody
+              << ") before the lease passes (it needs setresuid; CI runs as root)\n";
+  }
+  // The heartbeat renews it for longer than one lease: it never passes.
+  constexpr std::uint64_t kRenewals = 2 * kLeaseMs / kHeartbeatMs;  // two leases' worth
+  const json renewed = poll_ledger(
+      [&](const json& view) {
+        const json* gpu = find_gpu(view, kGpuA);
+        const json* row = gpu ? find_row(*gpu, holder_pid) : nullptr;
+        return row != nullptr && (*row)["renews"].get<std::uint64_t>() >= kRenewals;
+      },
+      60000);
+  {
+    const json* r = reservation(renewed, kGpuA, 21);
+    ASSERT_NE(r, nullptr) << renewed.dump();
+    EXPECT_EQ((*r)["state"], "alive") << r->dump();
+    const json* row = find_row(*find_gpu(renewed, kGpuA), holder_pid);
+    ASSERT_NE(row, nullptr) << renewed.dump();
+    ASSERT_GE((*row)["renews"].get<std::uint64_t>(), kRenewals) << row->dump();
+  }
+  EXPECT_EQ(anomaly("lease_expired"), 0u);
+
+  // The holder hangs: it lives on but renews no more.
+  ASSERT_TRUE(holder->send("hang"));
+  const auto hung_line = holder->read_line(kReadyTimeoutMs);
+  ASSERT_TRUE(hung_line && hung_line->rfind("hung ", 0) == 0) << hung_line.value_or("(nothing)");
+  const auto hung_at = Clock::now();  // its last renewal is applied (flushed) by now
+  const std::uint64_t renewals = std::stoull(hung_line->substr(5));
+  EXPECT_GE(renewals, kRenewals);
+  {
+    const json view = ledger();
+    if (ms_between(hung_at, Clock::now()) < kLeaseMs / 2) {
+      const json* r = reservation(view, kGpuA, 21);
+      ASSERT_NE(r, nullptr) << view.dump();
+      EXPECT_EQ((*r)["state"], "alive") << "expired at once: " << r->dump();
+    }
+  }
+
+  Clock::time_point seen;
+  const json expired = poll_ledger(state_is(kGpuA, 21, "EXPIRED"), kLeaseMs + 20000, &seen);
+  const auto latency = ms_between(hung_at, seen);
+  std::cerr << "EXPIRED seen " << latency << " ms after the last renewal (lease " << kLeaseMs
+            << " ms, liveness " << kLivenessMs << " ms, " << renewals << " renewals)\n";
+  const json* a = find_gpu(expired, kGpuA);
+  ASSERT_NE(a, nullptr) << expired.dump();
+  const json* r = find_reservation(*a, 21);
+  ASSERT_NE(r, nullptr) << expired.dump();
+  ASSERT_EQ((*r)["state"], "EXPIRED") << r->dump();
+  EXPECT_EQ((*r)["expired"], true) << r->dump();
+  EXPECT_EQ((*r)["holder_alive"], true) << r->dump();  // hung, not dead: not LEAKED
+  EXPECT_EQ((*r)["pid"], holder_pid) << r->dump();
+  EXPECT_EQ((*r)["lease_ms"], kLeaseMs) << r->dump();
+  EXPECT_EQ((*r)["lease_left_s"], 0.0) << r->dump();
+  EXPECT_EQ((*a)["expired_reservations"], 1) << a->dump();
+  EXPECT_EQ((*a)["leaked_reservations"], 0) << a->dump();
+  EXPECT_EQ((*a)["reserved_bytes"], kBytes) << a->dump();  // still reserved until cleaned up
+  EXPECT_LE(latency, kLeaseMs + 2 * kLivenessMs + 1000)
+      << "EXPIRED showed " << latency << " ms after the last renewal";
+  EXPECT_TRUE(holder->running()) << "the hung holder must still live";
+  EXPECT_EQ(anomaly("lease_expired"), 1u);
+  {
+    const json* row = find_row(*a, holder_pid);
+    ASSERT_NE(row, nullptr) << a->dump();
+    EXPECT_EQ((*row)["renews"], renewals) << row->dump();
+    EXPECT_EQ((*a)["operations"]["renew"], renewals) << a->dump();
+  }
+  const auto text = command(socket(), "ledger");
+  ASSERT_TRUE(text.has_value());
+  EXPECT_NE(text->find("| EXPIRED"), std::string::npos) << *text;
+  EXPECT_NE(text->find("Reservations: 1 (1 expired)"), std::string::npos) << *text;
+  EXPECT_NE(text->find("| Lease"), std::string::npos) << *text;
+
+  // Another process cleans it up while the holder lives: as another uid when root (anyone
+  // may clean up an expired lease), else as ours. The cleaner gets the credit.
+  pid_t cleaner = -1;
+  ASSERT_EQ(
+      run_as(root() ? kNobody : 0, {"cleanup", kGpuA, "21", std::to_string(holder_pid)}, cleaner),
+      0);
+  ASSERT_NE(cleaner, holder_pid);
+  const json cleaned = ledger();
+  a = find_gpu(cleaned, kGpuA);
+  ASSERT_NE(a, nullptr) << cleaned.dump();
+  EXPECT_EQ(find_reservation(*a, 21), nullptr) << cleaned.dump();
+  EXPECT_EQ((*a)["reserved_bytes"], 0) << a->dump();
+  EXPECT_EQ((*a)["expired_reservations"], 0) << a->dump();
+  EXPECT_EQ((*a)["operations"]["cleanup"], 1) << a->dump();
+  expect_row(*a, cleaner, {0, 0, 1});
+  expect_row(*a, holder_pid, {1, 0, 0});
+  EXPECT_EQ(anomaly("lease_expired"), 1u);
+  EXPECT_EQ(anomaly("cleanup_refused"), root() ? 1u : 0u);
+  EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 0u);
+
+  EXPECT_TRUE(holder->running());
+  EXPECT_EQ(holder->finish(), 0);
+}
+
+TEST_F(LedgerLeaseIntegration, RenewalAfterExpiryRevivesTheReservation) {
+  constexpr int kLeaseMs = 1000;
+  auto holder = lease(kGpuB, 31, kGiB, "slow", kLeaseMs, /*heartbeat_ms=*/0);
+  ASSERT_TRUE(holder->expect_line("ready"));
+  const json expired = poll_ledger(state_is(kGpuB, 31, "EXPIRED"), kLeaseMs + 20000);
+  const json* r = reservation(expired, kGpuB, 31);
+  ASSERT_NE(r, nullptr) << expired.dump();
+  ASSERT_EQ((*r)["state"], "EXPIRED") << r->dump();
+  EXPECT_EQ(anomaly("lease_expired"), 1u);
+
+  // It was slow, not hung: its renewal revives the entry, with the new lease.
+  ASSERT_TRUE(holder->send("renew " + kGpuB + " 31 60000"));
+  ASSERT_TRUE(holder->expect_line("renewed"));
+  json view = ledger();
+  const json* b = find_gpu(view, kGpuB);
+  ASSERT_NE(b, nullptr) << view.dump();
+  r = find_reservation(*b, 31);
+  ASSERT_NE(r, nullptr) << view.dump();
+  EXPECT_EQ((*r)["state"], "alive") << r->dump();
+  EXPECT_EQ((*r)["expired"], false) << r->dump();
+  EXPECT_EQ((*r)["holder_alive"], true) << r->dump();
+  EXPECT_EQ((*r)["lease_ms"], 60000) << r->dump();
+  EXPECT_GT((*r)["lease_left_s"].get<double>(), 30.0) << r->dump();
+  EXPECT_EQ((*b)["expired_reservations"], 0) << b->dump();
+  EXPECT_EQ((*b)["operations"]["renew"], 1) << b->dump();
+  const json* row = find_row(*b, holder->pid());
+  ASSERT_NE(row, nullptr) << b->dump();
+  EXPECT_EQ((*row)["renews"], 1) << row->dump();
+  EXPECT_EQ(anomaly("lease_expired"), 1u);  // its expiry stays counted
+  const auto text = command(socket(), "ledger");
+  ASSERT_TRUE(text.has_value());
+  EXPECT_EQ(text->find("EXPIRED"), std::string::npos) << *text;
+
+  // Liveness ticks come and go: the renewed lease holds (60 s), nothing more expires.
+  std::this_thread::sleep_for(milliseconds(3 * kLivenessMs));
+  view = ledger();
+  r = reservation(view, kGpuB, 31);
+  ASSERT_NE(r, nullptr) << view.dump();
+  EXPECT_EQ((*r)["state"], "alive") << r->dump();
+  EXPECT_EQ(anomaly("lease_expired"), 1u);
+
+  ASSERT_TRUE(holder->release(kGpuB, 31));
+  view = ledger();
+  b = find_gpu(view, kGpuB);
+  ASSERT_NE(b, nullptr) << view.dump();
+  EXPECT_EQ(find_reservation(*b, 31), nullptr) << view.dump();
+  EXPECT_EQ(holder->finish(), 0);
+}
+
+// The snapshot's reservation `id` (anywhere in the document), or nullptr.
+const json* find_in_snapshot(const json& doc, std::uint64_t id) {
+  if (doc.is_object()) {
+    if (doc.contains("id") && doc["id"] == id && doc.contains("lease_ms")) return &doc;
+    for (const auto& [key, value] : doc.items()) {
+      if (const json* found = find_in_snapshot(value, id)) return found;
+    }
+  } else if (doc.is_array()) {
+    for (const auto& value : doc) {
+      if (const json* found = find_in_snapshot(value, id)) return found;
+    }
+  }
+  return nullptr;
+}
+
+TEST_F(LedgerLeaseIntegration, LeaseIsKeptAcrossADaemonRestart) {
+  constexpr int kLeaseMs = 4000;
+  auto holder = lease(kGpuA, 41, 2 * kGiB + 41, "restarted", kLeaseMs, /*heartbeat_ms=*/0);
+  ASSERT_TRUE(holder->expect_line("ready"));
+  const auto reserved_at = Clock::now();
+  // Part of the lease passes before the restart, so its first deadline comes well before
+  // the one the restart gives it (one more lease from the restart).
+  std::this_thread::sleep_for(milliseconds(1500));
+  ASSERT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+  // A host too loaded to stop the daemon within the lease says nothing about leases.
+  if (ms_between(reserved_at, Clock::now()) >= kLeaseMs) {
+    GTEST_SKIP() << "the daemon took longer than the lease to stop; the lease may have "
+                    "passed before the snapshot";
+  }
+  const std::string snapshot = state_dir() + "/steptraced.snapshot.json";
+  ASSERT_TRUE(std::filesystem::exists(snapshot));
+  {
+    std::ifstream in(snapshot);
+    const json doc = json::parse(in, nullptr, false);
+    ASSERT_FALSE(doc.is_discarded()) << snapshot;
+    const json* saved = find_in_snapshot(doc, 41);
+    ASSERT_NE(saved, nullptr) << doc.dump();
+    EXPECT_EQ((*saved)["lease_ms"], kLeaseMs) << saved->dump();
+    EXPECT_EQ((*saved)["expired"], false) << saved->dump();
+  }
+
+  const auto restarted_at = Clock::now();
+  ASSERT_NO_FATAL_FAILURE(start_daemon());
+  // Restored with its lease, and not expired at once.
+  const json view = ledger();
+  const json* a = find_gpu(view, kGpuA);
+  ASSERT_NE(a, nullptr) << view.dump();
+  const json* r = find_reservation(*a, 41);
+  ASSERT_NE(r, nullptr) << view.dump();
+  EXPECT_EQ((*r)["pid"], holder->pid()) << r->dump();
+  EXPECT_EQ((*r)["bytes"], 2 * kGiB + 41) << r->dump();
+  EXPECT_EQ((*r)["task"], "restarted") << r->dump();
+  EXPECT_EQ((*r)["lease_ms"], kLeaseMs) << r->dump();
+  EXPECT_EQ((*r)["holder_alive"], true) << r->dump();
+  EXPECT_EQ((*r)["expired"], false) << r->dump();
+  EXPECT_EQ((*r)["state"], "alive") << r->dump();
+  EXPECT_GT((*r)["lease_left_s"].get<double>(), 0.0) << r->dump();
+  EXPECT_EQ((*a)["expired_reservations"], 0) << a->dump();
+  EXPECT_EQ(anomaly("lease_expired"), 0u);
+
+  // Nobody renews it: it expires, but no sooner than one lease after the restart (its
+  // deadline before the restart was 1.5 s earlier than that at least).
+  Clock::time_point seen;
+  const json expired = poll_ledger(state_is(kGpuA, 41, "EXPIRED"), kLeaseMs + 20000, &seen);
+  r = reservation(expired, kGpuA, 41);
+  ASSERT_NE(r, nullptr) << expired.dump();
+  ASSERT_EQ((*r)["state"], "EXPIRED") << r->dump();
+  const auto after_restart = ms_between(restarted_at, seen);
+  std::cerr << "EXPIRED seen " << after_restart << " ms after the restart began ("
+            << ms_between(reserved_at, seen) << " ms after the reservation, lease " << kLeaseMs
+            << " ms)\n";
+  EXPECT_GE(after_restart, kLeaseMs);
+  EXPECT_EQ(anomaly("lease_expired"), 1u);
+
+  // The restored entry is live: its holder, reconnected, releases it.
+  ASSERT_TRUE(holder->release(kGpuA, 41));
+  const json released = ledger();
+  a = find_gpu(released, kGpuA);
+  ASSERT_NE(a, nullptr) << released.dump();
+  EXPECT_EQ(find_reservation(*a, 41), nullptr) << released.dump();
+  EXPECT_EQ(holder->finish(), 0);
 }
 
 }  // namespace

@@ -9,19 +9,32 @@
 //   ledger_worker SOCKET cleanup GPU ID HOLDER_PID
 //   ledger_worker SOCKET sample GPU FREE_BYTES TOTAL_BYTES
 //   ledger_worker SOCKET anomalies GPU HELD_ID         the fixed set of anomalies below
+//   ledger_worker SOCKET lease GPU ID BYTES TASK LEASE_MS HEARTBEAT_MS
+//       reserve with a lease of LEASE_MS (steptrace_ledger_reserve_lease), print "ready",
+//       then renew it for LEASE_MS every HEARTBEAT_MS (a trainer's heartbeat; 0: never)
+//       while serving stdin until EOF (or a kill):
+//       "hang" stops the heartbeat, flushes and prints "hung N" (N renewals sent so far):
+//           from then on the process lives on but renews nothing (it hangs);
+//       "renew GPU ID LEASE_MS" renews once and prints "renewed";
+//       "release GPU ID" releases and prints "released"
 //
 // Every command ends with steptrace_flush, so when the process has printed its line or
 // exited 0 the daemon has applied everything it recorded. Exit status: 0 success, 2 no
 // daemon or a flush failed, 3 something was dropped, 64 usage.
+#include <poll.h>
 #include <steptrace/steptrace.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -40,7 +53,8 @@ const std::string kOverLong(80, 'x');
 }
 
 [[noreturn]] void usage() {
-  fail("usage: ledger_worker SOCKET reserve|hold|release|cleanup|sample|anomalies ARGS...", 64);
+  fail("usage: ledger_worker SOCKET reserve|hold|lease|release|cleanup|sample|anomalies ARGS...",
+       64);
 }
 
 std::uint64_t number(std::string_view text) {
@@ -73,6 +87,94 @@ void say(const std::string& line) {
     const ssize_t n = ::write(STDOUT_FILENO, out.data() + done, out.size() - done);
     if (n <= 0) fail("cannot write to stdout", 2);
     done += static_cast<std::size_t>(n);
+  }
+}
+
+// Lines from stdin, read with poll so that a heartbeat can run while none arrives.
+class StdinLines {
+ public:
+  // The next line (without its newline), or nullopt at end of input; while waiting,
+  // calls `tick` every `tick_ms` (0: never).
+  std::optional<std::string> next(int tick_ms, const std::function<void()>& tick) {
+    auto next_tick = Clock::now() + std::chrono::milliseconds(tick_ms);
+    for (;;) {
+      if (const auto nl = pending_.find('\n'); nl != std::string::npos) {
+        std::string line = pending_.substr(0, nl);
+        pending_.erase(0, nl + 1);
+        return line;
+      }
+      if (eof_) return std::nullopt;
+      int timeout = -1;
+      if (tick_ms > 0) {
+        const auto now = Clock::now();
+        if (now >= next_tick) {
+          tick();
+          next_tick = now + std::chrono::milliseconds(tick_ms);
+          continue;
+        }
+        timeout = static_cast<int>(
+            std::chrono::duration_cast<std::chrono::milliseconds>(next_tick - now).count() + 1);
+      }
+      pollfd p{STDIN_FILENO, POLLIN, 0};
+      const int ready = ::poll(&p, 1, timeout);
+      if (ready < 0 && errno != EINTR) fail("poll on stdin failed", 2);
+      if (ready <= 0) continue;
+      char buf[256];
+      const ssize_t n = ::read(STDIN_FILENO, buf, sizeof buf);
+      if (n == 0) eof_ = true;
+      if (n < 0 && errno != EINTR) fail("cannot read stdin", 2);
+      if (n > 0) pending_.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+
+ private:
+  std::string pending_;
+  bool eof_ = false;
+};
+
+std::uint32_t lease_ms(std::string_view text) {
+  const std::uint64_t value = number(text);
+  if (value > UINT32_MAX) usage();
+  return static_cast<std::uint32_t>(value);
+}
+
+// `lease`: reserve with a lease, renew it on a heartbeat until told to hang.
+void lease(char** args) {
+  const std::string gpu = args[0];
+  const std::uint64_t id = number(args[1]);
+  const std::uint32_t lease = lease_ms(args[4]);
+  int heartbeat_ms = static_cast<int>(std::min<std::uint64_t>(number(args[5]), 3600000));
+  steptrace_ledger_reserve_lease(gpu.c_str(), id, number(args[2]), args[3], lease);
+  flush_or_die();
+  say("ready");
+  std::uint64_t renewals = 0;
+  const auto heartbeat = [&] {
+    steptrace_ledger_renew(gpu.c_str(), id, lease);
+    ++renewals;
+  };
+  StdinLines lines;
+  while (const auto line = lines.next(heartbeat_ms, heartbeat)) {
+    std::istringstream in(*line);
+    std::string verb;
+    std::string req_gpu;
+    std::string req_id;
+    std::string req_lease;
+    in >> verb;
+    if (verb == "hang") {
+      heartbeat_ms = 0;
+      flush_or_die();
+      say("hung " + std::to_string(renewals));
+    } else if (verb == "renew" && (in >> req_gpu >> req_id >> req_lease)) {
+      steptrace_ledger_renew(req_gpu.c_str(), number(req_id), lease_ms(req_lease));
+      flush_or_die();
+      say("renewed");
+    } else if (verb == "release" && (in >> req_gpu >> req_id)) {
+      steptrace_ledger_release(req_gpu.c_str(), number(req_id));
+      flush_or_die();
+      say("released");
+    } else {
+      fail("bad request: " + *line, 64);
+    }
   }
 }
 
@@ -116,6 +218,8 @@ int main(int argc, char** argv) {
   } else if (command == "sample" && nargs == 3) {
     steptrace_vram_sample(args[0], number(args[1]), number(args[2]));
     flush_or_die();
+  } else if (command == "lease" && nargs == 6) {
+    lease(args);
   } else if (command == "anomalies" && nargs == 2) {
     // Each record is an anomaly that must change nothing in the view but its counts:
     //   unknown_release, unknown_cleanup, duplicate_reservation, zero_byte_reserve,
