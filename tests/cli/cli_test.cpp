@@ -50,6 +50,24 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// In a forked child: sets (NAME=VALUE) or unsets (NAME) the variables of `env`, then
+// execs argv; never returns (127 when exec fails).
+[[noreturn]] void exec_child(std::vector<std::string>& argv, const std::vector<std::string>& env) {
+  for (const auto& e : env) {
+    const auto eq = e.find('=');
+    if (eq == std::string::npos) {
+      ::unsetenv(e.c_str());
+    } else {
+      ::setenv(e.substr(0, eq).c_str(), e.substr(eq + 1).c_str(), 1);
+    }
+  }
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  ::execv(args[0], args.data());
+  std::_Exit(127);
+}
+
 // fork/exec argv with stdout and stderr captured in files of `dir`; `env` entries
 // ("NAME=value", or "NAME" alone to unset) adjust this process's environment.
 Output run(const TempDir& dir, std::vector<std::string> argv,
@@ -63,19 +81,7 @@ Output run(const TempDir& dir, std::vector<std::string> argv,
     if (out < 0 || err < 0) std::_Exit(126);
     ::dup2(out, STDOUT_FILENO);
     ::dup2(err, STDERR_FILENO);
-    for (const auto& e : env) {
-      const auto eq = e.find('=');
-      if (eq == std::string::npos) {
-        ::unsetenv(e.c_str());
-      } else {
-        ::setenv(e.substr(0, eq).c_str(), e.substr(eq + 1).c_str(), 1);
-      }
-    }
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    std::_Exit(127);
+    exec_child(argv, env);
   }
   Output result;
   result.status = steptrace::testing::wait_process(pid, timeout_ms);
@@ -97,19 +103,7 @@ pid_t spawn_with_stdout(std::vector<std::string> argv, int out_fd, const std::st
     const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (err < 0 || ::dup2(out_fd, STDOUT_FILENO) < 0) std::_Exit(126);
     ::dup2(err, STDERR_FILENO);
-    for (const auto& e : env) {
-      const auto eq = e.find('=');
-      if (eq == std::string::npos) {
-        ::unsetenv(e.c_str());
-      } else {
-        ::setenv(e.substr(0, eq).c_str(), e.substr(eq + 1).c_str(), 1);
-      }
-    }
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    std::_Exit(127);
+    exec_child(argv, env);
   }
   return pid;
 }
