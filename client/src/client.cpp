@@ -44,6 +44,22 @@ bool env_true(const char* name) {
   return s == "1" || s == "true" || s == "yes" || s == "on";
 }
 
+bool env_false(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return false;
+  const std::string_view s(v);
+  return s == "0" || s == "false" || s == "no" || s == "off";
+}
+
+// An explicit path, else $STEPTRACE_SOCKET, else the default.
+std::string socket_path_for(const char* socket_path) {
+  if (socket_path != nullptr && socket_path[0] != '\0') return socket_path;
+  if (const char* env = std::getenv("STEPTRACE_SOCKET"); env != nullptr && env[0] != '\0') {
+    return env;
+  }
+  return STEPTRACE_DEFAULT_SOCKET;
+}
+
 void on_thread_exit(void* p) {
   auto* ring = static_cast<EventRing*>(p);
   if (t_ring == ring) t_ring = nullptr;
@@ -68,6 +84,7 @@ EventRing* first_event() noexcept {
   try {
     Client& client = Client::get();
     client.restart_after_fork_if_needed();
+    client.auto_connect_if_needed();
     EventRing* ring = client.create_ring();
     t_ring = ring;
     return ring;
@@ -102,6 +119,9 @@ Client& Client::get() {
 
 Client::Client() : thread_key_(on_thread_exit) {
   env_disabled_ = env_true("STEPTRACE_DISABLE");
+  s_.quiet = env_true("STEPTRACE_QUIET");
+  auto_pending_.store(!env_disabled_ && !env_false("STEPTRACE_AUTOCONNECT"),
+                      std::memory_order_relaxed);
   g_block_when_full.store(env_true("STEPTRACE_BLOCK_WHEN_FULL"), std::memory_order_relaxed);
   const BufferSizes sizes = buffer_sizes_from_env(std::getenv("STEPTRACE_BUFFER_BYTES"),
                                                   std::getenv("STEPTRACE_BUFFER_TOTAL_BYTES"));
@@ -227,42 +247,61 @@ void Client::ring_full(EventRing* ring, std::uint64_t ticks, std::uint64_t meta)
 int Client::connect(const char* socket_path) {
   restart_after_fork_if_needed();
   std::lock_guard lock(control_mu_);
+  auto_pending_.store(false, std::memory_order_relaxed);  // the program decides now
   if (env_disabled_) return 0;  // STEPTRACE_DISABLE=1: no thread, no connection
-  std::string path;
-  if (socket_path != nullptr && socket_path[0] != '\0') {
-    path = socket_path;
-  } else if (const char* env = std::getenv("STEPTRACE_SOCKET"); env != nullptr && env[0]) {
-    path = env;
-  } else {
-    path = STEPTRACE_DEFAULT_SOCKET;
-  }
+  const std::string path = socket_path_for(socket_path);
   lifecycle_ = Lifecycle::kRunning;
   update_mode_locked();
   if (flusher_ && flusher_->socket_path() == path && s_.connected.load()) return 0;
   stop_flusher_locked(0);
   UniqueFd fd;
   const int rc = connect_unix_socket(path, fd);
+  // On failure the flusher's own first attempt (at once) prints the first-contact
+  // notice, from its thread.
+  start_flusher_locked(path, std::move(fd));
+  return rc;
+}
+
+void Client::start_flusher_locked(const std::string& path, UniqueFd fd) {
   flusher_ = std::make_unique<Flusher>(s_, path, std::move(fd));
   flusher_->start();
   flusher_running_.store(true, std::memory_order_release);
   socket_path_ = path;
-  return rc;
 }
 
-void Client::stop_flusher_locked(int flush_timeout_ms) {
-  if (!flusher_) return;
-  if (flush_timeout_ms > 0 && s_.connected.load(std::memory_order_acquire)) {
+void Client::auto_connect() noexcept {
+  try {
+    std::lock_guard lock(control_mu_);
+    if (!auto_pending_.exchange(false, std::memory_order_relaxed)) return;
+    if (env_disabled_ || lifecycle_ != Lifecycle::kIdle || flusher_) return;
+    lifecycle_ = Lifecycle::kRunning;
+    update_mode_locked();
+    // No connect here: the flusher connects in the background, with its backoff.
+    start_flusher_locked(socket_path_for(nullptr), UniqueFd());
+  } catch (...) {
+  }
+}
+
+bool Client::stop_flusher_locked(int flush_timeout_ms) {
+  if (!flusher_) return false;
+  // Also when not connected right now (an auto-connect still on its first attempt, a
+  // daemon restarting): the flush makes one immediate connection attempt and returns
+  // -ENOTCONN at once when it fails.
+  if (flush_timeout_ms > 0 && flusher_running_.load(std::memory_order_acquire)) {
     flush_impl(flush_timeout_ms);
   }
+  const bool connected = s_.connected.load(std::memory_order_acquire);
   flusher_running_.store(false, std::memory_order_release);
   flusher_->stop();
   flusher_.reset();
   std::lock_guard lock(s_.flush.mu);
   s_.flush.fail_all_locked(-ENOTCONN);
+  return connected;
 }
 
 std::uint32_t Client::register_step(const char* name) {
   restart_after_fork_if_needed();
+  auto_connect_if_needed();
   if (name == nullptr) return kInvalidStep;
   const std::uint32_t id = s_.steps.register_step(name);
   if (id != kInvalidStep) g_custom_steps.store(s_.steps.count(), std::memory_order_release);
@@ -279,6 +318,7 @@ void Client::ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t rese
     s_.count_drops(proto::DropCause::kNotConnected);
     return;
   }
+  auto_connect_if_needed();
   auto record = make_ledger_record(op, gpu_uuid, task, read_clock(), current_tid());
   const bool leased = op == proto::LedgerOp::kReserveLease || op == proto::LedgerOp::kRenew;
   // total_bytes carries the lease of those two ops.
@@ -355,6 +395,7 @@ void Client::set_block_when_full(bool on) {
 
 void Client::shutdown(int flush_timeout_ms) {
   std::lock_guard lock(control_mu_);
+  auto_pending_.store(false, std::memory_order_relaxed);
   stop_flusher_locked(flush_timeout_ms);
   restart_pending_.store(false, std::memory_order_relaxed);
   lifecycle_ = Lifecycle::kStopped;
@@ -366,8 +407,11 @@ void Client::at_exit() noexcept {
     // Never hang exit: give up on the lock if some thread holds it for long.
     std::unique_lock lock(control_mu_, std::defer_lock);
     if (!lock.try_lock_for(std::chrono::milliseconds(kExitFlushMs))) return;
-    const bool was_connected = s_.connected.load(std::memory_order_acquire);
-    stop_flusher_locked(kExitFlushMs);
+    auto_pending_.store(false, std::memory_order_relaxed);
+    bool was_connected = s_.connected.load(std::memory_order_acquire);
+    // An auto-connected process gets the same final flush: it waits for the connection
+    // the flusher may still be making.
+    was_connected = stop_flusher_locked(kExitFlushMs) || was_connected;
     restart_pending_.store(false, std::memory_order_relaxed);
     lifecycle_ = Lifecycle::kStopped;
     update_mode_locked();

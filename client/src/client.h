@@ -7,7 +7,9 @@
 // event of a thread takes the slow path (first_event): it maps the thread's ring (its
 // size from the budget, ring_budget.h), registers it under the registry mutex and arms a
 // pthread key whose destructor hands the ring to the flusher when the thread exits
-// (drained, then freed: nothing lost). A thread the budget has no room for gets
+// (drained, then freed: nothing lost); in a process that never called connect or
+// shutdown it also starts the auto-connect (Client::auto_connect_if_needed: the flusher,
+// which connects in the background). A thread the budget has no room for gets
 // no_ring(), a ring of capacity 0 that is always full. Other slow paths (push_slow):
 // the push that reaches the ring's high-water mark wakes the flusher (one eventfd
 // write), and a full ring drops and counts (or, opt-in, waits a bounded time).
@@ -90,6 +92,14 @@ class Client {
   static EventRing* no_ring() noexcept;
 
   int connect(const char* socket_path);
+  // Auto-connect (issue 12): on a thread's first event, the first ledger call or the
+  // first register_step of a process that never called connect or shutdown, start the
+  // flusher with no connection (it connects itself, with backoff, off the caller's
+  // thread) to $STEPTRACE_SOCKET or the default path. STEPTRACE_AUTOCONNECT=0 and
+  // STEPTRACE_DISABLE=1 turn it off. One relaxed load once the decision is made.
+  void auto_connect_if_needed() noexcept {
+    if (auto_pending_.load(std::memory_order_relaxed)) auto_connect();
+  }
   std::uint32_t register_step(const char* name);
   void ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t reservation_id,
               std::uint64_t bytes, std::uint64_t total_bytes, std::uint32_t holder_pid,
@@ -118,7 +128,10 @@ class Client {
   Client();
   enum class Lifecycle { kIdle, kRunning, kStopped };
   void update_mode_locked();
-  void stop_flusher_locked(int flush_timeout_ms);
+  // Returns whether the daemon was connected at the end of the final flush.
+  bool stop_flusher_locked(int flush_timeout_ms);
+  void auto_connect() noexcept;
+  void start_flusher_locked(const std::string& path, UniqueFd fd);
   int flush_impl(int timeout_ms);
   void restart_after_fork() noexcept;
   // At exit, after the flusher stopped: counts what is still buffered as dropped.
@@ -137,6 +150,8 @@ class Client {
   bool env_disabled_ = false;
   bool user_enabled_ = true;
   std::atomic<bool> restart_pending_{false};
+  // True while an auto-connect may still happen (lifecycle kIdle, not disabled).
+  std::atomic<bool> auto_pending_{false};
 };
 
 }  // namespace steptrace::client

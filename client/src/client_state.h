@@ -117,6 +117,10 @@ struct ClientState {
   // daemon answered a hello with ErrorCode::kUnsupportedVersion, down to 1; it never goes
   // up again (PROTOCOL.md section 6).
   std::atomic<std::uint16_t> protocol_version{proto::kProtocolVersion};
+  // STEPTRACE_QUIET=1 (read at load): no first-contact notice on stderr.
+  bool quiet = false;
+  // The first-contact notice was printed (or is being): never again in this process.
+  std::atomic<bool> notice_printed{false};
 
   void wake() noexcept;
   // `fd` is the wake eventfd from now on; the previous one is closed.

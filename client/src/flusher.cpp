@@ -42,6 +42,23 @@ std::string process_name() {
 
 }  // namespace
 
+std::string first_contact_notice(const std::string& path, int error) {
+  char buf[256];
+  const char* reason = ::strerror_r(error, buf, sizeof buf);  // GNU: returns the text
+  std::string text = "steptrace: cannot connect to " + path + ": " + reason;
+  if (error == ENOENT || error == ECONNREFUSED) {
+    text +=
+        " \u2014 no daemon listening there \u2014 is steptraced running? STEPTRACE_SOCKET "
+        "sets another path";
+  } else if (error == EACCES || error == EPERM) {
+    text += " \u2014 is this user in the steptrace group?";
+  }
+  text +=
+      " (events are counted as dropped until the daemon is reachable; STEPTRACE_QUIET=1 "
+      "silences this)\n";
+  return text;
+}
+
 int connect_unix_socket(const std::string& path, UniqueFd& fd) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -132,9 +149,16 @@ void Flusher::close_connection(bool lost) {
 void Flusher::try_connect() {
   assert(thread_owner_.is_caller());
   UniqueFd fd;
-  if (connect_unix_socket(path_, fd) == 0) {
+  const int rc = connect_unix_socket(path_, fd);
+  if (rc == 0) {
     on_connected(std::move(fd));
     return;
+  }
+  // First contact failed: say so once per process (not per reconnect), from here, the
+  // flusher thread, never from a trainer's.
+  if (!s_.quiet && !s_.notice_printed.exchange(true, std::memory_order_relaxed)) {
+    const std::string text = first_contact_notice(path_, -rc);
+    [[maybe_unused]] const ssize_t w = ::write(STDERR_FILENO, text.data(), text.size());
   }
   next_attempt_ = Clock::now() + backoff_;
   backoff_ = std::min(backoff_ * 2, kMaxBackoff);

@@ -34,6 +34,11 @@
 // steptrace_flush while disconnected gets one immediate connection attempt; when it
 // fails the call returns -ENOTCONN at once. FlushAck/Error frames are read with
 // proto::Decoder(Side::kClient). Nothing here ever blocks a trainer thread.
+//
+// First contact: the first failed connection attempt of the process (whoever started
+// the flusher: steptrace_connect or the auto-connect) prints one line on stderr naming
+// the path and the likely fix (first_contact_notice), never again in the process, and
+// not with STEPTRACE_QUIET=1 (ClientState::quiet).
 #pragma once
 
 #include <atomic>
@@ -60,6 +65,10 @@ inline constexpr std::uint64_t kOwnFlushBit = std::uint64_t{1} << 63;
 // Opens a non-blocking, close-on-exec stream socket connected to `path`. 0 and the socket
 // in `fd`, or -errno (`fd` unchanged).
 int connect_unix_socket(const std::string& path, UniqueFd& fd);
+
+// The one-line stderr notice (with its newline) the flusher prints, once per process
+// and unless STEPTRACE_QUIET=1, when its first connection attempt fails with `error`.
+std::string first_contact_notice(const std::string& path, int error);
 
 class Flusher {
  public:

@@ -5,12 +5,18 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
 namespace {
 
 static_assert(__cplusplus == 201703L, "this test checks that the public headers are C++17");
+
+// The first event auto-connects to $STEPTRACE_SOCKET (read then): an absent path, so a
+// daemon running on this machine never gets these events and "no daemon" holds.
+[[maybe_unused]] const int kAbsentSocketEnv =
+    ::setenv("STEPTRACE_SOCKET", "/nonexistent-steptrace-dir/steptraced.sock", 1);
 
 // steptrace_dropped() counts for the whole process, and each thread's ring keeps what it
 // recorded (no daemon drains it): each test records on a fresh thread, with an empty

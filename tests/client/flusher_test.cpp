@@ -29,9 +29,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// A test's first event auto-connects to $STEPTRACE_SOCKET (read then): an absent path
+// unless the test sets another, so no daemon running on this machine gets the events.
+[[maybe_unused]] const int kAbsentSocketEnv =
+    ::setenv("STEPTRACE_SOCKET", "/nonexistent-steptrace-dir/steptraced.sock", 1);
+
 class FakeDaemon {
  public:
-  FakeDaemon() : path_(dir_.file("d.sock")) {
+  // Listens on `path`, by default a fresh one.
+  explicit FakeDaemon(std::string path = "")
+      : path_(path.empty() ? dir_.file("d.sock") : std::move(path)) {
     listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
@@ -191,6 +198,41 @@ TEST(Flusher, EventsFollowOnlyOnceTheDaemonAcknowledgedTheHello) {
   const Seen seen = read_until(daemon, [](const Seen& s) { return s.events >= 100; });
   EXPECT_EQ(seen.events, 100u);
   EXPECT_EQ(seen.by_cause_frames, 0);  // nothing was dropped: no report
+  EXPECT_EQ(steptrace_dropped(), 0u);
+}
+
+// Auto-connect: the first event starts the flusher with no connection; it keeps trying
+// with its backoff and reaches a daemon that starts listening later. Nothing is lost.
+TEST(Flusher, AutoConnectReachesADaemonThatAppearsLater) {
+  steptrace::testing::TempDir dir;
+  const std::string path = dir.file("late.sock");
+  ASSERT_EQ(::setenv("STEPTRACE_SOCKET", path.c_str(), 1), 0);
+  const auto t0 = Clock::now();
+  spans(STEPTRACE_FORWARD, 50);  // no steptrace_connect anywhere
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(500));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // attempts fail meanwhile
+  FakeDaemon daemon(path);
+  ASSERT_TRUE(daemon.accept_connection(3000));  // the backoff is at most 1 s
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  const Seen seen = read_until(daemon, [](const Seen& s) { return s.events >= 100; });
+  EXPECT_EQ(seen.events, 100u);
+  EXPECT_EQ(steptrace_dropped(), 0u);
+}
+
+// A steptrace_connect after an auto-connect, to another path, switches to it.
+TEST(Flusher, ExplicitConnectAfterAutoConnectSwitches) {
+  FakeDaemon first;
+  FakeDaemon second;
+  ASSERT_EQ(::setenv("STEPTRACE_SOCKET", first.path().c_str(), 1), 0);
+  spans(STEPTRACE_FORWARD, 10);
+  ASSERT_TRUE(first.accept_connection(3000));
+  ASSERT_EQ(first.handshake(), proto::kProtocolVersion);
+  EXPECT_EQ(read_until(first, [](const Seen& s) { return s.events >= 20; }).events, 20u);
+  ASSERT_EQ(steptrace_connect(second.path().c_str()), 0);
+  ASSERT_TRUE(second.accept_connection(3000));
+  ASSERT_EQ(second.handshake(), proto::kProtocolVersion);
+  spans(STEPTRACE_BACKWARD, 5);
+  EXPECT_EQ(read_until(second, [](const Seen& s) { return s.events >= 10; }).events, 10u);
   EXPECT_EQ(steptrace_dropped(), 0u);
 }
 

@@ -510,5 +510,107 @@ TEST_P(ClientIntegration, CProgramRoundTrip) {
 INSTANTIATE_TEST_SUITE_P(Clocks, ClientIntegration,
                          ::testing::Values("default", "monotonic", "tsc"));
 
+// Auto-connect (issue 12): programs that never call steptrace_connect, pointed at the
+// daemon by $STEPTRACE_SOCKET.
+class AutoConnect : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<DaemonProcess>(socket());
+    ASSERT_TRUE(daemon_->start()) << daemon_->log();
+  }
+  std::string socket() const { return dir_.file("d.sock"); }
+  std::string out(const std::string& name) const { return dir_.file(name); }
+  int run_trainer(std::vector<std::string> args, std::vector<std::string> env = {}) const {
+    args.insert(args.begin(), STEPTRACE_TEST_TRAINER);
+    env.push_back("STEPTRACE_SOCKET=" + socket());
+    env.push_back("STEPTRACE_QUIET=1");
+    return run_process(args, env, 60000);
+  }
+  // Whether the daemon ever saw process `pid`.
+  bool daemon_knows(long long pid) const {
+    const auto reply = command(socket(), "report --json");
+    EXPECT_TRUE(reply.has_value());
+    if (!reply) return false;
+    const auto doc = nlohmann::json::parse(*reply, nullptr, false);
+    EXPECT_FALSE(doc.is_discarded()) << *reply;
+    if (doc.is_discarded()) return false;
+    for (const auto& p : doc.at("processes")) {
+      if (p.at("pid").get<long long>() == pid) return true;
+    }
+    return false;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(AutoConnect, SpansOfAProgramThatNeverConnectsArriveExactly) {
+  // "nowhere" is argv's socket, unused: the library finds the daemon by itself.
+  ASSERT_EQ(run_trainer({"auto", "nowhere", out("a"), "3000"}), 0);
+  const Values v = wait_values(out("a"));
+  EXPECT_EQ(v.at("flush_rc"), 0);  // the flush waited for the background connection
+  EXPECT_EQ(v.at("dropped"), 0);
+  expect_causes_add_up(v);
+  const auto proc = process_report(socket(), v.at("pid"));
+  EXPECT_EQ(step_count(proc, "Forward"), 3000);
+  EXPECT_EQ(step_count(proc, "Tokenize"), 3000);
+  EXPECT_EQ(step_count(proc, "Forward", "open"), 0);
+  EXPECT_EQ(dropped_of(proc), 0);
+}
+
+// No flush at all: the at-exit flush of an auto-connected process delivers everything.
+TEST_F(AutoConnect, AtExitFlushDeliversWithoutAnyFlushCall) {
+  ASSERT_EQ(run_trainer({"auto", "nowhere", out("x"), "500", "0"}), 0);
+  const Values v = wait_values(out("x"));
+  EXPECT_EQ(v.at("dropped"), 0);
+  const auto proc = process_report(socket(), v.at("pid"));
+  EXPECT_EQ(step_count(proc, "Forward"), 500);
+  EXPECT_EQ(step_count(proc, "Tokenize"), 500);
+  EXPECT_EQ(dropped_of(proc), 0);
+}
+
+TEST_F(AutoConnect, RecordingAloneStartsTheFlusherAndConnects) {
+  ASSERT_EQ(run_trainer({"noconnect", "nowhere", out("n"), "200"}), 0);
+  const Values v = wait_values(out("n"));
+  EXPECT_EQ(v.at("threads"), 2);  // main + the flusher
+  EXPECT_EQ(v.at("flush_rc"), 0);
+  EXPECT_EQ(v.at("dropped"), 0);
+  const auto proc = process_report(socket(), v.at("pid"));
+  EXPECT_EQ(step_count(proc, "Forward"), v.at("spans"));
+}
+
+// The child of an auto-connected parent restarts its own flusher like after an
+// explicit connect: its own pid, nothing of the parent's sent twice.
+TEST_F(AutoConnect, ForkedChildOfAnAutoConnectedParent) {
+  ASSERT_EQ(run_trainer({"fork", "auto", out("f"), "1000"}), 0);
+  const Values v = wait_values(out("f"));
+  const auto parent = process_report(socket(), v.at("pid"));
+  const auto child = process_report(socket(), v.at("child"));
+  EXPECT_EQ(step_count(parent, "Forward"), 1100);
+  EXPECT_EQ(step_count(parent, "Backward"), 0);
+  EXPECT_EQ(step_count(child, "Backward"), 1000);
+  EXPECT_EQ(step_count(child, "Forward"), 0);
+  EXPECT_EQ(dropped_of(parent), 0);
+  EXPECT_EQ(dropped_of(child), 0);
+}
+
+// STEPTRACE_DISABLE=1 and STEPTRACE_AUTOCONNECT=0: no thread, no connection.
+TEST_F(AutoConnect, DisableAndOptOutStartNothing) {
+  for (const char* env : {"STEPTRACE_DISABLE=1", "STEPTRACE_AUTOCONNECT=0"}) {
+    SCOPED_TRACE(env);
+    const std::string file = out(env[10] == 'D' ? "d" : "o");
+    ASSERT_EQ(run_trainer({"noconnect", "nowhere", file, "200"}, {env}), 0);
+    const Values v = wait_values(file);
+    EXPECT_GT(v.at("spans"), 0);
+    EXPECT_EQ(v.at("threads"), 1);
+    EXPECT_EQ(v.at("flush_rc"), -ENOTCONN);  // at once: nothing was ever started
+    EXPECT_FALSE(daemon_knows(v.at("pid")));
+    if (env[10] == 'D') {
+      EXPECT_EQ(v.at("dropped"), 0);  // disabled records (and counts) nothing
+    }
+  }
+  EXPECT_EQ(events_received(socket()), 0);
+}
+
 }  // namespace
 }  // namespace steptrace::testing

@@ -4,6 +4,9 @@
 // fresh.
 #include <limits.h>
 #include <steptrace/steptrace.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +36,11 @@ constexpr std::uint64_t kRing = 262'144;
 constexpr std::uint64_t kKiB = 1024;
 constexpr std::uint64_t kMiB = 1024 * kKiB;
 constexpr const char* kAbsent = "/nonexistent-steptrace-dir/steptraced.sock";
+
+// The library connects by itself at the first event (auto-connect) to $STEPTRACE_SOCKET,
+// read then: point it at an absent path, so no daemon running on this machine at the
+// default path ever gets these tests' events. Set before main, before any event.
+[[maybe_unused]] const int kAbsentSocketEnv = ::setenv("STEPTRACE_SOCKET", kAbsent, 1);
 
 void spans(std::uint32_t step, int n) {
   for (int i = 0; i < n; ++i) {
@@ -67,7 +76,17 @@ TEST(NoDaemon, SpansBeforeConnectKeepWhatFitsAndCountTheRestAsNotConnected) {
   EXPECT_EQ(by_cause(STEPTRACE_DROP_NOT_CONNECTED), 400'000 - kRing);
   EXPECT_EQ(by_cause(STEPTRACE_DROP_BUFFER_FULL), 0u);
   expect_sum_of_causes();
-  EXPECT_EQ(steptrace_flush(10), -ENOTCONN);
+  // The first event auto-connected: the flush makes one attempt and fails at once.
+  const auto t0 = Clock::now();
+  EXPECT_EQ(steptrace_flush(10'000), -ENOTCONN);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
+}
+
+// A flush before anything started the flusher (no event, no connect) fails at once.
+TEST(NoDaemon, FlushBeforeAnyEventFailsAtOnce) {
+  const auto t0 = Clock::now();
+  EXPECT_EQ(steptrace_flush(10'000), -ENOTCONN);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
 }
 
 TEST(NoDaemon, AbsentDaemonConnectFailsAndNothingBlocks) {
@@ -258,8 +277,107 @@ int env_child_check() {
 }
 [[maybe_unused]] const int kEnvChild = env_child_check();
 
+// The first-contact notice: in a child run with $STEPTRACE_TEST_RECORD_MS set (stderr
+// captured with stdout by run_child), record spans for that long, never calling
+// steptrace_connect, across several reconnect attempts (10, 20, 40, 80 ms ...), then
+// exit. $STEPTRACE_TEST_AS_NOBODY=1: first drop to uid/gid 65534 (the test runs as
+// root, to whom socket permissions do not apply).
+int record_child() {
+  const char* ms = std::getenv("STEPTRACE_TEST_RECORD_MS");
+  if (ms == nullptr) return 0;
+  if (std::getenv("STEPTRACE_TEST_AS_NOBODY") != nullptr &&
+      (::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0)) {
+    std::printf("setresuid failed\n");
+    std::_Exit(3);
+  }
+  if (const char* path = std::getenv("STEPTRACE_TEST_SOCKET")) {
+    ::setenv("STEPTRACE_SOCKET", path, 1);
+  }
+  if (std::getenv("STEPTRACE_TEST_EXPLICIT") != nullptr) {
+    // Two failing explicit connects, each starting a new flusher: one notice.
+    const bool failed = steptrace_connect(nullptr) == -ENOENT;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const bool again = steptrace_connect(nullptr) == -ENOENT;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::printf("explicit connects failed: %d\n", failed && again ? 1 : 0);
+  }
+  const auto until = Clock::now() + std::chrono::milliseconds(std::atoi(ms));
+  while (Clock::now() < until) {
+    spans(STEPTRACE_FORWARD, 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::fflush(stdout);
+  std::_Exit(0);
+}
+[[maybe_unused]] const int kRecordChild = record_child();
+
+std::size_t occurrences(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+TEST(FirstContact, MissingSocketIsReportedOnceOnStderr) {
+  const std::string out = run_child("STEPTRACE_TEST_RECORD_MS=300");
+  EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
+  EXPECT_EQ(occurrences(out, "steptrace: cannot connect to"), 1u) << out;
+  EXPECT_EQ(occurrences(out, std::string("cannot connect to ") + kAbsent + ": "), 1u) << out;
+  EXPECT_NE(out.find("is steptraced running?"), std::string::npos) << out;
+  EXPECT_NE(out.find("STEPTRACE_QUIET=1"), std::string::npos) << out;
+}
+
+TEST(FirstContact, QuietSilencesTheNotice) {
+  const std::string out = run_child("STEPTRACE_QUIET=1 STEPTRACE_TEST_RECORD_MS=300");
+  EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
+  EXPECT_EQ(out.find("steptrace:"), std::string::npos) << out;
+}
+
+// An explicit steptrace_connect that fails gets the same notice, once, and a later
+// failing connect (or reconnect) does not repeat it.
+TEST(FirstContact, ExplicitConnectFailureIsReportedOnce) {
+  const std::string out = run_child("STEPTRACE_TEST_EXPLICIT=1 STEPTRACE_TEST_RECORD_MS=100");
+  EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
+  EXPECT_NE(out.find("explicit connects failed: 1"), std::string::npos) << out;
+  EXPECT_EQ(occurrences(out, "steptrace: cannot connect to"), 1u) << out;
+}
+
+TEST(FirstContact, PermissionDeniedGivesTheGroupHint) {
+  steptrace::testing::TempDir dir;
+  const std::string path = dir.file("d.sock");
+  // A socket file nobody listens on; connect() checks write permission on it first.
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof addr.sun_path);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  std::string env = "STEPTRACE_TEST_SOCKET='" + path + "' STEPTRACE_TEST_RECORD_MS=100";
+  if (::geteuid() == 0) {
+    // Root passes permission checks: the child drops to nobody, who may enter the
+    // directory but not write the socket.
+    ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+    ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+    env += " STEPTRACE_TEST_AS_NOBODY=1";
+  } else {
+    ASSERT_EQ(::chmod(path.c_str(), 0), 0);
+  }
+  const std::string out = run_child(env);
+  ::close(fd);
+  if (out.find("setresuid failed") != std::string::npos) {
+    GTEST_SKIP() << "running as root and cannot switch to uid 65534: " << out;
+  }
+  EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
+  EXPECT_EQ(occurrences(out, "steptrace: cannot connect to " + path + ": "), 1u) << out;
+  EXPECT_NE(out.find("is this user in the steptrace group?"), std::string::npos) << out;
+}
+
 TEST(NoDaemon, BufferSizeFromEnvironment) {
-  std::string out = run_child("STEPTRACE_BUFFER_BYTES=128K STEPTRACE_TEST_EXPECT_RECORDS=8192");
+  // STEPTRACE_QUIET=1: without it the first-contact notice (no daemon) would be printed.
+  std::string out =
+      run_child("STEPTRACE_QUIET=1 STEPTRACE_BUFFER_BYTES=128K STEPTRACE_TEST_EXPECT_RECORDS=8192");
   EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
   EXPECT_EQ(out.find("steptrace:"), std::string::npos) << out;  // no complaint
   out = run_child("STEPTRACE_BUFFER_BYTES=2097152 STEPTRACE_TEST_EXPECT_RECORDS=131072");

@@ -5,6 +5,7 @@
 //
 // Writes "key value" lines to OUTFILE (pid, recorded events, dropped, ...), and exits
 // 0 when everything it could check itself held (connect/flush results, drop counts).
+#include <dirent.h>
 #include <fcntl.h>
 #include <steptrace/steptrace.h>
 #include <sys/stat.h>
@@ -222,8 +223,9 @@ int main(int argc, char** argv) {
     if (steptrace_flush(10000) != 0) fail("flush");
     set_dropped(out, "dropped");
   } else if (mode == "fork") {  // parent Forward, child Backward; nothing sent twice
+    // SOCKET "auto": no steptrace_connect, the parent auto-connects ($STEPTRACE_SOCKET).
     const int n = arg(4, 1000);
-    if (steptrace_connect(socket.c_str()) != 0) fail("connect");
+    if (socket != "auto" && steptrace_connect(socket.c_str()) != 0) fail("connect");
     paced_spans(STEPTRACE_FORWARD, n);
     // Recorded but maybe not yet sent when fork() copies the buffers.
     for (int i = 0; i < 100; ++i) steptrace::Span span(steptrace::Step::kForward);
@@ -408,6 +410,37 @@ int main(int argc, char** argv) {
     }
     set_dropped(out, "dropped");
     out.set("main_return_ns", monotonic_ns());  // the file is written just after
+  } else if (mode == "auto") {  // never calls steptrace_connect: auto-connect, exact
+    // ARGS: N [FLUSH]: N Forward spans + N spans of a custom step; FLUSH=0 returns from
+    // main without steptrace_flush (the at-exit flush must deliver them).
+    const int n = arg(4, 1000);
+    const std::uint32_t custom = steptrace_register_step("Tokenize");
+    if (custom == UINT32_MAX) fail("register");
+    paced_spans(STEPTRACE_FORWARD, n);
+    paced_spans(custom, n);
+    if (arg(5, 1) != 0) out.set("flush_rc", steptrace_flush(10000));
+    set_dropped(out, "dropped");
+  } else if (mode == "noconnect") {  // never calls steptrace_connect; records MS ms
+    const int ms = arg(4, 300);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    long long spans = 0;
+    while (std::chrono::steady_clock::now() < until) {
+      steptrace::Span span(steptrace::Step::kForward);
+      ++spans;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    steptrace_ledger_release("GPU-auto", 1);
+    out.set("spans", spans);
+    long long threads = 0;  // this process's threads: 1 unless a flusher was started
+    if (DIR* dir = ::opendir("/proc/self/task")) {
+      while (const dirent* e = ::readdir(dir)) {
+        if (e->d_name[0] != '.') ++threads;
+      }
+      ::closedir(dir);
+    }
+    out.set("threads", threads);
+    out.set("flush_rc", steptrace_flush(2000));
+    set_dropped(out, "dropped");
   } else {
     fail("unknown mode");
   }

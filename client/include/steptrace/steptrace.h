@@ -23,10 +23,24 @@
  * freed once sent (while no daemon is connected, the newest 64 are kept for it, within
  * that total). See steptrace_set_buffer_size.
  *
- * Every function is safe to call before steptrace_connect, after the daemon died, and
- * from any thread; none throws, none raises SIGPIPE. Environment (read at load):
+ * Connecting: calling steptrace_connect is optional. A process that never called it
+ * (nor steptrace_shutdown) connects by itself at its first event, ledger call or
+ * steptrace_register_step: the background thread starts then and connects to
+ * $STEPTRACE_SOCKET, else the default path, in the background (the calling thread never
+ * waits for it), retrying with backoff (10 ms .. 1 s) while the daemon is absent.
+ * STEPTRACE_AUTOCONNECT=0 turns this off (nothing starts, no socket is opened, until
+ * steptrace_connect). When the first connection attempt of the process fails, one line
+ * on stderr says why (no daemon at that path, or permission: is the user in the
+ * steptrace group?); it is printed once per process, by the background thread, never on
+ * a reconnect, and not at all with STEPTRACE_QUIET=1.
+ *
+ * Every function is safe to call before any connection, after the daemon died, and
+ * from any thread; none throws, none raises SIGPIPE. Environment (read at load, but
+ * STEPTRACE_SOCKET: read when connecting):
  *   STEPTRACE_SOCKET          socket path (default /run/steptrace/steptraced.sock)
- *   STEPTRACE_DISABLE=1       record nothing
+ *   STEPTRACE_DISABLE=1       record nothing, start nothing
+ *   STEPTRACE_AUTOCONNECT=0   do not connect unless steptrace_connect is called
+ *   STEPTRACE_QUIET=1         no stderr notice when the daemon cannot be reached
  *   STEPTRACE_BLOCK_WHEN_FULL=1  a full buffer waits (bounded) for the flusher
  *   STEPTRACE_CLOCK=monotonic    timestamp with clock_gettime instead of the TSC
  *                                (the TSC is used only when invariant; =tsc forces it then)
@@ -78,8 +92,8 @@ enum steptrace_drop_cause {
    * steptrace_set_buffer_size was used up), or the VRAM-ledger queue was full while
    * connected. */
   STEPTRACE_DROP_BUFFER_FULL = 0,
-  /* Recorded while no daemon connection existed and the buffer was full (before
-   * steptrace_connect, daemon absent, stopped or restarting), recorded after
+  /* Recorded while no daemon connection existed and the buffer was full (before the
+   * first connection, daemon absent, stopped or restarting), recorded after
    * steptrace_shutdown or exit, ledger queue full while not connected, buffers of exited
    * threads freed unsent (more than 64 waiting, or room needed for a live thread), and
    * events still buffered when the process exits unconnected. */
@@ -97,9 +111,14 @@ enum steptrace_drop_cause {
 #define STEPTRACE_DROP_CAUSE_COUNT 4
 /* NOLINTEND(readability-identifier-naming) */
 
-/* Connects to the daemon (NULL: $STEPTRACE_SOCKET, then the default path) and starts the
- * flusher thread. 0 on success, -errno when the daemon cannot be reached now; recording
- * works either way and the flusher keeps reconnecting with backoff. */
+/* Connects to the daemon now (NULL: $STEPTRACE_SOCKET, then the default path) and starts
+ * the flusher thread. Optional (the library connects by itself at the first event, see
+ * above); call it to choose the path in code, to know at once whether the daemon is
+ * reachable, or to connect again after steptrace_shutdown or with STEPTRACE_AUTOCONNECT=0.
+ * After an auto-connect it switches to `socket_path` when that differs. 0 on success,
+ * -errno when the daemon cannot be reached now (the once-per-process stderr notice says
+ * so too); recording works either way and the flusher keeps reconnecting with backoff.
+ * With STEPTRACE_DISABLE=1: 0, and nothing starts. */
 STEPTRACE_EXPORT int steptrace_connect(const char* socket_path);
 
 /* A custom step id for `name` (1..63 printable ASCII characters), stable per name within
@@ -133,9 +152,12 @@ STEPTRACE_EXPORT void steptrace_vram_sample(const char* gpu_uuid, uint64_t free_
                                             uint64_t total_bytes);
 
 /* 0 once the daemon has applied every event recorded before the call; -ETIMEDOUT
- * otherwise, or -ENOTCONN when not connected: at once when steptrace_connect was never
- * called (or after steptrace_shutdown), and after one immediate connection attempt
- * (not the whole timeout) when the daemon cannot be reached. */
+ * otherwise, or -ENOTCONN when not connected: at once when nothing started the
+ * background thread (no event, ledger call, register_step or steptrace_connect yet;
+ * STEPTRACE_DISABLE=1; STEPTRACE_AUTOCONNECT=0 without steptrace_connect; after
+ * steptrace_shutdown), else after one immediate connection attempt (not the whole
+ * timeout) when the daemon cannot be reached. After an auto-connect still under way it
+ * waits for that connection like after steptrace_connect. */
 STEPTRACE_EXPORT int steptrace_flush(int timeout_ms);
 
 /* Events this process could not deliver: the sum of steptrace_dropped_by_cause over
@@ -161,7 +183,8 @@ STEPTRACE_EXPORT void steptrace_set_enabled(int on);
 STEPTRACE_EXPORT void steptrace_set_block_when_full(int on);
 
 /* Flushes briefly (bounded), stops the flusher and disconnects. Recording after it is
- * dropped and counted until steptrace_connect is called again. */
+ * dropped and counted until steptrace_connect is called again (no auto-connect after
+ * it). At exit the library does the same by itself, auto-connected or not. */
 STEPTRACE_EXPORT void steptrace_shutdown(void);
 
 #ifdef __cplusplus
