@@ -4,9 +4,18 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cassert>
 #include <cstring>
 #include <ctime>
 #include <utility>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define STEPTRACE_STREAMING_STORES 1
+#else
+#define STEPTRACE_STREAMING_STORES 0
+#endif
 
 namespace steptrace::daemon {
 namespace {
@@ -19,6 +28,64 @@ constexpr std::size_t kNameCharge = sizeof(StepNames::value_type) + 32 + proto::
 // What a window is charged while it exists (its record and its custom step names).
 std::size_t window_charge(const TraceWindow& w) {
   return kWindowCharge + w.names->size() * kNameCharge;
+}
+
+// How many chunks ahead eviction fetches its chunk_order_ entry.
+constexpr std::size_t kPrefetchOrder = 8;
+
+// A chunk evicted while no capture holds it is kept for the next one (in steady state one
+// at a time: each new chunk evicts one); past this many, an evicted chunk is freed.
+constexpr std::size_t kSpares = 64;
+
+// Copies `bytes` from `src` to `dst`, writing the whole cache lines of `dst` with
+// non-temporal stores when there are a few: `dst` is a chunk just evicted, so not in
+// cache, and an ordinary store would first read each line from memory (and push a line
+// of the aggregates out of cache for it). The partial lines at either end are ordinary
+// stores, so no line is written both ways. Returns whether it streamed: then a store
+// fence is owed before anything is published (record() ends with it).
+bool copy_events(std::byte* dst, const std::byte* src, std::size_t bytes) {
+#if STEPTRACE_STREAMING_STORES
+  constexpr std::size_t kLine = 64;
+  constexpr std::size_t kMinLines = 4;  // below this, memcpy: not worth a fence
+  const std::size_t head = (kLine - reinterpret_cast<std::uintptr_t>(dst) % kLine) % kLine;
+  if (bytes >= head + kMinLines * kLine) {
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    bytes -= head;
+    const std::size_t lines = bytes / kLine;
+    for (std::size_t i = 0; i < lines; ++i, dst += kLine, src += kLine) {
+      const auto* from = reinterpret_cast<const __m128i*>(src);
+      auto* to = reinterpret_cast<__m128i*>(dst);
+      const __m128i a = _mm_loadu_si128(from);
+      const __m128i b = _mm_loadu_si128(from + 1);
+      const __m128i c = _mm_loadu_si128(from + 2);
+      const __m128i d = _mm_loadu_si128(from + 3);
+      _mm_stream_si128(to, a);
+      _mm_stream_si128(to + 1, b);
+      _mm_stream_si128(to + 2, c);
+      _mm_stream_si128(to + 3, d);
+    }
+    std::memcpy(dst, src, bytes - lines * kLine);
+    return true;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+  return false;
+}
+
+// Orders the non-temporal stores before every later store of this thread (they are not
+// ordered by ordinary release stores, nor, for the C++ model, by anything else).
+void fence_streamed_stores() {
+#if STEPTRACE_STREAMING_STORES
+  _mm_sfence();
+#endif
+}
+
+std::size_t names_cap(const FlightRecorderConfig& config) {
+  const std::size_t budget =
+      config.budget_bytes != 0 ? config.budget_bytes : FlightRecorderConfig::kCaptureBudget;
+  return budget / FlightRecorderConfig::kNameShare;
 }
 
 std::int64_t wall_offset_ns() {
@@ -46,8 +113,13 @@ std::string_view trace_drop_cause(std::uint8_t cause) {
 }
 
 FlightRecorder::FlightRecorder(FlightRecorderConfig config)
-    : config_(config), budget_(config.budget_bytes) {
+    : config_(config), budget_(config.budget_bytes), names_cap_(names_cap(config)) {
   counters_.budget_bytes = budget_;
+}
+
+void FlightRecorder::drop_window_charge(const TraceWindow& window) {
+  counters_.bytes -= window_charge(window);
+  names_bytes_ -= window.names->size() * kNameCharge;
 }
 
 void FlightRecorder::begin_process(std::uint32_t handle, const PeerIdentity& peer) {
@@ -56,7 +128,7 @@ void FlightRecorder::begin_process(std::uint32_t handle, const PeerIdentity& pee
   if (slot && slot->key == peer.key) return;
   if (slot) {
     if (slot->chunks.empty()) {
-      counters_.bytes -= window_charge(*slot);
+      drop_window_charge(*slot);
     } else {
       orphans_.push_back(std::move(slot));
     }
@@ -73,11 +145,14 @@ void FlightRecorder::register_step(std::uint32_t handle, std::uint32_t id,
   if (handle >= by_handle_.size() || !by_handle_[handle]) return;
   TraceWindow& window = *by_handle_[handle];
   if (window.names->contains(id)) return;
+  // The names of all windows stay while their windows do: held to a share of the budget.
+  if (names_bytes_ + kNameCharge > names_cap_) return;
   // Copy on write: a capture may be reading the names on the render thread.
   auto names = std::make_shared<StepNames>(*window.names);
   names->emplace(id, name);
   window.names = std::move(names);
   counters_.bytes += kNameCharge;
+  names_bytes_ += kNameCharge;
 }
 
 void FlightRecorder::new_chunk(TraceWindow& window, std::uint64_t now_ns) {
@@ -91,10 +166,27 @@ void FlightRecorder::new_chunk(TraceWindow& window, std::uint64_t now_ns) {
   }
   chunk->started_ns = now_ns;
   chunk->arrived_ns = now_ns;
+  const TraceChunk* started = chunk.get();
   window.chunks.push_back(std::move(chunk));
-  chunk_order_.push_back(&window);
+  chunk_order_.push_back({&window, started, now_ns, ++chunk_serial_});
   counters_.bytes += sizeof(TraceChunk);
-  if (counters_.bytes > budget_) evict_to(budget_);
+  if (counters_.bytes <= budget_) return;
+  evict_to(budget_);
+  if (chunk_order_.size() > kPrefetchOrder) prefetch_next_eviction();
+}
+
+void FlightRecorder::prefetch_next_eviction() const {
+  // With the budget full, each new chunk is the one evicted the time before, and the
+  // oldest now is the one after: fetch what writing it will not overwrite whole (its
+  // first and last cache lines), and what evicting it reads (its window's queue entry;
+  // the order entry was fetched kPrefetchOrder chunks ago), so ingest does not wait for
+  // them then.
+  __builtin_prefetch(&chunk_order_[kPrefetchOrder]);
+  const ChunkOrder& next = chunk_order_.front();
+  const char* bytes = reinterpret_cast<const char*>(next.chunk);
+  __builtin_prefetch(bytes, 1);
+  __builtin_prefetch(bytes + sizeof(TraceChunk) - 1, 1);
+  __builtin_prefetch(&next.window->chunks.front(), 1);
 }
 
 void FlightRecorder::record(std::uint32_t handle, proto::EventSpan events, std::uint64_t now_ns) {
@@ -104,20 +196,25 @@ void FlightRecorder::record(std::uint32_t handle, proto::EventSpan events, std::
   TraceWindow& window = *by_handle_[handle];
   const std::byte* data = events.data();
   std::size_t left = events.size();
+  bool streamed = false;
   while (left != 0) {
     if (window.chunks.empty() || window.chunks.back()->count == TraceChunk::kEvents) {
       new_chunk(window, now_ns);
-      if (window.chunks.empty()) return;  // a budget below one chunk
+      if (window.chunks.empty()) break;  // a budget below one chunk
     }
     TraceChunk& chunk = *window.chunks.back();
     const std::size_t n = std::min<std::size_t>(left, TraceChunk::kEvents - chunk.count);
-    std::memcpy(&chunk.events[chunk.count], data, n * sizeof(proto::EventRecord));
+    const std::size_t bytes = n * sizeof(proto::EventRecord);
+    streamed |= copy_events(reinterpret_cast<std::byte*>(&chunk.events[chunk.count]), data, bytes);
     chunk.count += static_cast<std::uint32_t>(n);
     chunk.arrived_ns = now_ns;
     counters_.events_recorded += n;  // only what was stored: recorded = evicted + held
-    data += n * sizeof(proto::EventRecord);
+    data += bytes;
     left -= n;
   }
+  // Before anything else this thread stores (a capture handed to the render thread, the
+  // release of a reference to a chunk): the events are then as if stored plainly.
+  if (streamed) fence_streamed_stores();
 }
 
 void FlightRecorder::mark(TraceMark mark) {
@@ -135,25 +232,41 @@ void FlightRecorder::evict_front_mark() {
 }
 
 void FlightRecorder::evict_front_chunk() {
-  TraceWindow* window = chunk_order_.front();
+  const ChunkOrder order = chunk_order_.front();
   chunk_order_.pop_front();
-  release_front_chunk(*window);
+  release_front_chunk(order);
 }
 
-void FlightRecorder::release_front_chunk(TraceWindow& window) {
+void FlightRecorder::release_front_chunk(const ChunkOrder& order) {
+  TraceWindow& window = *order.window;
   std::shared_ptr<TraceChunk> chunk = std::move(window.chunks.front());
   window.chunks.pop_front();
-  counters_.events_evicted += chunk->count;
+  // Every chunk but the last of its window is full (record() starts one only when the
+  // last is): the count of an older one is known without reading the chunk, not in cache.
+  const std::uint32_t count = window.chunks.empty() ? chunk->count : TraceChunk::kEvents;
+  assert(count == chunk->count);
+  counters_.events_evicted += count;
   counters_.bytes -= sizeof(TraceChunk);
-  // Reused only when no capture holds it (see the header); a few spares are enough.
-  if (chunk.use_count() == 1 && spare_.size() < 64) spare_.push_back(std::move(chunk));
+  if (spare_.size() >= kSpares) return;
+  // Reused only when no capture holds it (see the header). A chunk started since the
+  // last capture has been in no capture: its count of owners need not be read.
+  if (order.serial > captured_through_) {
+    spare_.push_back(std::move(chunk));
+    return;
+  }
+  if (chunk.use_count() == 1) {
+    // use_count() is a relaxed load; this pairs it with the release of the last other
+    // owner (a capture let go on the render thread), whose reads then happen before
+    // ingest writes the chunk again.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    spare_.push_back(std::move(chunk));
+  }
 }
 
 bool FlightRecorder::evict_oldest() {
   if (chunk_order_.empty() && marks_.empty()) return false;
   if (!marks_.empty() &&
-      (chunk_order_.empty() ||
-       marks_.front().arrived_ns < chunk_order_.front()->chunks.front()->started_ns)) {
+      (chunk_order_.empty() || marks_.front().arrived_ns < chunk_order_.front().started_ns)) {
     evict_front_mark();
   } else {
     evict_front_chunk();
@@ -168,9 +281,10 @@ void FlightRecorder::evict_to(std::size_t budget) {
 }
 
 void FlightRecorder::drop_empty_orphans() {
+  if (orphans_.empty()) return;
   std::erase_if(orphans_, [this](const std::shared_ptr<TraceWindow>& w) {
     if (!w->chunks.empty()) return false;
-    counters_.bytes -= window_charge(*w);
+    drop_window_charge(*w);
     return true;
   });
 }
@@ -193,16 +307,20 @@ void FlightRecorder::tick(std::uint64_t now_ns) {
   for (const auto& w : by_handle_) count_expired(w);
   for (const auto& w : orphans_) count_expired(w);
   if (!expired_chunks.empty()) {
-    std::map<TraceWindow*, std::size_t> skip = expired_chunks;
-    std::erase_if(chunk_order_, [&](TraceWindow* w) {
-      const auto it = skip.find(w);
-      if (it == skip.end() || it->second == 0) return false;
-      --it->second;
-      return true;
-    });
-    for (const auto& [window, n] : expired_chunks) {
-      for (std::size_t i = 0; i < n; ++i) release_front_chunk(*window);
+    // Each window's entries in chunk_order_ are in the order of its queue: its first n
+    // entries are its n expired chunks, released as they are taken out.
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < chunk_order_.size(); ++i) {
+      const ChunkOrder order = chunk_order_[i];
+      const auto it = expired_chunks.find(order.window);
+      if (it != expired_chunks.end() && it->second != 0) {
+        --it->second;
+        release_front_chunk(order);
+      } else {
+        chunk_order_[kept++] = order;
+      }
     }
+    chunk_order_.resize(kept);
   }
   while (!marks_.empty() && expired(marks_.front().arrived_ns)) evict_front_mark();
   drop_empty_orphans();
@@ -226,6 +344,8 @@ void FlightRecorder::end_capture() {
 std::shared_ptr<TraceCapture> FlightRecorder::capture(const std::set<std::int32_t>& pids,
                                                       std::uint64_t since_ns,
                                                       std::uint64_t now_ns) const {
+  // Every chunk there is may now be held (a superset of those this capture takes).
+  captured_through_ = chunk_serial_;
   auto out = std::make_shared<TraceCapture>();
   out->now_ns = now_ns;
   out->since_ns = since_ns;

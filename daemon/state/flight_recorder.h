@@ -6,7 +6,7 @@
 //
 // Layout: each process has a TraceWindow (pid, start time, comm, custom step names) and a
 // queue of TraceChunks: 4 KiB blocks of the wire's own 16-byte EventRecords, appended in
-// arrival order (one memcpy per batch). Ledger records and drop reports are TraceMarks in
+// arrival order (one copy per batch). Ledger records and drop reports are TraceMarks in
 // one queue for all processes. Every chunk and mark is charged to one byte budget
 // (flight_recorder_bytes); past it, and past the time horizon, the oldest go first
 // (chunks in the order they were started, marks in arrival order, whichever is older),
@@ -14,8 +14,27 @@
 //
 // Sharing with the render thread: a capture holds shared_ptrs to the chunks and the
 // count of events each held at capture time. Ingest only appends past that count and
-// never reuses a chunk a capture still holds (recycling checks use_count() == 1), so the
-// render thread reads what no one writes. Captures are made on the io thread.
+// never reuses a chunk a capture still holds, so the render thread reads what no one
+// writes. Captures are made on the io thread. A chunk started after the last capture was
+// made cannot be held by one (its serial, kept in chunk_order_, says so): it is reused
+// without looking at its shared_ptr's count, which would be a cache miss per chunk. An
+// older chunk is reused only when use_count() == 1, followed by an acquire fence that
+// pairs with the release of the render thread's last reference, so its reads of the chunk
+// happen before ingest writes it again.
+//
+// Cost: once the budget is full, ingest copies each batch into the chunk just evicted,
+// the oldest, which is never in cache. Its whole cache lines are written with
+// non-temporal stores (no read of the old line first, no line of the aggregates pushed
+// out of cache for it), and record() ends with a store fence, so what follows sees them
+// as ordinary stores. Eviction reads chunk_order_ and the window's queue, not the chunk
+// itself (every chunk but the last of its window is full, so its count is known), and
+// fetches ahead what the next eviction and the next chunk's first and last lines need.
+//
+// Custom step names are charged to the budget like the rest, but they stay while their
+// window does (a live process's window is never evicted). So that processes with many
+// custom steps cannot take the whole budget, the names of all windows together are held
+// to 1 / kNameShare of it (the standing budget, or kCaptureBudget when it is off); a name
+// past that is not kept, and the export shows that step by its id ("step 300").
 #pragma once
 
 #include <cstddef>
@@ -40,6 +59,9 @@ struct FlightRecorderConfig {
   std::uint64_t horizon_ns = 300'000'000'000ULL;  // events older than this go
   // Budget of a `trace --for` capture while the standing window is off.
   static constexpr std::size_t kCaptureBudget = 32u << 20;
+  // Custom step names of all windows together are kept up to budget / kNameShare
+  // (budget_bytes, or kCaptureBudget when it is 0); past it a name is not kept.
+  static constexpr std::size_t kNameShare = 2;
 };
 
 struct TraceChunk {
@@ -147,19 +169,34 @@ class FlightRecorder {
 
  private:
   void new_chunk(TraceWindow& window, std::uint64_t now_ns);
+  void prefetch_next_eviction() const;
   void evict_to(std::size_t budget);
   bool evict_oldest();
   void evict_front_chunk();
-  void release_front_chunk(TraceWindow& window);  // chunk_order_ already updated
+  // The order chunks were started in, with what eviction needs of each, so that it does
+  // not read the (cold) chunk itself.
+  struct ChunkOrder {
+    TraceWindow* window = nullptr;
+    const TraceChunk* chunk = nullptr;  // window->chunks' entry for it (to prefetch)
+    std::uint64_t started_ns = 0;       // TraceChunk::started_ns
+    std::uint64_t serial = 0;           // chunk_serial_ when it was started
+  };
+  void release_front_chunk(const ChunkOrder& order);  // taken out of chunk_order_ already
   void evict_front_mark();
   void drop_empty_orphans();
+  void drop_window_charge(const TraceWindow& window);
 
   FlightRecorderConfig config_;
   std::size_t budget_ = 0;  // in force: config's, or kCaptureBudget during a capture
   std::size_t captures_ = 0;
   std::vector<std::shared_ptr<TraceWindow>> by_handle_;  // by ProcessHandle
   std::vector<std::shared_ptr<TraceWindow>> orphans_;    // slot reused, chunks remain
-  std::deque<TraceWindow*> chunk_order_;  // the window of each chunk, oldest chunk first
+  std::deque<ChunkOrder> chunk_order_;                   // every chunk, oldest first
+  std::uint64_t chunk_serial_ = 0;                       // chunks started so far
+  // chunk_serial_ at the last capture: chunks with a larger serial are held by none.
+  mutable std::uint64_t captured_through_ = 0;
+  std::size_t names_bytes_ = 0;  // charged for the custom step names of all windows
+  std::size_t names_cap_ = 0;    // budget / kNameShare
   std::deque<TraceMark> marks_;
   std::vector<std::shared_ptr<TraceChunk>> spare_;  // evicted chunks no capture holds
   FlightRecorderCounters counters_;

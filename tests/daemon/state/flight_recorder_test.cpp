@@ -4,10 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <cstring>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "daemon/state/collector.h"
@@ -392,6 +398,209 @@ TEST(FlightRecorderTest, AnEvictedChunkNoCaptureHoldsIsReusedEmpty) {
   ASSERT_EQ(c->processes[0].chunks.size(), 1u);
   EXPECT_EQ(c->processes[0].chunks[0].count, 3u);
   EXPECT_EQ(timestamps(c->processes[0]), range(7000, 3));
+}
+
+// A chunk a capture held is reused once the capture has let go of it (the render thread
+// releasing it is paired with an acquire fence before ingest writes it again); one a
+// capture still holds when it is evicted is left to the capture.
+TEST(FlightRecorderTest, AChunkIsReusedOnlyOnceNoCaptureHoldsIt) {
+  FlightRecorder r({32u << 20, 10 * kSecond});
+  r.begin_process(0, peer(100, 5, "a"));
+  r.begin_process(1, peer(200, 6, "b"));
+  put(r, 0, numbered(0, TraceChunk::kEvents), 1 * kSecond);  // A
+  auto first = r.capture({}, 0, 1 * kSecond);
+  ASSERT_EQ(first->processes.at(0).chunks.size(), 1u);
+  const TraceChunk* a = first->processes[0].chunks[0].chunk.get();
+  first.reset();  // let go before A is evicted
+
+  put(r, 1, numbered(1000, TraceChunk::kEvents), 2 * kSecond);  // B
+  const auto second = r.capture({200}, 0, 2 * kSecond);         // holds B only
+  ASSERT_EQ(second->processes.at(0).chunks.size(), 1u);
+  const TraceChunk* b = second->processes[0].chunks[0].chunk.get();
+
+  r.tick(11'500'000'000);  // A goes: no capture holds it, it is kept for reuse
+  r.tick(12'500'000'000);  // B goes: the second capture holds it
+  EXPECT_EQ(r.counters().events_evicted, 2 * TraceChunk::kEvents);
+  put(r, 0, numbered(5000, 2 * TraceChunk::kEvents), 13 * kSecond);
+  const auto third = r.capture({}, 0, 13 * kSecond);
+  ASSERT_EQ(third->processes.size(), 1u);
+  ASSERT_EQ(third->processes[0].chunks.size(), 2u);
+  EXPECT_EQ(third->processes[0].chunks[0].chunk.get(), a) << "A is reused";
+  EXPECT_NE(third->processes[0].chunks[1].chunk.get(), b) << "B is not";
+  EXPECT_EQ(timestamps(third->processes[0]), range(5000, 2 * TraceChunk::kEvents));
+  EXPECT_EQ(timestamps(second->processes[0]), range(1000, TraceChunk::kEvents));
+}
+
+// Chunks started after a capture are reused without looking at their owners, so a
+// capture made after them must still keep them: evicting everything, while captures
+// made before and after each batch live, never changes what any capture reads.
+TEST(FlightRecorderTest, EveryCaptureKeepsItsChunksWhateverCameBeforeOrAfterIt) {
+  const std::size_t budget = window_charge() + 3 * kChunk;
+  FlightRecorder r({budget, 1000 * kSecond});
+  r.begin_process(0, peer(100, 5, "a"));
+  std::vector<std::shared_ptr<TraceCapture>> held;
+  std::vector<std::vector<std::uint64_t>> seen;
+  std::uint64_t next = 0;
+  for (int round = 0; round < 40; ++round) {
+    const std::size_t n = TraceChunk::kEvents / 2 + static_cast<std::size_t>(round) * 11;
+    put(r, 0, numbered(next, n), static_cast<std::uint64_t>(round));
+    next += n;
+    if (round % 4 == 1) {
+      held.push_back(r.capture({}, 0, static_cast<std::uint64_t>(round)));
+      seen.push_back(timestamps(held.back()->processes.at(0)));
+    }
+    if (round % 8 == 7) {  // let go of the oldest capture now and then
+      held.erase(held.begin());
+      seen.erase(seen.begin());
+    }
+    for (std::size_t i = 0; i < held.size(); ++i) {
+      ASSERT_EQ(timestamps(held[i]->processes.at(0)), seen[i]) << "round " << round;
+    }
+  }
+  const FlightRecorderCounters k = r.counters();
+  EXPECT_EQ(k.events_recorded, next);
+  EXPECT_LE(k.bytes, budget);
+}
+
+// Batches of every size, at every offset in a chunk: what a capture reads is what came
+// in, whichever way each batch was copied (whole cache lines are streamed).
+TEST(FlightRecorderTest, EventsAreCopiedExactlyWhateverTheBatchSizeAndOffset) {
+  FlightRecorder r({32u << 20, 1000 * kSecond});
+  r.begin_process(0, peer(100, 5, "a"));
+  std::vector<proto::EventRecord> sent;
+  for (std::size_t n = 1; n <= 2 * TraceChunk::kEvents + 3; n += (n < 40 ? 1 : 7)) {
+    // Every byte of each record set (the recorder copies what it is given as it is).
+    std::vector<proto::EventRecord> batch(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t k = sent.size() + i;
+      batch[i] = {k, static_cast<std::uint32_t>(0xA5A5A5A5u ^ k),
+                  static_cast<std::uint16_t>(0x8000u | (k * 7)),
+                  static_cast<std::uint8_t>(1 + k % 250),
+                  static_cast<std::uint8_t>(0xFFu - k % 200)};
+    }
+    put(r, 0, batch, 1);
+    sent.insert(sent.end(), batch.begin(), batch.end());
+  }
+  const auto c = r.capture({}, 0, 2);
+  ASSERT_EQ(c->processes.size(), 1u);
+  EXPECT_EQ(timestamps(c->processes[0]), range(0, sent.size()));
+  // Every byte, not only the timestamps.
+  std::size_t i = 0;
+  for (const auto& ref : c->processes[0].chunks) {
+    for (std::uint32_t k = 0; k < ref.count; ++k, ++i) {
+      ASSERT_LT(i, sent.size());
+      ASSERT_EQ(std::memcmp(&ref.chunk->events[k], &sent[i], sizeof sent[i]), 0) << "event " << i;
+    }
+  }
+  EXPECT_EQ(i, sent.size());
+  EXPECT_EQ(r.counters().events_recorded, sent.size());
+}
+
+// Captures read on another thread and let go there while ingest goes on and evicts (the
+// render thread's part): what a capture reads never changes under it. (Run under the
+// sanitizers, a chunk reused or freed too early shows.)
+TEST(FlightRecorderTest, CapturesReadOnAnotherThreadWhileIngestReusesChunks) {
+  const std::size_t budget = window_charge() + 8 * kChunk;
+  FlightRecorder r({budget, 1000 * kSecond});
+  r.begin_process(0, peer(100, 5, "a"));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<TraceCapture>> handed;
+  bool done = false;
+  std::atomic<std::uint64_t> bad{0};
+  std::atomic<std::uint64_t> read{0};
+  std::thread render([&] {
+    for (;;) {
+      std::shared_ptr<TraceCapture> c;
+      {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return done || !handed.empty(); });
+        if (handed.empty()) return;
+        c = std::move(handed.front());
+        handed.pop_front();
+      }
+      // Each capture's events are consecutive: the first names the rest.
+      for (int pass = 0; pass < 2 && !c->processes.empty(); ++pass) {
+        const auto ts = timestamps(c->processes[0]);
+        for (std::size_t i = 1; i < ts.size(); ++i) {
+          if (ts[i] != ts[0] + i) bad.fetch_add(1, std::memory_order_relaxed);
+        }
+        read.fetch_add(ts.size(), std::memory_order_relaxed);
+      }
+    }  // the capture is let go here, on this thread
+  });
+  std::uint64_t next = 0;
+  for (int round = 0; round < 400; ++round) {
+    const std::size_t n = 1 + static_cast<std::size_t>(round * 37) % 700;
+    put(r, 0, numbered(next, n), static_cast<std::uint64_t>(round));
+    next += n;
+    if (round % 3 == 0) {
+      auto c = r.capture({}, 0, static_cast<std::uint64_t>(round));
+      std::lock_guard lock(mu);
+      handed.push_back(std::move(c));
+      cv.notify_one();
+    }
+  }
+  {
+    std::lock_guard lock(mu);
+    done = true;
+  }
+  cv.notify_one();
+  render.join();
+  EXPECT_EQ(bad.load(), 0u);
+  EXPECT_GT(read.load(), 0u);
+  const FlightRecorderCounters k = r.counters();
+  EXPECT_EQ(k.events_recorded, next);
+  EXPECT_LE(k.bytes, budget);
+}
+
+// Custom step names stay while their window does: together they are held to half the
+// budget, so that processes with many custom steps cannot take all of it. A window that
+// goes gives its share back.
+TEST(FlightRecorderTest, CustomStepNamesAreHeldToAShareOfTheBudget) {
+  const std::size_t w = window_charge();
+  std::size_t name = 0;  // what one name is charged (measured)
+  {
+    FlightRecorder probe;
+    probe.begin_process(0, peer(1, 1, "probe"));
+    probe.register_step(0, 256, "x");
+    name = probe.counters().bytes - w;
+  }
+  ASSERT_GT(name, 0u);
+  const std::size_t budget = 4 * (w + kChunk);
+  const std::size_t kept = budget / FlightRecorderConfig::kNameShare / name;  // names at most
+  ASSERT_GT(kept, 10u);
+  FlightRecorder r({budget, 1000 * kSecond});
+  r.begin_process(0, peer(100, 5, "a"));
+  r.begin_process(1, peer(200, 6, "b"));
+  const auto id = [](std::size_t i) { return static_cast<std::uint32_t>(256 + i); };
+  for (std::size_t i = 0; i < kept - 5; ++i) r.register_step(0, id(i), "a" + std::to_string(i));
+  for (std::size_t i = 0; i < 15; ++i) r.register_step(1, id(i), "b" + std::to_string(i));
+  EXPECT_EQ(r.counters().bytes, 2 * w + kept * name);
+  put(r, 1, numbered(0, 1), 1);
+  EXPECT_EQ(r.counters().bytes, 2 * w + kept * name + kChunk);
+  auto c = r.capture({}, 0, 2);
+  ASSERT_EQ(c->processes.size(), 1u);
+  EXPECT_EQ(c->processes[0].names->size(), 5u);  // b's first 5 only
+  EXPECT_EQ(c->processes[0].names->at(id(0)), "b0");
+  EXPECT_FALSE(c->processes[0].names->contains(id(5)));
+
+  // Process a goes (its slot is taken by another, and it has no chunk): its names' share
+  // is free again.
+  r.begin_process(0, peer(300, 7, "c"));
+  EXPECT_EQ(r.counters().bytes, 2 * w + 5 * name + kChunk);
+  for (std::size_t i = 5; i < 15; ++i) r.register_step(1, id(i), "b" + std::to_string(i));
+  c = r.capture({}, 0, 3);
+  ASSERT_EQ(c->processes.size(), 1u);
+  EXPECT_EQ(c->processes[0].names->size(), 15u);
+  EXPECT_EQ(c->processes[0].names->at(id(14)), "b14");
+  EXPECT_LE(r.counters().bytes, budget);
+
+  // With the standing window off, names are held to a share of a capture's budget.
+  FlightRecorder off({0, 1000 * kSecond});
+  off.begin_process(0, peer(100, 5, "a"));
+  for (std::size_t i = 0; i < 100; ++i) off.register_step(0, id(i), "s" + std::to_string(i));
+  EXPECT_EQ(off.counters().bytes, w + 100 * name);
 }
 
 TEST(FlightRecorderTest, AReusedSlotOrphansTheOldWindowUntilItsChunksGo) {
