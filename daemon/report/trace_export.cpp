@@ -8,6 +8,7 @@
 #include <string_view>
 #include <utility>
 
+#include "daemon/state/ledger_state.h"
 #include "proto/steps.h"
 #include "proto/wire_format.h"
 
@@ -414,6 +415,58 @@ void TraceExport::next_mark(std::string& out) {
     ++mark_;
     return;
   }
+  if (m.kind == TraceMark::Kind::kLeaseExpired) {
+    // On the holder's process: the moment its lease passed unrenewed.
+    begin_event(out);
+    out.append(R"({"ph":"i","s":"p","cat":"ledger","name":"lease expired","pid":)");
+    append_int(out, m.sender.pid);
+    out.append(",\"tid\":");
+    append_int(out, m.sender.pid);
+    out.append(",\"ts\":");
+    append_us(out, m.ts_ns);
+    out.append(R"(,"args":{"gpu":)");
+    append_json_string(out, field(m.record.gpu_uuid));
+    out.append(",\"reservation_id\":");
+    append_uint(out, m.record.reservation_id);
+    out.append(",\"bytes\":");
+    append_uint(out, m.record.bytes);
+    out.append(",\"lease_ms\":");
+    append_uint(out, m.record.total_bytes);
+    out.append(R"(,"by":"daemon"}})");
+    ++mark_;
+    return;
+  }
+  if (m.kind == TraceMark::Kind::kDevice) {
+    // NVML's sample: the device's used bytes, then the findings by kind.
+    if (name_gpu_process(out)) return;
+    begin_event(out);
+    std::string name = mark_part_ == 0 ? "VRAM used (device) " : "findings ";
+    name.append(field(m.record.gpu_uuid));
+    out.append(R"({"ph":"C","name":)");
+    append_json_string(out, name);
+    out.append(",\"pid\":");
+    append_int(out, capture_->daemon_pid);
+    out.append(",\"tid\":0,\"ts\":");
+    append_us(out, m.ts_ns);
+    if (mark_part_ == 0) {
+      out.append(",\"args\":{\"bytes\":");
+      append_uint(out, m.gpu_reserved_bytes);
+      out.append("}}");
+      mark_part_ = 1;
+      return;
+    }
+    out.append(",\"args\":{");
+    for (std::size_t k = 0; k < ledger::Finding::kKindCount; ++k) {
+      if (k != 0) out.push_back(',');
+      append_json_string(out, ledger::kFindingNames[k]);
+      out.push_back(':');
+      append_uint(out, m.findings[k]);
+    }
+    out.append("}}");
+    mark_part_ = 0;
+    ++mark_;
+    return;
+  }
   if (m.kind != TraceMark::Kind::kLedger) {
     ++mark_;
     return;
@@ -485,14 +538,8 @@ void TraceExport::next_mark(std::string& out) {
   }
 
   // Counters of an applied record, on the daemon's pseudo process.
+  if (name_gpu_process(out)) return;
   begin_event(out);
-  if (!gpu_process_named_) {
-    out.append(R"({"ph":"M","name":"process_name","pid":)");
-    append_int(out, capture_->daemon_pid);
-    out.append(R"(,"tid":0,"args":{"name":"steptraced: GPU memory"}})");
-    gpu_process_named_ = true;
-    return;
-  }
   const bool reserved = mark_part_ == 1;
   out.append(R"({"ph":"C","name":)");
   std::string name = reserved ? "VRAM reserved " : "VRAM free ";
@@ -511,6 +558,16 @@ void TraceExport::next_mark(std::string& out) {
     mark_part_ = 0;
     ++mark_;
   }
+}
+
+bool TraceExport::name_gpu_process(std::string& out) {
+  if (gpu_process_named_) return false;
+  begin_event(out);
+  out.append(R"({"ph":"M","name":"process_name","pid":)");
+  append_int(out, capture_->daemon_pid);
+  out.append(R"(,"tid":0,"args":{"name":"steptraced: GPU memory"}})");
+  gpu_process_named_ = true;
+  return true;
 }
 
 void TraceExport::write_footer(std::string& out) {

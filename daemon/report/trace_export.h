@@ -94,6 +94,8 @@ class TraceExport {
   std::size_t mark_ = 0;
   std::uint8_t mark_part_ = 0;  // 0 instant, 1 reserved counter, 2 free counter
   bool gpu_process_named_ = false;
+  // Writes the daemon's "steptraced: GPU memory" process name once; true when it did.
+  bool name_gpu_process(std::string& out);
 };
 
 // The whole document at once (tests, small captures).

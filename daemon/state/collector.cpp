@@ -620,7 +620,20 @@ void Collector::refresh_liveness() {
     if (liveness == Liveness::kDead) mark_exited(state, state.write(h), env_.monotonic_now_ns());
   }
   check_ledger_holders(state, env_, counters_);
-  state.ledger.expire_leases(env_.monotonic_now_ns());
+  std::vector<LedgerView::ExpiredLease> expired;
+  state.ledger.expire_leases(env_.monotonic_now_ns(), recorder_.on() ? &expired : nullptr);
+  for (const LedgerView::ExpiredLease& e : expired) {
+    TraceMark mark;
+    mark.kind = TraceMark::Kind::kLeaseExpired;
+    mark.ts_ns = e.reservation.lease_deadline_ns;
+    mark.arrived_ns = env_.monotonic_now_ns();
+    mark.sender = e.reservation.holder;
+    proto::set_field(mark.record.gpu_uuid, e.gpu);
+    mark.record.reservation_id = e.id;
+    mark.record.bytes = e.reservation.bytes;
+    mark.record.total_bytes = e.reservation.lease_ms;
+    recorder_.mark(mark);
+  }
   enforce_exited_limit(state, limits_, counters_);
   recorder_.tick(env_.monotonic_now_ns());
 }
@@ -697,6 +710,23 @@ void Collector::apply_devices(std::map<std::string, ledger::Device, std::less<>>
   c.slow_samples = slow_samples;
   c.devices = devices.size();
   state_->ledger.apply_devices(std::move(devices), std::move(error), now_ns);
+  if (!recorder_.on()) return;
+  // Each GPU's sample and findings, as counter tracks of the trace.
+  const ledger::State& ledger = state_->ledger.state();
+  for (const auto& [uuid, device] : ledger.devices) {
+    TraceMark mark;
+    mark.kind = TraceMark::Kind::kDevice;
+    mark.ts_ns = now_ns;
+    mark.arrived_ns = now_ns;
+    if (!proto::set_field(mark.record.gpu_uuid, uuid)) continue;
+    mark.gpu_total_bytes = device.total_bytes;
+    mark.gpu_free_bytes = device.free_bytes;
+    mark.gpu_reserved_bytes = device.used_bytes;
+    for (const ledger::Finding& f : ledger::device_findings(ledger, uuid, now_ns)) {
+      ++mark.findings[f.kind];
+    }
+    recorder_.mark(mark);
+  }
 }
 
 void Collector::set_device_rules(const ledger::DeviceRules& rules) {

@@ -37,6 +37,7 @@
 // past that is not kept, and the export shows that step by its id ("step 300").
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -84,9 +85,10 @@ struct TraceWindow {
   std::deque<std::shared_ptr<TraceChunk>> chunks;
 };
 
-// A ledger record or a drop report (one queue for all processes).
+// A ledger record, a drop report, an NVML sample of one GPU, or a lease the daemon marked
+// EXPIRED (one queue for all processes).
 struct TraceMark {
-  enum class Kind : std::uint8_t { kLedger, kDropped };
+  enum class Kind : std::uint8_t { kLedger, kDropped, kDevice, kLeaseExpired };
   Kind kind = Kind::kLedger;
   std::uint64_t ts_ns = 0;       // ledger: the record's timestamp; drops: daemon clock
   std::uint64_t arrived_ns = 0;  // daemon clock (eviction)
@@ -102,6 +104,12 @@ struct TraceMark {
   // fold, and why (trace_drop_cause()).
   std::uint8_t cause = 0;
   std::uint64_t dropped = 0;
+  // kDevice (ts_ns: the sample's time): record.gpu_uuid names the GPU; gpu_total_bytes,
+  // gpu_free_bytes and gpu_reserved_bytes hold the device's total, free and used bytes;
+  // the findings of each kind (ledger::Finding::Kind order) at that sample.
+  // kLeaseExpired (ts_ns: when the lease passed; sender: the holder): record.gpu_uuid,
+  // reservation_id, bytes and total_bytes (the lease, ms) of the reservation.
+  std::array<std::uint32_t, 4> findings{};
 };
 
 // TraceMark::cause: proto::DropCause (the client's report), proto::kDropCauseCount (a

@@ -387,7 +387,7 @@ bool LedgerView::apply(const LedgerActor& actor, const proto::LedgerRecord& reco
   return op.applied();
 }
 
-std::size_t LedgerView::expire_leases(std::uint64_t now_ns) {
+std::size_t LedgerView::expire_leases(std::uint64_t now_ns, std::vector<ExpiredLease>* expired) {
   const auto passed = [now_ns](const Reservation& r) {
     return r.lease_ms != 0 && !r.expired && r.holder_alive && now_ns >= r.lease_deadline_ns;
   };
@@ -405,6 +405,7 @@ std::size_t LedgerView::expire_leases(std::uint64_t now_ns) {
       r.expired = true;
       s.count(kLeaseExpired);
       ++n;
+      if (expired != nullptr) expired->push_back({uuid, id, r});
     }
   }
   return n;

@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -62,7 +63,13 @@ class LedgerView {
 
   // Marks EXPIRED every live holder's lease whose deadline passed unrenewed by `now_ns`,
   // counting each (anomaly lease_expired); returns how many. The liveness tick calls it.
-  std::size_t expire_leases(std::uint64_t now_ns);
+  // Each one marked, when `expired` is given (for the flight recorder).
+  struct ExpiredLease {
+    std::string gpu;
+    std::uint64_t id = 0;
+    ledger::Reservation reservation;
+  };
+  std::size_t expire_leases(std::uint64_t now_ns, std::vector<ExpiredLease>* expired = nullptr);
   // Re-evaluates holder_alive of every reservation with `alive(key)`.
   void check_holders(const std::function<bool(const ProcessKey&)>& alive);
   // The process record is dropped from the collector: forget per-thread attribution state

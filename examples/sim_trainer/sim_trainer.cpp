@@ -1012,7 +1012,8 @@ void Parent::print_summary(bool ok,
     std::printf("\n");
   }
   std::printf("  janitor pid %d: ", static_cast<int>(::getpid()));
-  for (const auto& [id, holder] : expired_cleaned_) {
+  for (const auto& [id, holder_pid] : expired_cleaned_) {
+    const auto holder = holder_pid;  // a lambda may not capture a structured binding (C++17)
     const bool seen = std::any_of(workers_.begin(), workers_.end(), [&](const WorkerRecord& w) {
       return w.pid == holder && w.expired;
     });

@@ -386,6 +386,19 @@ TEST_F(NvmlDaemonTest, UndeclaredUse) {
   // A device-only GPU: no ledger figures of its own, capacity from the device.
   EXPECT_EQ(g["capacity_source"], "device");
   EXPECT_TRUE(g["reservations"].empty());
+  // The timeline has the samples: the device's used bytes and the findings by kind.
+  const auto trace = command(socket(), "trace", 10000);
+  ASSERT_TRUE(trace.has_value());
+  const json doc = json::parse(*trace);
+  bool used = false;
+  bool undeclared = false;
+  for (const json& e : doc["traceEvents"]) {
+    if (e["ph"] != "C") continue;
+    used = used || (e["name"] == "VRAM used (device) " + kGpuA && e["args"]["bytes"] == 2 * kGiB);
+    undeclared = undeclared || (e["name"] == "findings " + kGpuA && e["args"]["UNDECLARED"] == 1);
+  }
+  EXPECT_TRUE(used) << *trace;
+  EXPECT_TRUE(undeclared) << *trace;
 
   // It stops using memory: the finding goes.
   write_script(gpu_line(kGpuA, 80 * kGiB, 0, kNameA) + proc_line(self, 0));

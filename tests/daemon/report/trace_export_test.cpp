@@ -679,6 +679,54 @@ TEST(TraceExportTest, NoGpuProcessWithoutAppliedLedgerRecords) {
   EXPECT_TRUE(events_with(j, "M").empty());
 }
 
+// Issue 13 in the timeline: NVML samples become counter tracks (the device's used bytes
+// and the findings by kind) on the daemon's GPU process; an expired lease an instant on
+// its holder's process.
+TEST(TraceExportTest, DeviceSamplesAndExpiredLeasesAppear) {
+  auto c = new_capture();
+  TraceMark device;
+  device.kind = TraceMark::Kind::kDevice;
+  device.ts_ns = device.arrived_ns = kBase + 100;
+  set_field(device.record.gpu_uuid, "GPU-n");
+  device.gpu_reserved_bytes = 5000;
+  device.findings = {1, 0, 2, 3};
+  c->marks.push_back(device);
+  TraceMark expired;
+  expired.kind = TraceMark::Kind::kLeaseExpired;
+  expired.ts_ns = expired.arrived_ns = kBase + 200;
+  expired.sender = {77, 100};
+  set_field(expired.record.gpu_uuid, "GPU-n");
+  expired.record.reservation_id = 9;
+  expired.record.bytes = 4096;
+  expired.record.total_bytes = 1500;
+  c->marks.push_back(expired);
+  const json j = parse_trace(c);
+  const std::vector<json> meta = events_with(j, "M");
+  ASSERT_EQ(meta.size(), 1u);
+  EXPECT_EQ(meta[0].at("args").at("name"), "steptraced: GPU memory");
+  const std::vector<json> counters = events_with(j, "C");
+  ASSERT_EQ(counters.size(), 2u);
+  EXPECT_EQ(counters[0].at("name"), "VRAM used (device) GPU-n");
+  EXPECT_EQ(counters[0].at("args"), json({{"bytes", 5000}}));
+  EXPECT_EQ(counters[0].at("pid"), 999);
+  EXPECT_EQ(counters[1].at("name"), "findings GPU-n");
+  EXPECT_EQ(counters[1].at("args"),
+            json({{"UNDECLARED", 1}, {"OVER", 0}, {"IDLE", 2}, {"GHOST", 3}}));
+  EXPECT_EQ(ns_of(counters[1].at("ts")), kBase + 100);
+  const std::vector<json> instants = events_with(j, "i");
+  ASSERT_EQ(instants.size(), 1u);
+  const json& e = instants[0];
+  EXPECT_EQ(e.at("name"), "lease expired");
+  EXPECT_EQ(e.at("s"), "p");
+  EXPECT_EQ(e.at("pid"), 77);
+  EXPECT_EQ(ns_of(e.at("ts")), kBase + 200);
+  EXPECT_EQ(e.at("args"), json({{"gpu", "GPU-n"},
+                                {"reservation_id", 9},
+                                {"bytes", 4096},
+                                {"lease_ms", 1500},
+                                {"by", "daemon"}}));
+}
+
 TEST(TraceExportTest, DropMarksBecomeProcessInstants) {
   auto c = new_capture();
   const std::vector<std::uint8_t> causes = {
