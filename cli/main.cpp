@@ -72,9 +72,11 @@ constexpr const char* kFooter =
 constexpr const char* kReportFooter =
     "Text: the shape of the in-process tracer steptrace replaces (per step: count, duration,\n"
     "share of the time, sorted by time; the compute-versus-overhead analysis), for all\n"
-    "processes and then per process, followed by the VRAM ledger per GPU. --json: one line,\n"
+    "processes, per job (trainers started with a job id: STEPTRACE_JOB, TORCHELASTIC_RUN_ID\n"
+    "or SLURM_JOB_ID, and RANK/LOCAL_RANK/WORLD_SIZE) and per process, followed by the VRAM\n"
+    "ledger per GPU. Duration includes nested spans; Self leaves them out. --json: one line,\n"
     "schema steptrace.report/v1 (proto/PROTOCOL.md, section 10.4).\n"
-    "--pid N of a process the daemon does not track exits 1.\n";
+    "--pid N or --job ID that matches no tracked process exits 1.\n";
 
 constexpr const char* kResetFooter =
     "Without options: the per-step aggregates of every process; --pid N: of that process\n"
@@ -134,6 +136,7 @@ struct Options {
   std::string gpu;          // reset --gpu UUID, ledger cleanup GPU
   std::string reservation;  // ledger cleanup GPU ID
   std::string help_topic;   // help SUBCOMMAND
+  std::string job;          // report --job ID
 };
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -291,12 +294,15 @@ int run_and_print(const SocketPath& socket, const std::string& line,
   return reply ? print_reply(std::move(*reply)) : kExitFailure;
 }
 
-// `report [--json] --pid N`. The daemon answers a pid it does not track with an empty
-// report; for the CLI that is a failed lookup (exit 1), whichever form was asked for.
-int run_report_of_pid(const SocketPath& socket, int pid, bool json,
-                      std::chrono::milliseconds timeout) {
-  const std::string pid_arg = " --pid " + std::to_string(pid);
-  const std::string json_line = "report --json" + pid_arg;
+// `report [--json] [--pid N] [--job ID]`. The daemon answers a pid or job it does not
+// track with an empty report; for the CLI that is a failed lookup (exit 1), whichever
+// form was asked for.
+int run_report_filtered(const SocketPath& socket, int pid, const std::string& job, bool json,
+                        std::chrono::milliseconds timeout) {
+  std::string args;
+  if (pid > 0) args += " --pid " + std::to_string(pid);
+  if (!job.empty()) args += " --job " + job;
+  const std::string json_line = "report --json" + args;
   auto reply = ask(socket, json_line, timeout);
   if (!reply) return kExitFailure;
   const nlohmann::json report = nlohmann::json::parse(*reply, nullptr, /*allow_exceptions=*/false);
@@ -310,18 +316,16 @@ int run_report_of_pid(const SocketPath& socket, int pid, bool json,
                            "` with something that is not a report");
     return kExitFailure;
   }
-  const bool tracked = std::any_of(processes->begin(), processes->end(), [pid](const auto& p) {
-    return p.is_object() && p.contains("pid") && p["pid"].is_number_integer() &&
-           p["pid"].template get<long long>() == pid;
-  });
-  if (!tracked) {
-    write_line(stderr, fmt::format("steptrace: steptraced at {} tracks no process with pid {} "
+  if (processes->empty()) {
+    std::string what = pid > 0 ? "no process with pid " + std::to_string(pid) : "no process";
+    if (!job.empty()) what += " of job " + job;
+    write_line(stderr, fmt::format("steptrace: steptraced at {} tracks {} "
                                    "(`steptrace report` lists those it does)",
-                                   socket.path, pid));
+                                   socket.path, what));
     return kExitFailure;
   }
   if (json) return print_reply(std::move(*reply));
-  return run_and_print(socket, "report" + pid_arg, timeout);
+  return run_and_print(socket, "report" + args, timeout);
 }
 
 int run_version(const SocketPath& socket, bool json, std::chrono::milliseconds timeout) {
@@ -469,6 +473,20 @@ int main(int argc, char** argv) {
   report->add_option("--pid", options.pid, "Only this process")
       ->type_name("PID")
       ->check(CLI::Range(1, 1 << 30));
+  report
+      ->add_option("--job", options.job,
+                   "Only the processes of this job id (STEPTRACE_JOB, TORCHELASTIC_RUN_ID or "
+                   "SLURM_JOB_ID of the trainers)")
+      ->type_name("ID")
+      ->check(CLI::Validator(
+          [](const std::string& value) -> std::string {
+            if (value.empty() || value.size() > 63) return "a job id has 1..63 characters";
+            for (const char c : value) {
+              if (c <= 0x20 || c > 0x7e) return "a job id here is printable ASCII without spaces";
+            }
+            return {};
+          },
+          "JOB_ID"));
   auto* ledger =
       app.add_subcommand("ledger", "Who holds VRAM on each GPU; leaked reservations are marked");
   ledger->add_flag("--json", options.json, "As JSON");
@@ -577,7 +595,9 @@ int main(int argc, char** argv) {
   if (app.got_subcommand(help)) return run_help(app, options.help_topic);
   if (app.got_subcommand(ping)) return run_and_print(socket, "ping", timeout);
   if (app.got_subcommand(report)) {
-    if (options.pid > 0) return run_report_of_pid(socket, options.pid, options.json, timeout);
+    if (options.pid > 0 || !options.job.empty()) {
+      return run_report_filtered(socket, options.pid, options.job, options.json, timeout);
+    }
     return run_and_print(socket, "report" + json_arg, timeout);
   }
   if (app.got_subcommand(ledger)) {

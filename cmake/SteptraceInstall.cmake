@@ -84,6 +84,11 @@ install(FILES
   ${PROJECT_SOURCE_DIR}/config/prometheus/steptrace-nodes.json
   ${PROJECT_SOURCE_DIR}/config/prometheus/README.md
   DESTINATION ${STEPTRACE_INSTALL_DATADIR}/prometheus)
+# The Grafana dashboard over those recording rules.
+install(FILES
+  ${PROJECT_SOURCE_DIR}/config/grafana/steptrace.json
+  ${PROJECT_SOURCE_DIR}/config/grafana/README.md
+  DESTINATION ${STEPTRACE_INSTALL_DATADIR}/grafana)
 
 # --- system files -----------------------------------------------------------------
 if(STEPTRACE_INSTALL_SYSTEM_FILES)

@@ -118,6 +118,16 @@ class Encoder {
   bool dropped_by_cause(const DroppedByCause& causes) {
     return frame(FrameType::kDroppedByCause, causes);
   }
+  // An Identity frame; the job id is cut to 63 chars, unprintable bytes become '?'.
+  bool identity(std::string_view job, std::uint32_t rank, std::uint32_t local_rank,
+                std::uint32_t world_size) {
+    Identity r{};
+    set_field_lossy(r.job, job);
+    r.rank = rank;
+    r.local_rank = local_rank;
+    r.world_size = world_size;
+    return frame(FrameType::kIdentity, r);
+  }
   bool flush(std::uint64_t sequence) { return frame(FrameType::kFlush, FlushRequest{sequence}); }
   bool flush_ack(std::uint64_t sequence) { return frame(FrameType::kFlushAck, FlushAck{sequence}); }
   bool error(ErrorCode code, std::string_view message) {
@@ -178,7 +188,7 @@ class EventSpan {
 };
 
 using Message = std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport,
-                             FlushRequest, FlushAck, ErrorReport, DroppedByCause>;
+                             FlushRequest, FlushAck, ErrorReport, DroppedByCause, Identity>;
 
 // Which end of the connection decodes: the daemon expects a hello and client frames;
 // the client expects daemon frames (kFlushAck, kError) and no hello.
@@ -286,6 +296,8 @@ class Decoder {
         return side_ == Side::kDaemon;
       case FrameType::kDroppedByCause:
         return side_ == Side::kDaemon && version_ >= 2;
+      case FrameType::kIdentity:
+        return side_ == Side::kDaemon && version_ >= kIdentityProtocolVersion;
       case FrameType::kFlushAck:
       case FrameType::kError:
         return side_ == Side::kClient;
@@ -348,6 +360,19 @@ class Decoder {
         return {{}, Message{load<FlushRequest>(p)}};
       case FrameType::kDroppedByCause:
         return {{}, Message{load<DroppedByCause>(p)}};
+      case FrameType::kIdentity: {
+        const auto r = load<Identity>(p);
+        if (r.reserved != 0) return fail(errc::bad_reserved);
+        if (!valid_field(r.job, true)) return fail(errc::bad_string);
+        auto in_world = [&](std::uint32_t rank) {
+          return rank == kNoRank || r.world_size == 0 || rank < r.world_size;
+        };
+        if (identity_seen_ || !in_world(r.rank) || !in_world(r.local_rank)) {
+          return fail(errc::bad_identity);
+        }
+        identity_seen_ = true;
+        return {{}, Message{r}};
+      }
       case FrameType::kFlushAck:
         return {{}, Message{load<FlushAck>(p)}};
       case FrameType::kError: {
@@ -363,6 +388,7 @@ class Decoder {
   Side side_;
   std::uint32_t max_payload_;
   bool expect_hello_;
+  bool identity_seen_ = false;
   std::uint16_t version_ = kProtocolVersion;
   std::error_code failed_;
   std::vector<std::byte> buffer_;

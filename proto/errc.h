@@ -45,7 +45,8 @@ namespace steptrace {
   X(timed_out, 17, "timed_out", "timed out", true)                                            \
   X(bad_config, 18, "bad_config", "bad configuration", false)                                 \
   X(bad_command, 19, "bad_command", "bad command", false)                                     \
-  X(bad_snapshot, 20, "bad_snapshot", "snapshot is not valid", false)
+  X(bad_snapshot, 20, "bad_snapshot", "snapshot is not valid", false)                         \
+  X(bad_identity, 21, "bad_identity", "identity frame repeated or rank out of range", true)
 
 // Spelled like std::errc on purpose (it is used the same way), hence no kName constants.
 // NOLINTBEGIN(readability-identifier-naming)

@@ -23,9 +23,10 @@ static_assert(std::endian::native == std::endian::little,
 inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
 // The version this code speaks; a daemon also accepts hellos of kMinProtocolVersion..
 // kProtocolVersion (version 2 added the DroppedByCause frame, version 3 the ledger ops
-// ReserveLease and Renew, nothing else).
-inline constexpr std::uint16_t kProtocolVersion = 3;
+// ReserveLease and Renew, version 4 the Identity frame, nothing else).
+inline constexpr std::uint16_t kProtocolVersion = 4;
 inline constexpr std::uint16_t kLeaseProtocolVersion = 3;
+inline constexpr std::uint16_t kIdentityProtocolVersion = 4;
 inline constexpr std::uint16_t kMinProtocolVersion = 1;
 
 // Hard limits that every decoder enforces.
@@ -75,6 +76,7 @@ enum class FrameType : std::uint16_t {
   kDropped = 4,         // payload: DroppedReport
   kFlush = 5,           // payload: FlushRequest
   kDroppedByCause = 6,  // payload: DroppedByCause (protocol version 2 and later)
+  kIdentity = 7,        // payload: Identity (protocol version 4 and later), at most once
   // daemon -> client
   kFlushAck = 0x81,  // payload: FlushAck
   kError = 0x82,     // payload: ErrorReport; the daemon closes the connection after it
@@ -170,6 +172,19 @@ struct DroppedByCause {
 };
 static_assert(sizeof(DroppedByCause) == 32);
 
+// Which job and rank the process belongs to (protocol version 4), from its environment
+// (STEPTRACE_JOB, TORCHELASTIC_RUN_ID, SLURM_JOB_ID; RANK, LOCAL_RANK, WORLD_SIZE).
+// At most one per connection; a process without either sends none.
+inline constexpr std::uint32_t kNoRank = 0xFFFFFFFF;  // rank / local_rank not known
+struct Identity {
+  char job[kNameField];     // 0..63 printable chars; empty: no job id
+  std::uint32_t rank;       // kNoRank, or < world_size when world_size is not 0
+  std::uint32_t local_rank;  // kNoRank, or < world_size when world_size is not 0
+  std::uint32_t world_size;  // 0: not known
+  std::uint32_t reserved;    // must be 0
+};
+static_assert(sizeof(Identity) == 80);
+
 struct FlushRequest {
   std::uint64_t sequence;
 };
@@ -206,6 +221,8 @@ constexpr std::uint32_t fixed_payload_size(FrameType type) {
       return sizeof(FlushRequest);
     case FrameType::kDroppedByCause:
       return sizeof(DroppedByCause);
+    case FrameType::kIdentity:
+      return sizeof(Identity);
     case FrameType::kFlushAck:
       return sizeof(FlushAck);
     case FrameType::kError:

@@ -174,7 +174,9 @@ start_daemon
 
 say "Running sim_trainer: 7 workers x $steps steps, two 8 GiB GPUs, 3 GiB per reservation" \
   "GPU 0 $gpu0: workers 0-4" "GPU 1 $gpu1: workers 5-6"
-"$sim_trainer" --gpu "$gpu0" --workers 5 --gpu "$gpu1" --workers 2 --steps "$steps" \
+# The job id reports and metrics group its processes by (torchrun and Slurm set theirs).
+STEPTRACE_JOB=sim-demo \
+  "$sim_trainer" --gpu "$gpu0" --workers 5 --gpu "$gpu1" --workers 2 --steps "$steps" \
   --vram-total $((8 * gib)) --reserve $((3 * gib)) --kill-one --anomalies --overcommit \
   --late-workers 1 --hang-one --lease-ms 1000 --ledger "$ledger_file" \
   --checkpoints "$checkpoints" >"$trainer_out_file" &
@@ -280,8 +282,12 @@ trainer_pid=""
 trainer_out=""
 cat "$trainer_out_file"
 
-say "steptrace report"
-"$steptrace" report || die "steptrace report failed"
+say "steptrace report (grouped by job: sim_trainer ran as job sim-demo)"
+report=$("$steptrace" report) || die "steptrace report failed"
+echo "$report"
+expect "$report" '^══ Job sim-demo \(uid [0-9]+\) · [0-9]+ processes' "the job's section"
+expect "$("$steptrace" metrics)" '^steptrace_job_step_seconds_total\{job_id="sim-demo",uid="[0-9]+",step="Forward"\} [0-9.e+-]+$' \
+  "per-job step time in the metrics"
 say "steptrace ledger: everything released (Releases) or cleaned up (Cleanups): worker 0's" \
   "leak by worker 1 on GPU 0, worker 6's expired lease by the janitor (sim_trainer) on GPU 1"
 final_ledger=$(ledger)

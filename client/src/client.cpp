@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -120,6 +121,13 @@ Client& Client::get() {
 Client::Client() : thread_key_(on_thread_exit) {
   env_disabled_ = env_true("STEPTRACE_DISABLE");
   s_.quiet = env_true("STEPTRACE_QUIET");
+  {
+    std::vector<std::string> problems;
+    s_.identity = identity_from_env([](const char* name) { return std::getenv(name); }, problems);
+    if (!s_.quiet && !env_disabled_) {
+      for (const std::string& line : problems) std::fprintf(stderr, "steptrace: %s\n", line.c_str());
+    }
+  }
   auto_pending_.store(!env_disabled_ && !env_false("STEPTRACE_AUTOCONNECT"),
                       std::memory_order_relaxed);
   g_block_when_full.store(env_true("STEPTRACE_BLOCK_WHEN_FULL"), std::memory_order_relaxed);

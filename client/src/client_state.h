@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "client/src/clock.h"
+#include "client/src/identity.h"
 #include "client/src/event_ring.h"
 #include "client/src/ledger_queue.h"
 #include "client/src/ring_budget.h"
@@ -119,6 +120,8 @@ struct ClientState {
   std::atomic<std::uint16_t> protocol_version{proto::kProtocolVersion};
   // STEPTRACE_QUIET=1 (read at load): no first-contact notice on stderr.
   bool quiet = false;
+  // The job and ranks from the environment (read at load; identity.h).
+  ProcessIdentity identity;
   // The first-contact notice was printed (or is being): never again in this process.
   std::atomic<bool> notice_printed{false};
 

@@ -244,6 +244,10 @@ bool Flusher::build_batch() {
   if (need_hello_) {
     // The handshake: nothing else until the daemon acknowledges this Flush.
     enc.hello(STEPTRACE_CLIENT_VERSION, process_name(), version_);
+    if (version_ >= proto::kIdentityProtocolVersion && s_.identity.any()) {
+      const ProcessIdentity& id = s_.identity;
+      enc.identity(id.job, id.rank, id.local_rank, id.world_size);
+    }
     hello_flush_ = next_own_flush();
     enc.flush(hello_flush_);
     need_hello_ = false;

@@ -85,7 +85,7 @@ _steptrace() {
 
   local flags=""
   case $sub in
-    report) flags="--json --pid" ;;
+    report) flags="--json --pid --job" ;;
     ledger)
       flags="--json"
       # `ledger cleanup GPU ID`: the subcommand word right after `ledger`.

@@ -37,6 +37,7 @@ constexpr StringRule kClientRule{0, proto::kProcessNameField - 1};
 constexpr StringRule kLibraryVersionRule{0, proto::kLibraryVersionField - 1};
 constexpr StringRule kNameRule{1, proto::kMaxNameLength};        // step names, GPU UUIDs
 constexpr StringRule kLedgerTextRule{0, proto::kMaxNameLength};  // comm, task
+constexpr StringRule kJobRule{0, proto::kMaxNameLength};         // a job id (may be "")
 
 // ---- encode ------------------------------------------------------------------------------
 
@@ -44,6 +45,7 @@ json step_agg_json(const StepAgg& agg) {
   return {{"unmatched_ends", agg.unmatched_ends},
           {"abandoned", agg.abandoned},
           {"depth_dropped", agg.depth_dropped},
+          {"self_ns", agg.self_ns},
           {"histogram", encode_histogram(agg.hist)}};
 }
 
@@ -80,20 +82,44 @@ json process_json(const ProcessRecord& rec) {
     s["name"] = rec.step_name(slot);  // for a human reading the file; not read back
     steps.push_back(std::move(s));
   }
-  return {{"pid", rec.key().pid},
-          {"start_time", rec.key().start_time},
-          {"uid", rec.peer.uid},
-          {"gid", rec.peer.gid},
-          {"comm", rec.peer.comm},
-          {"client", rec.client_name},
-          {"library_version", rec.library_version},
-          {"alive", rec.alive},
-          {"exited_at_ns", rec.exited_at_ns},
-          {"exit_order", rec.exit_order},
-          {"dropped", rec.dropped},
-          {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
-          {"custom_steps", std::move(custom)},
-          {"steps", std::move(steps)}};
+  json out = {{"pid", rec.key().pid},
+              {"start_time", rec.key().start_time},
+              {"uid", rec.peer.uid},
+              {"gid", rec.peer.gid},
+              {"comm", rec.peer.comm},
+              {"client", rec.client_name},
+              {"library_version", rec.library_version},
+              {"alive", rec.alive},
+              {"exited_at_ns", rec.exited_at_ns},
+              {"exit_order", rec.exit_order},
+              {"dropped", rec.dropped},
+              {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
+              {"custom_steps", std::move(custom)},
+              {"steps", std::move(steps)}};
+  // The Identity's fields, when the process sent them (absent: not known).
+  if (!rec.job.empty()) out["job"] = rec.job;
+  if (rec.rank != proto::kNoRank) out["rank"] = rec.rank;
+  if (rec.local_rank != proto::kNoRank) out["local_rank"] = rec.local_rank;
+  if (rec.world_size != 0) out["world_size"] = rec.world_size;
+  return out;
+}
+
+json retired_jobs_json(const RetiredJobs& jobs) {
+  json out = json::array();
+  for (const auto& [key, job] : jobs) {
+    json steps = json::array();
+    for (const auto& [name, t] : job.steps) {
+      steps.push_back(
+          {{"step", name}, {"count", t.count}, {"total_ns", t.total_ns}, {"self_ns", t.self_ns}});
+    }
+    out.push_back({{"uid", key.uid},
+                   {"job", key.job},
+                   {"processes", job.processes},
+                   {"dropped", job.dropped},
+                   {"retired_order", job.retired_order},
+                   {"steps", std::move(steps)}});
+  }
+  return out;
 }
 
 // ---- decode: each returns false with the reader's error set ---------------------------
@@ -161,7 +187,9 @@ bool read_step(JsonObject s, ProcessRecord& rec, std::vector<bool>& seen) {
   s.get_unsigned("unmatched_ends", agg.unmatched_ends);
   s.get_unsigned("abandoned", agg.abandoned);
   s.get_unsigned("depth_dropped", agg.depth_dropped);
+  s.optional_unsigned("self_ns", agg.self_ns);  // written since protocol version 4
   if (!read_histogram(s.object("histogram"), agg.hist)) return false;
+  if (agg.self_ns > agg.hist.sum()) return s.fail_at("self_ns", "more than the step's total");
   return s.finish();
 }
 
@@ -177,6 +205,11 @@ bool read_process(JsonObject p, ProcessRecord& rec) {
   p.get_unsigned("exit_order", rec.exit_order);
   p.get_unsigned("dropped", rec.dropped);
   if (!read_drop_causes(p.optional_object("dropped_by_cause"), rec.dropped_by_cause)) return false;
+  p.optional_string("job", rec.job, kJobRule);
+  p.optional_unsigned("world_size", rec.world_size, 1, proto::kNoRank - 1);
+  const std::uint64_t max_rank = rec.world_size != 0 ? rec.world_size - 1 : proto::kNoRank - 1;
+  p.optional_unsigned("rank", rec.rank, 0, max_rank);
+  p.optional_unsigned("local_rank", rec.local_rank, 0, max_rank);
   if (!p.ok()) return false;
   if (!rec.alive && rec.exit_order == 0) {
     return p.fail_at("exit_order", "an exited process needs one (nonzero)");
@@ -436,6 +469,42 @@ bool read_ledger(JsonObject l, const Limits& limits, ledger::State& out) {
 
 // ---- the whole document ----------------------------------------------------------------
 
+// What evicted processes left to their jobs (optional: written since protocol version 4).
+bool read_retired_jobs(JsonObject& top, const Limits& limits, RetiredJobs& out) {
+  JsonArray jobs = top.array("retired_jobs", limits.max_jobs);
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    JsonObject j = jobs.object(i);
+    JobKey key;
+    RetiredJob job;
+    j.get_unsigned("uid", key.uid);
+    j.get_string("job", key.job, kJobRule);
+    j.get_unsigned("processes", job.processes, 1);
+    j.get_unsigned("dropped", job.dropped);
+    j.get_unsigned("retired_order", job.retired_order, 1);
+    JsonArray steps = j.array("steps", RetiredJob::kMaxJobSteps + 1);
+    for (std::size_t k = 0; k < steps.size(); ++k) {
+      JsonObject st = steps.object(k);
+      std::string name;
+      JobStepTotals t;
+      if (!st.get_string("step", name, kNameRule) || !st.get_unsigned("count", t.count) ||
+          !st.get_unsigned("total_ns", t.total_ns) || !st.get_unsigned("self_ns", t.self_ns) ||
+          !st.finish()) {
+        return false;
+      }
+      if (t.self_ns > t.total_ns) return st.fail_at("self_ns", "more than total_ns");
+      if (!job.steps.try_emplace(name, t).second) {
+        return st.fail_at("step", "\"" + name + "\" appears twice");
+      }
+    }
+    if (!steps.ok() || !j.finish()) return false;
+    if (!out.try_emplace(key, std::move(job)).second) {
+      return jobs.fail_at(i, "job \"" + key.job + "\" of uid " + std::to_string(key.uid) +
+                                 " appears twice");
+    }
+  }
+  return jobs.ok();
+}
+
 bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, RestoredState& out) {
   if (!has_snapshot_schema(doc)) {
     return reader.fail("", std::string("not a ") + kSnapshotSchema + " document");
@@ -479,6 +548,7 @@ bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, Re
       }
     }
   }
+  if (top.has("retired_jobs") && !read_retired_jobs(top, limits, out.retired_jobs)) return false;
   if (!read_counters(top.object("counters"), out.counters) ||
       !read_ledger(top.object("ledger"), limits, out.ledger)) {
     return false;
@@ -537,6 +607,7 @@ json encode_snapshot(const CollectorView& view) {
           {"written_at_ns", view.now_ns()},
           {"processes", std::move(processes)},
           {"retired", std::move(retired)},
+          {"retired_jobs", retired_jobs_json(*state.retired_jobs)},
           {"counters", counters_json(view.counters())},
           {"ledger", ledger_json(state.ledger.state())}};
 }
@@ -566,6 +637,7 @@ std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
 std::size_t snapshot_max_array_elements(const Limits& limits) {
   return std::max<std::size_t>({limits.max_processes, limits.max_reservations_per_gpu,
                                 limits.max_gpus, CollectorState::kMaxRetiredNames + 1,
+                                limits.max_jobs, RetiredJob::kMaxJobSteps + 1,
                                 Histogram::kBuckets,
                                 proto::kMaxCustomSteps + proto::kBuiltinStepCount});
 }

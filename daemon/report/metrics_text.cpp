@@ -45,6 +45,76 @@ double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
 // steps included); the others share the "(other)" series.
 constexpr std::size_t kMaxStepSeries = 4096;
 constexpr std::string_view kOtherStep = "(other)";
+
+// Per job (uid, job id), the totals of its processes in the table plus what its evicted
+// ones left (CollectorState::retired_jobs), so the counters keep counting after a short
+// job's processes exit and leave. Jobs are bounded by max_jobs (retired) and by the
+// process table (live); their custom step names by RetiredJob::kMaxJobSteps.
+void append_job_metrics(const CollectorState& state, std::string& out) {
+  struct JobSeries {
+    std::string job;
+    std::string uid;
+    std::map<std::string, JobStepTotals, std::less<>> steps;
+    std::uint64_t live = 0, exited = 0, dropped = 0;
+  };
+  std::vector<JobSeries> jobs;
+  for (const JobGroup& group : group_by_job(state, select_processes(state, std::nullopt), true)) {
+    JobSeries j{group.key.job, std::to_string(group.key.uid), {}, 0, 0, 0};
+    const auto add = [&j](std::string_view name, std::uint64_t count, std::uint64_t total,
+                          std::uint64_t self) {
+      auto it = j.steps.find(name);
+      if (it == j.steps.end()) {
+        it = j.steps
+                 .try_emplace(std::string(j.steps.size() < RetiredJob::kMaxJobSteps ? name
+                                                                                    : kOtherStep))
+                 .first;
+      }
+      it->second.count += count;
+      it->second.total_ns = saturating_add(it->second.total_ns, total);
+      it->second.self_ns = saturating_add(it->second.self_ns, self);
+    };
+    if (group.retired != nullptr) {
+      for (const auto& [name, t] : group.retired->steps) add(name, t.count, t.total_ns, t.self_ns);
+      j.exited += group.retired->processes;
+      j.dropped += group.retired->dropped;
+    }
+    for (const ProcessRecord* rec : group.processes) {
+      (rec->alive ? j.live : j.exited) += 1;
+      j.dropped += rec->dropped;
+      for (std::size_t s = 0; s < rec->steps.size(); ++s) {
+        const StepAgg& agg = rec->steps[s];
+        if (agg.hist.count() != 0)
+          add(rec->step_name(s), agg.hist.count(), agg.hist.sum(), agg.self_ns);
+      }
+    }
+    jobs.push_back(std::move(j));
+  }
+  const auto per_step = [&](std::string_view name, std::string_view help, auto&& value) {
+    MetricFamily f(out, name, "counter", help);
+    for (const JobSeries& j : jobs) {
+      for (const auto& [step, t] : j.steps)
+        f.sample({{"job_id", j.job}, {"uid", j.uid}, {"step", step}}, value(t));
+    }
+  };
+  per_step("steptrace_job_step_seconds_total",
+           "Total time of ended spans per job and step, exited processes included.",
+           [](const JobStepTotals& t) { return seconds(t.total_ns); });
+  per_step("steptrace_job_step_self_seconds_total",
+           "Self time (nested spans left out) per job and step, exited processes included.",
+           [](const JobStepTotals& t) { return seconds(t.self_ns); });
+  per_step("steptrace_job_step_spans_total",
+           "Ended spans per job and step, exited processes included.",
+           [](const JobStepTotals& t) { return t.count; });
+  MetricFamily f_procs(out, "steptrace_job_processes", "gauge",
+                       "Processes of a job, live and exited (evicted ones included).");
+  for (const JobSeries& j : jobs) {
+    f_procs.sample({{"job_id", j.job}, {"uid", j.uid}, {"state", "live"}}, j.live);
+    f_procs.sample({{"job_id", j.job}, {"uid", j.uid}, {"state", "exited"}}, j.exited);
+  }
+  MetricFamily f_dropped(out, "steptrace_job_dropped_events_total", "counter",
+                         "Events the processes of a job could not deliver, exited ones included.");
+  for (const JobSeries& j : jobs) f_dropped.sample({{"job_id", j.job}, {"uid", j.uid}}, j.dropped);
+}
 }  // namespace
 
 std::string report::metrics_text(const CollectorView& view) {
@@ -98,13 +168,16 @@ std::string report::metrics_text(const CollectorView& view) {
     struct Live {
       const ProcessRecord* rec;
       std::string pid;
+      std::string rank;  // "" when not known: the label is left out
       std::vector<std::uint64_t> open;
     };
     std::vector<Live> live;
     std::size_t pairs = 0;
     for (const ProcessRecord* rec : select_processes(state, std::nullopt)) {
       if (!rec->alive) continue;
-      live.push_back({rec, std::to_string(rec->key().pid), rec->open_per_slot()});
+      live.push_back({rec, std::to_string(rec->key().pid),
+                      rec->rank == proto::kNoRank ? std::string() : std::to_string(rec->rank),
+                      rec->open_per_slot()});
       pairs += rec->steps.size();
     }
     // About 120 bytes a sample, five families per (process, step).
@@ -118,7 +191,11 @@ std::string report::metrics_text(const CollectorView& view) {
         for (std::size_t s = 0; s < rec.steps.size(); ++s) {
           const StepAgg& agg = rec.steps[s];
           if (!agg.has_data() && l.open[s] == 0) continue;
-          f.sample({{"pid", l.pid}, {"comm", rec.peer.comm}, {"step", rec.step_name(s)}},
+          f.sample({{"pid", l.pid},
+                    {"comm", rec.peer.comm},
+                    {"job_id", rec.job},
+                    {"rank", l.rank},
+                    {"step", rec.step_name(s)}},
                    value(agg, l.open[s]));
         }
       }
@@ -140,8 +217,11 @@ std::string report::metrics_text(const CollectorView& view) {
              [](const StepAgg& a, Open) { return a.abandoned; });
     MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
                            "Events a live process reported it could not deliver.");
-    for (const Live& l : live)
-      f_dropped.sample({{"pid", l.pid}, {"comm", l.rec->peer.comm}}, l.rec->dropped);
+    for (const Live& l : live) {
+      f_dropped.sample(
+          {{"pid", l.pid}, {"comm", l.rec->peer.comm}, {"job_id", l.rec->job}, {"rank", l.rank}},
+          l.rec->dropped);
+    }
     MetricFamily f_cause(out, "steptrace_process_dropped_events_by_cause_total", "counter",
                          "Events a live process could not deliver, by cause (clients of "
                          "protocol version 2; buffer_full means the daemon fell behind).");
@@ -149,11 +229,15 @@ std::string report::metrics_text(const CollectorView& view) {
       for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
         f_cause.sample({{"pid", l.pid},
                         {"comm", l.rec->peer.comm},
-                        {"cause", std::string(proto::kDropCauseNames[i])}},
+                        {"job_id", l.rec->job},
+                        {"rank", l.rank},
+                        {"cause", proto::kDropCauseNames[i]}},
                        l.rec->dropped_by_cause[i]);
       }
     }
   }
+
+  append_job_metrics(state, out);
 
   // ---- daemon -----------------------------------------------------------------------------
   const DaemonCounters& c = view.counters();
@@ -269,6 +353,7 @@ std::string report::metrics_text(const CollectorView& view) {
         .sample({}, std::chrono::duration<double>(view.uptime()).count());
   }
   report::append_ledger_metrics(state.ledger.state(), out);
+  report::append_process_metrics(view, out);
   return out;
 }
 

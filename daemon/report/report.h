@@ -22,7 +22,16 @@ namespace report {
 
 // `report --json`: each process object also carries "current" (per thread the innermost
 // open span and how long it has been open, what the CLI's `top` shows), plus
-// "unmatched_ends" and "abandoned" per step. Schema: proto/PROTOCOL.md section 10.4.
+// "unmatched_ends" and "abandoned" per step; "jobs" groups the processes by (uid, job
+// id) with per-job totals. Schema: proto/PROTOCOL.md section 10.4.
+// Which processes a report covers: all, one pid's, one job id's (of any uid), or both.
+struct ReportFilter {
+  std::optional<std::int32_t> pid;
+  std::optional<std::string> job;
+};
+nlohmann::json report_json(const CollectorView& view, const ReportFilter& filter);
+std::string report_text(const CollectorView& view, const ReportFilter& filter);
+// All processes or one pid's.
 nlohmann::json report_json(const CollectorView& view, std::optional<std::int32_t> pid);
 std::string report_text(const CollectorView& view, std::optional<std::int32_t> pid);
 nlohmann::json ledger_json(const CollectorView& view);
@@ -31,6 +40,9 @@ nlohmann::json stats_json(const CollectorView& view);
 std::string stats_text(const CollectorView& view);
 // Prometheus text exposition format 0.0.4.
 std::string metrics_text(const CollectorView& view);
+// steptrace_build_info and the daemon's process_* metrics (RSS, CPU, fds, start time),
+// appended to `out` (metrics_text calls it).
+void append_process_metrics(const CollectorView& view, std::string& out);
 
 }  // namespace report
 }  // namespace steptrace::daemon

@@ -224,19 +224,18 @@ MetricFamily::MetricFamily(std::string& out, std::string_view name, std::string_
 void MetricFamily::begin(Labels labels, std::string_view suffix) {
   out_ += name_;
   out_ += suffix;
-  if (labels.size() > 0) {
-    out_ += '{';
-    bool first = true;
-    for (const auto& [key, value] : labels) {
-      if (!first) out_ += ',';
-      first = false;
-      out_ += key;
-      out_ += "=\"";
-      append_prometheus_escaped(out_, value, true);
-      out_ += '"';
-    }
-    out_ += '}';
+  // A label with an empty value is left out: Prometheus does not tell them apart.
+  bool first = true;
+  for (const auto& [key, value] : labels) {
+    if (value.empty()) continue;
+    out_ += first ? '{' : ',';
+    first = false;
+    out_ += key;
+    out_ += "=\"";
+    append_prometheus_escaped(out_, value, true);
+    out_ += '"';
   }
+  if (!first) out_ += '}';
   out_ += ' ';
 }
 

@@ -66,6 +66,7 @@ class MetricFamily {
   MetricFamily(std::string& out, std::string_view name, std::string_view type,
                std::string_view help);
   // `suffix` is appended to the family name ("_bucket", "_sum", "_count" for histograms).
+  // Labels with an empty value are left out (Prometheus reads both alike).
   void sample(Labels labels, std::uint64_t value, std::string_view suffix = {});
   void sample(Labels labels, double value, std::string_view suffix = {});
 

@@ -33,7 +33,13 @@ nlohmann::json step_json(std::string_view name, const StepAgg& agg, std::uint64_
           {"open", open},
           {"unmatched_ends", agg.unmatched_ends},
           {"abandoned", agg.abandoned},
-          {"depth_dropped", agg.depth_dropped}};
+          {"depth_dropped", agg.depth_dropped},
+          {"self_ns", agg.self_ns}};
+}
+
+// A rank, or null when the process did not say.
+nlohmann::json rank_json(std::uint32_t rank) {
+  return rank == proto::kNoRank ? nlohmann::json(nullptr) : nlohmann::json(rank);
 }
 
 // Per thread, the innermost open span (the latest start still open) and the nesting
@@ -86,6 +92,11 @@ nlohmann::json process_json(const ProcessRecord& rec, std::uint64_t now) {
                       {"comm", rec.peer.comm},
                       {"client", rec.client_name},
                       {"library_version", rec.library_version},
+                      {"job", rec.job.empty() ? nlohmann::json(nullptr) : nlohmann::json(rec.job)},
+                      {"rank", rank_json(rec.rank)},
+                      {"local_rank", rank_json(rec.local_rank)},
+                      {"world_size", rec.world_size == 0 ? nlohmann::json(nullptr)
+                                                         : nlohmann::json(rec.world_size)},
                       {"alive", rec.alive},
                       {"connections", rec.connections},
                       {"dropped", rec.dropped},
@@ -101,6 +112,17 @@ nlohmann::json process_json(const ProcessRecord& rec, std::uint64_t now) {
   return j;
 }
 
+// Per step over `processes`, with how many of them have the step.
+nlohmann::json totals_json(const std::vector<const ProcessRecord*>& processes) {
+  nlohmann::json totals = nlohmann::json::array();
+  for (const NamedTotals& t : totals_by_name(processes)) {
+    nlohmann::json j = step_json(t.name, t.agg, t.open);
+    j["processes"] = t.processes;
+    totals.push_back(std::move(j));
+  }
+  return totals;
+}
+
 std::uint64_t rss_bytes() {
   std::ifstream in("/proc/self/statm");
   std::uint64_t size = 0, resident = 0;
@@ -110,20 +132,37 @@ std::uint64_t rss_bytes() {
 
 }  // namespace
 
-nlohmann::json report::report_json(const CollectorView& view, std::optional<std::int32_t> pid) {
+nlohmann::json report::report_json(const CollectorView& view, const ReportFilter& filter) {
   const std::uint64_t now = view.now_ns();
-  const auto processes = select_processes(view.state(), pid);
+  const auto processes = select_processes(view.state(), filter.pid, filter.job);
   nlohmann::json procs = nlohmann::json::array();
   for (const ProcessRecord* rec : processes) procs.push_back(process_json(*rec, now));
-  nlohmann::json totals = nlohmann::json::array();
-  for (const NamedTotals& t : totals_by_name(processes)) {
-    nlohmann::json j = step_json(t.name, t.agg, t.open);
-    j["processes"] = t.processes;
-    totals.push_back(std::move(j));
+  nlohmann::json jobs = nlohmann::json::array();
+  for (const JobGroup& group : group_by_job(view.state(), processes, false)) {
+    std::uint64_t live = 0;
+    std::uint32_t world = 0;
+    nlohmann::json ranks = nlohmann::json::array();
+    std::vector<std::uint32_t> known;
+    for (const ProcessRecord* rec : group.processes) {
+      live += rec->alive ? 1 : 0;
+      world = std::max(world, rec->world_size);
+      if (rec->rank != proto::kNoRank) known.push_back(rec->rank);
+    }
+    std::sort(known.begin(), known.end());
+    for (std::uint32_t r : known) ranks.push_back(r);
+    jobs.push_back({{"job", group.key.job.empty() ? nlohmann::json(nullptr)
+                                                  : nlohmann::json(group.key.job)},
+                    {"uid", group.key.uid},
+                    {"processes", group.processes.size()},
+                    {"live", live},
+                    {"ranks", std::move(ranks)},
+                    {"world_size", world == 0 ? nlohmann::json(nullptr) : nlohmann::json(world)},
+                    {"totals", totals_json(group.processes)}});
   }
   return {{"schema", "steptrace.report/v1"},
           {"processes", std::move(procs)},
-          {"totals", std::move(totals)},
+          {"totals", totals_json(processes)},
+          {"jobs", std::move(jobs)},
           {"ledger", report::ledger_json(view.state().ledger.state(), now)},
           {"daemon",
            {{"events_received", view.counters().events_received},
@@ -132,6 +171,10 @@ nlohmann::json report::report_json(const CollectorView& view, std::optional<std:
             {"protocol_errors", view.counters().protocol_errors_total()},
             {"clients_connected", view.counters().connections_now},
             {"uptime_s", uptime_s(view.uptime())}}}};
+}
+
+nlohmann::json report::report_json(const CollectorView& view, std::optional<std::int32_t> pid) {
+  return report_json(view, ReportFilter{pid, std::nullopt});
 }
 
 nlohmann::json report::ledger_json(const CollectorView& view) {

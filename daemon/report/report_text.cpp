@@ -34,20 +34,26 @@ struct Row {
   std::uint64_t total_ns;
   std::uint64_t p50_ns;
   std::uint64_t p99_ns;
+  std::uint64_t self_ns;
 };
+
+double percent_of(std::uint64_t part, std::uint64_t whole) {
+  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) * 100.0 : 0.0;
+}
 
 // The table and analysis for one set of step aggregates (everything after the title).
 std::string step_table(const std::vector<NamedTotals>& totals) {
   std::vector<Row> rows;
-  std::uint64_t total_time = 0;
+  std::uint64_t total_time = 0, total_self = 0;
   std::uint64_t compute = 0, overhead = 0;
   std::size_t name_width = 15;
   for (const NamedTotals& t : totals) {
     if (t.agg.hist.count() == 0) continue;
     const Histogram& h = t.agg.hist;
-    rows.push_back(
-        {proto::printable(t.name), h.count(), h.sum(), h.percentile(0.50), h.percentile(0.99)});
+    rows.push_back({proto::printable(t.name), h.count(), h.sum(), h.percentile(0.50),
+                    h.percentile(0.99), t.agg.self_ns});
     total_time = saturating_add(total_time, h.sum());
+    total_self = saturating_add(total_self, t.agg.self_ns);
     name_width = std::max(name_width, report::display_width(rows.back().name));
     // Built-in names are unique; a custom step can not take a built-in's name slot.
     if (t.name == proto::builtin_step_name(kMatmul)) compute = saturating_add(compute, h.sum());
@@ -63,25 +69,33 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
   }
   std::stable_sort(rows.begin(), rows.end(),
                    [](const Row& a, const Row& b) { return a.total_ns > b.total_ns; });
-  const std::array<Column, 6> columns = {Column{name_width},       Column{8},  Column{15},
-                                         Column{8, Align::kRight}, Column{15}, Column{15}};
+  // The reference tracer's columns first (Step, Count, Duration, % Time), then ours.
+  const std::array<Column, 8> columns = {
+      Column{name_width}, Column{8},  Column{15}, Column{8, Align::kRight},
+      Column{15},         Column{15}, Column{15}, Column{8, Align::kRight}};
   std::string out = "Total Measured Time: " + format_duration(total_time) + "\n";
   out += report::rule();
   // Headers are left-aligned like the reference's `{:<8}`; the values under % Time are
   // right-aligned like its `{:>7.2}%`.
-  const std::array<Column, 6> header = {Column{name_width}, Column{8},  Column{15},
-                                        Column{8},          Column{15}, Column{15}};
-  out += report::table_row(header, {"Step", "Count", "Duration", "% Time", "p50", "p99"});
+  const std::array<Column, 8> header = {Column{name_width}, Column{8},  Column{15}, Column{8},
+                                        Column{15},         Column{15}, Column{15}, Column{8}};
+  out += report::table_row(header,
+                           {"Step", "Count", "Duration", "% Time", "p50", "p99", "Self", "% Self"});
   out += report::rule();
   for (const Row& row : rows) {
-    const double pct =
-        total_time > 0 ? static_cast<double>(row.total_ns) / static_cast<double>(total_time) * 100.0
-                       : 0.0;
-    out += report::table_row(columns, {row.name, std::to_string(row.count),
-                                       format_duration(row.total_ns), report::format_percent(pct),
-                                       format_duration(row.p50_ns), format_duration(row.p99_ns)});
+    out += report::table_row(
+        columns, {row.name, std::to_string(row.count), format_duration(row.total_ns),
+                  report::format_percent(percent_of(row.total_ns, total_time)),
+                  format_duration(row.p50_ns), format_duration(row.p99_ns),
+                  format_duration(row.self_ns),
+                  report::format_percent(percent_of(row.self_ns, total_self))});
   }
   out += report::rule();
+  if (total_self < total_time) {
+    // Nested spans are counted in their own row and in their parent's Duration.
+    out += "Duration and % Time include nested spans (Total Measured Time counts them twice);\n"
+           "Self leaves out the spans that ended inside them on the same thread.\n";
+  }
   // Dr. Popper: compute (Matmul) against CPU overhead (Transpose + Alloc), 50% rule.
   if (compute > 0) {
     const double overhead_pct =
@@ -112,7 +126,19 @@ std::string drop_causes_text(const ProcessRecord& rec) {
   return out.empty() ? out : out + ")";
 }
 
-std::string process_header(const ProcessRecord& rec, std::uint64_t now) {
+// " · job J · rank R/W (local L)" for what the process's Identity said, or "".
+std::string identity_text(const ProcessRecord& rec, bool with_job) {
+  std::string out;
+  if (with_job && !rec.job.empty()) out += " · job " + proto::printable(rec.job);
+  if (rec.rank != proto::kNoRank) {
+    out += " · rank " + std::to_string(rec.rank);
+    if (rec.world_size != 0) out += "/" + std::to_string(rec.world_size);
+  }
+  if (rec.local_rank != proto::kNoRank) out += " (local " + std::to_string(rec.local_rank) + ")";
+  return out;
+}
+
+std::string process_header(const ProcessRecord& rec, std::uint64_t now, bool with_job) {
   std::uint64_t unmatched = 0, abandoned = 0;
   for (const StepAgg& s : rec.steps) {
     unmatched += s.unmatched_ends;
@@ -122,12 +148,14 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now) {
   if (rec.alive) {
     state = rec.connections > 0 ? "alive" : "alive (disconnected)";
   } else {
-    state =
-        "exited " + format_duration(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) + " ago";
+    // The daemon notices an exit when the last connection closes or on its liveness
+    // tick, so this is an upper bound on how long ago the process ended.
+    state = "exit noticed " +
+            format_duration(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) + " ago";
   }
   return "── Process " + std::to_string(rec.key().pid) + " (" +
-         (rec.peer.comm.empty() ? std::string("?") : proto::printable(rec.peer.comm)) + ") · " +
-         state + " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) +
+         (rec.peer.comm.empty() ? std::string("?") : proto::printable(rec.peer.comm)) + ")" +
+         identity_text(rec, with_job) + " · " + state + " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) +
          " · unmatched ends " + std::to_string(unmatched) + " · abandoned " +
          std::to_string(abandoned) + " · open " + std::to_string(rec.open_total()) + "\n";
 }
@@ -149,29 +177,88 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::string& ou
          "\n";
 }
 
+// "══ Job J (uid U) · 4 processes (3 live) · ranks 0-3 of 4" above a job's sections.
+std::string job_header(const JobGroup& group) {
+  std::size_t live = 0;
+  std::vector<std::uint32_t> ranks;
+  std::uint32_t world = 0;
+  for (const ProcessRecord* rec : group.processes) {
+    live += rec->alive ? 1 : 0;
+    if (rec->rank != proto::kNoRank) ranks.push_back(rec->rank);
+    world = std::max(world, rec->world_size);
+  }
+  std::sort(ranks.begin(), ranks.end());
+  std::string out = group.key.job.empty() ? std::string("══ Processes without a job id")
+                                          : "══ Job " + proto::printable(group.key.job);
+  out += " (uid " + std::to_string(group.key.uid) + ") · " +
+         std::to_string(group.processes.size()) +
+         (group.processes.size() == 1 ? " process (" : " processes (") + std::to_string(live) +
+         " live)";
+  if (!ranks.empty()) {
+    // Runs of consecutive ranks: "0-3, 6".
+    std::string list;
+    for (std::size_t i = 0; i < ranks.size();) {
+      std::size_t j = i;
+      while (j + 1 < ranks.size() && ranks[j + 1] <= ranks[j] + 1) ++j;
+      list += (list.empty() ? "" : ", ") + std::to_string(ranks[i]) +
+              (ranks[j] != ranks[i] ? "-" + std::to_string(ranks[j]) : "");
+      i = j + 1;
+    }
+    out += " · ranks " + list;
+    if (world != 0) out += " of " + std::to_string(world);
+  }
+  return out + "\n";
+}
+
 }  // namespace
 
-std::string report::report_text(const CollectorView& view, std::optional<std::int32_t> pid) {
+std::string report::report_text(const CollectorView& view, const ReportFilter& filter) {
   const std::uint64_t now = view.now_ns();
-  const auto processes = select_processes(view.state(), pid);
-  std::string out =
-      "\n" + report::boxed_title(pid ? "STEPTRACE REPORT (pid " + std::to_string(*pid) + ")"
-                                     : std::string("STEPTRACE REPORT"));
+  const auto processes = select_processes(view.state(), filter.pid, filter.job);
+  std::string title = "STEPTRACE REPORT";
+  if (filter.pid) title += " (pid " + std::to_string(*filter.pid) + ")";
+  if (filter.job) title += " (job " + proto::printable(*filter.job, 32) + ")";
+  std::string out = "\n" + report::boxed_title(title);
   if (processes.empty()) {
-    out += pid ? "No process with pid " + std::to_string(*pid) + " is tracked.\n"
-               : "No process has connected yet. Run a trainer linked with libsteptrace "
-                 "(STEPTRACE_SOCKET\nnames this daemon's socket) and spans will appear here.\n";
-  } else {
-    out += "Processes: " + std::to_string(processes.size()) + "\n";
+    if (filter.pid) {
+      out += "No process with pid " + std::to_string(*filter.pid) + " is tracked";
+      out += filter.job ? " in job " + proto::printable(*filter.job) + ".\n" : ".\n";
+    } else if (filter.job) {
+      out += "No process of job " + proto::printable(*filter.job) + " is tracked.\n";
+    } else {
+      out += "No process has connected yet. Run a trainer linked with libsteptrace "
+             "(STEPTRACE_SOCKET\nnames this daemon's socket) and spans will appear here.\n";
+    }
+  } else if (processes.size() == 1) {
+    // One process (`report --pid N`, or only one there): its table once.
+    out += process_header(*processes.front(), now, true);
     out += step_table(totals_by_name(processes));
-    for (const ProcessRecord* rec : processes) {
-      out += "\n" + process_header(*rec, now);
-      out += step_table(totals_by_name({rec}));
+  } else {
+    const auto groups = group_by_job(view.state(), processes, false);
+    const bool by_job = groups.size() > 1 || !groups.front().key.job.empty();
+    out += "Processes: " + std::to_string(processes.size());
+    if (by_job) out += " · jobs: " + std::to_string(groups.size());
+    out += "\n";
+    out += step_table(totals_by_name(processes));
+    for (const JobGroup& group : groups) {
+      if (by_job) {
+        out += "\n" + job_header(group);
+        // A job of one process: its own section says it all.
+        if (group.processes.size() > 1) out += step_table(totals_by_name(group.processes));
+      }
+      for (const ProcessRecord* rec : group.processes) {
+        out += "\n" + process_header(*rec, now, false);
+        out += step_table(totals_by_name({rec}));
+      }
     }
   }
   out += "\n[VRAM Ledger]\n";
   out += report::ledger_text(view.state().ledger.state(), now);
   return out;
+}
+
+std::string report::report_text(const CollectorView& view, std::optional<std::int32_t> pid) {
+  return report_text(view, ReportFilter{pid, std::nullopt});
 }
 
 std::string report::ledger_text(const CollectorView& view) {

@@ -223,6 +223,11 @@ void TraceExport::begin_process(std::string& out) {
   name.push_back('[');
   append_int(name, p.key.pid);
   name.push_back(']');
+  if (!p.job.empty()) name.append(" job ").append(p.job);
+  if (p.rank != proto::kNoRank) {
+    name.append(" rank ");
+    append_int(name, p.rank);
+  }
   if (!p.alive) name.append(" (exited)");
   append_json_string(out, name);
   out.append("}}");

@@ -249,6 +249,10 @@ std::error_code ClientStream::apply(const proto::Message& message) {
             collector.dropped_by_cause(handle, causes);
             return {};
           },
+          [&](const proto::Identity& identity) -> std::error_code {
+            collector.identity(handle, identity);
+            return {};
+          },
           [&](const proto::FlushRequest& flush) -> std::error_code {
             std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::FlushAck)> buf{};
             proto::Encoder encoder(buf);

@@ -2,6 +2,7 @@
 #include "daemon/report/report.h"
 
 #include <steptrace/version.h>
+#include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <exception>
@@ -13,6 +14,7 @@
 
 #include "daemon/report/trace_export.h"
 #include "daemon/serve/render_worker.h"
+#include "proto/codec.h"
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
@@ -24,11 +26,13 @@ using nlohmann::json;
 struct OptionSpec {
   bool json = false;
   bool pid = false;
+  bool job = false;  // report: --job ID
   bool ledger = false;  // reset: --ledger, --gpu UUID
 };
 struct Options {
   bool json = false;
   std::optional<std::int32_t> pid;
+  std::optional<std::string> job;
   bool ledger = false;
   std::optional<std::string> gpu;
 };
@@ -38,6 +42,7 @@ std::string usage_of(std::string_view command, OptionSpec spec) {
   if (spec.json) usage += " [--json]";
   if (spec.ledger) return usage + " [--pid N | --ledger | --gpu UUID]";
   if (spec.pid) usage += " [--pid N]";
+  if (spec.job) usage += " [--job ID]";
   return usage;
 }
 
@@ -87,6 +92,18 @@ Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args ar
                             std::to_string(proto::kMaxNameLength) + " characters"};
       }
       options.gpu = std::string(*value);
+      continue;
+    }
+    if (spec.job && is_option(word, "--job")) {
+      if (options.job) return CommandError{std::string(command) + ": --job given twice"};
+      const auto value = option_value("--job", args, i);
+      // A job id as the wire carries it (PROTOCOL.md 4.10).
+      if (!value || value->empty() || value->size() > proto::kMaxNameLength ||
+          !std::all_of(value->begin(), value->end(), proto::is_printable)) {
+        return CommandError{std::string(command) + ": --job needs a job id of 1.." +
+                            std::to_string(proto::kMaxNameLength) + " printable characters"};
+      }
+      options.job = std::string(*value);
       continue;
     }
     if (spec.pid && is_option(word, "--pid")) {
@@ -293,10 +310,10 @@ Parsed<HelpRequest> HelpRequest::parse(Args args) {
 }
 
 Parsed<ReportRequest> ReportRequest::parse(Args args) {
-  auto parsed = parse_options("report", {.json = true, .pid = true}, args);
+  auto parsed = parse_options("report", {.json = true, .pid = true, .job = true}, args);
   if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
   const auto& o = std::get<Options>(parsed);
-  return ReportRequest{o.json, o.pid};
+  return ReportRequest{o.json, o.pid, o.job};
 }
 Parsed<LedgerRequest> LedgerRequest::parse(Args args) {
   if (!args.empty() && args[0] == "cleanup") {
@@ -364,12 +381,14 @@ void CommandTable::add(std::string name, std::string usage, std::string summary,
 CommandTable::CommandTable() {
   add<PingRequest>("ping", "ping", "answers pong",
                    [](const PingRequest&, const CommandContext&) { return std::string("pong\n"); });
-  add<ReportRequest>("report", "report [--json] [--pid N]",
-                     "per-step timing for all processes (or one pid), then the VRAM ledger",
+  add<ReportRequest>("report", "report [--json] [--pid N] [--job ID]",
+                     "per-step timing for all processes (or one pid, or one job's), by job, "
+                     "then the VRAM ledger",
                      [](const ReportRequest& r, const CommandContext&) -> Reply {
                        return RenderJob([r](const CollectorView& v) {
-                         return r.json ? json_line(report::report_json(v, r.pid))
-                                       : text_reply(report::report_text(v, r.pid));
+                         const report::ReportFilter filter{r.pid, r.job};
+                         return r.json ? json_line(report::report_json(v, filter))
+                                       : text_reply(report::report_text(v, filter));
                        });
                      });
   add<LedgerRequest>("ledger", "ledger [--json] | ledger cleanup GPU ID",

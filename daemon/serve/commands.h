@@ -85,6 +85,7 @@ struct PingRequest {
 struct ReportRequest {
   bool json = false;
   std::optional<std::int32_t> pid;
+  std::optional<std::string> job;
   static Parsed<ReportRequest> parse(Args args);
 };
 struct LedgerRequest {

@@ -111,6 +111,8 @@ void read_limits(JsonObject limits, Config& c) {
   limits.optional_unsigned("max_gpus", l.max_gpus, 1, 4096);
   limits.optional_unsigned("max_reservations_per_gpu", l.max_reservations_per_gpu, 1, 1'000'000);
   limits.optional_unsigned("max_processes_per_uid", l.max_processes_per_uid, 1, 1'000'000);
+  limits.optional_unsigned("max_jobs", l.max_jobs, 1, 100'000);
+  limits.optional_unsigned("max_jobs_per_uid", l.max_jobs_per_uid, 1, 100'000);
   limits.optional_unsigned("max_process_state_bytes", l.max_process_state_bytes, 65536,
                            std::uint64_t{1} << 40);
   limits.optional_unsigned("max_state_bytes", l.max_state_bytes, 1u << 20, std::uint64_t{1} << 44);
@@ -315,6 +317,8 @@ json config_to_json(const Config& c) {
         {"max_gpus", c.limits.max_gpus},
         {"max_reservations_per_gpu", c.limits.max_reservations_per_gpu},
         {"max_processes_per_uid", c.limits.max_processes_per_uid},
+        {"max_jobs", c.limits.max_jobs},
+        {"max_jobs_per_uid", c.limits.max_jobs_per_uid},
         {"max_process_state_bytes", c.limits.max_process_state_bytes},
         {"max_state_bytes", c.limits.max_state_bytes},
         {"max_snapshot_bytes", c.limits.max_snapshot_bytes},

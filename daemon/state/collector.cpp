@@ -175,9 +175,62 @@ void retire(CollectorState& state, const ProcessRecord& rec) {
   }
 }
 
+// Room for one more retired job of `uid`: past max_jobs_per_uid (that uid's) or
+// max_jobs (anyone's), the job retired least recently is forgotten, counted.
+void make_room_for_job(CollectorState& state, RetiredJobs& jobs, std::uint32_t uid) {
+  const auto forget_oldest = [&](bool of_uid) {
+    auto oldest = jobs.end();
+    for (auto it = jobs.begin(); it != jobs.end(); ++it) {
+      if (of_uid && it->first.uid != uid) continue;
+      if (oldest == jobs.end() || it->second.retired_order < oldest->second.retired_order)
+        oldest = it;
+    }
+    if (oldest != jobs.end()) jobs.erase(oldest);
+  };
+  const auto of_uid = static_cast<std::size_t>(
+      std::count_if(jobs.begin(), jobs.end(), [&](const auto& j) { return j.first.uid == uid; }));
+  if (of_uid >= state.job_limits.max_jobs_per_uid) {
+    forget_oldest(true);
+    if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobsPerUid);
+  }
+  while (!jobs.empty() && jobs.size() >= state.job_limits.max_jobs) {
+    forget_oldest(false);
+    if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobs);
+  }
+}
+
+// What an evicted process leaves to its job's totals.
+void retire_job(CollectorState& state, const ProcessRecord& rec) {
+  RetiredJobs& jobs = state.write_retired_jobs();
+  JobKey key{rec.peer.uid, rec.job};
+  auto it = jobs.find(key);
+  if (it == jobs.end()) {
+    make_room_for_job(state, jobs, rec.peer.uid);
+    it = jobs.try_emplace(std::move(key)).first;
+  }
+  RetiredJob& job = it->second;
+  ++job.processes;
+  job.dropped += rec.dropped;
+  job.retired_order = state.next_retired_order++;
+  for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
+    const StepAgg& agg = rec.steps[slot];
+    if (agg.hist.count() == 0) continue;
+    std::string_view name = rec.step_name(slot);
+    auto step = job.steps.find(name);
+    if (step == job.steps.end()) {
+      if (job.steps.size() >= RetiredJob::kMaxJobSteps) name = "(other)";
+      step = job.steps.try_emplace(std::string(name)).first;
+    }
+    step->second.count += agg.hist.count();
+    step->second.total_ns = saturating_add(step->second.total_ns, agg.hist.sum());
+    step->second.self_ns = saturating_add(step->second.self_ns, agg.self_ns);
+  }
+}
+
 void evict(CollectorState& state, ProcessHandle handle) {
   const ProcessRecord& rec = *state.slots[handle];
   retire(state, rec);
+  retire_job(state, rec);
   state.ledger.forget_process(rec.key());
   state.charged -= std::min(state.charged, rec.charged);
   state.by_key.erase(rec.key());
@@ -368,6 +421,17 @@ void Collector::hello(ProcessHandle process, const proto::Hello& hello) {
   rec.library_version = proto::field_view(hello.library_version);
 }
 
+void Collector::identity(ProcessHandle process, const proto::Identity& identity) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  // Every connection of a process sends what its environment said at start: the latest
+  // one is kept.
+  rec.job = proto::field_view(identity.job);
+  rec.rank = identity.rank;
+  rec.local_rank = identity.local_rank;
+  rec.world_size = identity.world_size;
+}
+
 std::error_code Collector::events(ProcessHandle process, proto::EventSpan events) {
   if (process >= state_->slots.size() || !state_->slots[process]) {
     return std::make_error_code(std::errc::invalid_argument);
@@ -428,6 +492,10 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
         continue;
       }
       stack.push_back(e.timestamp_ns);
+      if (thread->child_ns.size() <= thread->open) [[unlikely]] {
+        thread->child_ns.resize(thread->open + 1);  // at most max_open_depth entries
+      }
+      thread->child_ns[thread->open] = 0;
       ++thread->open;
     } else if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) {
       if (stack.empty()) [[unlikely]] {
@@ -440,7 +508,13 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       // One monotonic clock on the client; a backwards pair can only be a broken
       // client, and counts as zero rather than wrapping.
       const std::uint64_t duration = e.timestamp_ns > start ? e.timestamp_ns - start : 0;
-      rec->steps[slot].hist.record(duration);
+      StepAgg& agg = rec->steps[slot];
+      agg.hist.record(duration);
+      // Self time: its duration less what ended one level deeper while it was open (the
+      // depth is the thread's, so it is exact when the thread's spans nest).
+      const std::uint32_t depth = thread->open;
+      agg.self_ns += duration - std::min(duration, thread->child_ns[depth]);
+      if (depth > 0) thread->child_ns[depth - 1] += duration;
       if (proto::is_ledger_step(slot)) [[unlikely]] {
         state_->ledger.attribute_span(rec->key(), e.thread_id, slot, start, e.timestamp_ns);
       }
@@ -647,7 +721,10 @@ std::size_t Collector::reset(std::optional<std::int32_t> pid) {
     for (auto& step : state.write(h).steps) step.clear();
     ++cleared;
   }
-  if (!pid) state.retired = std::make_shared<RetiredHistograms>();
+  if (!pid) {
+    state.retired = std::make_shared<RetiredHistograms>();
+    state.retired_jobs = std::make_shared<RetiredJobs>();
+  }
   return cleared;
 }
 
@@ -741,6 +818,11 @@ std::shared_ptr<const TraceCapture> Collector::capture_trace(const std::set<std:
   for (TraceCapture::Process& p : capture->processes) {
     const auto it = state_->by_key.find(p.key);
     p.alive = it != state_->by_key.end() && state_->slots[it->second]->alive;
+    if (it != state_->by_key.end()) {
+      const ProcessRecord& rec = *state_->slots[it->second];
+      p.job = rec.job;
+      p.rank = rec.rank;
+    }
   }
   return capture;
 }
@@ -748,12 +830,38 @@ std::shared_ptr<const TraceCapture> Collector::capture_trace(const std::set<std:
 // ---- selection shared by the reports ---------------------------------------------------
 
 std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
-                                                   std::optional<std::int32_t> pid) {
+                                                   std::optional<std::int32_t> pid,
+                                                   const std::optional<std::string>& job) {
   std::vector<const ProcessRecord*> out;
   for (const auto& [key, handle] : state.by_key) {
     if (pid && key.pid != *pid) continue;
-    out.push_back(state.slots[handle].get());
+    const ProcessRecord* rec = state.slots[handle].get();
+    if (job && rec->job != *job) continue;
+    out.push_back(rec);
   }
+  return out;
+}
+
+std::vector<JobGroup> group_by_job(const CollectorState& state,
+                                   const std::vector<const ProcessRecord*>& processes,
+                                   bool with_retired) {
+  std::map<JobKey, JobGroup> groups;
+  for (const ProcessRecord* rec : processes) {
+    JobKey key{rec->peer.uid, rec->job};
+    auto it = groups.find(key);
+    if (it == groups.end()) it = groups.try_emplace(key, JobGroup{key, {}, nullptr}).first;
+    it->second.processes.push_back(rec);
+  }
+  if (with_retired) {
+    for (const auto& [key, retired] : *state.retired_jobs) {
+      auto it = groups.find(key);
+      if (it == groups.end()) it = groups.try_emplace(key, JobGroup{key, {}, nullptr}).first;
+      it->second.retired = &retired;
+    }
+  }
+  std::vector<JobGroup> out;
+  out.reserve(groups.size());
+  for (auto& [key, group] : groups) out.push_back(std::move(group));
   return out;
 }
 
@@ -814,6 +922,10 @@ std::error_code Collector::adopt(RestoredState restored) {
   }
   next->next_exit_order = max_order + 1;
   *next->retired = std::move(restored.retired);
+  for (const auto& [key, job] : restored.retired_jobs) {
+    next->next_retired_order = std::max(next->next_retired_order, job.retired_order + 1);
+  }
+  *next->retired_jobs = std::move(restored.retired_jobs);
   next->ledger.adopt(std::move(restored.ledger), env_.monotonic_now_ns());
   state_ = std::move(next);
 

@@ -83,6 +83,8 @@ class Collector {
   // is full of live processes.
   std::error_code attach(const PeerIdentity& peer, ProcessHandle& out);
   void hello(ProcessHandle process, const proto::Hello& hello);
+  // Protocol version 4: the process's job id and ranks (the decoder validated them).
+  void identity(ProcessHandle process, const proto::Identity& identity);
   // Folds a validated batch. An event for a custom step the process never registered
   // fails with errc::unregistered_step (events before it are kept).
   std::error_code events(ProcessHandle process, proto::EventSpan events);

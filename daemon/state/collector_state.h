@@ -50,6 +50,9 @@ struct StepAgg {
   std::uint64_t unmatched_ends = 0;
   std::uint64_t abandoned = 0;
   std::uint64_t depth_dropped = 0;  // starts dropped past max_open_depth
+  // Time of ended spans minus the time of the spans that ended nested inside them on
+  // the same thread (exact when a thread's spans nest; clamped to [0, duration]).
+  std::uint64_t self_ns = 0;
 
   bool has_data() const {
     return hist.count() != 0 || unmatched_ends != 0 || abandoned != 0 || depth_dropped != 0;
@@ -60,6 +63,7 @@ struct StepAgg {
     unmatched_ends += other.unmatched_ends;
     abandoned += other.abandoned;
     depth_dropped += other.depth_dropped;
+    self_ns += other.self_ns;
   }
 };
 
@@ -82,6 +86,9 @@ struct ThreadSpans {
   std::uint32_t open = 0;  // spans open on this thread, all steps
   // By step slot: start timestamps. Only as long as the highest slot this thread used.
   std::vector<std::vector<std::uint64_t>> stacks;
+  // By nesting depth (0 = outermost open span): the time of the spans that ended one
+  // level deeper while it was open, for self time. At most max_open_depth entries.
+  std::vector<std::uint64_t> child_ns;
   std::size_t charged = 0;  // bytes charged for it to the state budget (charge())
 };
 
@@ -96,6 +103,11 @@ struct ProcessRecord {
   std::uint64_t exit_order = 0;    // increasing per exit: oldest exited goes first
   std::uint64_t dropped = 0;       // max of the client's cumulative reports
   DropCounts dropped_by_cause{};   // max per cause
+  // From the Identity frame (protocol version 4); empty / proto::kNoRank / 0: not sent.
+  std::string job;
+  std::uint32_t rank = proto::kNoRank;
+  std::uint32_t local_rank = proto::kNoRank;
+  std::uint32_t world_size = 0;
 
   std::vector<StepAgg> steps;             // by slot; size kBuiltinStepCount + custom_ids.size()
   std::vector<std::uint32_t> custom_ids;  // slot - kBuiltinStepCount -> step id
@@ -139,9 +151,37 @@ struct NamedTotals {
 
 using RetiredHistograms = std::map<std::string, Histogram, std::less<>>;
 
+// A job is a uid's processes that sent one job id: keyed by both, so a tenant who
+// claims another user's job id makes a job of its own rather than join theirs. The
+// processes without a job id are the uid's job "".
+struct JobKey {
+  std::uint32_t uid = 0;
+  std::string job;
+  auto operator<=>(const JobKey&) const = default;
+};
+struct JobStepTotals {
+  std::uint64_t count = 0;
+  std::uint64_t total_ns = 0;
+  std::uint64_t self_ns = 0;
+};
+// What the processes of a job that left the table (evicted) had, so that per-job
+// counters keep counting after them; bounded by Limits::max_jobs / max_jobs_per_uid.
+struct RetiredJob {
+  std::map<std::string, JobStepTotals, std::less<>> steps;  // at most kMaxJobSteps names
+  std::uint64_t processes = 0;
+  std::uint64_t dropped = 0;
+  std::uint64_t retired_order = 0;  // increasing: the least recent goes first
+  static constexpr std::size_t kMaxJobSteps = 256;  // beyond: merged into "(other)"
+};
+using RetiredJobs = std::map<JobKey, RetiredJob, std::less<>>;
+
 struct CollectorState {
   CollectorState(const Limits& limits, DaemonCounters& counters)
-      : ledger(limits, counters), retired(std::make_shared<RetiredHistograms>()) {}
+      : ledger(limits, counters),
+        retired(std::make_shared<RetiredHistograms>()),
+        retired_jobs(std::make_shared<RetiredJobs>()),
+        job_limits(limits),
+        counters(&counters) {}
   // Copies share every record (see above): only a view is made this way.
   CollectorState(const CollectorState&) = default;
 
@@ -154,6 +194,10 @@ struct CollectorState {
   RetiredHistograms& write_retired() {
     if (retired.use_count() > 1) retired = std::make_shared<RetiredHistograms>(*retired);
     return *retired;
+  }
+  RetiredJobs& write_retired_jobs() {
+    if (retired_jobs.use_count() > 1) retired_jobs = std::make_shared<RetiredJobs>(*retired_jobs);
+    return *retired_jobs;
   }
 
   std::vector<std::shared_ptr<ProcessRecord>> slots;  // by ProcessHandle
@@ -173,6 +217,11 @@ struct CollectorState {
   // per-step counters never go backwards when a process leaves the table.
   std::shared_ptr<RetiredHistograms> retired;
   static constexpr std::size_t kMaxRetiredNames = 4096;  // beyond: merged into "(other)"
+  // Per job, the same for per-job counters (max_jobs, max_jobs_per_uid).
+  std::shared_ptr<RetiredJobs> retired_jobs;
+  std::uint64_t next_retired_order = 1;
+  Limits job_limits;                     // max_jobs, max_jobs_per_uid
+  DaemonCounters* counters = nullptr;  // the io thread's (a view never writes)
 };
 
 // The state budget (Limits::max_process_state_bytes, max_state_bytes): what a process's
@@ -198,13 +247,27 @@ struct Collector::State : CollectorState {
 struct RestoredState {
   std::vector<std::shared_ptr<ProcessRecord>> processes;  // distinct keys, no connections
   RetiredHistograms retired;
+  RetiredJobs retired_jobs;
   ledger::State ledger;
   DaemonCounters counters;  // added to the daemon's
 };
 
-// Processes to report, in (pid, start_time) order; all of them or one pid's.
+// Processes to report, in (pid, start_time) order; all of them, one pid's, or one job
+// id's (of any uid).
 std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
-                                                   std::optional<std::int32_t> pid);
+                                                   std::optional<std::int32_t> pid,
+                                                   const std::optional<std::string>& job = {});
+
+// A job's processes in the table and what its evicted ones left (retired_jobs), for the
+// reports and per-job metrics: jobs in (uid, job) order, processes in select order.
+struct JobGroup {
+  JobKey key;
+  std::vector<const ProcessRecord*> processes;
+  const RetiredJob* retired = nullptr;  // null: none of its processes left the table
+};
+std::vector<JobGroup> group_by_job(const CollectorState& state,
+                                   const std::vector<const ProcessRecord*>& processes,
+                                   bool with_retired);
 // Per-step aggregates merged by step name over `processes`, built-ins first in enum
 // order then custom names alphabetically. Steps without data are left out.
 std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>& processes);

@@ -52,6 +52,11 @@ struct Limits {
   // Processes of one uid tracked at once (enforced by the Collector): a quarter of the
   // default max_processes.
   std::size_t max_processes_per_uid = 1024;
+  // Jobs (a uid's processes that sent one job id, PROTOCOL.md 4.10) whose totals are
+  // kept after their processes left the table, so per-job counters keep counting; past
+  // either bound the job whose last process left longest ago is forgotten.
+  std::size_t max_jobs = 256;
+  std::size_t max_jobs_per_uid = 64;
   // The state a process's spans make (threads, their open-span stacks, custom steps),
   // per process and in all; past either a new thread, stack slot or custom step is
   // refused and counted (collector_state.h, charge()).
@@ -79,8 +84,10 @@ enum class LimitKind : std::uint8_t {
   kMaxConnectionsPerUid,  // ServerLimits (serve/config.h)
   kMaxProcessStateBytes,
   kMaxStateBytes,
+  kMaxJobs,
+  kMaxJobsPerUid,
 };
-inline constexpr std::array<std::string_view, 14> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 16> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -93,8 +100,10 @@ inline constexpr std::array<std::string_view, 14> kLimitNames = {"max_connection
                                                                  "max_processes_per_uid",
                                                                  "max_connections_per_uid",
                                                                  "max_process_state_bytes",
-                                                                 "max_state_bytes"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxStateBytes) + 1 == kLimitNames.size());
+                                                                 "max_state_bytes",
+                                                                 "max_jobs",
+                                                                 "max_jobs_per_uid"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxJobsPerUid) + 1 == kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }

@@ -241,8 +241,8 @@ TEST(Flusher, VersionOneDaemonGetsVersionOneAfterTwoRefusalsAndLosesNothing) {
   steptrace_start(4000);  // unknown step: one invalid drop
   spans(STEPTRACE_MATMUL, 100);
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  // A version-1 daemon refuses the version-3 hello and closes, then the version-2 one.
-  for (const std::uint16_t refused : {3, 2}) {
+  // A version-1 daemon refuses the version-4 hello and closes, then versions 3 and 2.
+  for (const std::uint16_t refused : {4, 3, 2}) {
     ASSERT_TRUE(daemon.accept_connection(5000));
     const auto hello = daemon.next();
     ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
@@ -275,7 +275,7 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
   ASSERT_TRUE(daemon.accept_connection(5000));
-  ASSERT_EQ(daemon.handshake(), 3u);
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);  // 4: leases came with 3
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);
   steptrace_ledger_renew("GPU-a", 7, 2500);
   steptrace_ledger_reserve_lease("GPU-a", 8, 1 << 20, "job", 0);  // no lease: refused here
@@ -294,12 +294,14 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
 TEST(Flusher, AVersionTwoDaemonGetsLeasedReservationsWithoutTheLeaseAndNoRenewals) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  ASSERT_TRUE(daemon.accept_connection(5000));
-  const auto hello = daemon.next();
-  ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
-  EXPECT_EQ(std::get<proto::Hello>(*hello).version, 3u);
-  daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
-  daemon.close_connection();
+  for (const std::uint16_t refused : {4, 3}) {
+    ASSERT_TRUE(daemon.accept_connection(5000));
+    const auto hello = daemon.next();
+    ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
+    EXPECT_EQ(std::get<proto::Hello>(*hello).version, refused);
+    daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
+    daemon.close_connection();
+  }
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), 2u);
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);

@@ -199,6 +199,14 @@ class Connection {
     EXPECT_TRUE(enc.dropped_by_cause(causes));
     return deliver(enc.bytes());
   }
+  std::error_code identity(std::string_view job, std::uint32_t rank = proto::kNoRank,
+                           std::uint32_t local_rank = proto::kNoRank,
+                           std::uint32_t world_size = 0) {
+    std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::Identity)> buf{};
+    proto::Encoder enc(buf);
+    EXPECT_TRUE(enc.identity(job, rank, local_rank, world_size));
+    return deliver(enc.bytes());
+  }
   std::error_code ledger(const proto::LedgerRecord& record) {
     std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::LedgerRecord)> buf{};
     proto::Encoder enc(buf);

@@ -1,6 +1,6 @@
 """config/prometheus passes promtool (config, rules, rule unit tests), and a live
 daemon's `metrics` output, over the socket and over HTTP, is valid exposition that
-carries the series the recording rules read."""
+carries the series the recording rules and the Grafana dashboard read."""
 import ctypes
 import os
 import re
@@ -20,10 +20,22 @@ PROM_DIR = os.path.join(SOURCE_DIR, "config/prometheus")
 RULE_INPUTS = [
     "steptrace_step_duration_seconds_bucket", "steptrace_step_duration_seconds_sum",
     "steptrace_step_duration_seconds_count", "steptrace_process_step_seconds_total",
+    "steptrace_process_open_spans",
+    "steptrace_job_step_seconds_total", "steptrace_job_step_spans_total",
+    "steptrace_job_processes", "steptrace_job_dropped_events_total",
     "steptrace_gpu_reserved_bytes", "steptrace_gpu_free_bytes", "steptrace_gpu_total_bytes",
     "steptrace_gpu_reservations", "steptrace_gpu_leaked_reservations",
-    "steptrace_ledger_operations_total", "steptrace_events_received_total",
+    "steptrace_gpu_expired_reservations", "steptrace_ledger_operations_total",
+    "steptrace_ledger_step_seconds_total", "steptrace_events_received_total",
     "steptrace_events_dropped_by_clients_total",
+    "steptrace_events_dropped_by_clients_by_cause_total",
+]
+
+# The daemon's series that config/grafana/steptrace.json reads directly rather than
+# through a recording rule (grafana_test.py keeps this list equal to what its panels use).
+DASHBOARD_INPUTS = [
+    "steptrace_build_info", "steptrace_uptime_seconds", "process_resident_memory_bytes",
+    "process_open_fds", "process_max_fds", "process_cpu_seconds_total",
 ]
 
 
@@ -92,7 +104,11 @@ class LiveMetricsTest(TempDirTestCase):
                 lib.steptrace_start(step)
                 lib.steptrace_end(step)
         lib.steptrace_vram_sample(b"GPU-metrics", 6 << 30, 8 << 30)
+        # A reserve inside a LedgerReserve span: the span is attributed to the GPU
+        # (steptrace_ledger_step_seconds_total).
+        lib.steptrace_start(7)
         lib.steptrace_ledger_reserve(b"GPU-metrics", 1, 1 << 30, b"task \"quoted\"")
+        lib.steptrace_end(7)
         lib.steptrace_ledger_reserve(b"GPU-metrics", 2, 1 << 29, b"other")
         lib.steptrace_ledger_release(b"GPU-metrics", 2)
         self.assertEqual(lib.steptrace_flush(10000), 0)
@@ -104,7 +120,7 @@ class LiveMetricsTest(TempDirTestCase):
         self.assertEqual(result.stdout + result.stderr, "")
         names = {line.split("{")[0].split(" ")[0]
                  for line in text.splitlines() if line and not line.startswith("#")}
-        self.assertEqual(set(RULE_INPUTS) - names, set())
+        self.assertEqual(set(RULE_INPUTS + DASHBOARD_INPUTS) - names, set())
         self.assertRegex(text, r'steptrace_step_duration_seconds_count\{step="Forward"\} 20\b')
         self.assertRegex(text, r'steptrace_gpu_reserved_bytes\{gpu="GPU-metrics"\} 1073741824\b')
         self.assertRegex(text, r'steptrace_gpu_total_bytes\{gpu="GPU-metrics"\} 8589934592\b')

@@ -451,12 +451,12 @@ TEST(ProtoMalformed, BadMagic) {
 }
 
 TEST(ProtoMalformed, UnsupportedVersion) {
-  for (std::uint16_t version : {0, 4, 0x100, 0xffff}) {
+  for (std::uint16_t version : {0, 5, 0x100, 0xffff}) {
     expect_rejected(Side::kDaemon, hello_bytes(version), errc::unsupported_version, 0);
   }
   // The version is checked before the rest of the hello, so a future hello with other
   // flags still gets "unsupported version".
-  expect_rejected(Side::kDaemon, hello_bytes(4, 0xffff, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(5, 0xffff, ""), errc::unsupported_version, 0);
 }
 
 TEST(ProtoMalformed, BadHello) {
@@ -500,7 +500,7 @@ TEST(ProtoMalformed, ConfiguredSmallerCapIsEnforced) {
 }
 
 TEST(ProtoMalformed, UnknownFrameType) {
-  for (std::uint16_t type : {0, 7, 0x80, 0x83, 0x100, 0xffff}) {
+  for (std::uint16_t type : {0, 8, 0x80, 0x83, 0x100, 0xffff}) {
     SCOPED_TRACE(type);
     expect_daemon_frame_rejected(frame_bytes(type, Bytes(8)), errc::unknown_frame_type);
     expect_rejected(Side::kClient, frame_bytes(type, Bytes(8)), errc::unknown_frame_type, 0);
@@ -672,6 +672,59 @@ TEST(ProtoMalformed, LeaseOpsBeforeVersionThreeAreBadLedgerOps) {
   }
 }
 
+Bytes identity_payload(std::string_view job, std::uint32_t rank, std::uint32_t local_rank,
+                       std::uint32_t world_size, std::uint32_t reserved = 0) {
+  testing::ByteWriter w;
+  w.str(job, kNameField).u32(rank).u32(local_rank).u32(world_size).u32(reserved);
+  return w.take();
+}
+
+// PROTOCOL.md 4.10: an Identity frame needs version 4, comes at most once, has ranks
+// inside the world (when it is known) and a printable job id.
+TEST(ProtoMalformed, IdentityRules) {
+  constexpr std::uint16_t kIdentityType = 7;
+  const Bytes good = frame_bytes(kIdentityType, identity_payload("job-1", 0, 0, 2));
+  for (std::uint16_t version : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "version " << version);
+    expect_rejected(Side::kDaemon, concat({hello_bytes(version), good}), errc::unknown_frame_type,
+                    1);
+  }
+  const DecodeAll ok = decode_all(Side::kDaemon, concat({hello_bytes(4), good}));
+  EXPECT_FALSE(ok.error) << ok.error.message();
+  ASSERT_EQ(ok.messages.size(), 2u);
+  EXPECT_EQ(std::get<Identity>(ok.messages[1]).world_size, 2u);
+  // Unknown ranks and an unknown world are fine; so is an empty job id.
+  for (const Bytes& payload : {identity_payload("", kNoRank, kNoRank, 0),
+                               identity_payload("j", 7, kNoRank, 0),
+                               identity_payload("", kNoRank, 3, 4)}) {
+    const DecodeAll d =
+        decode_all(Side::kDaemon, concat({hello_bytes(4), frame_bytes(kIdentityType, payload)}));
+    EXPECT_FALSE(d.error) << d.error.message();
+  }
+  expect_rejected(Side::kDaemon, concat({hello_bytes(4), good, good}), errc::bad_identity, 2);
+  expect_rejected(
+      Side::kDaemon,
+      concat({hello_bytes(4), frame_bytes(kIdentityType, identity_payload("j", 2, 0, 2))}),
+      errc::bad_identity, 1);
+  expect_rejected(
+      Side::kDaemon,
+      concat({hello_bytes(4), frame_bytes(kIdentityType, identity_payload("j", 0, 5, 4))}),
+      errc::bad_identity, 1);
+  expect_rejected(
+      Side::kDaemon,
+      concat({hello_bytes(4), frame_bytes(kIdentityType, identity_payload("j", 0, 0, 2, 1))}),
+      errc::bad_reserved, 1);
+  expect_rejected(
+      Side::kDaemon,
+      concat({hello_bytes(4), frame_bytes(kIdentityType, identity_payload("j\x1b[2J", 0, 0, 2))}),
+      errc::bad_string, 1);
+  expect_rejected(Side::kDaemon,
+                  concat({hello_bytes(4), frame_bytes(kIdentityType, Bytes(72, std::byte{0}))}),
+                  errc::bad_frame_size, 1);
+  // The client never receives one.
+  expect_rejected(Side::kClient, good, errc::unknown_frame_type, 0);
+}
+
 // PROTOCOL.md 9.1: a record breaking several rules gets the first failing check's errc.
 TEST(ProtoMalformed, FirstFailingCheckWins) {
   expect_rejected(Side::kDaemon, hello_bytes(kProtocolVersion + 1, 1, ""),
@@ -752,6 +805,7 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
       {18, "bad_config", "bad configuration"},
       {19, "bad_command", "bad command"},
       {20, "bad_snapshot", "snapshot is not valid"},
+      {21, "bad_identity", "identity frame repeated or rank out of range"},
   };
   ASSERT_EQ(kErrcTable.size(), std::size(expected));
   for (const Expected& e : expected) {
@@ -763,10 +817,10 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
     EXPECT_STREQ(row.name, e.name);
     EXPECT_STREQ(row.message, e.message);
   }
-  EXPECT_EQ(static_cast<int>(errc::bad_snapshot), 20);
+  EXPECT_EQ(static_cast<int>(errc::bad_identity), 21);
   EXPECT_STREQ(errc_name(static_cast<errc>(0)), "unknown");
-  EXPECT_STREQ(errc_name(static_cast<errc>(21)), "unknown");
-  EXPECT_EQ(make_error_code(static_cast<errc>(21)).message(), "unknown steptrace error");
+  EXPECT_STREQ(errc_name(static_cast<errc>(22)), "unknown");
+  EXPECT_EQ(make_error_code(static_cast<errc>(22)).message(), "unknown steptrace error");
 }
 
 // The kinds `metrics` always exports under steptrace_protocol_errors_total: the ones the
@@ -780,7 +834,8 @@ TEST(ProtoErrc, ProtocolErrorKinds) {
             (std::vector<std::string>{"truncated", "bad_magic", "unsupported_version", "bad_hello",
                                       "frame_too_large", "unknown_frame_type", "bad_frame_size",
                                       "bad_reserved", "bad_step_id", "bad_event_kind", "bad_string",
-                                      "bad_ledger_op", "unregistered_step", "timed_out"}));
+                                      "bad_ledger_op", "unregistered_step", "timed_out",
+                                      "bad_identity"}));
 }
 
 // ---- encoder ------------------------------------------------------------------------

@@ -215,11 +215,39 @@ TEST(ProtoGolden, LedgerRenew) {
 
 TEST(ProtoGolden, HelloVersion3) {
   expect_golden("hello_v3.hex",
-                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.3.0", "trainer")); }), 48);
+                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.3.0", "trainer", 3)); }), 48);
   const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello_v3.hex"));
   ASSERT_FALSE(d.error);
   ASSERT_EQ(d.messages.size(), 1u);
   EXPECT_EQ(std::get<Hello>(d.messages[0]).version, 3u);
+}
+
+TEST(ProtoGolden, HelloVersion4) {
+  // The encoder's default is kProtocolVersion.
+  expect_golden("hello_v4.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.4.0", "trainer")); }), 48);
+  const DecodeAll d = decode_all(Side::kDaemon, read_hex("hello_v4.hex"));
+  ASSERT_FALSE(d.error);
+  ASSERT_EQ(d.messages.size(), 1u);
+  EXPECT_EQ(std::get<Hello>(d.messages[0]).version, 4u);
+}
+
+TEST(ProtoGolden, Identity) {
+  expect_golden("identity.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.identity("torchrun-42", 3, 1, 8)); }), 88);
+  const DecodeAll d = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello_v4.hex"), read_hex("identity.hex")}));
+  ASSERT_FALSE(d.error) << d.error.message();
+  ASSERT_EQ(d.messages.size(), 2u);
+  const auto& got = std::get<Identity>(d.messages[1]);
+  EXPECT_EQ(field_view(got.job), "torchrun-42");
+  EXPECT_EQ(got.rank, 3u);
+  EXPECT_EQ(got.local_rank, 1u);
+  EXPECT_EQ(got.world_size, 8u);
+  // A version-3 stream does not carry it.
+  const DecodeAll v3 = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello_v3.hex"), read_hex("identity.hex")}));
+  EXPECT_EQ(v3.error, make_error_code(errc::unknown_frame_type));
 }
 
 TEST(ProtoGolden, Dropped) {

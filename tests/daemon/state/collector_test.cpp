@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include <atomic>
 #include <thread>
 
@@ -398,7 +400,16 @@ TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
   a.ledger(test::reserve_record("GPU-x", 1, 4096, "t", 1, 150));
   const auto view = collector_->freeze();
   const json before = report::report_json(*view, std::nullopt);
-  const std::string metrics_before = report::metrics_text(*view);
+  // The daemon's own process_* lines (RSS, CPU, fds) are read when rendered, not frozen.
+  const auto without_process_lines = [](const std::string& text) {
+    std::string out;
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) {
+      if (!line.starts_with("process_")) out += line + "\n";
+    }
+    return out;
+  };
+  const std::string metrics_before = without_process_lines(report::metrics_text(*view));
   EXPECT_EQ(step_of(before, 1, "Matmul")["count"], 1);
 
   // Everything a record or the ledger can go through after the view was taken.
@@ -414,7 +425,7 @@ TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
   world_.now_ns += 5'000'000'000;
 
   EXPECT_EQ(report::report_json(*view, std::nullopt), before);
-  EXPECT_EQ(report::metrics_text(*view), metrics_before);
+  EXPECT_EQ(without_process_lines(report::metrics_text(*view)), metrics_before);
   // The live state has all of it.
   const json now = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(step_of(now, 1, "Matmul"), nullptr);  // reset
@@ -710,6 +721,151 @@ TEST(ProcProbeTest, SystemProbeSeesThisProcessAndNotAReapedChild) {
   const std::uint64_t mid = static_cast<std::uint64_t>(ts.tv_sec) * 1'000'000'000u + ts.tv_nsec;
   EXPECT_LE(t1, mid);
   EXPECT_LE(mid, t2);
+}
+
+}  // namespace
+}  // namespace steptrace::daemon
+
+namespace steptrace::daemon {
+namespace {
+
+constexpr std::uint32_t kAttention = 3;
+constexpr std::uint32_t kTranspose = 4;
+constexpr std::uint32_t kAlloc = 5;
+
+// Self time: a span's duration less the spans that ended one level inside it on the same
+// thread, so nested work is not counted twice.
+TEST_F(CollectorTest, SelfTimeLeavesOutNestedSpans) {
+  make();
+  Connection a(*collector_, world_.spawn(1, 1, "a", 7));
+  // Forward 0..100 holds Matmul 10..40 (which holds Transpose 20..30) and Matmul 50..60.
+  ASSERT_FALSE(a.events({start(1, kForward, 0), start(1, kMatmul, 10), start(1, kTranspose, 20),
+                         end(1, kTranspose, 30), end(1, kMatmul, 40), start(1, kMatmul, 50),
+                         end(1, kMatmul, 60), end(1, kForward, 100)}));
+  // Another thread's spans are not nested in thread 1's.
+  ASSERT_FALSE(a.events({start(2, kBackward, 5), end(2, kBackward, 95)}));
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
+  EXPECT_EQ(step_of(r, 1, "Forward")["total_ns"], 100);
+  EXPECT_EQ(step_of(r, 1, "Forward")["self_ns"], 60);     // 100 - 30 - 10
+  EXPECT_EQ(step_of(r, 1, "Matmul")["total_ns"], 40);
+  EXPECT_EQ(step_of(r, 1, "Matmul")["self_ns"], 30);      // 30 - 10, then 10
+  EXPECT_EQ(step_of(r, 1, "Transpose")["self_ns"], 10);
+  EXPECT_EQ(step_of(r, 1, "Backward")["self_ns"], 90);
+  // Spans that overlap without nesting still count within [0, duration].
+  ASSERT_FALSE(a.events({start(3, kAlloc, 0), start(3, kAttention, 10), end(3, kAlloc, 20),
+                         end(3, kAttention, 50)}));
+  const json r2 = report::report_json(*collector_->freeze(), std::nullopt);
+  EXPECT_LE(step_of(r2, 1, "Alloc")["self_ns"], step_of(r2, 1, "Alloc")["total_ns"]);
+  EXPECT_LE(step_of(r2, 1, "Attention")["self_ns"], step_of(r2, 1, "Attention")["total_ns"]);
+  // The text report shows both, and says what Duration includes.
+  const std::string text = report::report_text(*collector_->freeze(), std::nullopt);
+  EXPECT_NE(text.find("| Self            | % Self"), std::string::npos) << text;
+  EXPECT_NE(text.find("Duration and % Time include nested spans"), std::string::npos) << text;
+}
+
+// PROTOCOL.md 4.10: the Identity's job and ranks reach the report, grouped by job.
+TEST_F(CollectorTest, IdentityGroupsProcessesByJob) {
+  make();
+  Connection r0(*collector_, world_.spawn(10, 1, "train", 7));
+  Connection r1(*collector_, world_.spawn(11, 1, "train", 7));
+  Connection other(*collector_, world_.spawn(12, 1, "eval", 8));
+  Connection lone(*collector_, world_.spawn(13, 1, "notebook", 7));
+  ASSERT_FALSE(r0.identity("llama-7", 0, 0, 2));
+  ASSERT_FALSE(r1.identity("llama-7", 1, 1, 2));
+  ASSERT_FALSE(other.identity("llama-7"));  // another uid's "llama-7" is its own job
+  for (Connection* c : {&r0, &r1, &other, &lone}) {
+    ASSERT_FALSE(c->events({start(1, kForward, 0), end(1, kForward, 100)}));
+  }
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
+  EXPECT_EQ(process_of(r, 11)["job"], "llama-7");
+  EXPECT_EQ(process_of(r, 11)["rank"], 1);
+  EXPECT_EQ(process_of(r, 11)["local_rank"], 1);
+  EXPECT_EQ(process_of(r, 11)["world_size"], 2);
+  EXPECT_TRUE(process_of(r, 13)["job"].is_null());
+  EXPECT_TRUE(process_of(r, 13)["rank"].is_null());
+  ASSERT_EQ(r["jobs"].size(), 3u);  // (7, ""), (7, llama-7), (8, llama-7)
+  const json& llama = r["jobs"][1];
+  EXPECT_EQ(llama["job"], "llama-7");
+  EXPECT_EQ(llama["uid"], 7);
+  EXPECT_EQ(llama["processes"], 2);
+  EXPECT_EQ(llama["ranks"], json::array({0, 1}));
+  EXPECT_EQ(llama["totals"][0]["count"], 2);
+  EXPECT_EQ(r["jobs"][2]["uid"], 8);
+
+  const auto by_job = report::report_json(*collector_->freeze(), report::ReportFilter{{}, "llama-7"});
+  EXPECT_EQ(by_job["processes"].size(), 3u);  // both uids' processes named so
+  const std::string text =
+      report::report_text(*collector_->freeze(), report::ReportFilter{std::nullopt, std::nullopt});
+  EXPECT_NE(text.find("══ Job llama-7 (uid 7) · 2 processes (2 live) · ranks 0-1 of 2\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("══ Processes without a job id (uid 7) · 1 process (1 live)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("── Process 11 (train) · rank 1/2 (local 1) · alive"), std::string::npos)
+      << text;
+  // One process: its table once.
+  const std::string one = report::report_text(*collector_->freeze(), 11);
+  EXPECT_EQ(one.find("| % Self"), one.rfind("| % Self")) << one;
+  EXPECT_NE(one.find("── Process 11 (train) · job llama-7 · rank 1/2"), std::string::npos) << one;
+  const std::string none =
+      report::report_text(*collector_->freeze(), report::ReportFilter{{}, "nope"});
+  EXPECT_NE(none.find("No process of job nope is tracked."), std::string::npos) << none;
+}
+
+// Per-job counters keep what exited and evicted processes had, and are bounded.
+TEST_F(CollectorTest, JobCountersOutliveTheirProcesses) {
+  limits_.max_exited_processes = 0;  // evicted at once
+  limits_.max_jobs = 3;
+  limits_.max_jobs_per_uid = 2;
+  make();
+  const auto spans = [&](std::int32_t pid, std::uint32_t uid, const std::string& job) {
+    Connection c(*collector_, world_.spawn(pid, 1, "t", uid));
+    EXPECT_FALSE(c.identity(job, 0, 0, 1));
+    EXPECT_FALSE(c.events({start(1, kForward, 0), end(1, kForward, 2'000'000'000)}));
+    world_.kill(pid);
+    c.close();
+  };
+  spans(1, 7, "a");
+  spans(2, 7, "a");
+  std::string text = report::metrics_text(*collector_->freeze());
+  EXPECT_NE(text.find("steptrace_job_step_seconds_total{job_id=\"a\",uid=\"7\",step=\"Forward\"} 4\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("steptrace_job_step_spans_total{job_id=\"a\",uid=\"7\",step=\"Forward\"} 2\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("steptrace_job_processes{job_id=\"a\",uid=\"7\",state=\"exited\"} 2\n"),
+            std::string::npos);
+  EXPECT_EQ(report::report_json(*collector_->freeze(), std::nullopt)["processes"].size(), 0u);
+  // uid 7's third job pushes out its least recent; uid 8's then push out the oldest.
+  spans(3, 7, "b");
+  spans(4, 7, "c");
+  text = report::metrics_text(*collector_->freeze());
+  EXPECT_EQ(text.find("job_id=\"a\""), std::string::npos) << text;
+  EXPECT_NE(text.find("job_id=\"b\""), std::string::npos);
+  EXPECT_NE(text.find("steptrace_limit_hits_total{limit=\"max_jobs_per_uid\"} 1\n"),
+            std::string::npos);
+  spans(5, 8, "x");
+  spans(6, 8, "y");
+  text = report::metrics_text(*collector_->freeze());
+  EXPECT_EQ(text.find("job_id=\"b\""), std::string::npos) << text;
+  EXPECT_NE(text.find("steptrace_limit_hits_total{limit=\"max_jobs\"} 1\n"), std::string::npos);
+  // A live process adds to its job's series, with job_id and rank on its own series.
+  Connection live(*collector_, world_.spawn(9, 1, "t", 8));
+  ASSERT_FALSE(live.identity("y", 0, 0, 1));
+  ASSERT_FALSE(live.events({start(1, kForward, 0), end(1, kForward, 1'000'000'000)}));
+  text = report::metrics_text(*collector_->freeze());
+  EXPECT_NE(text.find("steptrace_job_step_seconds_total{job_id=\"y\",uid=\"8\",step=\"Forward\"} 3\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("steptrace_process_step_seconds_total{pid=\"9\",comm=\"t\",job_id=\"y\","
+                      "rank=\"0\",step=\"Forward\"} 1\n"),
+            std::string::npos)
+      << text;
+  // reset clears them with the rest.
+  collector_->reset(std::nullopt);
+  text = report::metrics_text(*collector_->freeze());
+  EXPECT_EQ(text.find("job_id=\"x\""), std::string::npos) << text;
 }
 
 }  // namespace
