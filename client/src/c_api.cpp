@@ -159,6 +159,14 @@ STEPTRACE_EXPORT uint64_t steptrace_dropped(void) {
   }
 }
 
+STEPTRACE_EXPORT uint64_t steptrace_rejected(void) {
+  try {
+    return Client::get().state().rejected.load(std::memory_order_relaxed);
+  } catch (...) {
+    return 0;
+  }
+}
+
 STEPTRACE_EXPORT uint64_t steptrace_dropped_by_cause(int cause) {
   if (cause < 0 || cause >= STEPTRACE_DROP_CAUSE_COUNT) return 0;
   try {

@@ -105,6 +105,11 @@ void push_slow(EventRing* ring, EventRing::Push pushed, std::uint64_t ticks,
 }
 
 void count_drop(proto::DropCause cause) noexcept { Client::get().state().count_drops(cause); }
+void count_invalid_call() noexcept {
+  ClientState& s = Client::get().state();
+  s.count_rejected();
+  s.count_drops(proto::DropCause::kInvalid);
+}
 
 // ---- Client ------------------------------------------------------------------------
 
@@ -310,9 +315,12 @@ bool Client::stop_flusher_locked(int flush_timeout_ms) {
 std::uint32_t Client::register_step(const char* name) {
   restart_after_fork_if_needed();
   auto_connect_if_needed();
-  if (name == nullptr) return kInvalidStep;
-  const std::uint32_t id = s_.steps.register_step(name);
-  if (id != kInvalidStep) g_custom_steps.store(s_.steps.count(), std::memory_order_release);
+  const std::uint32_t id = name == nullptr ? kInvalidStep : s_.steps.register_step(name);
+  if (id == kInvalidStep) {
+    s_.count_rejected();
+    return id;
+  }
+  g_custom_steps.store(s_.steps.count(), std::memory_order_release);
   return id;
 }
 
@@ -331,6 +339,7 @@ void Client::ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t rese
   const bool leased = op == proto::LedgerOp::kReserveLease || op == proto::LedgerOp::kRenew;
   // total_bytes carries the lease of those two ops.
   if (!record || (leased && (total_bytes == 0 || total_bytes > proto::kMaxLeaseMs))) {
+    s_.count_rejected();
     s_.count_drops(proto::DropCause::kInvalid);
     return;
   }

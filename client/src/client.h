@@ -50,6 +50,8 @@ EventRing* first_event() noexcept;
 void push_slow(EventRing* ring, EventRing::Push pushed, std::uint64_t ticks,
                std::uint64_t meta) noexcept;
 void count_drop(proto::DropCause cause) noexcept;
+// A span call with an unknown id: a rejected call, and its event dropped as invalid.
+void count_invalid_call() noexcept;
 
 inline void record(std::uint32_t step, proto::EventKind kind) noexcept {
   const std::uint8_t mode = g_mode.load(std::memory_order_relaxed);
@@ -60,7 +62,7 @@ inline void record(std::uint32_t step, proto::EventKind kind) noexcept {
   if (step >= proto::kBuiltinStepCount &&
       step - proto::kFirstCustomStep >= g_custom_steps.load(std::memory_order_relaxed))
       [[unlikely]] {
-    count_drop(proto::DropCause::kInvalid);  // unknown id: never sent as an invalid frame
+    count_invalid_call();  // unknown id: never sent as an invalid frame
     return;
   }
   EventRing* ring = t_ring;

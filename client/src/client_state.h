@@ -131,6 +131,10 @@ struct ClientState {
     wake_fd.store(fd.get(), std::memory_order_relaxed);
     wake_event = std::move(fd);
   }
+  // Calls refused for their arguments (steptrace_rejected): bad step names, unknown ids,
+  // unusable ledger calls.
+  std::atomic<std::uint64_t> rejected{0};
+  void count_rejected() noexcept { rejected.fetch_add(1, std::memory_order_relaxed); }
   void count_drops(proto::DropCause cause, std::uint64_t n = 1) noexcept {
     other_dropped[cause_index(cause)].fetch_add(n, std::memory_order_relaxed);
   }

@@ -68,4 +68,27 @@ TEST(CppApi, RegisterStepIsStableAndRefusesBadNames) {
   EXPECT_GE(steptrace_dropped_by_cause(STEPTRACE_DROP_INVALID), 2u);
 }
 
+// Bad arguments have a count of their own, beside the drops: a refused registration
+// (which records nothing) too.
+TEST(CppApi, RejectedCallsAreCountedApart) {
+  const std::uint64_t before = steptrace_rejected();
+  const std::uint64_t invalid_before = steptrace_dropped_by_cause(STEPTRACE_DROP_INVALID);
+  EXPECT_EQ(steptrace_register_step(nullptr), UINT32_MAX);
+  EXPECT_EQ(steptrace_register_step(""), UINT32_MAX);
+  EXPECT_EQ(steptrace_register_step("tab\there"), UINT32_MAX);
+  EXPECT_EQ(steptrace_rejected() - before, 3u);
+  // Registrations record no event: nothing dropped for them.
+  EXPECT_EQ(steptrace_dropped_by_cause(STEPTRACE_DROP_INVALID), invalid_before);
+  on_fresh_thread([] {
+    steptrace_start(9999);  // neither built-in nor registered
+    steptrace_end(9999);
+  });
+  steptrace_ledger_release(nullptr, 1);
+  EXPECT_EQ(steptrace_rejected() - before, 6u);
+  EXPECT_EQ(steptrace_dropped_by_cause(STEPTRACE_DROP_INVALID) - invalid_before, 3u);
+  // Good calls are not counted.
+  EXPECT_NE(steptrace_register_step("GoodName"), UINT32_MAX);
+  EXPECT_EQ(steptrace_rejected() - before, 6u);
+}
+
 }  // namespace

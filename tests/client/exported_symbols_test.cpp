@@ -43,7 +43,7 @@ TEST(ExportedSymbols, OnlySteptraceFunctions) {
         "steptrace_ledger_reserve", "steptrace_ledger_release", "steptrace_ledger_cleanup",
         "steptrace_vram_sample", "steptrace_flush", "steptrace_dropped", "steptrace_set_enabled",
         "steptrace_set_block_when_full", "steptrace_shutdown", "steptrace_dropped_by_cause",
-        "steptrace_set_buffer_size"}) {
+        "steptrace_set_buffer_size", "steptrace_rejected"}) {
     EXPECT_EQ(exported.count(fn), 1u) << fn << " is not exported";
   }
 }

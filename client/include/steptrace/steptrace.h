@@ -168,6 +168,15 @@ STEPTRACE_EXPORT uint64_t steptrace_dropped(void);
  * cause. */
 STEPTRACE_EXPORT uint64_t steptrace_dropped_by_cause(int cause);
 
+/* Calls refused for their arguments, a count of its own (a mistake in the program, not a
+ * loss of the daemon's): steptrace_register_step with a NULL, empty, overlong (> 63) or
+ * non-printable-ASCII name, or past the per-process limit; steptrace_start/end with an id
+ * that is neither built-in nor registered; a ledger call with a NULL or empty GPU UUID or
+ * a lease outside 1 ms .. 7 days. The span and ledger calls among them are also counted
+ * as events dropped for STEPTRACE_DROP_INVALID, which is how the daemon learns of them; a
+ * refused registration records nothing else. (New with protocol version 4.) */
+STEPTRACE_EXPORT uint64_t steptrace_rejected(void);
+
 /* Sizes the event buffers of threads whose first event comes after the call (existing
  * buffers keep their size): per_thread_bytes for each thread (64 KiB .. 1 GiB, rounded
  * down to a power of two; default 4 MiB or $STEPTRACE_BUFFER_BYTES) and total_bytes for
