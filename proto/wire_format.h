@@ -177,8 +177,8 @@ static_assert(sizeof(DroppedByCause) == 32);
 // At most one per connection; a process without either sends none.
 inline constexpr std::uint32_t kNoRank = 0xFFFFFFFF;  // rank / local_rank not known
 struct Identity {
-  char job[kNameField];     // 0..63 printable chars; empty: no job id
-  std::uint32_t rank;       // kNoRank, or < world_size when world_size is not 0
+  char job[kNameField];      // 0..63 printable chars; empty: no job id
+  std::uint32_t rank;        // kNoRank, or < world_size when world_size is not 0
   std::uint32_t local_rank;  // kNoRank, or < world_size when world_size is not 0
   std::uint32_t world_size;  // 0: not known
   std::uint32_t reserved;    // must be 0

@@ -130,7 +130,8 @@ Client::Client() : thread_key_(on_thread_exit) {
     std::vector<std::string> problems;
     s_.identity = identity_from_env([](const char* name) { return std::getenv(name); }, problems);
     if (!s_.quiet && !env_disabled_) {
-      for (const std::string& line : problems) std::fprintf(stderr, "steptrace: %s\n", line.c_str());
+      for (const std::string& line : problems)
+        std::fprintf(stderr, "steptrace: %s\n", line.c_str());
     }
   }
   auto_pending_.store(!env_disabled_ && !env_false("STEPTRACE_AUTOCONNECT"),

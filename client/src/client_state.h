@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "client/src/clock.h"
-#include "client/src/identity.h"
 #include "client/src/event_ring.h"
+#include "client/src/identity.h"
 #include "client/src/ledger_queue.h"
 #include "client/src/ring_budget.h"
 #include "client/src/step_registry.h"

@@ -7,8 +7,8 @@ namespace steptrace::client {
 namespace {
 
 // The first of `names` that is set and not empty: its name and value (nullptr: none).
-std::pair<const char*, const char*> first_set(
-    const std::function<const char*(const char*)>& getenv, std::initializer_list<const char*> names) {
+std::pair<const char*, const char*> first_set(const std::function<const char*(const char*)>& getenv,
+                                              std::initializer_list<const char*> names) {
   for (const char* name : names) {
     const char* value = getenv(name);
     if (value != nullptr && value[0] != '\0') return {name, value};

@@ -498,8 +498,8 @@ bool read_retired_jobs(JsonObject& top, const Limits& limits, RetiredJobs& out) 
     }
     if (!steps.ok() || !j.finish()) return false;
     if (!out.try_emplace(key, std::move(job)).second) {
-      return jobs.fail_at(i, "job \"" + key.job + "\" of uid " + std::to_string(key.uid) +
-                                 " appears twice");
+      return jobs.fail_at(
+          i, "job \"" + key.job + "\" of uid " + std::to_string(key.uid) + " appears twice");
     }
   }
   return jobs.ok();
@@ -637,8 +637,7 @@ std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
 std::size_t snapshot_max_array_elements(const Limits& limits) {
   return std::max<std::size_t>({limits.max_processes, limits.max_reservations_per_gpu,
                                 limits.max_gpus, CollectorState::kMaxRetiredNames + 1,
-                                limits.max_jobs, RetiredJob::kMaxJobSteps + 1,
-                                Histogram::kBuckets,
+                                limits.max_jobs, RetiredJob::kMaxJobSteps + 1, Histogram::kBuckets,
                                 proto::kMaxCustomSteps + proto::kBuiltinStepCount});
 }
 

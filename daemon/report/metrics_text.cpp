@@ -65,8 +65,8 @@ void append_job_metrics(const CollectorState& state, std::string& out) {
       auto it = j.steps.find(name);
       if (it == j.steps.end()) {
         it = j.steps
-                 .try_emplace(std::string(j.steps.size() < RetiredJob::kMaxJobSteps ? name
-                                                                                    : kOtherStep))
+                 .try_emplace(
+                     std::string(j.steps.size() < RetiredJob::kMaxJobSteps ? name : kOtherStep))
                  .first;
       }
       it->second.count += count;

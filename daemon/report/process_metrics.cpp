@@ -6,9 +6,9 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <steptrace/version.h>
 #include <fstream>
 #include <sstream>
-#include <steptrace/version.h>
 #include <string>
 
 #include "daemon/report/report.h"

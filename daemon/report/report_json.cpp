@@ -150,14 +150,14 @@ nlohmann::json report::report_json(const CollectorView& view, const ReportFilter
     }
     std::sort(known.begin(), known.end());
     for (std::uint32_t r : known) ranks.push_back(r);
-    jobs.push_back({{"job", group.key.job.empty() ? nlohmann::json(nullptr)
-                                                  : nlohmann::json(group.key.job)},
-                    {"uid", group.key.uid},
-                    {"processes", group.processes.size()},
-                    {"live", live},
-                    {"ranks", std::move(ranks)},
-                    {"world_size", world == 0 ? nlohmann::json(nullptr) : nlohmann::json(world)},
-                    {"totals", totals_json(group.processes)}});
+    jobs.push_back(
+        {{"job", group.key.job.empty() ? nlohmann::json(nullptr) : nlohmann::json(group.key.job)},
+         {"uid", group.key.uid},
+         {"processes", group.processes.size()},
+         {"live", live},
+         {"ranks", std::move(ranks)},
+         {"world_size", world == 0 ? nlohmann::json(nullptr) : nlohmann::json(world)},
+         {"totals", totals_json(group.processes)}});
   }
   return {{"schema", "steptrace.report/v1"},
           {"processes", std::move(procs)},

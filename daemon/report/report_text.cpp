@@ -84,17 +84,18 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
   out += report::rule();
   for (const Row& row : rows) {
     out += report::table_row(
-        columns, {row.name, std::to_string(row.count), format_duration(row.total_ns),
-                  report::format_percent(percent_of(row.total_ns, total_time)),
-                  format_duration(row.p50_ns), format_duration(row.p99_ns),
-                  format_duration(row.self_ns),
-                  report::format_percent(percent_of(row.self_ns, total_self))});
+        columns,
+        {row.name, std::to_string(row.count), format_duration(row.total_ns),
+         report::format_percent(percent_of(row.total_ns, total_time)), format_duration(row.p50_ns),
+         format_duration(row.p99_ns), format_duration(row.self_ns),
+         report::format_percent(percent_of(row.self_ns, total_self))});
   }
   out += report::rule();
   if (total_self < total_time) {
     // Nested spans are counted in their own row and in their parent's Duration.
-    out += "Duration and % Time include nested spans (Total Measured Time counts them twice);\n"
-           "Self leaves out the spans that ended inside them on the same thread.\n";
+    out +=
+        "Duration and % Time include nested spans (Total Measured Time counts them twice);\n"
+        "Self leaves out the spans that ended inside them on the same thread.\n";
   }
   // Dr. Popper: compute (Matmul) against CPU overhead (Transpose + Alloc), 50% rule.
   if (compute > 0) {
@@ -150,14 +151,15 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now, bool wit
   } else {
     // The daemon notices an exit when the last connection closes or on its liveness
     // tick, so this is an upper bound on how long ago the process ended.
-    state = "exit noticed " +
-            format_duration(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) + " ago";
+    state = "exit noticed " + format_duration(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) +
+            " ago";
   }
   return "── Process " + std::to_string(rec.key().pid) + " (" +
          (rec.peer.comm.empty() ? std::string("?") : proto::printable(rec.peer.comm)) + ")" +
-         identity_text(rec, with_job) + " · " + state + " · dropped " + std::to_string(rec.dropped) + drop_causes_text(rec) +
-         " · unmatched ends " + std::to_string(unmatched) + " · abandoned " +
-         std::to_string(abandoned) + " · open " + std::to_string(rec.open_total()) + "\n";
+         identity_text(rec, with_job) + " · " + state + " · dropped " +
+         std::to_string(rec.dropped) + drop_causes_text(rec) + " · unmatched ends " +
+         std::to_string(unmatched) + " · abandoned " + std::to_string(abandoned) + " · open " +
+         std::to_string(rec.open_total()) + "\n";
 }
 
 // `stats` as "a.b.c: value" lines; keys and string values sanitised (kinds are the
@@ -226,8 +228,9 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
     } else if (filter.job) {
       out += "No process of job " + proto::printable(*filter.job) + " is tracked.\n";
     } else {
-      out += "No process has connected yet. Run a trainer linked with libsteptrace "
-             "(STEPTRACE_SOCKET\nnames this daemon's socket) and spans will appear here.\n";
+      out +=
+          "No process has connected yet. Run a trainer linked with libsteptrace "
+          "(STEPTRACE_SOCKET\nnames this daemon's socket) and spans will appear here.\n";
     }
   } else if (processes.size() == 1) {
     // One process (`report --pid N`, or only one there): its table once.

@@ -26,7 +26,7 @@ using nlohmann::json;
 struct OptionSpec {
   bool json = false;
   bool pid = false;
-  bool job = false;  // report: --job ID
+  bool job = false;     // report: --job ID
   bool ledger = false;  // reset: --ledger, --gpu UUID
 };
 struct Options {

@@ -170,7 +170,7 @@ struct RetiredJob {
   std::map<std::string, JobStepTotals, std::less<>> steps;  // at most kMaxJobSteps names
   std::uint64_t processes = 0;
   std::uint64_t dropped = 0;
-  std::uint64_t retired_order = 0;  // increasing: the least recent goes first
+  std::uint64_t retired_order = 0;                  // increasing: the least recent goes first
   static constexpr std::size_t kMaxJobSteps = 256;  // beyond: merged into "(other)"
 };
 using RetiredJobs = std::map<JobKey, RetiredJob, std::less<>>;
@@ -220,7 +220,7 @@ struct CollectorState {
   // Per job, the same for per-job counters (max_jobs, max_jobs_per_uid).
   std::shared_ptr<RetiredJobs> retired_jobs;
   std::uint64_t next_retired_order = 1;
-  Limits job_limits;                     // max_jobs, max_jobs_per_uid
+  Limits job_limits;                   // max_jobs, max_jobs_per_uid
   DaemonCounters* counters = nullptr;  // the io thread's (a view never writes)
 };
 

@@ -111,7 +111,25 @@ void expect_causes_add_up(const Values& v, const std::string& key = "dropped") {
   EXPECT_EQ(sum, v.at(key)) << key;
 }
 
-class ClientIntegration : public ::testing::TestWithParam<std::string> {
+// What the trainer's "fork" mode with 1000 spans wrote to `file` and sent to the daemon on
+// `socket`: the parent's 1100 Forward spans under its pid, the child's 1000 Backward spans
+// under its own, nothing of the parent's sent twice, nothing dropped.
+void expect_fork_reported(const std::string& socket, const std::string& file) {
+  const Values v = wait_values(file);
+  const auto parent = process_report(socket, v.at("pid"));
+  const auto child = process_report(socket, v.at("child"));
+  EXPECT_EQ(step_count(parent, "Forward"), 1100);
+  EXPECT_EQ(step_count(parent, "Backward"), 0);
+  EXPECT_EQ(step_count(child, "Backward"), 1000);
+  EXPECT_EQ(step_count(child, "Forward"), 0);
+  EXPECT_EQ(dropped_of(parent), 0);
+  EXPECT_EQ(dropped_of(child), 0);
+}
+
+// A real steptraced on d.sock in the test's own directory, started before each test.
+// Base: ::testing::Test or ::testing::TestWithParam.
+template <class Base>
+class WithDaemon : public Base {
  protected:
   void SetUp() override {
     daemon_ = std::make_unique<DaemonProcess>(socket());
@@ -119,6 +137,13 @@ class ClientIntegration : public ::testing::TestWithParam<std::string> {
   }
   std::string socket() const { return dir_.file("d.sock"); }
   std::string out(const std::string& name) const { return dir_.file(name); }
+
+  TempDir dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+class ClientIntegration : public WithDaemon<::testing::TestWithParam<std::string>> {
+ protected:
   std::vector<std::string> env() const {
     if (GetParam() == "default") return {};
     return {"STEPTRACE_CLOCK=" + GetParam()};
@@ -136,9 +161,6 @@ class ClientIntegration : public ::testing::TestWithParam<std::string> {
     args.insert(args.begin(), STEPTRACE_TEST_TRAINER);
     return run_process(args, env(), 60000);
   }
-
-  TempDir dir_;
-  std::unique_ptr<DaemonProcess> daemon_;
 };
 
 TEST_P(ClientIntegration, ProcessesTimesSpansArriveExactly) {
@@ -210,15 +232,7 @@ TEST_P(ClientIntegration, SameStepNestedSpansAreMatchedAsAStack) {
 
 TEST_P(ClientIntegration, ForkedChildReportsUnderItsOwnPidAndNothingIsSentTwice) {
   ASSERT_EQ(run_trainer({"fork", socket(), out("f"), "1000"}), 0);
-  const Values v = wait_values(out("f"));
-  const auto parent = process_report(socket(), v.at("pid"));
-  const auto child = process_report(socket(), v.at("child"));
-  EXPECT_EQ(step_count(parent, "Forward"), 1100);
-  EXPECT_EQ(step_count(parent, "Backward"), 0);
-  EXPECT_EQ(step_count(child, "Backward"), 1000);
-  EXPECT_EQ(step_count(child, "Forward"), 0);
-  EXPECT_EQ(dropped_of(parent), 0);
-  EXPECT_EQ(dropped_of(child), 0);
+  expect_fork_reported(socket(), out("f"));
 }
 
 TEST_P(ClientIntegration, DaemonAbsentAtStartThenStarted) {
@@ -512,14 +526,8 @@ INSTANTIATE_TEST_SUITE_P(Clocks, ClientIntegration,
 
 // Auto-connect (issue 12): programs that never call steptrace_connect, pointed at the
 // daemon by $STEPTRACE_SOCKET.
-class AutoConnect : public ::testing::Test {
+class AutoConnect : public WithDaemon<::testing::Test> {
  protected:
-  void SetUp() override {
-    daemon_ = std::make_unique<DaemonProcess>(socket());
-    ASSERT_TRUE(daemon_->start()) << daemon_->log();
-  }
-  std::string socket() const { return dir_.file("d.sock"); }
-  std::string out(const std::string& name) const { return dir_.file(name); }
   int run_trainer(std::vector<std::string> args, std::vector<std::string> env = {}) const {
     args.insert(args.begin(), STEPTRACE_TEST_TRAINER);
     env.push_back("STEPTRACE_SOCKET=" + socket());
@@ -539,9 +547,6 @@ class AutoConnect : public ::testing::Test {
     }
     return false;
   }
-
-  TempDir dir_;
-  std::unique_ptr<DaemonProcess> daemon_;
 };
 
 TEST_F(AutoConnect, SpansOfAProgramThatNeverConnectsArriveExactly) {
@@ -583,15 +588,7 @@ TEST_F(AutoConnect, RecordingAloneStartsTheFlusherAndConnects) {
 // explicit connect: its own pid, nothing of the parent's sent twice.
 TEST_F(AutoConnect, ForkedChildOfAnAutoConnectedParent) {
   ASSERT_EQ(run_trainer({"fork", "auto", out("f"), "1000"}), 0);
-  const Values v = wait_values(out("f"));
-  const auto parent = process_report(socket(), v.at("pid"));
-  const auto child = process_report(socket(), v.at("child"));
-  EXPECT_EQ(step_count(parent, "Forward"), 1100);
-  EXPECT_EQ(step_count(parent, "Backward"), 0);
-  EXPECT_EQ(step_count(child, "Backward"), 1000);
-  EXPECT_EQ(step_count(child, "Forward"), 0);
-  EXPECT_EQ(dropped_of(parent), 0);
-  EXPECT_EQ(dropped_of(child), 0);
+  expect_fork_reported(socket(), out("f"));
 }
 
 // STEPTRACE_DISABLE=1 and STEPTRACE_AUTOCONNECT=0: no thread, no connection.

@@ -11,7 +11,8 @@ import time
 
 
 def command(sock_path, line, timeout=10.0):
-    """The daemon's whole reply to one text command."""
+    """The daemon's whole reply to one text command; OSError when it cannot be had.
+    tests/packaging (packaging_util.command) uses it too."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(sock_path)

@@ -129,6 +129,7 @@ class DebPackageTest(TempDirTestCase):
             "/usr/share/steptrace/systemd/metrics-listen.conf",
             "/usr/share/steptrace/prometheus/prometheus.yml",
             "/usr/share/steptrace/prometheus/steptrace.rules.yml",
+            "/usr/share/steptrace/grafana/steptrace.json",
             "/usr/share/bash-completion/completions/steptrace",
             "/usr/share/bash-completion/completions/steptraced",
             "/usr/share/man/man1/steptrace.1.gz", "/usr/share/man/man8/steptraced.8.gz",

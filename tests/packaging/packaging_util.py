@@ -8,11 +8,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
+
+# One client of the daemon's text commands for all the Python tests: tests/client's (the
+# binding's tests cannot import this module, which needs the packaging tests' environment).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "client"))
+from python_testutil import command as _command  # noqa: E402
 
 BUILD_DIR = os.environ["STEPTRACE_BUILD_DIR"]
 SOURCE_DIR = os.environ["STEPTRACE_SOURCE_DIR"]
@@ -80,18 +85,7 @@ class TempDirTestCase(unittest.TestCase):
 def command(sock_path, line, timeout=10.0):
     """One text command over the daemon's socket; the reply, or None when it fails."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(sock_path)
-            s.sendall(line.encode() + b"\n")
-            s.shutdown(socket.SHUT_WR)
-            chunks = []
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            return b"".join(chunks).decode()
+        return _command(sock_path, line, timeout)
     except OSError:
         return None
 

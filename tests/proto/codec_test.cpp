@@ -694,9 +694,9 @@ TEST(ProtoMalformed, IdentityRules) {
   ASSERT_EQ(ok.messages.size(), 2u);
   EXPECT_EQ(std::get<Identity>(ok.messages[1]).world_size, 2u);
   // Unknown ranks and an unknown world are fine; so is an empty job id.
-  for (const Bytes& payload : {identity_payload("", kNoRank, kNoRank, 0),
-                               identity_payload("j", 7, kNoRank, 0),
-                               identity_payload("", kNoRank, 3, 4)}) {
+  for (const Bytes& payload :
+       {identity_payload("", kNoRank, kNoRank, 0), identity_payload("j", 7, kNoRank, 0),
+        identity_payload("", kNoRank, 3, 4)}) {
     const DecodeAll d =
         decode_all(Side::kDaemon, concat({hello_bytes(4), frame_bytes(kIdentityType, payload)}));
     EXPECT_FALSE(d.error) << d.error.message();
@@ -830,12 +830,11 @@ TEST(ProtoErrc, ProtocolErrorKinds) {
   for (const ErrcInfo& e : kErrcTable) {
     if (e.protocol_error) kinds.emplace_back(e.name);
   }
-  EXPECT_EQ(kinds,
-            (std::vector<std::string>{"truncated", "bad_magic", "unsupported_version", "bad_hello",
-                                      "frame_too_large", "unknown_frame_type", "bad_frame_size",
-                                      "bad_reserved", "bad_step_id", "bad_event_kind", "bad_string",
-                                      "bad_ledger_op", "unregistered_step", "timed_out",
-                                      "bad_identity"}));
+  EXPECT_EQ(kinds, (std::vector<std::string>{"truncated", "bad_magic", "unsupported_version",
+                                             "bad_hello", "frame_too_large", "unknown_frame_type",
+                                             "bad_frame_size", "bad_reserved", "bad_step_id",
+                                             "bad_event_kind", "bad_string", "bad_ledger_op",
+                                             "unregistered_step", "timed_out", "bad_identity"}));
 }
 
 // ---- encoder ------------------------------------------------------------------------

@@ -135,6 +135,12 @@ json without_fields_since_v1(json doc) {
   }
   for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").erase(kind), 1u);
   for (const char* name : kCountersSinceV1) EXPECT_EQ(doc.at("counters").erase(name), 1u);
+  // Jobs and self time (issue 12): every step's self_ns, what evicted processes left to
+  // their jobs. (Job ids and ranks are written only when a process sent them.)
+  for (json& p : doc.at("processes")) {
+    for (json& step : p.at("steps")) EXPECT_EQ(step.erase("self_ns"), 1u);
+  }
+  EXPECT_EQ(doc.erase("retired_jobs"), 1u);
   return doc;
 }
 
@@ -282,6 +288,59 @@ std::string decode_error(const json& doc) {
   std::string error;
   const auto decoded = decode_snapshot(doc, golden_limits(), error);
   return decoded ? "" : error;
+}
+
+// A process's job and ranks, its steps' self time and what evicted processes left to
+// their jobs survive a snapshot; values no daemon would have written are refused.
+TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
+  FakeWorld world;
+  Limits limits = golden_limits();  // max_exited_processes 1
+  Collector original(limits, world.env());
+  Connection live(original, world.spawn(10, 1, "train", 7));
+  ASSERT_FALSE(live.identity("llama", 1, 1, 4));
+  ASSERT_FALSE(live.events({start(1, 0, 0), start(1, 2, 10), end(1, 2, 30), end(1, 0, 100)}));
+  for (std::int32_t pid : {11, 12}) {  // the first is evicted by the second's exit
+    Connection c(original, world.spawn(pid, 1, "train", 7));
+    ASSERT_FALSE(c.identity("llama", 0, 0, 4));
+    ASSERT_FALSE(c.events({start(1, 0, 0), end(1, 0, 50)}));
+    world.kill(pid);
+    c.close();
+  }
+  const json first = encode_snapshot(*original.freeze());
+  ASSERT_EQ(first.at("retired_jobs").size(), 1u) << first.dump();
+  EXPECT_EQ(first["retired_jobs"][0]["job"], "llama");
+  EXPECT_EQ(first["retired_jobs"][0]["steps"][0]["total_ns"], 50);
+
+  std::string error;
+  auto decoded = decode_snapshot(json::parse(first.dump()), limits, error);
+  ASSERT_TRUE(decoded) << error;
+  Collector restored(limits, world.env());
+  ASSERT_FALSE(restored.adopt(std::move(*decoded)));
+  EXPECT_EQ(encode_snapshot(*restored.freeze()), first);
+  const json r = report::report_json(*restored.freeze(), std::nullopt);
+  ASSERT_FALSE(r["processes"].empty());
+  EXPECT_EQ(r["processes"][0]["job"], "llama");
+  EXPECT_EQ(r["processes"][0]["rank"], 1);
+  EXPECT_EQ(r["processes"][0]["world_size"], 4);
+  EXPECT_EQ(r["processes"][0]["steps"][0]["self_ns"], 80);
+  // Per-job counters carry on from the restored totals: 100 + 50 + 50 ns of Forward.
+  EXPECT_NE(report::metrics_text(*restored.freeze())
+                .find("steptrace_job_step_seconds_total{job_id=\"llama\",uid=\"7\","
+                      "step=\"Forward\"} 2e-07\n"),
+            std::string::npos)
+      << report::metrics_text(*restored.freeze());
+
+  const auto refused = [&](auto&& mutate) {
+    json d = first;
+    mutate(d);
+    return decode_error(d);
+  };
+  EXPECT_NE(refused([](json& d) { d["processes"][0]["rank"] = 4; }), "");  // world of 4
+  EXPECT_NE(refused([](json& d) { d["processes"][0]["job"] = "a\nb"; }), "");
+  EXPECT_NE(refused([](json& d) { d["processes"][0]["steps"][0]["self_ns"] = 101; }), "");
+  EXPECT_NE(refused([](json& d) { d["retired_jobs"].push_back(d["retired_jobs"][0]); }), "");
+  EXPECT_NE(refused([](json& d) { d["retired_jobs"][0]["steps"][0]["self_ns"] = 51; }), "");
+  EXPECT_EQ(refused([](json& d) { d.erase("retired_jobs"); }), "");  // older snapshots
 }
 
 TEST(SnapshotCodecTest, ABadHistogramIsNamedByItsPath) {

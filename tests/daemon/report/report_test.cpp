@@ -156,11 +156,10 @@ TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
                       "Processes: 2\nTotal Measured Time: 65.50ms\n"),
             std::string::npos)
       << text;
-  EXPECT_NE(
-      text.find(
-          "Step            | Count    | Duration        | % Time   | p50             | p99             "
-          "| Self            | % Self\n"),
-      std::string::npos)
+  EXPECT_NE(text.find("Step            | Count    | Duration        | % Time   | p50             | "
+                      "p99             "
+                      "| Self            | % Self\n"),
+            std::string::npos)
       << text;
   // All processes: Matmul 51ms > Transpose 10ms > Alloc 3ms > Forward 1.5ms > Backward.
   const auto pos = [&](const std::string& s, std::size_t from = 0) { return text.find(s, from); };

@@ -149,7 +149,8 @@ TEST_F(CommandsTest, BadArgumentsAreNamed) {
             "error: reset: --gpu needs a GPU UUID of 1..63 characters\n");
   // A word echoed back in an error is printable, whatever the client sent.
   EXPECT_EQ(run("report --x\x1b[2J"),
-            "error: report: unexpected argument '--x?[2J' (usage: report [--json] [--pid N] [--job ID])\n");
+            "error: report: unexpected argument '--x?[2J' (usage: report [--json] [--pid N] [--job "
+            "ID])\n");
 }
 
 TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {

@@ -746,14 +746,14 @@ TEST_F(CollectorTest, SelfTimeLeavesOutNestedSpans) {
   ASSERT_FALSE(a.events({start(2, kBackward, 5), end(2, kBackward, 95)}));
   const json r = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_EQ(step_of(r, 1, "Forward")["total_ns"], 100);
-  EXPECT_EQ(step_of(r, 1, "Forward")["self_ns"], 60);     // 100 - 30 - 10
+  EXPECT_EQ(step_of(r, 1, "Forward")["self_ns"], 60);  // 100 - 30 - 10
   EXPECT_EQ(step_of(r, 1, "Matmul")["total_ns"], 40);
-  EXPECT_EQ(step_of(r, 1, "Matmul")["self_ns"], 30);      // 30 - 10, then 10
+  EXPECT_EQ(step_of(r, 1, "Matmul")["self_ns"], 30);  // 30 - 10, then 10
   EXPECT_EQ(step_of(r, 1, "Transpose")["self_ns"], 10);
   EXPECT_EQ(step_of(r, 1, "Backward")["self_ns"], 90);
   // Spans that overlap without nesting still count within [0, duration].
-  ASSERT_FALSE(a.events({start(3, kAlloc, 0), start(3, kAttention, 10), end(3, kAlloc, 20),
-                         end(3, kAttention, 50)}));
+  ASSERT_FALSE(a.events(
+      {start(3, kAlloc, 0), start(3, kAttention, 10), end(3, kAlloc, 20), end(3, kAttention, 50)}));
   const json r2 = report::report_json(*collector_->freeze(), std::nullopt);
   EXPECT_LE(step_of(r2, 1, "Alloc")["self_ns"], step_of(r2, 1, "Alloc")["total_ns"]);
   EXPECT_LE(step_of(r2, 1, "Attention")["self_ns"], step_of(r2, 1, "Attention")["total_ns"]);
@@ -792,7 +792,8 @@ TEST_F(CollectorTest, IdentityGroupsProcessesByJob) {
   EXPECT_EQ(llama["totals"][0]["count"], 2);
   EXPECT_EQ(r["jobs"][2]["uid"], 8);
 
-  const auto by_job = report::report_json(*collector_->freeze(), report::ReportFilter{{}, "llama-7"});
+  const auto by_job =
+      report::report_json(*collector_->freeze(), report::ReportFilter{{}, "llama-7"});
   EXPECT_EQ(by_job["processes"].size(), 3u);  // both uids' processes named so
   const std::string text =
       report::report_text(*collector_->freeze(), report::ReportFilter{std::nullopt, std::nullopt});
@@ -829,11 +830,13 @@ TEST_F(CollectorTest, JobCountersOutliveTheirProcesses) {
   spans(1, 7, "a");
   spans(2, 7, "a");
   std::string text = report::metrics_text(*collector_->freeze());
-  EXPECT_NE(text.find("steptrace_job_step_seconds_total{job_id=\"a\",uid=\"7\",step=\"Forward\"} 4\n"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("steptrace_job_step_seconds_total{job_id=\"a\",uid=\"7\",step=\"Forward\"} 4\n"),
+      std::string::npos)
       << text;
-  EXPECT_NE(text.find("steptrace_job_step_spans_total{job_id=\"a\",uid=\"7\",step=\"Forward\"} 2\n"),
-            std::string::npos);
+  EXPECT_NE(
+      text.find("steptrace_job_step_spans_total{job_id=\"a\",uid=\"7\",step=\"Forward\"} 2\n"),
+      std::string::npos);
   EXPECT_NE(text.find("steptrace_job_processes{job_id=\"a\",uid=\"7\",state=\"exited\"} 2\n"),
             std::string::npos);
   EXPECT_EQ(report::report_json(*collector_->freeze(), std::nullopt)["processes"].size(), 0u);
@@ -855,8 +858,9 @@ TEST_F(CollectorTest, JobCountersOutliveTheirProcesses) {
   ASSERT_FALSE(live.identity("y", 0, 0, 1));
   ASSERT_FALSE(live.events({start(1, kForward, 0), end(1, kForward, 1'000'000'000)}));
   text = report::metrics_text(*collector_->freeze());
-  EXPECT_NE(text.find("steptrace_job_step_seconds_total{job_id=\"y\",uid=\"8\",step=\"Forward\"} 3\n"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("steptrace_job_step_seconds_total{job_id=\"y\",uid=\"8\",step=\"Forward\"} 3\n"),
+      std::string::npos)
       << text;
   EXPECT_NE(text.find("steptrace_process_step_seconds_total{pid=\"9\",comm=\"t\",job_id=\"y\","
                       "rank=\"0\",step=\"Forward\"} 1\n"),
