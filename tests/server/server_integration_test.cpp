@@ -682,10 +682,16 @@ TEST_F(DaemonTest, HttpMetricsEndpoint) {
   // - steptrace_uptime_seconds: time passed between the two.
   // - steptrace_http_responses_total: the scrape's own response was written after it was
   //   rendered.
-  const std::set<std::string> varying = {
-      "steptrace_connections", "steptrace_connections_accepted_total",
-      "steptrace_commands_served_total", "steptrace_uptime_seconds",
-      "steptrace_http_responses_total"};
+  // - process_*: the daemon's own CPU, memory and descriptors, read at each render.
+  const std::set<std::string> varying = {"steptrace_connections",
+                                         "steptrace_connections_accepted_total",
+                                         "steptrace_commands_served_total",
+                                         "steptrace_uptime_seconds",
+                                         "steptrace_http_responses_total",
+                                         "process_cpu_seconds_total",
+                                         "process_resident_memory_bytes",
+                                         "process_virtual_memory_bytes",
+                                         "process_open_fds"};
   const auto metrics = command(socket(), "metrics");
   ASSERT_TRUE(metrics);
   const std::string http_masked = mask_values(scrape, varying);
