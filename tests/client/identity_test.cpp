@@ -163,6 +163,7 @@ struct BadValue {
   const char* variable;
   const char* value;
 };
+// gtest looks the name up. NOLINTNEXTLINE(readability-identifier-naming)
 void PrintTo(const BadValue& v, std::ostream* os) { *os << v.variable << "='" << v.value << "'"; }
 
 class IdentityBadNumber : public ::testing::TestWithParam<BadValue> {};
