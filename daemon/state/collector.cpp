@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <set>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -176,25 +177,38 @@ void retire(CollectorState& state, const ProcessRecord& rec) {
 }
 
 // Room for one more retired job of `uid`: past max_jobs_per_uid (that uid's) or
-// max_jobs (anyone's), the job retired least recently is forgotten, counted.
+// max_jobs (anyone's), the job retired least recently is forgotten, counted. Only jobs
+// with no process left in the table count and can be forgotten: forgetting one that
+// still has processes would make its counters go backwards (the table's share stays,
+// the retired share goes). Those are bounded by the process table itself.
 void make_room_for_job(CollectorState& state, RetiredJobs& jobs, std::uint32_t uid) {
+  std::set<JobKey, std::less<>> in_table;
+  for (const auto& slot : state.slots) {
+    if (slot) in_table.insert(JobKey{slot->peer.uid, slot->job});
+  }
+  const auto forgettable = [&](const RetiredJobs::value_type& j, bool of_uid) {
+    return (!of_uid || j.first.uid == uid) && !in_table.contains(j.first);
+  };
+  const auto count = [&](bool of_uid) {
+    return static_cast<std::size_t>(std::count_if(
+        jobs.begin(), jobs.end(), [&](const auto& j) { return forgettable(j, of_uid); }));
+  };
+  // False when every job left has a process in the table.
   const auto forget_oldest = [&](bool of_uid) {
     auto oldest = jobs.end();
     for (auto it = jobs.begin(); it != jobs.end(); ++it) {
-      if (of_uid && it->first.uid != uid) continue;
+      if (!forgettable(*it, of_uid)) continue;
       if (oldest == jobs.end() || it->second.retired_order < oldest->second.retired_order)
         oldest = it;
     }
-    if (oldest != jobs.end()) jobs.erase(oldest);
+    if (oldest == jobs.end()) return false;
+    jobs.erase(oldest);
+    return true;
   };
-  const auto of_uid = static_cast<std::size_t>(
-      std::count_if(jobs.begin(), jobs.end(), [&](const auto& j) { return j.first.uid == uid; }));
-  if (of_uid >= state.job_limits.max_jobs_per_uid) {
-    forget_oldest(true);
+  while (count(true) >= state.job_limits.max_jobs_per_uid && forget_oldest(true)) {
     if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobsPerUid);
   }
-  while (!jobs.empty() && jobs.size() >= state.job_limits.max_jobs) {
-    forget_oldest(false);
+  while (count(false) >= state.job_limits.max_jobs && forget_oldest(false)) {
     if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobs);
   }
 }

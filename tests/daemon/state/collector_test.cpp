@@ -872,5 +872,57 @@ TEST_F(CollectorTest, JobCountersOutliveTheirProcesses) {
   EXPECT_EQ(text.find("job_id=\"x\""), std::string::npos) << text;
 }
 
+// A job whose processes are still in the table is never the one forgotten: its
+// counters would go backwards. The least recent job with none left goes instead.
+TEST_F(CollectorTest, AJobWithProcessesInTheTableKeepsItsRetiredTotals) {
+  limits_.max_exited_processes = 0;  // evicted at once
+  limits_.max_jobs = 2;
+  limits_.max_jobs_per_uid = 2;
+  make();
+  const auto spans = [&](Connection& c, std::int32_t pid, const std::string& job) {
+    EXPECT_FALSE(c.identity(job, 0, 0, 2));
+    EXPECT_FALSE(c.events({start(1, kForward, 0), end(1, kForward, 1'000'000'000)}));
+    world_.kill(pid);
+    c.close();
+  };
+  const auto seconds = [&](const std::string& job) {
+    const std::string text = report::metrics_text(*collector_->freeze());
+    const std::string key =
+        "steptrace_job_step_seconds_total{job_id=\"" + job + "\",uid=\"7\",step=\"Forward\"} ";
+    const auto at = text.find(key);
+    return at == std::string::npos
+               ? std::string("absent")
+               : text.substr(at + key.size(), text.find('\n', at) - at - key.size());
+  };
+  // Job "a": rank 1 is still running while rank 0 has exited and left the table.
+  Connection a1(*collector_, world_.spawn(2, 1, "t", 7));
+  ASSERT_FALSE(a1.identity("a", 1, 1, 2));
+  ASSERT_FALSE(a1.events({start(1, kForward, 0), end(1, kForward, 1'000'000'000)}));
+  {
+    Connection a0(*collector_, world_.spawn(1, 1, "t", 7));
+    spans(a0, 1, "a");
+  }
+  EXPECT_EQ(seconds("a"), "2");
+  // Three more short jobs of the same uid: past both limits, but "a" stays.
+  for (std::int32_t pid = 3; pid <= 5; ++pid) {
+    Connection c(*collector_, world_.spawn(pid, 1, "t", 7));
+    spans(c, pid, "job" + std::to_string(pid));
+  }
+  EXPECT_EQ(seconds("a"), "2");
+  EXPECT_EQ(seconds("job3"), "absent");  // the least recent job with no process left
+  EXPECT_EQ(seconds("job5"), "1");
+  // Once rank 1 leaves too, "a" holds both ranks' totals and counts like any other job:
+  // the next new job brings the uid back within its limit, least recent first.
+  world_.kill(2);
+  a1.close();
+  EXPECT_EQ(seconds("a"), "2");
+  Connection c6(*collector_, world_.spawn(6, 1, "t", 7));
+  spans(c6, 6, "job6");
+  EXPECT_EQ(seconds("job4"), "absent");
+  EXPECT_EQ(seconds("job5"), "absent");
+  EXPECT_EQ(seconds("a"), "2");
+  EXPECT_EQ(seconds("job6"), "1");
+}
+
 }  // namespace
 }  // namespace steptrace::daemon
