@@ -139,24 +139,14 @@ nlohmann::json report::report_json(const CollectorView& view, const ReportFilter
   for (const ProcessRecord* rec : processes) procs.push_back(process_json(*rec, now));
   nlohmann::json jobs = nlohmann::json::array();
   for (const JobGroup& group : group_by_job(view.state(), processes, false)) {
-    std::uint64_t live = 0;
-    std::uint32_t world = 0;
-    nlohmann::json ranks = nlohmann::json::array();
-    std::vector<std::uint32_t> known;
-    for (const ProcessRecord* rec : group.processes) {
-      live += rec->alive ? 1 : 0;
-      world = std::max(world, rec->world_size);
-      if (rec->rank != proto::kNoRank) known.push_back(rec->rank);
-    }
-    std::sort(known.begin(), known.end());
-    for (std::uint32_t r : known) ranks.push_back(r);
     jobs.push_back(
         {{"job", group.key.job.empty() ? nlohmann::json(nullptr) : nlohmann::json(group.key.job)},
          {"uid", group.key.uid},
          {"processes", group.processes.size()},
-         {"live", live},
-         {"ranks", std::move(ranks)},
-         {"world_size", world == 0 ? nlohmann::json(nullptr) : nlohmann::json(world)},
+         {"live", group.live},
+         {"ranks", group.ranks},
+         {"world_size",
+          group.world_size == 0 ? nlohmann::json(nullptr) : nlohmann::json(group.world_size)},
          {"totals", totals_json(group.processes)}});
   }
   return {{"schema", "steptrace.report/v1"},

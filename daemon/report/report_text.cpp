@@ -181,21 +181,13 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::string& ou
 
 // "══ Job J (uid U) · 4 processes (3 live) · ranks 0-3 of 4" above a job's sections.
 std::string job_header(const JobGroup& group) {
-  std::size_t live = 0;
-  std::vector<std::uint32_t> ranks;
-  std::uint32_t world = 0;
-  for (const ProcessRecord* rec : group.processes) {
-    live += rec->alive ? 1 : 0;
-    if (rec->rank != proto::kNoRank) ranks.push_back(rec->rank);
-    world = std::max(world, rec->world_size);
-  }
-  std::sort(ranks.begin(), ranks.end());
+  const std::vector<std::uint32_t>& ranks = group.ranks;
   std::string out = group.key.job.empty() ? std::string("══ Processes without a job id")
                                           : "══ Job " + proto::printable(group.key.job);
   out += " (uid " + std::to_string(group.key.uid) + ") · " +
          std::to_string(group.processes.size()) +
-         (group.processes.size() == 1 ? " process (" : " processes (") + std::to_string(live) +
-         " live)";
+         (group.processes.size() == 1 ? " process (" : " processes (") +
+         std::to_string(group.live) + " live)";
   if (!ranks.empty()) {
     // Runs of consecutive ranks: "0-3, 6".
     std::string list;
@@ -207,7 +199,7 @@ std::string job_header(const JobGroup& group) {
       i = j + 1;
     }
     out += " · ranks " + list;
-    if (world != 0) out += " of " + std::to_string(world);
+    if (group.world_size != 0) out += " of " + std::to_string(group.world_size);
   }
   return out + "\n";
 }

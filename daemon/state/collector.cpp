@@ -860,22 +860,29 @@ std::vector<JobGroup> group_by_job(const CollectorState& state,
                                    const std::vector<const ProcessRecord*>& processes,
                                    bool with_retired) {
   std::map<JobKey, JobGroup> groups;
+  const auto group_of = [&](const JobKey& key) -> JobGroup& {
+    JobGroup& group = groups[key];
+    group.key = key;
+    return group;
+  };
   for (const ProcessRecord* rec : processes) {
-    JobKey key{rec->peer.uid, rec->job};
-    auto it = groups.find(key);
-    if (it == groups.end()) it = groups.try_emplace(key, JobGroup{key, {}, nullptr}).first;
-    it->second.processes.push_back(rec);
+    group_of(JobKey{rec->peer.uid, rec->job}).processes.push_back(rec);
   }
   if (with_retired) {
-    for (const auto& [key, retired] : *state.retired_jobs) {
-      auto it = groups.find(key);
-      if (it == groups.end()) it = groups.try_emplace(key, JobGroup{key, {}, nullptr}).first;
-      it->second.retired = &retired;
-    }
+    for (const auto& [key, retired] : *state.retired_jobs) group_of(key).retired = &retired;
   }
   std::vector<JobGroup> out;
   out.reserve(groups.size());
-  for (auto& [key, group] : groups) out.push_back(std::move(group));
+  for (auto& [key, group] : groups) {
+    for (const ProcessRecord* rec : group.processes) {
+      group.live += rec->alive ? 1 : 0;
+      group.world_size = std::max(group.world_size, rec->world_size);
+      if (rec->rank != proto::kNoRank) group.ranks.push_back(rec->rank);
+    }
+    std::sort(group.ranks.begin(), group.ranks.end());
+    group.ranks.erase(std::unique(group.ranks.begin(), group.ranks.end()), group.ranks.end());
+    out.push_back(std::move(group));
+  }
   return out;
 }
 

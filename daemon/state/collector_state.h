@@ -264,6 +264,12 @@ struct JobGroup {
   JobKey key;
   std::vector<const ProcessRecord*> processes;
   const RetiredJob* retired = nullptr;  // null: none of its processes left the table
+  // Of `processes`: how many are alive, the largest world size sent (0: none), and the
+  // ranks sent, each once, ascending (a forked child shares its parent's environment,
+  // so its rank).
+  std::size_t live = 0;
+  std::uint32_t world_size = 0;
+  std::vector<std::uint32_t> ranks;
 };
 std::vector<JobGroup> group_by_job(const CollectorState& state,
                                    const std::vector<const ProcessRecord*>& processes,

@@ -197,7 +197,8 @@ INSTANTIATE_TEST_SUITE_P(
                       BadValue{"LOCAL_RANK", "-3"}, BadValue{"WORLD_SIZE", "two"},
                       BadValue{"WORLD_SIZE", "-2"}, BadValue{"WORLD_SIZE", "18446744073709551616"},
                       BadValue{"SLURM_PROCID", "x"}, BadValue{"SLURM_LOCALID", "1,2"},
-                      BadValue{"SLURM_NTASKS", "4(x2)"}),
+                      BadValue{"WORLD_SIZE", "0"},  // a world has at least one rank
+                      BadValue{"SLURM_NTASKS", "0"}, BadValue{"SLURM_NTASKS", "4(x2)"}),
     [](const ::testing::TestParamInfo<BadValue>& info) {
       return std::string(info.param.variable) + "_" + std::to_string(info.index);
     });

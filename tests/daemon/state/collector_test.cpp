@@ -773,7 +773,10 @@ TEST_F(CollectorTest, IdentityGroupsProcessesByJob) {
   ASSERT_FALSE(r0.identity("llama-7", 0, 0, 2));
   ASSERT_FALSE(r1.identity("llama-7", 1, 1, 2));
   ASSERT_FALSE(other.identity("llama-7"));  // another uid's "llama-7" is its own job
-  for (Connection* c : {&r0, &r1, &other, &lone}) {
+  // A data-loader worker forked by rank 1 sends rank 1 too: the job lists it once.
+  Connection worker(*collector_, world_.spawn(14, 1, "train", 7));
+  ASSERT_FALSE(worker.identity("llama-7", 1, 1, 2));
+  for (Connection* c : {&r0, &r1, &other, &lone, &worker}) {
     ASSERT_FALSE(c->events({start(1, kForward, 0), end(1, kForward, 100)}));
   }
   const json r = report::report_json(*collector_->freeze(), std::nullopt);
@@ -787,17 +790,19 @@ TEST_F(CollectorTest, IdentityGroupsProcessesByJob) {
   const json& llama = r["jobs"][1];
   EXPECT_EQ(llama["job"], "llama-7");
   EXPECT_EQ(llama["uid"], 7);
-  EXPECT_EQ(llama["processes"], 2);
+  EXPECT_EQ(llama["processes"], 3);
+  EXPECT_EQ(llama["live"], 3);
   EXPECT_EQ(llama["ranks"], json::array({0, 1}));
-  EXPECT_EQ(llama["totals"][0]["count"], 2);
+  EXPECT_EQ(llama["world_size"], 2);
+  EXPECT_EQ(llama["totals"][0]["count"], 3);
   EXPECT_EQ(r["jobs"][2]["uid"], 8);
 
   const auto by_job =
       report::report_json(*collector_->freeze(), report::ReportFilter{{}, "llama-7"});
-  EXPECT_EQ(by_job["processes"].size(), 3u);  // both uids' processes named so
+  EXPECT_EQ(by_job["processes"].size(), 4u);  // both uids' processes named so
   const std::string text =
       report::report_text(*collector_->freeze(), report::ReportFilter{std::nullopt, std::nullopt});
-  EXPECT_NE(text.find("══ Job llama-7 (uid 7) · 2 processes (2 live) · ranks 0-1 of 2\n"),
+  EXPECT_NE(text.find("══ Job llama-7 (uid 7) · 3 processes (3 live) · ranks 0-1 of 2\n"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("══ Processes without a job id (uid 7) · 1 process (1 live)"),
