@@ -1,4 +1,4 @@
-// Jobs and ranks end to end: real trainer processes (job_trainer.cpp, trainer_main.cpp)
+// Jobs and ranks end to end: real trainer processes (trainer_main.cpp)
 // started with STEPTRACE_JOB / TORCHELASTIC_RUN_ID / SLURM_* / RANK / LOCAL_RANK /
 // WORLD_SIZE in their environment (the library reads them at load), the real steptraced
 // on a temporary socket, and what `report`, `report --json`, `report --job`, `metrics`
@@ -268,11 +268,11 @@ class JobIntegration : public ::testing::Test {
   std::string socket() const { return dir_.file("d.sock"); }
   std::string out(const std::string& name) const { return dir_.file(name + ".out"); }
 
-  // A job_trainer "hold" process: kSpans Forward spans with a Matmul inside each, flushed;
+  // A trainer "hold" process: kSpans Forward spans with a Matmul inside each, flushed;
   // alive and connected until release(name).
   static constexpr int kSpans = 200;
   pid_t hold(const std::string& name, const Env& env) {
-    const pid_t pid = spawn({STEPTRACE_JOB_TRAINER, "hold", socket(), out(name),
+    const pid_t pid = spawn({STEPTRACE_TEST_TRAINER, "hold", socket(), out(name),
                              std::to_string(kSpans), dir_.file(name + ".release")},
                             env, {}, dir_.file(name + ".err"));
     if (pid > 0) holders_[name] = pid;
@@ -716,10 +716,11 @@ TEST_F(JobIntegration, SelfTimeOfNestedSpans) {
   // Forward { 20 ms; Matmul { 10 ms }; 5 ms } x 4: exact sums, and lower bounds from the
   // sleeps (a sleep never ends early; a loaded machine only makes it longer).
   constexpr int kRounds = 4;
-  const pid_t sleeper = spawn({STEPTRACE_JOB_TRAINER, "nested", socket(), out("sleep"),
-                               std::to_string(kRounds), "20", "10", "5"},
+  const pid_t sleeper = spawn({STEPTRACE_TEST_TRAINER, "nested_same", socket(), out("sleep"),
+                               std::to_string(kRounds), "10", "20", "5", "matmul"},
                               {{"STEPTRACE_JOB", "self-sleep"}}, {}, dir_.file("sleep.err"));
   ASSERT_EQ(wait_or_kill(sleeper, 60000), 0) << err_of("sleep");
+  EXPECT_EQ(wait_out("sleep")["dropped"], 0);
   // Forward { Attention { Matmul; Matmul } } x 1000 (steptrace_test_trainer "nested").
   const pid_t deep = spawn({STEPTRACE_TEST_TRAINER, "nested", socket(), out("deep"), "1000"},
                            {{"STEPTRACE_JOB", "self-deep"}}, {}, dir_.file("deep.err"));

@@ -1,5 +1,6 @@
 // A test trainer: a real process using libsteptrace (shared) the way a training loop
-// does, its behaviour chosen by argv. Used by client_integration_test.
+// does, its behaviour chosen by argv. Used by client_integration_test and
+// client_job_integration_test (which sets its job and rank in its environment).
 //
 //   steptrace_test_trainer MODE SOCKET OUTFILE [ARGS...]
 //
@@ -203,25 +204,52 @@ int main(int argc, char** argv) {
     if (steptrace_flush(10000) != 0) fail("flush");
     set_dropped(out, "dropped");
   } else if (mode == "nested_same") {  // Forward { BEFORE; Forward { INNER }; AFTER } x N
-    // ARGS: N INNER_MS BEFORE_MS AFTER_MS (sleeps). Matched as a stack, the inner span
-    // lasts INNER and the outer BEFORE + INNER + AFTER; matched first-in-first-out, both
-    // would last at least INNER + min(BEFORE, AFTER).
+    // ARGS: N INNER_MS BEFORE_MS AFTER_MS [matmul] (sleeps). Matched as a stack, the inner
+    // span lasts INNER and the outer BEFORE + INNER + AFTER; matched first-in-first-out,
+    // both would last at least INNER + min(BEFORE, AFTER). With "matmul" the inner span
+    // is a Matmul (the outer one's self time is then BEFORE + AFTER).
     const int n = arg(4, 8);
     const std::chrono::milliseconds inner_ms(arg(5, 10));
     const std::chrono::milliseconds before_ms(arg(6, 40));
     const std::chrono::milliseconds after_ms(arg(7, 40));
+    const steptrace::Step inner_step = argc > 8 && std::string(argv[8]) == "matmul"
+                                           ? steptrace::Step::kMatmul
+                                           : steptrace::Step::kForward;
     if (steptrace_connect(socket.c_str()) != 0) fail("connect");
     for (int i = 0; i < n; ++i) {
       steptrace::Span outer(steptrace::Step::kForward);
       std::this_thread::sleep_for(before_ms);
       {
-        steptrace::Span inner(steptrace::Step::kForward);
+        steptrace::Span inner(inner_step);
         std::this_thread::sleep_for(inner_ms);
       }
       std::this_thread::sleep_for(after_ms);
     }
     if (steptrace_flush(10000) != 0) fail("flush");
     set_dropped(out, "dropped");
+  } else if (mode == "hold") {  // N x Forward { Matmul }, flushed; alive until RELEASE exists
+    // ARGS: N RELEASE. OUTFILE is written once the daemon has applied every span; the
+    // process then stays connected, recording nothing more, until the file RELEASE
+    // exists (exit 0) or 120 s passed (exit 3).
+    const int n = arg(4, 100);
+    if (argc < 6) fail("hold needs N RELEASE");
+    const std::string release = argv[5];
+    if (steptrace_connect(socket.c_str()) != 0) fail("connect");
+    for (int i = 0; i < n; ++i) {
+      steptrace::Span forward(steptrace::Step::kForward);
+      { steptrace::Span matmul(steptrace::Step::kMatmul); }
+      if ((i + 1) % 1000 == 0 && steptrace_flush(10000) != 0) fail("periodic flush");
+    }
+    if (steptrace_flush(10000) != 0) fail("flush");
+    if (steptrace_dropped() != 0) fail("dropped events");
+    set_dropped(out, "dropped");
+    out.write(outfile);
+    const auto deadline = Clock::now() + std::chrono::seconds(120);
+    while (!file_exists(release)) {
+      if (Clock::now() > deadline) return 3;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return 0;
   } else if (mode == "fork") {  // parent Forward, child Backward; nothing sent twice
     // SOCKET "auto": no steptrace_connect, the parent auto-connects ($STEPTRACE_SOCKET).
     const int n = arg(4, 1000);
