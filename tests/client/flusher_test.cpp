@@ -236,13 +236,10 @@ TEST(Flusher, ExplicitConnectAfterAutoConnectSwitches) {
   EXPECT_EQ(steptrace_dropped(), 0u);
 }
 
-TEST(Flusher, VersionOneDaemonGetsVersionOneAfterTwoRefusalsAndLosesNothing) {
-  FakeDaemon daemon;
-  steptrace_start(4000);  // unknown step: one invalid drop
-  spans(STEPTRACE_MATMUL, 100);
-  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  // A version-1 daemon refuses the version-4 hello and closes, then versions 3 and 2.
-  for (const std::uint16_t refused : {4, 3, 2}) {
+// An old daemon: refuses one hello per version in `versions` (the order the client
+// must try them) with unsupported_version and closes each connection.
+void refuse_hellos(FakeDaemon& daemon, std::initializer_list<std::uint16_t> versions) {
+  for (const std::uint16_t refused : versions) {
     ASSERT_TRUE(daemon.accept_connection(5000));
     const auto hello = daemon.next();
     ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
@@ -250,6 +247,15 @@ TEST(Flusher, VersionOneDaemonGetsVersionOneAfterTwoRefusalsAndLosesNothing) {
     daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
     daemon.close_connection();
   }
+}
+
+TEST(Flusher, VersionOneDaemonGetsVersionOneAfterTwoRefusalsAndLosesNothing) {
+  FakeDaemon daemon;
+  steptrace_start(4000);  // unknown step: one invalid drop
+  spans(STEPTRACE_MATMUL, 100);
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  // A version-1 daemon refuses the version-4 hello and closes, then versions 3 and 2.
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {4, 3, 2}));
   // The next connection speaks version 1 (and the daemon decodes it as version 1: a
   // DroppedByCause frame would be a decode error).
   ASSERT_TRUE(daemon.accept_connection(5000));
@@ -294,14 +300,7 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
 TEST(Flusher, AVersionTwoDaemonGetsLeasedReservationsWithoutTheLeaseAndNoRenewals) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  for (const std::uint16_t refused : {4, 3}) {
-    ASSERT_TRUE(daemon.accept_connection(5000));
-    const auto hello = daemon.next();
-    ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
-    EXPECT_EQ(std::get<proto::Hello>(*hello).version, refused);
-    daemon.send_error(proto::ErrorCode::kUnsupportedVersion, "unsupported protocol version");
-    daemon.close_connection();
-  }
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {4, 3}));
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), 2u);
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);
