@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """The Python package's argument checks and its span context manager / decorator, with
 no daemon: every bad argument raises TypeError or ValueError in Python, before any C call
-(so the library counts nothing as invalid).
+(so the library counts nothing as invalid, and steptrace.rejected() does not move); the
+calls the library itself refuses are counted by rejected().
 
 Run by ctest with STEPTRACE_LIBRARY, PYTHONPATH (the bindings dir) and STEPTRACE_VERSION
 (the project's version) set."""
 
+import json
 import os
+import subprocess
 import sys
 import unittest
 
@@ -16,9 +19,14 @@ GPU = "GPU-python-api"
 
 
 class ArgumentChecks(unittest.TestCase):
+    def setUp(self):
+        self.invalid_before = steptrace.dropped_by_cause()["invalid"]
+        self.rejected_before = steptrace.rejected()
+
     def tearDown(self):
         # Nothing the checks refused reached the library.
-        self.assertEqual(steptrace.dropped_by_cause()["invalid"], 0)
+        self.assertEqual(steptrace.dropped_by_cause()["invalid"], self.invalid_before)
+        self.assertEqual(steptrace.rejected(), self.rejected_before)
 
     def test_step_types(self):
         for bad in (None, 1.5, True, b"Forward", ["Forward"], object()):
@@ -106,6 +114,104 @@ class ArgumentChecks(unittest.TestCase):
             steptrace.set_buffer_size(-1)
         # Not connected: flush says so at once.
         self.assertLess(steptrace.flush(0), 0)
+
+
+# Counts the calls the library refused, in a fresh process: registers custom steps until
+# the library's per-process limit refuses one (the one refusal Python's checks cannot see
+# coming), then one more. Prints a JSON object.
+_REGISTER_PAST_THE_LIMIT = """
+import json, steptrace
+out = {"rejected_at_start": steptrace.rejected()}
+registered = 0
+while True:
+    try:
+        steptrace.register_step("PyApiLimit%d" % registered)
+    except RuntimeError:
+        break
+    registered += 1
+    if registered > 1 << 20:
+        raise SystemExit("no limit of custom steps after %d" % registered)
+out["registered"] = registered
+out["rejected_after_limit"] = steptrace.rejected()
+try:
+    steptrace.span("PyApiLimitOneMore")
+except RuntimeError:
+    out["span_raised"] = True
+out["rejected_after_span"] = steptrace.rejected()
+steptrace.register_step("PyApiLimit0")  # registered before: answered by Python, no C call
+out["rejected_at_end"] = steptrace.rejected()
+out["invalid"] = steptrace.dropped_by_cause()["invalid"]
+print(json.dumps(out))
+"""
+
+
+class RejectedCount(unittest.TestCase):
+    """steptrace.rejected(): steptrace_rejected, calls refused for their arguments."""
+
+    def counts(self):
+        return steptrace.rejected(), steptrace.dropped_by_cause()["invalid"]
+
+    def test_refused_in_python_is_not_counted(self):
+        before = self.counts()
+        refusals = [
+            (ValueError, steptrace.start, 12),           # unknown id
+            (ValueError, steptrace.end, 5000),
+            (ValueError, steptrace.start, steptrace.INVALID_STEP),
+            (ValueError, steptrace.register_step, ""),   # bad names
+            (ValueError, steptrace.register_step, "x" * 64),
+            (ValueError, steptrace.span, "tab\there"),
+            (TypeError, steptrace.start, None),
+            (TypeError, steptrace.register_step, None),
+            (ValueError, steptrace.ledger_release, "", 1),  # empty / missing GPU UUID
+            (TypeError, steptrace.ledger_reserve, None, 1, 1),
+            (ValueError, steptrace.vram_sample, "", 1, 2),
+        ]
+        if steptrace.HAS_LEASES:
+            refusals += [(ValueError, steptrace.ledger_renew, GPU, 1, 0),
+                         (ValueError, steptrace.ledger_reserve_lease, GPU, 1, 1, None,
+                          steptrace.MAX_LEASE_MS + 1)]
+        for error, call, *args in refusals:
+            with self.assertRaises(error, msg=f"{call.__name__}{tuple(args)!r}"):
+                call(*args)
+        self.assertEqual(self.counts(), before)
+
+    def test_refused_by_the_library_is_counted(self):
+        # The module's own ctypes functions, past the Python checks; recording is on (no
+        # test turns it off), which span and ledger calls need to be checked at all.
+        steptrace.set_enabled(True)
+        rejected, invalid = self.counts()
+        # Accepted calls count nothing.
+        steptrace._c_start(int(steptrace.Step.Forward))
+        steptrace._c_end(int(steptrace.Step.Forward))
+        steptrace._c_ledger_release(GPU.encode(), 1)
+        self.assertEqual(self.counts(), (rejected, invalid))
+        # Refused span and ledger calls: rejected, and dropped as invalid.
+        steptrace._c_start(12)                     # neither built-in nor registered
+        steptrace._c_end(256 + 5000)
+        steptrace._c_ledger_release(b"", 1)        # empty GPU UUID
+        steptrace._c_vram_sample(None, 1, 2)       # NULL GPU UUID
+        self.assertEqual(self.counts(), (rejected + 4, invalid + 4))
+        # A refused registration: rejected only.
+        self.assertEqual(steptrace._c_register_step(b""), steptrace.INVALID_STEP)
+        self.assertEqual(steptrace._c_register_step(b"tab\there"), steptrace.INVALID_STEP)
+        self.assertEqual(self.counts(), (rejected + 6, invalid + 4))
+        self.assertEqual(steptrace.rejected(), rejected + 6)
+
+    def test_register_step_past_the_limit_is_counted(self):
+        # A child process: the limit, once reached, would refuse the other tests' steps.
+        env = dict(os.environ, STEPTRACE_AUTOCONNECT="0")
+        run = subprocess.run([sys.executable, "-B", "-c", _REGISTER_PAST_THE_LIMIT], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             universal_newlines=True, timeout=60)
+        self.assertEqual(run.returncode, 0, run.stderr)
+        out = json.loads(run.stdout)
+        self.assertEqual(out["rejected_at_start"], 0)
+        self.assertGreater(out["registered"], 0)
+        self.assertEqual(out["rejected_after_limit"], 1)  # the RuntimeError, once
+        self.assertTrue(out.get("span_raised"))           # a new name through span
+        self.assertEqual(out["rejected_after_span"], 2)
+        self.assertEqual(out["rejected_at_end"], 2)
+        self.assertEqual(out["invalid"], 0)               # registrations drop nothing
 
 
 class SpanForms(unittest.TestCase):

@@ -16,7 +16,8 @@ prefix, the system's search, a source checkout's build tree); `library_path` is 
 loaded. Arguments are checked here, before any C call: a bad step name, a step id the
 process never registered, a wrong type or an out-of-range number raises TypeError or
 ValueError. Tracing itself never raises: events that cannot be delivered (no daemon, a
-full buffer) are dropped and counted (dropped(), dropped_by_cause()).
+full buffer) are dropped and counted (dropped(), dropped_by_cause()); calls the library
+refuses for their arguments are counted by rejected().
 """
 
 import ctypes as _c
@@ -34,7 +35,7 @@ __all__ = [
     "Step", "connect", "register_step", "step_id", "start", "end", "span", "traced",
     "ledger_reserve", "ledger_release", "ledger_cleanup", "vram_sample",
     "ledger_reserve_lease", "ledger_renew", "HAS_LEASES", "MAX_LEASE_MS",
-    "flush", "dropped", "dropped_by_cause", "set_buffer_size", "set_enabled",
+    "flush", "dropped", "dropped_by_cause", "rejected", "set_buffer_size", "set_enabled",
     "set_block_when_full", "shutdown", "INVALID_STEP", "DROP_CAUSES", "MAX_NAME_LENGTH",
     "library_path", "__version__",
 ]
@@ -106,6 +107,8 @@ _c_ledger_renew = _fn("steptrace_ledger_renew", None, _c.c_char_p, _c.c_uint64, 
 _c_flush = _fn("steptrace_flush", _c.c_int, _c.c_int)
 _c_dropped = _fn("steptrace_dropped", _c.c_uint64)
 _c_dropped_by_cause = _fn("steptrace_dropped_by_cause", _c.c_uint64, _c.c_int)
+# steptrace_rejected came with protocol version 4; a library from before it lacks it.
+_c_rejected = _fn("steptrace_rejected", _c.c_uint64, required=False)
 _c_set_buffer_size = _fn("steptrace_set_buffer_size", _c.c_int, _c.c_uint64, _c.c_uint64)
 _c_set_enabled = _fn("steptrace_set_enabled", None, _c.c_int)
 _c_set_block_when_full = _fn("steptrace_set_block_when_full", None, _c.c_int)
@@ -348,6 +351,30 @@ def dropped():
 def dropped_by_cause():
     """Dropped events per cause: a dict with the keys of DROP_CAUSES (see steptrace.h)."""
     return {name: int(_c_dropped_by_cause(i)) for i, name in enumerate(DROP_CAUSES)}
+
+
+def rejected():
+    """Calls the library refused for their arguments (steptrace_rejected), a count of its
+    own: a mistake in the program, not a loss of the daemon's. The library refuses a step
+    registration with a NULL, empty, overlong (> 63) or non-printable-ASCII name or past
+    the per-process limit of custom steps; a start/end with an id neither built-in nor
+    registered; a ledger call with a NULL or empty GPU UUID or a lease outside 1 ms ..
+    7 days. The span and ledger calls among them also count as drops of cause "invalid"
+    (dropped_by_cause()); a refused registration counts nowhere else.
+
+    Through this module, only one of these reaches the library: register_step() (or a
+    new custom name given to span/start/end/step_id) past the per-process limit of
+    custom steps, which raises RuntimeError and counts 1 here. Every other bad argument
+    (a bad name, None, an unknown id, an empty GPU UUID, a lease out of range) raises
+    TypeError or ValueError here before any C call, so it is not counted. Span and
+    ledger calls are checked only while recording: with tracing off (set_enabled(False),
+    STEPTRACE_DISABLE=1) they return unchecked, and after shutdown() they count as
+    not_connected drops instead.
+
+    NotImplementedError with a library from before this counter (protocol version < 4)."""
+    if _c_rejected is None:
+        raise NotImplementedError(f"steptrace: {library_path} predates steptrace_rejected")
+    return int(_c_rejected())
 
 
 def set_buffer_size(per_thread, total=0):

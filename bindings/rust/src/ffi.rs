@@ -4,9 +4,9 @@
 //! the daemon died; none blocks except `steptrace_connect`, `steptrace_flush` (bounded)
 //! and `steptrace_shutdown` (bounded). The wrappers in the crate root are the safe way
 //! to call them; these are here for code that wants the raw ids (`steptrace_start` with
-//! an id that is neither built-in nor registered is dropped and counted as invalid).
-//! Strings are NUL-terminated; a null `gpu_uuid` is refused by the library (counted as
-//! invalid), a null `task` means none.
+//! an id that is neither built-in nor registered is dropped and counted as invalid, and
+//! counted by `steptrace_rejected`). Strings are NUL-terminated; a null `gpu_uuid` is
+//! refused by the library (counted as invalid and rejected), a null `task` means none.
 
 use std::os::raw::{c_char, c_int};
 
@@ -54,6 +54,10 @@ extern "C" {
     pub fn steptrace_dropped() -> u64;
     /// Events dropped for one cause (0..[`STEPTRACE_DROP_CAUSE_COUNT`]).
     pub fn steptrace_dropped_by_cause(cause: c_int) -> u64;
+    /// Calls refused for their arguments: bad step names at registration (or past the
+    /// limit of custom steps), start/end with an unknown id, ledger calls with a null or
+    /// empty GPU UUID or a lease out of range. New with protocol version 4.
+    pub fn steptrace_rejected() -> u64;
     /// Buffer sizes of threads whose first event comes later; 0 or -EINVAL.
     pub fn steptrace_set_buffer_size(per_thread_bytes: u64, total_bytes: u64) -> c_int;
     /// Records (on != 0) or not.

@@ -18,10 +18,11 @@
 //! ```
 //!
 //! Recording never blocks or fails: events that cannot be delivered are dropped and
-//! counted ([`dropped`], [`drop_counts`]). Errors ([`Error`]) are only for what the caller
-//! can fix: a string with a NUL byte, a refused step name, a daemon that did not answer a
-//! [`flush`]. [`trace`] mirrors an in-process tracer's API (`TRACER`) for trainers that
-//! move over from one.
+//! counted ([`dropped`], [`drop_counts`]); calls the library refuses for their arguments
+//! are counted by [`rejected`]. Errors ([`Error`]) are only for what the caller can fix: a
+//! string with a NUL byte, a refused step name, a daemon that did not answer a [`flush`].
+//! [`trace`] mirrors an in-process tracer's API (`TRACER`) for trainers that move over
+//! from one.
 
 #![warn(missing_docs)]
 
@@ -446,6 +447,23 @@ pub fn dropped() -> u64 {
 pub fn dropped_by_cause(cause: DropCause) -> u64 {
     // SAFETY: no pointer; every cause is one the library knows.
     unsafe { ffi::steptrace_dropped_by_cause(cause as c_int) }
+}
+
+/// Calls the library refused for their arguments (`steptrace_rejected`), a count of its
+/// own: a mistake in the program, not a loss of the daemon's. The library refuses a step
+/// registration with an empty, overlong (> 63) or non-printable-ASCII name, or past the
+/// per-process limit of custom steps (each an [`Error::InvalidStepName`] from
+/// [`register_step`]); `start`/`end` with an id neither built-in nor registered (only
+/// reachable through [`ffi`]: a [`Step`] is always valid); a ledger call with an empty GPU
+/// UUID or a lease outside 1 ms .. 7 days (or a null UUID, through [`ffi`]). The span and
+/// ledger calls among them are also dropped as [`DropCause::Invalid`]; a refused
+/// registration counts nowhere else. A string with a NUL byte is an [`Error`] here and
+/// never reaches the library, so it is not counted. Span and ledger calls are checked
+/// only while recording: with [`set_enabled`]`(false)` or `STEPTRACE_DISABLE=1` they
+/// return unchecked, and after [`shutdown`] they count as [`DropCause::NotConnected`].
+pub fn rejected() -> u64 {
+    // SAFETY: no argument.
+    unsafe { ffi::steptrace_rejected() }
 }
 
 /// Events dropped, per cause.
