@@ -96,6 +96,13 @@ std::string boxed_title(std::string_view title) {
 
 std::string rule() { return repeat("─", kReportWidth) + "\n"; }
 
+std::string rule(std::span<const Column> columns) {
+  std::size_t width = 0;
+  for (const Column& column : columns) width += column.width;
+  if (!columns.empty()) width += 3 * (columns.size() - 1);
+  return repeat("─", std::max(width, kReportWidth)) + "\n";
+}
+
 std::string table_row(std::span<const Column> columns,
                       std::initializer_list<std::string_view> cells) {
   std::string out;

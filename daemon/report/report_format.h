@@ -44,6 +44,9 @@ struct Column {
   std::size_t width;
   Align align = Align::kLeft;
 };
+// A rule under a table of `columns`: as wide as its rows (cells and " | " between them),
+// and never narrower than rule().
+std::string rule(std::span<const Column> columns);
 // One table row: cells padded to their column and joined with " | ", plus '\n'. The
 // last cell is not padded on the right (no trailing blanks).
 std::string table_row(std::span<const Column> columns,

@@ -74,14 +74,14 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
       Column{name_width}, Column{8},  Column{15}, Column{8, Align::kRight},
       Column{15},         Column{15}, Column{15}, Column{8, Align::kRight}};
   std::string out = "Total Measured Time: " + format_duration(total_time) + "\n";
-  out += report::rule();
+  out += report::rule(columns);
   // Headers are left-aligned like the reference's `{:<8}`; the values under % Time are
   // right-aligned like its `{:>7.2}%`.
   const std::array<Column, 8> header = {Column{name_width}, Column{8},  Column{15}, Column{8},
                                         Column{15},         Column{15}, Column{15}, Column{8}};
   out += report::table_row(header,
                            {"Step", "Count", "Duration", "% Time", "p50", "p99", "Self", "% Self"});
-  out += report::rule();
+  out += report::rule(columns);
   for (const Row& row : rows) {
     out += report::table_row(
         columns,
@@ -90,7 +90,7 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
          format_duration(row.p99_ns), format_duration(row.self_ns),
          report::format_percent(percent_of(row.self_ns, total_self))});
   }
-  out += report::rule();
+  out += report::rule(columns);
   if (total_self < total_time) {
     // Nested spans are counted in their own row and in their parent's Duration.
     out +=

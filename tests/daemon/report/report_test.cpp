@@ -26,6 +26,21 @@ using test::start;
 constexpr std::uint32_t kForward = 0, kBackward = 1, kMatmul = 2, kTranspose = 4, kAlloc = 5,
                         kWaitPoll = 10;
 
+TEST(ReportFormatTest, ARuleIsAsWideAsItsTableAndNoNarrowerThanTheReport) {
+  const auto columns_of = [](std::string_view rule) {
+    return report::display_width(rule.substr(0, rule.size() - 1));
+  };
+  EXPECT_EQ(columns_of(report::rule()), report::kReportWidth);
+  // The reference's four columns (15 | 8 | 15 | 8 = 55) fit within the report's width.
+  const std::array<report::Column, 4> narrow = {report::Column{15}, report::Column{8},
+                                                report::Column{15}, report::Column{8}};
+  EXPECT_EQ(report::rule(narrow), report::rule());
+  const std::array<report::Column, 3> wide = {report::Column{40}, report::Column{30},
+                                              report::Column{9, report::Align::kRight}};
+  EXPECT_EQ(columns_of(report::rule(wide)), 40u + 30u + 9u + 2u * 3u);
+  EXPECT_EQ(report::rule(wide).back(), '\n');
+}
+
 TEST(ReportFormatTest, DurationsPrintLikeRustDebugWithTwoDecimals) {
   EXPECT_EQ(report::format_duration(0), "0.00ns");
   EXPECT_EQ(report::format_duration(850), "850.00ns");
@@ -161,6 +176,13 @@ TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
                       "| Self            | % Self\n"),
             std::string::npos)
       << text;
+  // The rules above and below the table are as wide as its rows (120 columns here).
+  const std::size_t header = text.find("Step            | Count");
+  std::string rule_120;
+  for (int i = 0; i < 120; ++i) rule_120 += "─";
+  EXPECT_NE(text.find("ms\n" + rule_120 + "\nStep            | Count"), std::string::npos) << text;
+  EXPECT_NE(text.find("% Self\n" + rule_120 + "\nMatmul"), std::string::npos) << text;
+  EXPECT_NE(text.find("0.00%\n" + rule_120 + "\n", header), std::string::npos) << text;
   // All processes: Matmul 51ms > Transpose 10ms > Alloc 3ms > Forward 1.5ms > Backward.
   const auto pos = [&](const std::string& s, std::size_t from = 0) { return text.find(s, from); };
   const std::size_t matmul = pos("Matmul          | 2        | 51.00ms         |   77.86%");
