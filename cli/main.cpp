@@ -132,11 +132,11 @@ struct Options {
   int pid = 0;
   double interval_s = 1.0;
   int iterations = 0;
-  bool ledger = false;      // reset --ledger
-  std::string gpu;          // reset --gpu UUID, ledger cleanup GPU
-  std::string reservation;  // ledger cleanup GPU ID
-  std::string help_topic;   // help SUBCOMMAND
-  std::string job;          // report --job ID
+  bool ledger = false;                  // reset --ledger
+  std::string gpu;                      // reset --gpu UUID, ledger cleanup GPU
+  std::string reservation;              // ledger cleanup GPU ID
+  std::vector<std::string> help_topic;  // help SUBCOMMAND [SUBCOMMAND...]
+  std::string job;                      // report --job ID
 };
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -228,14 +228,30 @@ std::string usage_overview(const CLI::App& app) {
          kExitStatus;
 }
 
-int run_help(const CLI::App& app, const std::string& topic) {
+int run_help(const CLI::App& app, const std::vector<std::string>& topic) {
   if (topic.empty()) return exit_status(write_stdout(usage_overview(app)));
-  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
-    if (sub->get_name() == topic) return exit_status(write_stdout(sub->help("steptrace")));
+  // `help ledger cleanup`: each word a subcommand of the one before.
+  const CLI::App* at = &app;
+  std::string path = "steptrace";
+  for (const std::string& word : topic) {
+    const CLI::App* next = nullptr;
+    for (const CLI::App* sub : at->get_subcommands([](const CLI::App*) { return true; })) {
+      if (sub->get_name() == word) next = sub;
+    }
+    if (next == nullptr) {
+      if (at == &app) {
+        std::fprintf(stderr, "steptrace: help: no subcommand '%s'; the subcommands are:\n%s",
+                     word.c_str(), subcommand_list(app).c_str());
+      } else {
+        std::fprintf(stderr, "steptrace: help: `%s` has no subcommand '%s'; see `%s --help`\n",
+                     path.c_str(), word.c_str(), path.c_str());
+      }
+      return kExitUsage;
+    }
+    path += " " + word;
+    at = next;
   }
-  std::fprintf(stderr, "steptrace: help: no subcommand '%s'; the subcommands are:\n%s",
-               topic.c_str(), subcommand_list(app).c_str());
-  return kExitUsage;
+  return exit_status(write_stdout(at->help(path.substr(0, path.rfind(' ')))));
 }
 
 // ---- one command -------------------------------------------------------------------
@@ -562,7 +578,8 @@ int main(int argc, char** argv) {
   trace->add_flag("--force", trace_request.force, "Replace FILE if it exists");
   auto* help =
       app.add_subcommand("help", "This list, or one subcommand's options: help SUBCOMMAND");
-  help->add_option("subcommand", options.help_topic, "The subcommand to describe")
+  help->add_option("subcommand", options.help_topic,
+                   "The subcommand to describe (with its own: help ledger cleanup)")
       ->type_name("SUBCOMMAND");
 
   try {

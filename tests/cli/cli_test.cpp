@@ -297,6 +297,24 @@ TEST(CliNoDaemon, HelpOfOneSubcommandPrintsItsOptions) {
   EXPECT_THAT(unknown.err, HasSubstr("  report "));
 }
 
+TEST(CliNoDaemon, HelpOfANestedSubcommandPrintsItsOwnOptions) {
+  TempDir dir;
+  const Output cleanup = run(dir, {STEPTRACE_CLI_BIN, "help", "ledger", "cleanup"});
+  EXPECT_EQ(cleanup.status, 0) << cleanup.err;
+  EXPECT_THAT(cleanup.out, HasSubstr("Usage: steptrace ledger cleanup"));
+  EXPECT_THAT(cleanup.out, HasSubstr("GPU"));
+  EXPECT_EQ(cleanup.out, run(dir, {STEPTRACE_CLI_BIN, "ledger", "cleanup", "--help"}).out);
+  // `help ledger` is the ledger's own, which names cleanup.
+  const Output ledger = run(dir, {STEPTRACE_CLI_BIN, "help", "ledger"});
+  EXPECT_EQ(ledger.status, 0);
+  EXPECT_THAT(ledger.out, HasSubstr("cleanup"));
+
+  const Output unknown = run(dir, {STEPTRACE_CLI_BIN, "help", "ledger", "frobnicate"});
+  EXPECT_EQ(unknown.status, 2);
+  EXPECT_EQ(unknown.out, "");
+  EXPECT_THAT(unknown.err, HasSubstr("`steptrace ledger` has no subcommand 'frobnicate'"));
+}
+
 TEST(CliNoDaemon, UnknownFlagExitsTwoNamingIt) {
   TempDir dir;
   for (const std::vector<std::string>& args : {std::vector<std::string>{"--bogus"},
