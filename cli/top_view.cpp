@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "proto/printable.h"
+#include "proto/units.h"
 
 namespace steptrace::cli {
 namespace {
@@ -106,9 +107,8 @@ void render_process(const json& process, const Painter& paint, std::string& out)
     const auto depth = u64(span, "depth");
     std::string where = step;
     if (depth > 1) where += fmt::format(" (depth {})", depth);
-    out +=
-        fmt::format("  thread {:<8} in {} for {:>10}", u64(span, "thread"),
-                    pad_right(std::move(where), 28), format_duration_ns(u64(span, "open_for_ns")));
+    out += fmt::format("  thread {:<8} in {} for {:>10}", u64(span, "thread"),
+                       pad_right(std::move(where), 28), units::duration(u64(span, "open_for_ns")));
     if (step == kWaitPollStep) out += "  " + paint.alert(kWaitingMarker);
     out += "\n";
   }
@@ -130,8 +130,8 @@ void render_process(const json& process, const Painter& paint, std::string& out)
     const auto total = u64(*step, "total_ns");
     const double share =
         sum == 0 ? 0.0 : 100.0 * static_cast<double>(total) / static_cast<double>(sum);
-    out += fmt::format("  {} {:>10} {:>12} {:7.1f}%", pad_right(str(*step, "step"), 18),
-                       u64(*step, "count"), format_duration_ns(total), share);
+    out += fmt::format("  {} {:>10} {:>12} {}", pad_right(str(*step, "step"), 18),
+                       u64(*step, "count"), units::duration(total), units::percent(share));
     if (const auto open = u64(*step, "open"); open > 0) out += fmt::format("  ({} open)", open);
     out += "\n";
   }
@@ -140,9 +140,9 @@ void render_process(const json& process, const Painter& paint, std::string& out)
 void render_gpu(const json& gpu, const Painter& paint, std::string& out) {
   const auto total = u64(gpu, "total_bytes");
   const auto reserved = u64(gpu, "reserved_bytes");
-  out += paint.bold("GPU " + str(gpu, "gpu")) + ": reserved " + format_bytes(reserved);
+  out += paint.bold("GPU " + str(gpu, "gpu")) + ": reserved " + units::bytes(reserved);
   if (total > 0) {
-    out += " of " + format_bytes(total) + ", free " + format_bytes(u64(gpu, "free_bytes")) +
+    out += " of " + units::bytes(total) + ", free " + units::bytes(u64(gpu, "free_bytes")) +
            " (last VRAM sample)";
   } else {
     out += " (no VRAM sample yet)";
@@ -160,7 +160,7 @@ void render_gpu(const json& gpu, const Painter& paint, std::string& out) {
     // "state" (daemons with leases), else holder_alive.
     const std::string state = str(r, "state", flag(r, "holder_alive", true) ? "alive" : "LEAKED");
     out += fmt::format("  {:<20} {:<8} {:>12}  {} ", u64(r, "id"), u64(r, "pid"),
-                       format_bytes(u64(r, "bytes")), pad_right(str(r, "task", ""), 24));
+                       units::bytes(u64(r, "bytes")), pad_right(str(r, "task", ""), 24));
     if (state == "LEAKED") {
       out += paint.alert(kLeakedMarker);
     } else if (state == "EXPIRED") {
@@ -176,47 +176,16 @@ void render_gpu(const json& gpu, const Painter& paint, std::string& out) {
     const std::string kind = str(f, "kind", "?");
     std::string line = "  " + kind + " pid " + std::to_string(u64(f, "pid")) + ": ";
     if (kind == "IDLE") {
-      line += "holds " + format_bytes(u64(f, "reserved_bytes")) + " and uses none";
+      line += "holds " + units::bytes(u64(f, "reserved_bytes")) + " and uses none";
     } else {
-      line += "uses " + format_bytes(u64(f, "used_bytes")) + ", reserved " +
-              format_bytes(u64(f, "reserved_bytes"));
+      line += "uses " + units::bytes(u64(f, "used_bytes")) + ", reserved " +
+              units::bytes(u64(f, "reserved_bytes"));
     }
     out += paint.alert(line) + "\n";
   }
 }
 
-std::string format_uptime(std::uint64_t s) {
-  if (s < 60) return fmt::format("{}s", s);
-  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
-  if (s < 86400) return fmt::format("{}h{:02}m", s / 3600, s / 60 % 60);
-  return fmt::format("{}d{:02}h", s / 86400, s / 3600 % 24);
-}
-
 }  // namespace
-
-std::string format_duration_ns(std::uint64_t ns) {
-  if (ns < 1000) return fmt::format("{} ns", ns);
-  const double v = static_cast<double>(ns);
-  if (ns < 1000000) return fmt::format("{:.1f} µs", v / 1e3);
-  if (ns < 1000000000) return fmt::format("{:.2f} ms", v / 1e6);
-  if (ns < 60ULL * 1000000000) return fmt::format("{:.2f} s", v / 1e9);
-  const std::uint64_t s = ns / 1000000000;
-  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
-  return fmt::format("{}h{:02}m", s / 3600, (s / 60) % 60);
-}
-
-std::string format_bytes(std::uint64_t bytes) {
-  constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  if (bytes < 1024) return fmt::format("{} B", bytes);
-  double v = static_cast<double>(bytes);
-  std::size_t unit = 0;
-  v /= 1024;
-  while (v >= 1024 && unit + 1 < std::size(kUnits)) {
-    v /= 1024;
-    ++unit;
-  }
-  return fmt::format("{:.2f} {}", v, kUnits[unit]);
-}
 
 std::string render_top(const json& report, const TopStyle& style) {
   const Painter paint(style.color);
@@ -229,7 +198,7 @@ std::string render_top(const json& report, const TopStyle& style) {
   out += fmt::format(
       "steptraced up {}, {} client connections, {} events received, {} dropped by clients, {} "
       "protocol errors\n",
-      format_uptime(u64(daemon, "uptime_s")), u64(daemon, "clients_connected"),
+      units::age(u64(daemon, "uptime_s") * 1'000'000'000), u64(daemon, "clients_connected"),
       u64(daemon, "events_received"), u64(daemon, "events_dropped_by_clients"),
       u64(daemon, "protocol_errors"));
 

@@ -25,9 +25,4 @@ struct TopStyle {
 
 std::string render_top(const nlohmann::json& report, const TopStyle& style);
 
-// "850 ns", "12.3 µs", "4.56 ms", "1.20 s", "3m05s" (the reports' units).
-std::string format_duration_ns(std::uint64_t ns);
-// "512 B", "3.00 KiB", "1.50 GiB", "24.00 GiB": two decimals, as the reports.
-std::string format_bytes(std::uint64_t bytes);
-
 }  // namespace steptrace::cli

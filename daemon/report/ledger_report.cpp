@@ -15,6 +15,7 @@
 #include "daemon/report/report_format.h"
 #include "daemon/state/ledger_state.h"
 #include "proto/printable.h"
+#include "proto/units.h"
 
 namespace steptrace::daemon::report {
 namespace {
@@ -31,19 +32,7 @@ double seconds_between(std::uint64_t from_ns, std::uint64_t to_ns) {
 
 // An age: 4.20s, 3m 07s, 2h 05m, 3d 04h.
 std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns) {
-  const std::uint64_t ns = now_ns > from_ns ? now_ns - from_ns : 0;
-  const std::uint64_t s = ns / 1'000'000'000;
-  char buf[64];
-  if (s < 60) {
-    std::snprintf(buf, sizeof buf, "%.2fs", static_cast<double>(ns) / 1e9);
-  } else if (s < 3600) {
-    std::snprintf(buf, sizeof buf, "%" PRIu64 "m %02" PRIu64 "s", s / 60, s % 60);
-  } else if (s < 86400) {
-    std::snprintf(buf, sizeof buf, "%" PRIu64 "h %02" PRIu64 "m", s / 3600, s % 3600 / 60);
-  } else {
-    std::snprintf(buf, sizeof buf, "%" PRIu64 "d %02" PRIu64 "h", s / 86400, s % 86400 / 3600);
-  }
-  return buf;
+  return units::age(now_ns > from_ns ? now_ns - from_ns : 0);
 }
 
 // A reservation's state in every output: LEAKED (holder dead), EXPIRED (its lease passed

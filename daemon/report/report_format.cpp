@@ -1,5 +1,7 @@
 #include "daemon/report/report_format.h"
 
+#include "proto/units.h"
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -7,52 +9,9 @@
 
 namespace steptrace::daemon::report {
 
-namespace {
-// "<integer>.<2 digits><unit>" for value / divisor, rounded half up like Rust's
-// Duration Debug formatting.
-std::string fixed2(std::uint64_t value, std::uint64_t divisor, std::string_view unit) {
-  std::uint64_t whole = value / divisor;
-  const std::uint64_t rem = value % divisor;
-  // hundredths, rounded: (rem * 100 + divisor / 2) / divisor, without overflow for
-  // divisors up to 1e9.
-  std::uint64_t hundredths = (rem * 100 + divisor / 2) / divisor;
-  if (hundredths >= 100) {
-    ++whole;
-    hundredths -= 100;
-  }
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "%llu.%02llu", static_cast<unsigned long long>(whole),
-                static_cast<unsigned long long>(hundredths));
-  return std::string(buf) + std::string(unit);
-}
-}  // namespace
-
-std::string format_duration(std::uint64_t ns) {
-  if (ns >= 1'000'000'000) return fixed2(ns, 1'000'000'000, "s");
-  if (ns >= 1'000'000) return fixed2(ns, 1'000'000, "ms");
-  if (ns >= 1'000) return fixed2(ns, 1'000, "µs");
-  return fixed2(ns, 1, "ns");
-}
-
-std::string format_percent(double percent) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%7.2f%%", percent);
-  return buf;
-}
-
-std::string format_bytes(std::uint64_t bytes) {
-  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  if (bytes < 1024) return std::to_string(bytes) + " B";
-  double value = static_cast<double>(bytes) / 1024.0;
-  std::size_t unit = 0;
-  while (value >= 1024.0 && unit + 1 < std::size(kUnits)) {
-    value /= 1024.0;
-    ++unit;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f %s", value, kUnits[unit]);
-  return buf;
-}
+std::string format_duration(std::uint64_t ns) { return units::duration(ns); }
+std::string format_percent(double percent) { return units::percent(percent); }
+std::string format_bytes(std::uint64_t bytes) { return units::bytes(bytes); }
 
 std::size_t display_width(std::string_view utf8) {
   std::size_t n = 0;

@@ -3,7 +3,8 @@
 // the same everywhere. Pure functions, no state.
 //
 // Text: format_duration() prints like Rust's `{:.2?}` on a Duration (the reference
-// tracer's report: "850.00ns", "12.34µs", "1.50ms", "3.00s"); tables are rows of cells
+// tracer's report: "850.00ns", "12.34µs", "1.50ms", "3.00s"); durations, sizes and
+// shares are proto/units.h's, the CLI's too; tables are rows of cells
 // joined with " | ", padded by display width (UTF-8 aware).
 // Prometheus: escape_label_value()/escape_help() and format_double() follow the text
 // exposition format 0.0.4; MetricFamily writes "# HELP"/"# TYPE" once and then samples.

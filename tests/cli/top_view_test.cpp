@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "proto/units.h"
+
 namespace steptrace::cli {
 namespace {
 
@@ -58,7 +60,7 @@ TEST(TopView, MarksAThreadInWaitPollAsWaitingForVram) {
   const auto busy_line = out.substr(out.find("in Matmul"));
   EXPECT_THAT(busy_line.substr(0, busy_line.find('\n')), Not(HasSubstr("WAITING")));
   EXPECT_THAT(busy_line.substr(0, busy_line.find('\n')), HasSubstr("(depth 2)"));
-  EXPECT_THAT(out, HasSubstr("1.50 s"));
+  EXPECT_THAT(out, HasSubstr("for      1.50s"));      // open_for_ns, as the reports print it
   EXPECT_THAT(out, HasSubstr("1 WAITING FOR VRAM"));  // summary line counts processes
   EXPECT_THAT(out, HasSubstr("2 live processes"));
 }
@@ -87,8 +89,8 @@ TEST(TopView, StepSharesAreOfTheProcessTotalAndSortedByTime) {
   ASSERT_NE(forward, std::string::npos);
   ASSERT_NE(backward, std::string::npos);
   EXPECT_LT(forward, backward);
-  EXPECT_THAT(out.substr(forward, out.find('\n', forward) - forward), HasSubstr("75.0%"));
-  EXPECT_THAT(out.substr(backward, out.find('\n', backward) - backward), HasSubstr("25.0%"));
+  EXPECT_THAT(out.substr(forward, out.find('\n', forward) - forward), HasSubstr("  75.00%"));
+  EXPECT_THAT(out.substr(backward, out.find('\n', backward) - backward), HasSubstr("  25.00%"));
 }
 
 TEST(TopView, LedgerShowsReservationsAndMarksLeakedOnes) {
@@ -221,16 +223,33 @@ TEST(TopView, FieldsOfTheWrongTypeRenderWithoutThrowing) {
   EXPECT_THAT(out, HasSubstr("0 live processes"));
 }
 
-TEST(TopView, DurationAndByteUnits) {
-  EXPECT_EQ(format_duration_ns(999), "999 ns");
-  EXPECT_EQ(format_duration_ns(12345), "12.3 µs");
-  EXPECT_EQ(format_duration_ns(4560000), "4.56 ms");
-  EXPECT_EQ(format_duration_ns(1200000000), "1.20 s");
-  EXPECT_EQ(format_duration_ns(185ULL * 1000000000), "3m05s");
-  EXPECT_EQ(format_bytes(512), "512 B");
-  EXPECT_EQ(format_bytes(3 * 1024), "3.00 KiB");
-  EXPECT_EQ(format_bytes(1536ULL << 20), "1.50 GiB");
-  EXPECT_EQ(format_bytes(24ULL << 30), "24.00 GiB");
+// One style with the daemon's reports (proto/units.h): the reference tracer's durations,
+// binary sizes with two decimals, ages in minutes and seconds.
+TEST(TopView, NumbersReadAsInTheReports) {
+  json doc = report(
+      json::array({process(
+          401, "trainer", true,
+          json::array({{{"thread", 7}, {"step", "Forward"}, {"open_for_ns", 12345}, {"depth", 1}}}),
+          json::array({step("Forward", 3, 4560000)}))}),
+      json::array({{{"gpu", "GPU-units"},
+                    {"total_bytes", 24ULL << 30},
+                    {"free_bytes", 1536ULL << 20},
+                    {"reserved_bytes", 3 * 1024},
+                    {"reservations", json::array()}}}));
+  doc["daemon"]["uptime_s"] = 185;
+  const std::string out = render_top(doc, {});
+  EXPECT_THAT(out, HasSubstr("steptraced up 3m 05s,")) << out;
+  EXPECT_THAT(out, HasSubstr("for    12.35µs")) << out;
+  EXPECT_THAT(out, HasSubstr("     4.56ms  100.00%")) << out;
+  EXPECT_THAT(out, HasSubstr("reserved 3.00 KiB of 24.00 GiB, free 1.50 GiB")) << out;
+
+  EXPECT_EQ(units::duration(999), "999.00ns");
+  EXPECT_EQ(units::duration(185ULL * 1000000000), "185.00s");
+  EXPECT_EQ(units::bytes(512), "512 B");
+  EXPECT_EQ(units::percent(2.0 / 3.0 * 100), "  66.67%");
+  EXPECT_EQ(units::age(4'200'000'000), "4.20s");
+  EXPECT_EQ(units::age(7'500ULL * 1'000'000'000), "2h 05m");
+  EXPECT_EQ(units::age(3ULL * 86400 * 1'000'000'000 + 4ULL * 3600 * 1'000'000'000), "3d 04h");
 }
 
 }  // namespace
