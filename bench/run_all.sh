@@ -21,6 +21,7 @@ run() {
 run hot_path "$bin/hot_path_bench" --benchmark_repetitions=5
 run hot_path_monotonic env STEPTRACE_CLOCK=monotonic "$bin/hot_path_bench" --benchmark_repetitions=5
 run ingest "$bin/ingest_bench" --benchmark_repetitions=5
+run trace_export "$bin/trace_export_bench" --benchmark_repetitions=5
 run burst "$bin/burst_bench"
 run e2e "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
 run e2e_monotonic env STEPTRACE_CLOCK=monotonic "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
