@@ -78,4 +78,8 @@ StreamResult run_command_to(const std::string& socket_path, const std::string& l
 std::string describe_failure(const CommandFailure& failure, const SocketPath& socket,
                              const std::string& line, std::chrono::milliseconds timeout);
 
+// What goes before a daemon's "error: ..." reply on stderr, so every line the CLI writes
+// says who wrote it.
+inline constexpr const char* kDaemonAnswered = "steptrace: steptraced answered: ";
+
 }  // namespace steptrace::cli

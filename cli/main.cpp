@@ -47,6 +47,7 @@
 namespace {
 
 using steptrace::cli::CommandFailure;
+using steptrace::cli::kDaemonAnswered;
 using steptrace::cli::kExitFailure;
 using steptrace::cli::kExitOk;
 using steptrace::cli::kExitUsage;
@@ -292,7 +293,7 @@ std::optional<std::string> ask(const SocketPath& socket, const std::string& line
     return std::nullopt;
   }
   if (reply.rfind("error:", 0) == 0) {
-    write_line(stderr, reply);
+    write_line(stderr, kDaemonAnswered + reply);
     return std::nullopt;
   }
   return std::move(reply);
@@ -415,7 +416,7 @@ Frame top_frame(const SocketPath& socket, const Options& options, bool color) {
     return {steptrace::cli::describe_failure(*failure, socket, line, timeout), false};
   }
   const std::string& reply = std::get<std::string>(result);
-  if (reply.rfind("error:", 0) == 0) return {"steptrace: steptraced answered: " + reply, false};
+  if (reply.rfind("error:", 0) == 0) return {kDaemonAnswered + reply, false};
   const nlohmann::json report = nlohmann::json::parse(reply, nullptr, /*allow_exceptions=*/false);
   if (report.is_discarded() || !report.is_object()) {
     return {"steptrace: steptraced at " + socket.path +

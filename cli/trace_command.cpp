@@ -408,7 +408,7 @@ int run_trace(const SocketPath& socket, const TraceRequest& request,
     return kExitFailure;
   }
   if (reader.is_error()) {
-    say(reader.error_line());
+    say(std::string(kDaemonAnswered) + reader.error_line());
     return kExitFailure;
   }
   if (!reader.scanner().complete()) {

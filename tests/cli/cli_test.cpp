@@ -495,7 +495,10 @@ TEST_F(CliLive, LedgerCleanupClearsALeakAndIsCreditedToTheCaller) {
 
   const Output unknown = cli({"ledger", "cleanup", gpu, "6"});
   EXPECT_EQ(unknown.status, 1) << unknown.out << unknown.err;
-  EXPECT_THAT(unknown.err, HasSubstr("error: no reservation 6 on GPU 'GPU-cli-cleanup'"));
+  EXPECT_THAT(
+      unknown.err,
+      HasSubstr(
+          "steptrace: steptraced answered: error: no reservation 6 on GPU 'GPU-cli-cleanup'"));
   const Output bad_id = cli({"ledger", "cleanup", gpu, "five"});
   EXPECT_EQ(bad_id.status, 1) << bad_id.out << bad_id.err;
   EXPECT_THAT(bad_id.err, HasSubstr("reservation id must be an integer"));

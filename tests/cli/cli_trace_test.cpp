@@ -428,7 +428,7 @@ TEST_F(CliTraceScripted, ErrorReplyExitsOneAndLeavesNoPartialFile) {
   ScriptedDaemon daemon(socket(), {{0, "error: bad --last '99'\n"}});
   const Output r = cli_.trace(out_.path(), {"-o", "t.json", "--last", "99"});
   EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "error: bad --last '99'\n");
+  EXPECT_EQ(r.err, "steptrace: steptraced answered: error: bad --last '99'\n");
   EXPECT_EQ(r.out, "");
   EXPECT_EQ(daemon.line(), "trace --last 99");
   EXPECT_TRUE(files_in(out_.path()).empty());
@@ -440,7 +440,7 @@ TEST_F(CliTraceScripted, ErrorReplyInTinyPiecesToStdoutWritesNothing) {
   const Output r = cli_.trace(out_.path(), {"-o", "-"});
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out, "");
-  EXPECT_EQ(r.err, "error: busy\n");
+  EXPECT_EQ(r.err, "steptrace: steptraced answered: error: busy\n");
 }
 
 TEST_F(CliTraceScripted, WritesTheDocumentAndCountsItsEvents) {
