@@ -471,7 +471,7 @@ bool read_ledger(JsonObject l, const Limits& limits, ledger::State& out) {
 
 // What evicted processes left to their jobs (optional: written since protocol version 4).
 bool read_retired_jobs(JsonObject& top, const Limits& limits, RetiredJobs& out) {
-  JsonArray jobs = top.array("retired_jobs", limits.max_jobs);
+  JsonArray jobs = top.array("retired_jobs", max_retired_jobs(limits));
   for (std::size_t i = 0; i < jobs.size(); ++i) {
     JsonObject j = jobs.object(i);
     JobKey key;
@@ -635,10 +635,10 @@ std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
 }
 
 std::size_t snapshot_max_array_elements(const Limits& limits) {
-  return std::max<std::size_t>({limits.max_processes, limits.max_reservations_per_gpu,
-                                limits.max_gpus, CollectorState::kMaxRetiredNames + 1,
-                                limits.max_jobs, RetiredJob::kMaxJobSteps + 1, Histogram::kBuckets,
-                                proto::kMaxCustomSteps + proto::kBuiltinStepCount});
+  return std::max<std::size_t>(
+      {limits.max_processes, limits.max_reservations_per_gpu, limits.max_gpus,
+       CollectorState::kMaxRetiredNames + 1, max_retired_jobs(limits), RetiredJob::kMaxJobSteps + 1,
+       Histogram::kBuckets, proto::kMaxCustomSteps + proto::kBuiltinStepCount});
 }
 
 }  // namespace steptrace::daemon

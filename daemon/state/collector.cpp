@@ -176,12 +176,14 @@ void retire(CollectorState& state, const ProcessRecord& rec) {
   }
 }
 
-// Room for one more retired job of `uid`: past max_jobs_per_uid (that uid's) or
-// max_jobs (anyone's), the job retired least recently is forgotten, counted. Only jobs
-// with no process left in the table count and can be forgotten: forgetting one that
-// still has processes would make its counters go backwards (the table's share stays,
-// the retired share goes). Those are bounded by the process table itself.
-void make_room_for_job(CollectorState& state, RetiredJobs& jobs, std::uint32_t uid) {
+// Past max_jobs_per_uid (that uid's) or max_jobs (anyone's) retired jobs, the job
+// retired least recently is forgotten, counted as a hit of that limit. Only jobs with no
+// process left in the table count and can be forgotten: forgetting one that still has
+// processes would make its counters go backwards (the table's share stays, the retired
+// share goes). Run after an eviction, when the evicted process's job may have lost its
+// last process.
+void enforce_job_limits(CollectorState& state, std::uint32_t uid) {
+  if (state.retired_jobs->empty()) return;
   std::set<JobKey, std::less<>> in_table;
   for (const auto& slot : state.slots) {
     if (slot) in_table.insert(JobKey{slot->peer.uid, slot->job});
@@ -189,12 +191,15 @@ void make_room_for_job(CollectorState& state, RetiredJobs& jobs, std::uint32_t u
   const auto forgettable = [&](const RetiredJobs::value_type& j, bool of_uid) {
     return (!of_uid || j.first.uid == uid) && !in_table.contains(j.first);
   };
-  const auto count = [&](bool of_uid) {
-    return static_cast<std::size_t>(std::count_if(
-        jobs.begin(), jobs.end(), [&](const auto& j) { return forgettable(j, of_uid); }));
+  const auto over = [&](bool of_uid, std::size_t limit) {
+    const RetiredJobs& jobs = *state.retired_jobs;
+    return static_cast<std::size_t>(std::count_if(jobs.begin(), jobs.end(), [&](const auto& j) {
+             return forgettable(j, of_uid);
+           })) > limit;
   };
-  // False when every job left has a process in the table.
+  // False when no job can be forgotten.
   const auto forget_oldest = [&](bool of_uid) {
+    RetiredJobs& jobs = state.write_retired_jobs();
     auto oldest = jobs.end();
     for (auto it = jobs.begin(); it != jobs.end(); ++it) {
       if (!forgettable(*it, of_uid)) continue;
@@ -205,10 +210,10 @@ void make_room_for_job(CollectorState& state, RetiredJobs& jobs, std::uint32_t u
     jobs.erase(oldest);
     return true;
   };
-  while (count(true) >= state.job_limits.max_jobs_per_uid && forget_oldest(true)) {
+  while (over(true, state.job_limits.max_jobs_per_uid) && forget_oldest(true)) {
     if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobsPerUid);
   }
-  while (count(false) >= state.job_limits.max_jobs && forget_oldest(false)) {
+  while (over(false, state.job_limits.max_jobs) && forget_oldest(false)) {
     if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobs);
   }
 }
@@ -217,12 +222,7 @@ void make_room_for_job(CollectorState& state, RetiredJobs& jobs, std::uint32_t u
 void retire_job(CollectorState& state, const ProcessRecord& rec) {
   RetiredJobs& jobs = state.write_retired_jobs();
   JobKey key{rec.peer.uid, rec.job};
-  auto it = jobs.find(key);
-  if (it == jobs.end()) {
-    make_room_for_job(state, jobs, rec.peer.uid);
-    it = jobs.try_emplace(std::move(key)).first;
-  }
-  RetiredJob& job = it->second;
+  RetiredJob& job = jobs[std::move(key)];
   ++job.processes;
   job.dropped += rec.dropped;
   job.retired_order = state.next_retired_order++;
@@ -249,8 +249,10 @@ void evict(CollectorState& state, ProcessHandle handle) {
   state.charged -= std::min(state.charged, rec.charged);
   state.by_key.erase(rec.key());
   if (!rec.alive) --state.exited;
+  const std::uint32_t uid = rec.peer.uid;
   state.slots[handle].reset();
   state.free_slots.push_back(handle);
+  enforce_job_limits(state, uid);
 }
 
 // Evicts the exited process that exited first. False when none is exited.

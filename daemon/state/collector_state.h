@@ -165,7 +165,9 @@ struct JobStepTotals {
   std::uint64_t self_ns = 0;
 };
 // What the processes of a job that left the table (evicted) had, so that per-job
-// counters keep counting after them; bounded by Limits::max_jobs / max_jobs_per_uid.
+// counters keep counting after them. Jobs with no process left in the table are bounded
+// by Limits::max_jobs / max_jobs_per_uid; a job that still has one is kept (forgetting it
+// would make its counters go backwards), and there are at most max_processes of those.
 struct RetiredJob {
   std::map<std::string, JobStepTotals, std::less<>> steps;  // at most kMaxJobSteps names
   std::uint64_t processes = 0;
@@ -174,6 +176,10 @@ struct RetiredJob {
   static constexpr std::size_t kMaxJobSteps = 256;  // beyond: merged into "(other)"
 };
 using RetiredJobs = std::map<JobKey, RetiredJob, std::less<>>;
+// The most retired jobs the state can hold (see RetiredJob), for a snapshot's reader.
+inline std::size_t max_retired_jobs(const Limits& limits) {
+  return limits.max_jobs + limits.max_processes;
+}
 
 struct CollectorState {
   CollectorState(const Limits& limits, DaemonCounters& counters)

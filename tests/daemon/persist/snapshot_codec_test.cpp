@@ -8,6 +8,7 @@
 
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -341,6 +342,38 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
   EXPECT_NE(refused([](json& d) { d["retired_jobs"].push_back(d["retired_jobs"][0]); }), "");
   EXPECT_NE(refused([](json& d) { d["retired_jobs"][0]["steps"][0]["self_ns"] = 51; }), "");
   EXPECT_EQ(refused([](json& d) { d.erase("retired_jobs"); }), "");  // older snapshots
+}
+
+// A job that still has a process in the table keeps its retired totals past max_jobs
+// (collector.cpp, enforce_job_limits): a snapshot holding more retired jobs than that
+// limit is the daemon's own and restores.
+TEST(SnapshotCodecTest, RetiredJobsOfLiveJobsBeyondMaxJobsRestore) {
+  FakeWorld world;
+  Limits limits = golden_limits();
+  limits.max_exited_processes = 0;  // evicted at once
+  limits.max_jobs = 1;
+  limits.max_jobs_per_uid = 1;
+  Collector original(limits, world.env());
+  std::vector<std::unique_ptr<Connection>> live;
+  for (std::int32_t job = 0; job < 3; ++job) {
+    // Rank 1 of each job keeps running; rank 0 exits and leaves the table.
+    const std::string name = "job" + std::to_string(job);
+    live.push_back(std::make_unique<Connection>(original, world.spawn(100 + job, 1, "t", 7)));
+    ASSERT_FALSE(live.back()->identity(name, 1, 1, 2));
+    Connection c(original, world.spawn(200 + job, 1, "t", 7));
+    ASSERT_FALSE(c.identity(name, 0, 0, 2));
+    ASSERT_FALSE(c.events({start(1, 0, 0), end(1, 0, 50)}));
+    world.kill(200 + job);
+    c.close();
+  }
+  const json saved = encode_snapshot(*original.freeze());
+  ASSERT_EQ(saved.at("retired_jobs").size(), 3u) << saved.dump();  // > max_jobs, all live
+  std::string error;
+  auto decoded = decode_snapshot(json::parse(saved.dump()), limits, error);
+  ASSERT_TRUE(decoded) << error;
+  Collector restored(limits, world.env());
+  ASSERT_FALSE(restored.adopt(std::move(*decoded)));
+  EXPECT_EQ(encode_snapshot(*restored.freeze()), saved);
 }
 
 TEST(SnapshotCodecTest, ABadHistogramIsNamedByItsPath) {

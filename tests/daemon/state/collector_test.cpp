@@ -878,7 +878,8 @@ TEST_F(CollectorTest, JobCountersOutliveTheirProcesses) {
 }
 
 // A job whose processes are still in the table is never the one forgotten: its
-// counters would go backwards. The least recent job with none left goes instead.
+// counters would go backwards. Nor does it count against the limits, so its first
+// process leaving forgets nobody. The least recent job with none left goes instead.
 TEST_F(CollectorTest, AJobWithProcessesInTheTableKeepsItsRetiredTotals) {
   limits_.max_exited_processes = 0;  // evicted at once
   limits_.max_jobs = 2;
@@ -890,8 +891,13 @@ TEST_F(CollectorTest, AJobWithProcessesInTheTableKeepsItsRetiredTotals) {
     world_.kill(pid);
     c.close();
   };
+  const auto short_job = [&](std::int32_t pid, const std::string& job) {
+    Connection c(*collector_, world_.spawn(pid, 1, "t", 7));
+    spans(c, pid, job);
+  };
+  const auto metrics = [&] { return report::metrics_text(*collector_->freeze()); };
   const auto seconds = [&](const std::string& job) {
-    const std::string text = report::metrics_text(*collector_->freeze());
+    const std::string text = metrics();
     const std::string key =
         "steptrace_job_step_seconds_total{job_id=\"" + job + "\",uid=\"7\",step=\"Forward\"} ";
     const auto at = text.find(key);
@@ -899,34 +905,44 @@ TEST_F(CollectorTest, AJobWithProcessesInTheTableKeepsItsRetiredTotals) {
                ? std::string("absent")
                : text.substr(at + key.size(), text.find('\n', at) - at - key.size());
   };
+  const auto hits = [&](const std::string& limit) {
+    const std::string text = metrics();
+    const std::string key = "steptrace_limit_hits_total{limit=\"" + limit + "\"} ";
+    const auto at = text.find(key);
+    return at == std::string::npos ? -1 : std::stoi(text.substr(at + key.size()));
+  };
+  short_job(1, "p");
+  short_job(2, "q");  // two finished jobs: the uid's limit
   // Job "a": rank 1 is still running while rank 0 has exited and left the table.
-  Connection a1(*collector_, world_.spawn(2, 1, "t", 7));
+  Connection a1(*collector_, world_.spawn(11, 1, "t", 7));
   ASSERT_FALSE(a1.identity("a", 1, 1, 2));
   ASSERT_FALSE(a1.events({start(1, kForward, 0), end(1, kForward, 1'000'000'000)}));
   {
-    Connection a0(*collector_, world_.spawn(1, 1, "t", 7));
-    spans(a0, 1, "a");
+    Connection a0(*collector_, world_.spawn(10, 1, "t", 7));
+    spans(a0, 10, "a");
   }
   EXPECT_EQ(seconds("a"), "2");
-  // Three more short jobs of the same uid: past both limits, but "a" stays.
-  for (std::int32_t pid = 3; pid <= 5; ++pid) {
-    Connection c(*collector_, world_.spawn(pid, 1, "t", 7));
-    spans(c, pid, "job" + std::to_string(pid));
-  }
+  EXPECT_EQ(seconds("p"), "1");  // "a" does not count yet: nobody was forgotten for it
+  EXPECT_EQ(seconds("q"), "1");
+  EXPECT_EQ(hits("max_jobs_per_uid"), 0);
+  // Two more short jobs: past the limit, the least recent finished ones go, "a" stays.
+  short_job(3, "job3");
+  short_job(4, "job4");
   EXPECT_EQ(seconds("a"), "2");
-  EXPECT_EQ(seconds("job3"), "absent");  // the least recent job with no process left
-  EXPECT_EQ(seconds("job5"), "1");
+  EXPECT_EQ(seconds("p"), "absent");
+  EXPECT_EQ(seconds("q"), "absent");
+  EXPECT_EQ(seconds("job3"), "1");
+  EXPECT_EQ(seconds("job4"), "1");
+  EXPECT_EQ(hits("max_jobs_per_uid"), 2);
   // Once rank 1 leaves too, "a" holds both ranks' totals and counts like any other job:
-  // the next new job brings the uid back within its limit, least recent first.
-  world_.kill(2);
+  // the uid is back within its limit at once, least recent first.
+  world_.kill(11);
   a1.close();
   EXPECT_EQ(seconds("a"), "2");
-  Connection c6(*collector_, world_.spawn(6, 1, "t", 7));
-  spans(c6, 6, "job6");
-  EXPECT_EQ(seconds("job4"), "absent");
-  EXPECT_EQ(seconds("job5"), "absent");
-  EXPECT_EQ(seconds("a"), "2");
-  EXPECT_EQ(seconds("job6"), "1");
+  EXPECT_EQ(seconds("job3"), "absent");
+  EXPECT_EQ(seconds("job4"), "1");
+  EXPECT_EQ(hits("max_jobs_per_uid"), 3);
+  EXPECT_EQ(hits("max_jobs"), 0);  // the uid's limit kept the total within max_jobs
 }
 
 }  // namespace
