@@ -401,7 +401,7 @@ TEST_F(HostileLedgerTest, ResetOfTheLedgerIsRootsNotAUsers) {
         std::vector<std::string>{"reset", "--gpu", "GPU-R1"}}) {
     const CliResult r = cli(holder(), args);
     EXPECT_EQ(r.status, 1) << args[1];
-    EXPECT_EQ(r.err, "error: permission denied\n") << args[1];
+    EXPECT_EQ(r.err, "steptrace: steptraced answered: error: permission denied\n") << args[1];
   }
   EXPECT_EQ(ledger()["gpus"].size(), 3u);
 
@@ -414,7 +414,7 @@ TEST_F(HostileLedgerTest, ResetOfTheLedgerIsRootsNotAUsers) {
 
   r = cli(kRoot, {"reset", "--gpu", "GPU-none"});
   EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "error: no GPU 'GPU-none' in the ledger\n");
+  EXPECT_EQ(r.err, "steptrace: steptraced answered: error: no GPU 'GPU-none' in the ledger\n");
   r = cli(kRoot, {"reset", "--gpu", "GPU-R2", "--ledger"});
   EXPECT_EQ(r.status, 2) << r.err;  // a usage error of the CLI
 
