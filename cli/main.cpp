@@ -223,7 +223,7 @@ std::string usage_overview(const CLI::App& app) {
          "Ask steptraced, the steptrace trace collector, what the training processes on\n"
          "this machine are doing.\n\nSubcommands:\n" +
          subcommand_list(app) +
-         "\nRun `steptrace help SUBCOMMAND` for a subcommand's options, `steptrace --help`\n"
+         "\nRun `steptrace help SUBCOMMAND...` for a subcommand's options, `steptrace --help`\n"
          "for the global ones: --socket PATH (default $STEPTRACE_SOCKET, "
          "else\n" STEPTRACE_DEFAULT_SOCKET "), --timeout SECONDS (default 10).\n" +
          kExitStatus;

@@ -54,8 +54,8 @@ std::string first_contact_notice(const std::string& path, int error) {
     text += " \u2014 is this user in the steptrace group?";
   }
   text +=
-      " (events wait in this process's buffer meanwhile, and are counted as dropped once it "
-      "is full; STEPTRACE_QUIET=1 silences this)\n";
+      " (events wait in this process's buffer meanwhile, counted as dropped only if it fills "
+      "or the process exits first; STEPTRACE_QUIET=1 silences this)\n";
   return text;
 }
 

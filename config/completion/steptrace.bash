@@ -103,6 +103,11 @@ _steptrace() {
         _steptrace_words "$subcommands" "$cur"
         return
       fi
+      # help ledger <TAB>: the ledger's own subcommand.
+      if ((COMP_CWORD == sub_at + 2)) && [[ ${COMP_WORDS[sub_at + 1]} == ledger && $cur != -* ]]; then
+        _steptrace_words "cleanup" "$cur"
+        return
+      fi
       ;;
   esac
   # Global options may follow the subcommand too.

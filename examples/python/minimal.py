@@ -46,7 +46,7 @@ def main():
     rc = steptrace.connect()
     if rc != 0:
         print(f"minimal.py: steptraced not reachable ({os.strerror(-rc)}); "
-              "events are dropped until it is", file=sys.stderr)
+              "events are kept until it is, dropped if the buffer fills first", file=sys.stderr)
     a = [[(i + j) % 5 * 0.5 for j in range(N)] for i in range(N)]
     b = [[(i * j) % 3 * 0.25 for j in range(N)] for i in range(N)]
     reservation = os.getpid()

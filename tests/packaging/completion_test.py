@@ -54,6 +54,9 @@ class CompletionTest(TempDirTestCase):
         self.assertEqual(self.complete("steptrace", "--timeout", "=", "3", ""), names)
         self.assertEqual(self.complete("steptrace", "re"), {n for n in names if n.startswith("re")})
         self.assertEqual(self.complete("steptrace", "help", ""), names)
+        # `help ledger cleanup` describes the nested one: offered after `help ledger`.
+        self.assertEqual(self.complete("steptrace", "help", "ledger", ""), {"cleanup"})
+        self.assertEqual(self.complete("steptrace", "help", "report", ""), set())
 
     def test_global_flags_are_those_of_steptrace_help(self):
         self.assertEqual(self.complete("steptrace", "--"),

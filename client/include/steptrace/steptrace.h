@@ -161,9 +161,9 @@ STEPTRACE_EXPORT void steptrace_vram_sample(const char* gpu_uuid, uint64_t free_
 STEPTRACE_EXPORT int steptrace_flush(int timeout_ms);
 
 /* Events this process could not deliver: the sum of steptrace_dropped_by_cause over
- * all causes. That includes STEPTRACE_DROP_INVALID, the span and ledger calls refused
- * for their arguments (counted by steptrace_rejected too, with refused registrations):
- * less that cause, it is what the daemon missed through no fault of the calls. */
+ * all causes. That includes STEPTRACE_DROP_INVALID: the span and ledger calls refused
+ * for their arguments (counted by steptrace_rejected too, with refused registrations)
+ * and lease renewals a daemon older than protocol 3 cannot take. */
 STEPTRACE_EXPORT uint64_t steptrace_dropped(void);
 
 /* Events dropped for `cause` (enum steptrace_drop_cause) so far; 0 for an unknown

@@ -46,7 +46,8 @@ fn main() -> ExitCode {
         }
     };
     // Connects to $STEPTRACE_SOCKET (else /run/steptrace/steptraced.sock); without a
-    // daemon it runs all the same and its events are counted as dropped.
+    // daemon it runs all the same: its events wait in the buffer until one is reachable,
+    // and those that find the buffer full (or are left at exit) are counted as dropped.
     TRACER.enable();
 
     // A custom step, reported under its name.
