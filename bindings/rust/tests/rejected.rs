@@ -1,7 +1,8 @@
 // steptrace::rejected(), the calls the library refuses for their arguments, read before
 // and after each such call. Its own file, so its own process (cargo runs each file of
 // tests/ as one binary): no other test moves the process-wide counters between two reads,
-// and they start at 0. No daemon: refusals are counted whether connected or not.
+// and they start at 0. No daemon: refusals are counted whether connected or not (ctest
+// points STEPTRACE_SOCKET at a path nobody listens on, tests/rust/CMakeLists.txt).
 
 use std::ptr;
 use std::time::Duration;
