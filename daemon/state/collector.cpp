@@ -183,7 +183,10 @@ void retire(CollectorState& state, const ProcessRecord& rec) {
 // share goes). Run after an eviction, when the evicted process's job may have lost its
 // last process.
 void enforce_job_limits(CollectorState& state, std::uint32_t uid) {
-  if (state.retired_jobs->empty()) return;
+  const std::size_t retired = state.retired_jobs->size();
+  if (retired <= state.job_limits.max_jobs_per_uid && retired <= state.job_limits.max_jobs) {
+    return;  // within both limits even if none had a process left
+  }
   std::set<JobKey, std::less<>> in_table;
   for (const auto& slot : state.slots) {
     if (slot) in_table.insert(JobKey{slot->peer.uid, slot->job});
