@@ -10,6 +10,7 @@
 //   age       how long ago, or how long a lease lasts: "4.20s", "3m 07s", "2h 05m", "3d 04h"
 #pragma once
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -47,7 +48,8 @@ inline std::string bytes(std::uint64_t n) {
   if (n < 1024) return std::to_string(n) + " B";
   double value = static_cast<double>(n) / 1024.0;
   std::size_t unit = 0;
-  while (value >= 1024.0 && unit + 1 < std::size(kUnits)) {
+  // 1023.995 would print as "1024.00": the next unit's "1.00" instead.
+  while (value >= 1023.995 && unit + 1 < std::size(kUnits)) {
     value /= 1024.0;
     ++unit;
   }
@@ -63,9 +65,11 @@ inline std::string percent(double share) {
 }
 
 inline std::string age(std::uint64_t ns) {
-  const std::uint64_t s = ns / 1'000'000'000;
+  // From 59.995 s "%.2f" would print "60.00s": "1m 00s" instead.
+  constexpr std::uint64_t kMinute = 60'000'000'000, kRoundsToAMinute = 59'995'000'000;
+  const std::uint64_t s = std::max(ns, kMinute) / 1'000'000'000;
   char buf[64];
-  if (s < 60) {
+  if (ns < kRoundsToAMinute) {
     std::snprintf(buf, sizeof buf, "%.2fs", static_cast<double>(ns) / 1e9);
   } else if (s < 3600) {
     std::snprintf(buf, sizeof buf, "%" PRIu64 "m %02" PRIu64 "s", s / 60, s % 60);

@@ -248,6 +248,12 @@ TEST(TopView, NumbersReadAsInTheReports) {
   EXPECT_EQ(units::bytes(512), "512 B");
   EXPECT_EQ(units::percent(2.0 / 3.0 * 100), "  66.67%");
   EXPECT_EQ(units::age(4'200'000'000), "4.20s");
+  EXPECT_EQ(units::age(59'994'999'999), "59.99s");
+  EXPECT_EQ(units::age(59'995'000'000), "1m 00s");  // not "60.00s"
+  EXPECT_EQ(units::age(60'000'000'000), "1m 00s");
+  EXPECT_EQ(units::bytes(1023), "1023 B");
+  EXPECT_EQ(units::bytes((1ULL << 20) - 1), "1.00 MiB");  // not "1024.00 KiB"
+  EXPECT_EQ(units::bytes(1023ULL << 10), "1023.00 KiB");
   EXPECT_EQ(units::age(7'500ULL * 1'000'000'000), "2h 05m");
   EXPECT_EQ(units::age(3ULL * 86400 * 1'000'000'000 + 4ULL * 3600 * 1'000'000'000), "3d 04h");
 }
