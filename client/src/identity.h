@@ -1,5 +1,5 @@
 // Which job and rank this process belongs to, read once from its environment at load
-// and sent to the daemon in an Identity frame (PROTOCOL.md 4.10) after each hello of a
+// and sent to the daemon in an Identity frame (PROTOCOL.md 4.7b) after each hello of a
 // version-4 connection:
 //   job id:      STEPTRACE_JOB, else TORCHELASTIC_RUN_ID (torchrun), else SLURM_JOB_ID
 //   rank:        RANK, else SLURM_PROCID

@@ -97,7 +97,7 @@ Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args ar
     if (spec.job && is_option(word, "--job")) {
       if (options.job) return CommandError{std::string(command) + ": --job given twice"};
       const auto value = option_value("--job", args, i);
-      // A job id as the wire carries it (PROTOCOL.md 4.10).
+      // A job id as the wire carries it (PROTOCOL.md 4.7b).
       if (!value || value->empty() || value->size() > proto::kMaxNameLength ||
           !std::all_of(value->begin(), value->end(), proto::is_printable)) {
         return CommandError{std::string(command) + ": --job needs a job id of 1.." +

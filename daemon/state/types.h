@@ -52,7 +52,7 @@ struct Limits {
   // Processes of one uid tracked at once (enforced by the Collector): a quarter of the
   // default max_processes.
   std::size_t max_processes_per_uid = 1024;
-  // Jobs (a uid's processes that sent one job id, PROTOCOL.md 4.10) whose totals are
+  // Jobs (a uid's processes that sent one job id, PROTOCOL.md 4.7b) whose totals are
   // kept after their processes left the table, so per-job counters keep counting; past
   // either bound the job whose last process left longest ago is forgotten.
   std::size_t max_jobs = 256;

@@ -679,7 +679,7 @@ Bytes identity_payload(std::string_view job, std::uint32_t rank, std::uint32_t l
   return w.take();
 }
 
-// PROTOCOL.md 4.10: an Identity frame needs version 4, comes at most once, has ranks
+// PROTOCOL.md 4.7b: an Identity frame needs version 4, comes at most once, has ranks
 // inside the world (when it is known) and a printable job id.
 TEST(ProtoMalformed, IdentityRules) {
   constexpr std::uint16_t kIdentityType = 7;

@@ -763,7 +763,7 @@ TEST_F(CollectorTest, SelfTimeLeavesOutNestedSpans) {
   EXPECT_NE(text.find("Duration and % Time include nested spans"), std::string::npos) << text;
 }
 
-// PROTOCOL.md 4.10: the Identity's job and ranks reach the report, grouped by job.
+// PROTOCOL.md 4.7b: the Identity's job and ranks reach the report, grouped by job.
 TEST_F(CollectorTest, IdentityGroupsProcessesByJob) {
   make();
   Connection r0(*collector_, world_.spawn(10, 1, "train", 7));
