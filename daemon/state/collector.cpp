@@ -194,11 +194,10 @@ void enforce_job_limits(CollectorState& state, std::uint32_t uid) {
   const auto forgettable = [&](const RetiredJobs::value_type& j, bool of_uid) {
     return (!of_uid || j.first.uid == uid) && !in_table.contains(j.first);
   };
-  const auto over = [&](bool of_uid, std::size_t limit) {
+  const auto count = [&](bool of_uid) {
     const RetiredJobs& jobs = *state.retired_jobs;
-    return static_cast<std::size_t>(std::count_if(jobs.begin(), jobs.end(), [&](const auto& j) {
-             return forgettable(j, of_uid);
-           })) > limit;
+    return static_cast<std::size_t>(std::count_if(
+        jobs.begin(), jobs.end(), [&](const auto& j) { return forgettable(j, of_uid); }));
   };
   // False when no job can be forgotten.
   const auto forget_oldest = [&](bool of_uid) {
@@ -213,10 +212,14 @@ void enforce_job_limits(CollectorState& state, std::uint32_t uid) {
     jobs.erase(oldest);
     return true;
   };
-  while (over(true, state.job_limits.max_jobs_per_uid) && forget_oldest(true)) {
+  std::size_t of_uid = count(true), all = count(false);
+  while (of_uid > state.job_limits.max_jobs_per_uid && forget_oldest(true)) {
+    --of_uid;
+    --all;
     if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobsPerUid);
   }
-  while (over(false, state.job_limits.max_jobs) && forget_oldest(false)) {
+  while (all > state.job_limits.max_jobs && forget_oldest(false)) {
+    --all;
     if (state.counters != nullptr) state.counters->hit(LimitKind::kMaxJobs);
   }
 }
