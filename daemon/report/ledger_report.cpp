@@ -4,8 +4,6 @@
 #include "daemon/report/ledger_report.h"
 
 #include <algorithm>
-#include <cinttypes>
-#include <cstdio>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -15,7 +13,6 @@
 #include "daemon/report/report_format.h"
 #include "daemon/state/ledger_state.h"
 #include "proto/printable.h"
-#include "proto/units.h"
 
 namespace steptrace::daemon::report {
 namespace {
@@ -28,11 +25,6 @@ json uid_json(std::uint32_t uid) { return uid == kUnknownUid ? json(nullptr) : j
 
 double seconds_between(std::uint64_t from_ns, std::uint64_t to_ns) {
   return to_ns > from_ns ? static_cast<double>(to_ns - from_ns) / 1e9 : 0.0;
-}
-
-// An age: 4.20s, 3m 07s, 2h 05m, 3d 04h.
-std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns) {
-  return units::age(now_ns > from_ns ? now_ns - from_ns : 0);
 }
 
 // A reservation's state in every output: LEAKED (holder dead), EXPIRED (its lease passed

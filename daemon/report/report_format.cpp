@@ -12,6 +12,9 @@ namespace steptrace::daemon::report {
 std::string format_duration(std::uint64_t ns) { return units::duration(ns); }
 std::string format_percent(double percent) { return units::percent(percent); }
 std::string format_bytes(std::uint64_t bytes) { return units::bytes(bytes); }
+std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns) {
+  return units::age(now_ns > from_ns ? now_ns - from_ns : 0);
+}
 
 std::size_t display_width(std::string_view utf8) {
   std::size_t n = 0;

@@ -27,6 +27,9 @@ std::string format_duration(std::uint64_t ns);
 std::string format_percent(double percent);
 // "512 B", "1.50 KiB", "7.25 GiB".
 std::string format_bytes(std::uint64_t bytes);
+// How long from `from_ns` to `now_ns` (0 when now is not later): "4.20s", "3m 07s",
+// "2h 05m", "3d 04h".
+std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns);
 
 // Terminal columns a UTF-8 string takes (code points; the box and rule characters and
 // "µ" are one column each).

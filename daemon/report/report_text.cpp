@@ -16,7 +16,6 @@
 #include "daemon/state/collector_state.h"
 #include "proto/printable.h"
 #include "proto/steps.h"
-#include "proto/units.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -152,8 +151,7 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now, bool wit
   } else {
     // The daemon notices an exit when the last connection closes or on its liveness
     // tick, so this is an upper bound on how long ago the process ended.
-    state =
-        "exit noticed " + units::age(now > rec.exited_at_ns ? now - rec.exited_at_ns : 0) + " ago";
+    state = "exit noticed " + report::format_age(rec.exited_at_ns, now) + " ago";
   }
   return "── Process " + std::to_string(rec.key().pid) + " (" +
          (rec.peer.comm.empty() ? std::string("?") : proto::printable(rec.peer.comm)) + ")" +
