@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "proto/errc.h"
+#include "proto/shm_ring.h"
 #include "proto/wire_format.h"
 
 namespace steptrace::proto {
@@ -129,6 +130,15 @@ class Encoder {
     return frame(FrameType::kIdentity, r);
   }
   bool flush(std::uint64_t sequence) { return frame(FrameType::kFlush, FlushRequest{sequence}); }
+  // Version 5: the frame whose first byte carries the ring's memfd (the caller sends it
+  // with sendmsg and SCM_RIGHTS), the clock conversion, and the daemon's answer.
+  bool ring_attach(std::uint32_t ring_id, std::uint32_t thread_id, std::uint64_t capacity) {
+    return frame(FrameType::kRingAttach, RingAttach{ring_id, thread_id, capacity});
+  }
+  bool clock_sync(const ClockSync& clock) { return frame(FrameType::kClockSync, clock); }
+  bool ring_ack(std::uint32_t ring_id, RingStatus status) {
+    return frame(FrameType::kRingAck, RingAck{ring_id, static_cast<std::uint32_t>(status)});
+  }
   bool flush_ack(std::uint64_t sequence) { return frame(FrameType::kFlushAck, FlushAck{sequence}); }
   bool error(ErrorCode code, std::string_view message) {
     ErrorReport r{};
@@ -188,7 +198,8 @@ class EventSpan {
 };
 
 using Message = std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport,
-                             FlushRequest, FlushAck, ErrorReport, DroppedByCause, Identity>;
+                             FlushRequest, FlushAck, ErrorReport, DroppedByCause, Identity,
+                             RingAttach, ClockSync, RingAck>;
 
 // Which end of the connection decodes: the daemon expects a hello and client frames;
 // the client expects daemon frames (kFlushAck, kError) and no hello.
@@ -298,8 +309,12 @@ class Decoder {
         return side_ == Side::kDaemon && version_ >= 2;
       case FrameType::kIdentity:
         return side_ == Side::kDaemon && version_ >= kIdentityProtocolVersion;
+      case FrameType::kRingAttach:
+      case FrameType::kClockSync:
+        return side_ == Side::kDaemon && version_ >= kShmProtocolVersion;
       case FrameType::kFlushAck:
       case FrameType::kError:
+      case FrameType::kRingAck:
         return side_ == Side::kClient;
     }
     return false;
@@ -371,6 +386,21 @@ class Decoder {
           return fail(errc::bad_identity);
         }
         identity_seen_ = true;
+        return {{}, Message{r}};
+      }
+      case FrameType::kRingAttach: {
+        const auto r = load<RingAttach>(p);
+        if (!valid_shm_ring_capacity(r.capacity)) return fail(errc::bad_ring);
+        return {{}, Message{r}};
+      }
+      case FrameType::kClockSync: {
+        const auto r = load<ClockSync>(p);
+        if (r.scale >= kMaxClockScale) return fail(errc::bad_ring);
+        return {{}, Message{r}};
+      }
+      case FrameType::kRingAck: {
+        const auto r = load<RingAck>(p);
+        if (r.status > kLastRingStatus) return fail(errc::bad_ring);
         return {{}, Message{r}};
       }
       case FrameType::kFlushAck:

@@ -24,9 +24,11 @@ inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
 // The version this code speaks; a daemon also accepts hellos of kMinProtocolVersion..
 // kProtocolVersion (version 2 added the DroppedByCause frame, version 3 the ledger ops
 // ReserveLease and Renew, version 4 the Identity frame, nothing else).
-inline constexpr std::uint16_t kProtocolVersion = 4;
+inline constexpr std::uint16_t kProtocolVersion = 5;
 inline constexpr std::uint16_t kLeaseProtocolVersion = 3;
 inline constexpr std::uint16_t kIdentityProtocolVersion = 4;
+// Rings in shared memory (RingAttach, ClockSync, RingAck; proto/shm_ring.h).
+inline constexpr std::uint16_t kShmProtocolVersion = 5;
 inline constexpr std::uint16_t kMinProtocolVersion = 1;
 
 // Hard limits that every decoder enforces.
@@ -77,9 +79,12 @@ enum class FrameType : std::uint16_t {
   kFlush = 5,           // payload: FlushRequest
   kDroppedByCause = 6,  // payload: DroppedByCause (protocol version 2 and later)
   kIdentity = 7,        // payload: Identity (protocol version 4 and later), at most once
+  kRingAttach = 8,      // payload: RingAttach + one memfd (SCM_RIGHTS) (version 5 and later)
+  kClockSync = 9,       // payload: ClockSync (version 5 and later)
   // daemon -> client
   kFlushAck = 0x81,  // payload: FlushAck
   kError = 0x82,     // payload: ErrorReport; the daemon closes the connection after it
+  kRingAck = 0x83,   // payload: RingAck (version 5 and later)
 };
 
 struct FrameHeader {
@@ -185,6 +190,41 @@ struct Identity {
 };
 static_assert(sizeof(Identity) == 80);
 
+// A thread's event ring in shared memory (proto/shm_ring.h for the layout). The frame's
+// first byte travels with exactly one file descriptor (SCM_RIGHTS): a memfd sealed
+// against shrinking, of exactly kRingHeaderBytes + capacity * 16 bytes.
+struct RingAttach {
+  std::uint32_t ring_id;    // the library's name for the ring, echoed in RingAck
+  std::uint32_t thread_id;  // the ring's one producer thread
+  std::uint64_t capacity;   // records: a power of two, kMinShmRingRecords..kMaxShmRingRecords
+};
+static_assert(sizeof(RingAttach) == 16);
+
+// How ring timestamps (raw ticks) become CLOCK_MONOTONIC ns:
+//   ns = anchor_ns + ((ticks - anchor_ticks) * scale) >> 32   (signed difference)
+// scale 0: the ticks already are CLOCK_MONOTONIC ns. The latest one sent applies to
+// every ring record the daemon reads after it (also after the process died).
+struct ClockSync {
+  std::uint64_t anchor_ticks;
+  std::uint64_t anchor_ns;
+  std::uint64_t scale;  // ns per tick, fixed point with 32 fraction bits; < 2^42
+};
+static_assert(sizeof(ClockSync) == 24);
+inline constexpr std::uint64_t kMaxClockScale = std::uint64_t{1} << 42;  // 1024 ns per tick
+
+enum class RingStatus : std::uint32_t {
+  kMapped = 0,        // the daemon reads the ring from now on
+  kRefusedLimit = 1,  // over limits.max_ring_bytes_per_process / _per_uid / max_rings_per_process
+  kRefusedFd = 2,     // no descriptor, not a sealed memfd, wrong size, cannot be mapped
+};
+inline constexpr std::uint32_t kLastRingStatus = 2;
+
+struct RingAck {
+  std::uint32_t ring_id;  // of the RingAttach answered
+  std::uint32_t status;   // RingStatus
+};
+static_assert(sizeof(RingAck) == 8);
+
 struct FlushRequest {
   std::uint64_t sequence;
 };
@@ -223,6 +263,12 @@ constexpr std::uint32_t fixed_payload_size(FrameType type) {
       return sizeof(DroppedByCause);
     case FrameType::kIdentity:
       return sizeof(Identity);
+    case FrameType::kRingAttach:
+      return sizeof(RingAttach);
+    case FrameType::kClockSync:
+      return sizeof(ClockSync);
+    case FrameType::kRingAck:
+      return sizeof(RingAck);
     case FrameType::kFlushAck:
       return sizeof(FlushAck);
     case FrameType::kError:

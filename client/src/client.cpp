@@ -126,6 +126,7 @@ Client& Client::get() {
 Client::Client() : thread_key_(on_thread_exit) {
   env_disabled_ = env_true("STEPTRACE_DISABLE");
   s_.quiet = env_true("STEPTRACE_QUIET");
+  s_.shm_rings = !env_false("STEPTRACE_SHM_RINGS");
   {
     std::vector<std::string> problems;
     s_.identity = identity_from_env([](const char* name) { return std::getenv(name); }, problems);
@@ -190,7 +191,9 @@ EventRing* Client::create_ring() {
     return no_ring();
   }
   registry.rings.reserve(registry.rings.size() + 1);  // the push_back below cannot throw
-  auto ring = std::make_unique<EventRing>(tid, static_cast<std::size_t>(bytes / kRingRecordBytes));
+  auto ring = std::make_unique<EventRing>(tid, static_cast<std::size_t>(bytes / kRingRecordBytes),
+                                         s_.shm_rings);
+  ring->ring_id = registry.next_ring_id++;
   EventRing* const own = ring.get();
   registry.rings.push_back(std::move(ring));
   registry.used_bytes += bytes;
@@ -447,6 +450,8 @@ void Client::count_unsent_at_exit(proto::DropCause cause) noexcept {
     std::uint64_t unsent = 0;
     std::lock_guard lock(s_.registry.mu);
     for (const auto& ring : s_.registry.rings) {
+      // The daemon that maps the ring drains it once it sees this process's socket close.
+      if (ring->sharing != EventRing::Sharing::kLocal) continue;
       const std::uint64_t head = ring->published();
       unsent += head - ring->consumed();
       ring->release(head);  // the flusher is gone: this thread is the consumer now
@@ -490,8 +495,11 @@ void Client::fork_parent() noexcept {
 
 void Client::fork_child() noexcept {
   // Only this thread exists now. Start clean: nothing of the parent's is sent twice.
-  // (fork() has already made malloc usable in the child when these handlers run.)
+  // (fork() has already made malloc usable in the child when these handlers run.) The
+  // parent's shared rings are not mapped here (MADV_DONTFORK): forget them untouched.
+  for (auto& ring : s_.registry.rings) ring->forget_after_fork();
   s_.registry.rings.clear();
+  s_.registry.retired_shared = {};
   t_ring = nullptr;
   t_tid = 0;
   thread_key_.set(nullptr);

@@ -48,6 +48,11 @@ struct RingRegistry {
   // value point at its ring without owning it.
   std::vector<std::unique_ptr<EventRing>> rings;
   proto::DroppedByCause retired{};  // drops of rings already freed
+  // The part of `retired` from rings freed while the daemon of the current connection
+  // mapped them: that daemon counts those from the rings' headers itself (cleared on
+  // each new connection, whose daemon never saw them).
+  proto::DroppedByCause retired_shared{};
+  std::uint32_t next_ring_id = 0;
 
   // The memory budget of the rings (ring_budget.h). All require mu.
   std::uint64_t per_thread_bytes = kDefaultRingBytes;
@@ -64,6 +69,12 @@ struct RingRegistry {
     retired.count[cause_index(proto::DropCause::kBufferFull)] += ring.dropped_buffer_full();
     retired.count[cause_index(proto::DropCause::kNotConnected)] +=
         ring.dropped_not_connected() + ring.fill();
+    if (ring.sharing != EventRing::Sharing::kLocal) {
+      retired_shared.count[cause_index(proto::DropCause::kBufferFull)] +=
+          ring.dropped_buffer_full();
+      retired_shared.count[cause_index(proto::DropCause::kNotConnected)] +=
+          ring.dropped_not_connected();
+    }
     used_bytes -= ring.bytes();
     rings.erase(rings.begin() + static_cast<std::ptrdiff_t>(index));  // frees it
     budget_epoch.fetch_add(1, std::memory_order_release);
@@ -120,6 +131,11 @@ struct ClientState {
   std::atomic<std::uint16_t> protocol_version{proto::kProtocolVersion};
   // STEPTRACE_QUIET=1 (read at load): no first-contact notice on stderr.
   bool quiet = false;
+  // Rings in memfds the daemon maps (protocol version 5); STEPTRACE_SHM_RINGS=0 (read at
+  // load) keeps every ring on the socket path.
+  bool shm_rings = true;
+  // Rings the daemon refused to map (RingAck not kMapped): they went on the socket path.
+  std::atomic<std::uint64_t> rings_refused{0};
   // The job and ranks from the environment (read at load; identity.h).
   ProcessIdentity identity;
   // The first-contact notice was printed (or is being): never again in this process.
@@ -147,6 +163,25 @@ struct ClientState {
     for (const auto& ring : registry.rings) {
       d.count[cause_index(proto::DropCause::kBufferFull)] += ring->dropped_buffer_full();
       d.count[cause_index(proto::DropCause::kNotConnected)] += ring->dropped_not_connected();
+    }
+    return d;
+  }
+  // What the DroppedByCause frame says on a connection whose daemon maps some rings:
+  // everything but the counts in the headers of the rings offered to it (it reads those
+  // itself, PROTOCOL.md 11.4), so each drop is counted in one place. Requires registry.mu.
+  proto::DroppedByCause dropped_for_daemon_locked() const {
+    proto::DroppedByCause d = dropped_locked();
+    auto take = [&](proto::DropCause cause, std::uint64_t n) {
+      std::uint64_t& c = d.count[cause_index(cause)];
+      c = c >= n ? c - n : 0;
+    };
+    for (std::size_t c = 0; c < proto::kDropCauseCount; ++c) {
+      take(static_cast<proto::DropCause>(c), registry.retired_shared.count[c]);
+    }
+    for (const auto& ring : registry.rings) {
+      if (ring->sharing == EventRing::Sharing::kLocal) continue;
+      take(proto::DropCause::kBufferFull, ring->dropped_buffer_full());
+      take(proto::DropCause::kNotConnected, ring->dropped_not_connected());
     }
     return d;
   }

@@ -24,6 +24,8 @@
 #include <string>
 #include <string_view>
 
+#include "proto/wire_format.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <x86intrin.h>
 #define STEPTRACE_HAVE_TSC 1
@@ -91,6 +93,9 @@ class TickConverter {
     const Int128 ns = static_cast<Int128>(anchor_.ns) + ((delta * scale_) >> kShift);
     return ns < 0 ? 0 : static_cast<std::uint64_t>(ns);
   }
+  // The conversion as the daemon applies it to ring records (proto::ticks_to_ns gives
+  // the same result as to_ns). Requires ready().
+  proto::ClockSync sync() const noexcept { return {anchor_.ticks, anchor_.ns, scale_}; }
   // Nanoseconds per tick, for diagnostics and tests.
   double ns_per_tick() const noexcept {
     return static_cast<double>(scale_) / static_cast<double>(std::uint64_t{1} << kShift);

@@ -9,10 +9,16 @@
 //
 // Capacity: a power of two of records chosen when the ring is made (kMinRingRecords ..
 // kMaxRingRecords: 64 KiB .. 1 GiB; the library's default is 4 MiB = 262,144 records,
-// see ring_budget.h). The slots are an anonymous private mapping with MAP_NORESERVE: a
-// page is committed when the producer first writes it, so a ring costs resident memory
-// only as far as its thread has ever filled it, and the whole capacity once the thread
-// has recorded `capacity()` events (the ring wraps over every slot). munmap on free.
+// see ring_budget.h). Memory: proto/shm_ring.h's layout, a 4 KiB header (head, tail,
+// drop counters, orphaned) then the slots, in a sealed memfd mapped MAP_SHARED and
+// MADV_DONTFORK (protocol version 5: the daemon maps it too and consumes it directly,
+// so what a thread recorded survives the process's death), or, when memfds are off
+// (STEPTRACE_SHM_RINGS=0) or fail, an anonymous private mapping with MAP_NORESERVE.
+// Either way a page is committed when the producer first writes it, so a ring costs
+// resident memory only as far as its thread has ever filled it. munmap on free.
+//
+// Consumer: the flusher (Sharing::kLocal: it encodes the events for the socket) or, once
+// the daemon answered a RingAttach with kMapped, the daemon (kShared). One at a time.
 //
 // High water: min(capacity / 8, kMaxHighWater) records. The push that finds that many
 // records unconsumed returns kPushedWake once: the caller then wakes the flusher (one
@@ -37,7 +43,9 @@
 // CLOCK_MONOTONIC nanoseconds while encoding.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -50,6 +58,7 @@
 #include <utility>
 
 #include "client/src/thread_owner.h"
+#include "proto/shm_ring.h"
 #include "proto/wire_format.h"
 
 namespace steptrace::client {
@@ -58,6 +67,9 @@ inline constexpr std::size_t kRingRecordBytes = sizeof(proto::EventRecord);
 inline constexpr std::size_t kMinRingRecords = std::size_t{64} * 1024 / kRingRecordBytes;
 inline constexpr std::size_t kMaxRingRecords = (std::size_t{1} << 30) / kRingRecordBytes;
 inline constexpr std::size_t kMaxHighWater = 32768;
+static_assert(kMinRingRecords == proto::kMinShmRingRecords &&
+              kMaxRingRecords == proto::kMaxShmRingRecords,
+              "every ring the budget allows can be shared");
 
 constexpr std::size_t ring_high_water(std::size_t capacity) {
   return std::min(capacity / 8, kMaxHighWater);
@@ -83,18 +95,30 @@ class EventRing {
     kPushedWake,  // written, and the ring just reached its high-water mark: wake the flusher
     kFull,        // nothing written
   };
+  // Who consumes the ring on the current connection (flusher thread, under RingRegistry::mu).
+  enum class Sharing : std::uint8_t {
+    kLocal,    // the flusher: it encodes the events and sends them on the socket
+    kOffered,  // a RingAttach was sent, no RingAck yet: nobody consumes
+    kShared,   // the daemon maps the memfd and consumes it
+  };
 
   // `capacity`: records, a power of two (0 makes a ring that is always full and maps
-  // nothing: the stand-in of a thread that got no ring). Throws std::bad_alloc when the
-  // mapping fails.
-  EventRing(std::uint32_t thread_id, std::size_t capacity)
+  // nothing: the stand-in of a thread that got no ring). `shared`: back it with a sealed
+  // memfd the daemon can map (proto/shm_ring.h); when that fails the ring is anonymous
+  // memory and goes over the socket. Throws std::bad_alloc when no mapping can be made.
+  EventRing(std::uint32_t thread_id, std::size_t capacity, bool shared = false)
       : thread_id_(thread_id),
-        slots_(map_slots(capacity)),
         mask_(capacity == 0 ? 0 : capacity - 1),
         high_water_(ring_high_water(capacity)),
-        capacity_(capacity) {}
+        capacity_(capacity) {
+    map(shared);
+    slots_ = capacity == 0 ? nullptr
+                           : reinterpret_cast<Slot*>(reinterpret_cast<std::byte*>(header_) +
+                                                     proto::kRingHeaderBytes);
+  }
   ~EventRing() {
-    if (slots_ != nullptr) ::munmap(slots_, bytes());
+    if (header_ != &own_header_ && header_ != nullptr) ::munmap(header_, mapped_bytes());
+    if (memfd_ >= 0) ::close(memfd_);
   }
   EventRing(const EventRing&) = delete;
   EventRing& operator=(const EventRing&) = delete;
@@ -102,12 +126,15 @@ class EventRing {
   std::uint32_t thread_id() const { return thread_id_; }
   std::size_t capacity() const { return capacity_; }
   std::size_t high_water() const { return high_water_; }
+  // The budget's bytes: the slots (the header page is not counted).
   std::size_t bytes() const { return capacity_ * sizeof(Slot); }
+  // The memfd the daemon may map (-1: anonymous memory, socket path only).
+  int memfd() const { return memfd_; }
 
   // ---- producer (the owning thread) ------------------------------------------------
   Push try_push(std::uint64_t ticks, std::uint64_t meta) noexcept {
     assert(is_producer());
-    const std::uint64_t head = head_.load(std::memory_order_relaxed);
+    const std::uint64_t head = head_;
     Push result = Push::kPushed;
     if (head - cached_tail_ >= high_water_) [[unlikely]] {
       result = refresh(head);
@@ -116,27 +143,32 @@ class EventRing {
     Slot& slot = slots_[head & mask_];
     slot.ticks = ticks;
     slot.meta = meta;
-    head_.store(head + 1, std::memory_order_release);
+    head_ = head + 1;
+    proto::ring_field(header_->head).store(head + 1, std::memory_order_release);
     return result;
   }
-  // Producer-only counters (relaxed; the flusher and steptrace_dropped read them).
+  // Producer-only counters (relaxed; the flusher, the daemon and steptrace_dropped read them).
   void count_buffer_full() noexcept {
     assert(is_producer());
-    bump(dropped_full_);
+    bump(header_->dropped_buffer_full);
   }
   void count_not_connected() noexcept {
     assert(is_producer());
-    bump(dropped_unconnected_);
+    bump(header_->dropped_not_connected);
   }
 
-  // ---- consumer (the flusher) --------------------------------------------------------
-  std::uint64_t published() const noexcept { return head_.load(std::memory_order_acquire); }
-  std::uint64_t consumed() const noexcept { return tail_.load(std::memory_order_relaxed); }
+  // ---- consumer (the flusher, or the daemon once shared) -----------------------------
+  std::uint64_t published() const noexcept {
+    return proto::ring_field(header_->head).load(std::memory_order_acquire);
+  }
+  std::uint64_t consumed() const noexcept {
+    return proto::ring_field(header_->tail).load(std::memory_order_acquire);
+  }
   std::uint64_t dropped_buffer_full() const noexcept {
-    return dropped_full_.load(std::memory_order_relaxed);
+    return proto::ring_field(header_->dropped_buffer_full).load(std::memory_order_relaxed);
   }
   std::uint64_t dropped_not_connected() const noexcept {
-    return dropped_unconnected_.load(std::memory_order_relaxed);
+    return proto::ring_field(header_->dropped_not_connected).load(std::memory_order_relaxed);
   }
   std::uint64_t dropped() const noexcept { return dropped_buffer_full() + dropped_not_connected(); }
   // The records [consumed(), upto) as at most two contiguous runs (the ring wraps).
@@ -155,14 +187,31 @@ class EventRing {
   const Slot& at(std::uint64_t index) const { return slots_[index & mask_]; }
   // Frees the slots before `new_tail` for the producer.
   void release(std::uint64_t new_tail) noexcept {
-    tail_.store(new_tail, std::memory_order_release);
+    proto::ring_field(header_->tail).store(new_tail, std::memory_order_release);
   }
   std::size_t fill() const noexcept { return static_cast<std::size_t>(published() - consumed()); }
 
   // ---- ownership -------------------------------------------------------------------
-  // The owning thread exited: the flusher drains the ring and then frees it.
-  void orphan() noexcept { orphaned_.store(true, std::memory_order_release); }
+  // The owning thread exited: its consumer drains the ring and then frees it.
+  void orphan() noexcept {
+    orphaned_.store(true, std::memory_order_release);
+    proto::ring_field(header_->orphaned).store(1, std::memory_order_release);
+  }
   bool orphaned() const noexcept { return orphaned_.load(std::memory_order_acquire); }
+  // Fork child: the shared mapping is not inherited (MADV_DONTFORK): forget it without
+  // touching it, and close the inherited memfd.
+  void forget_after_fork() noexcept {
+    if (memfd_ >= 0) {
+      ::close(memfd_);
+      memfd_ = -1;
+      header_ = nullptr;  // not mapped here: never unmapped either
+    }
+  }
+
+  // Flusher-only, under RingRegistry::mu: the ring's consumer on this connection and its
+  // name in RingAttach/RingAck.
+  Sharing sharing = Sharing::kLocal;
+  std::uint32_t ring_id = 0;
 
   // Producer-only state for the opt-in blocking mode: after one bounded wait timed out
   // the thread drops without waiting until the flusher frees a slot again.
@@ -176,23 +225,59 @@ class EventRing {
   bool is_producer() noexcept { return capacity_ == 0 || producer_.claim_or_is_caller(); }
 
  private:
-  static Slot* map_slots(std::size_t capacity) {
-    if (capacity == 0) return nullptr;
-    void* p = ::mmap(nullptr, capacity * sizeof(Slot), PROT_READ | PROT_WRITE,
+  std::size_t mapped_bytes() const { return proto::shm_ring_bytes(capacity_); }
+  void map(bool shared) {
+    if (capacity_ == 0) {
+      header_ = &own_header_;
+      return;
+    }
+    const std::size_t size = mapped_bytes();
+    if (shared) {
+      const int fd = ::memfd_create("steptrace-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+      if (fd >= 0) {
+        void* p = MAP_FAILED;
+        if (::ftruncate(fd, static_cast<off_t>(size)) == 0 &&
+            ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
+          p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        }
+        // A forked child must never write into its parent's rings.
+        if (p != MAP_FAILED && ::madvise(p, size, MADV_DONTFORK) != 0) {
+          ::munmap(p, size);
+          p = MAP_FAILED;
+        }
+        if (p != MAP_FAILED) {
+          memfd_ = fd;
+          header_ = static_cast<proto::RingHeader*>(p);
+          init_header();
+          return;
+        }
+        ::close(fd);
+      }
+    }
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    return static_cast<Slot*>(p);
+    header_ = static_cast<proto::RingHeader*>(p);
+    init_header();
   }
-  static void bump(std::atomic<std::uint64_t>& counter) noexcept {
+  void init_header() noexcept {
+    header_->magic = proto::kRingMagic;
+    header_->layout_version = proto::kRingLayoutVersion;
+    header_->thread_id = thread_id_;
+    header_->capacity = capacity_;
+  }
+  static void bump(std::uint64_t& field) noexcept {
+    auto counter = proto::ring_field(field);
     counter.store(counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   }
   // The producer's slow path: at or above the high-water mark by its cached view.
   Push refresh(std::uint64_t head) noexcept {
-    const std::uint64_t tail = tail_.load(std::memory_order_acquire);
-    if (tail != cached_tail_) {  // the flusher ran since the last look: a new episode
+    const std::uint64_t tail = consumed();
+    if (tail != cached_tail_) {  // the consumer ran since the last look: a new episode
       cached_tail_ = tail;
       wake_sent_ = false;
     }
+    // A consumer that wrote a tail past the head (only a broken one could) frees nothing.
     const std::uint64_t fill = head - tail;
     if (fill >= capacity_) return Push::kFull;
     if (fill < high_water_ || wake_sent_) return Push::kPushed;
@@ -200,21 +285,20 @@ class EventRing {
     return Push::kPushedWake;
   }
 
-  // Producer's line: written by the owning thread, read-only fields it needs per event.
-  alignas(64) std::atomic<std::uint64_t> head_{0};
-  std::uint64_t cached_tail_ = 0;  // producer's last view of tail_
+  // Producer's line: read and written by the owning thread per event.
+  alignas(64) std::uint64_t head_ = 0;  // the producer's own copy of header_->head
+  std::uint64_t cached_tail_ = 0;       // producer's last view of the tail
+  proto::RingHeader* header_ = nullptr;
+  Slot* slots_ = nullptr;
   const std::uint32_t thread_id_;
   bool wake_sent_ = false;  // a wake was asked for since cached_tail_ last moved
-  Slot* const slots_;
   const std::size_t mask_;
   const std::size_t high_water_;
   const std::size_t capacity_;
-  std::atomic<std::uint64_t> dropped_full_{0};
-  std::atomic<std::uint64_t> dropped_unconnected_{0};
-  // Consumer's line.
-  alignas(64) std::atomic<std::uint64_t> tail_{0};
-  std::atomic<bool> orphaned_{false};
-  ThreadOwner producer_;  // debug builds only: read by is_producer()
+  int memfd_ = -1;
+  alignas(64) std::atomic<bool> orphaned_{false};
+  ThreadOwner producer_;            // debug builds only: read by is_producer()
+  proto::RingHeader own_header_{};  // the header of a ring of capacity 0
 };
 
 }  // namespace steptrace::client

@@ -6,7 +6,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cerrno>
 #include <cstring>
@@ -25,8 +28,9 @@ constexpr std::chrono::milliseconds kAnchorInterval{50};
 // Room kept after the events for the DroppedByCause frame and two Flush frames (the
 // flusher's own and a steptrace_flush caller's).
 constexpr std::size_t kFrameBytes = sizeof(proto::FrameHeader);
-constexpr std::size_t kTailReserve =
-    kFrameBytes + sizeof(proto::DroppedByCause) + 2 * (kFrameBytes + sizeof(proto::FlushRequest));
+constexpr std::size_t kTailReserve = kFrameBytes + sizeof(proto::DroppedByCause) +
+                                     2 * (kFrameBytes + sizeof(proto::FlushRequest)) +
+                                     kFrameBytes + sizeof(proto::ClockSync);
 static_assert(sizeof(proto::DroppedByCause) >= sizeof(proto::DroppedReport));
 
 bool same_counts(const proto::DroppedByCause& a, const proto::DroppedByCause& b) {
@@ -114,8 +118,19 @@ void Flusher::on_connected(UniqueFd fd) {
   batch_records_ = 0;
   marks_.clear();
   unacked_.clear();
+  clock_dirty_ = true;
   connected_at_ = Clock::now();
+  unshare_rings();
+  {
+    std::lock_guard lock(s_.registry.mu);
+    s_.registry.retired_shared = {};  // this daemon never saw those rings
+  }
   s_.connected.store(true, std::memory_order_release);
+}
+
+void Flusher::unshare_rings() {
+  std::lock_guard lock(s_.registry.mu);
+  for (auto& ring : s_.registry.rings) ring->sharing = EventRing::Sharing::kLocal;
 }
 
 void Flusher::close_connection(bool lost) {
@@ -130,6 +145,10 @@ void Flusher::close_connection(bool lost) {
     }
   }
   if (dropped > 0) s_.count_drops(proto::DropCause::kInFlight, dropped);
+  // A daemon that ends the connection drains the rings it mapped before it closes (or it
+  // died): the flusher consumes them again from their tails. When this side closes, the
+  // daemon drains them after it reads the end, so they stay its own.
+  if (lost) unshare_rings();
   unacked_.clear();
   marks_.clear();
   batch_records_ = 0;
@@ -196,6 +215,8 @@ void Flusher::read_socket() {
         }
         std::lock_guard lock(s_.flush.mu);
         s_.flush.resolve_acked_locked(ack->sequence);
+      } else if (const auto* ring_ack = std::get_if<proto::RingAck>(&*r.message)) {
+        ring_answered(*ring_ack);
       } else if (const auto* error = std::get_if<proto::ErrorReport>(&*r.message)) {
         // A daemon of an earlier protocol version refused our hello: try the version
         // before ours from the next connection on (PROTOCOL.md section 6).
@@ -314,6 +335,9 @@ bool Flusher::build_batch() {
     std::size_t orphan = SIZE_MAX;
     for (std::size_t i = 0; i < rings.size(); ++i) {
       if (rings[i]->thread_id() != ledger_[k].thread_id) continue;
+      // A ring the daemon maps (or was offered): it orders the annotation among the
+      // ring's events itself (PROTOCOL.md 11.3), so the record goes now.
+      if (rings[i]->sharing != EventRing::Sharing::kLocal) continue;
       if (rings[i]->orphaned()) {
         orphan = i;
       } else {
@@ -364,12 +388,23 @@ bool Flusher::build_batch() {
     }
   };
   // Round robin: start with the ring after the one the last round could not finish.
+  bool nudge = false;    // a shared ring is past its high-water mark
+  bool offered = false;  // a ring waits for its RingAck: a flush cannot be answered yet
   const std::size_t count = rings.size();
   const std::size_t first = count == 0 ? 0 : next_ring_ % count;
   std::size_t unfinished = SIZE_MAX;
   for (std::size_t step = 0; step < count; ++step) {
     const std::size_t i = (first + step) % count;
     EventRing& ring = *rings[i];
+    if (ring.sharing != EventRing::Sharing::kLocal) {
+      // The daemon reads it; a ring past its high-water mark asks it to now (a Flush of
+      // the flusher's own, below), rather than at its next poll.
+      if (ring.sharing == EventRing::Sharing::kShared && ring.fill() >= ring.high_water()) {
+        nudge = true;
+      }
+      if (ring.sharing == EventRing::Sharing::kOffered) offered = true;
+      continue;
+    }
     std::uint64_t pos = ring.consumed();
     for (std::size_t k = 0; k < ledger_.size(); ++k) {
       if (ledger_ring_[k] != i) continue;
@@ -404,15 +439,17 @@ bool Flusher::build_batch() {
   bool busy = leftovers || ledger_waits;
   for (std::size_t i = rings.size(); i-- > 0;) {
     EventRing& ring = *rings[i];
+    if (ring.sharing == EventRing::Sharing::kOffered) continue;
     if (ring.orphaned() && ring.fill() == 0) {
       s_.registry.free_ring_locked(i);
-    } else if (ring.fill() >= ring.high_water()) {
+    } else if (ring.sharing == EventRing::Sharing::kLocal && ring.fill() >= ring.high_water()) {
       busy = true;
     }
   }
 
   proto::Encoder tail(std::span<std::byte>(buf_.data() + enc.size(), buf_.size() - enc.size()));
-  const proto::DroppedByCause dropped = s_.dropped_locked();
+  const proto::DroppedByCause dropped =
+      shm_connection() ? s_.dropped_for_daemon_locked() : s_.dropped_locked();
   std::uint64_t total = 0;
   for (const std::uint64_t n : dropped.count) total += n;
   if ((resend_dropped_ && total > 0) || !same_counts(dropped, dropped_sent_)) {
@@ -423,17 +460,91 @@ bool Flusher::build_batch() {
     }
   }
   batch_records_ = events_sent + ledger_sent;
-  if (batch_records_ > 0) {
+  if (batch_records_ > 0 || nudge) {
     batch_flush_ = next_own_flush();
     tail.flush(batch_flush_);  // fits: kTailReserve
   }
-  // Everything recorded before the flush call was taken (the heads were read after it).
-  if (!leftovers && !ledger_waits && flush_seq > flush_sent_ && tail.flush(flush_seq)) {
+  if (shm_connection() && clock_dirty_ && s_.clock_source == ClockSource::kTsc &&
+      tail.clock_sync(s_.converter.sync())) {
+    clock_dirty_ = false;
+  }
+  // Everything recorded before the flush call was taken (the heads were read after it);
+  // the daemon drains the rings it maps before it answers.
+  if (!leftovers && !ledger_waits && !offered && flush_seq > flush_sent_ &&
+      tail.flush(flush_seq)) {
     flush_sent_ = flush_seq;
   }
   len_ = enc.size() + tail.size();
   last_round_sent_events_ = events_sent > 0;
   return busy;
+}
+
+void Flusher::offer_rings() {
+  assert(thread_owner_.is_caller());
+  const bool tsc = s_.clock_source == ClockSource::kTsc;
+  if (tsc && !s_.converter.ready()) return;  // the daemon needs the conversion first
+  std::lock_guard lock(s_.registry.mu);
+  for (auto& owned : s_.registry.rings) {
+    EventRing& ring = *owned;
+    if (ring.sharing != EventRing::Sharing::kLocal || ring.memfd() < 0) continue;
+    if (ring.orphaned() && ring.fill() == 0) continue;  // about to be freed
+    // [ClockSync] RingAttach, the memfd riding on the first byte (PROTOCOL.md 11.2).
+    std::array<std::byte, 2 * kFrameBytes + sizeof(proto::ClockSync) + sizeof(proto::RingAttach)>
+        frames{};
+    proto::Encoder enc(frames);
+    enc.clock_sync(tsc ? s_.converter.sync() : proto::ClockSync{});
+    enc.ring_attach(ring.ring_id, ring.thread_id(), ring.capacity());
+    iovec iov{frames.data(), enc.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+    const int fd = ring.memfd();
+    std::memcpy(CMSG_DATA(cmsg), &fd, sizeof fd);
+    ssize_t n;
+    do {
+      n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        // Not a descriptor the socket can pass (e.g. too many in flight): this ring stays
+        // on the socket path for this connection.
+        if (errno == ETOOMANYREFS || errno == EMFILE || errno == ENFILE) continue;
+        close_connection();
+      }
+      return;
+    }
+    ring.sharing = EventRing::Sharing::kOffered;
+    clock_dirty_ = false;
+    const std::size_t sent = static_cast<std::size_t>(n);
+    if (sent < enc.size()) {
+      // The rest of the frames go as plain bytes, before anything else.
+      std::memcpy(buf_.data(), frames.data() + sent, enc.size() - sent);
+      off_ = 0;
+      len_ = enc.size() - sent;
+      batch_records_ = 0;
+      marks_.clear();
+      return;
+    }
+  }
+}
+
+void Flusher::ring_answered(const proto::RingAck& ack) {
+  std::lock_guard lock(s_.registry.mu);
+  for (auto& ring : s_.registry.rings) {
+    if (ring->ring_id != ack.ring_id || ring->sharing != EventRing::Sharing::kOffered) continue;
+    ring->sharing = ack.status == static_cast<std::uint32_t>(proto::RingStatus::kMapped)
+                        ? EventRing::Sharing::kShared
+                        : EventRing::Sharing::kLocal;
+    if (ring->sharing == EventRing::Sharing::kLocal) ++s_.rings_refused;
+    return;
+  }
 }
 
 int Flusher::poll_timeout_ms(bool busy) const {
@@ -453,6 +564,7 @@ void Flusher::run() {
     if (s_.clock_source == ClockSource::kTsc && now - last_anchor_ >= kAnchorInterval) {
       s_.converter.anchor(take_clock_sample());
       last_anchor_ = now;
+      clock_dirty_ = true;
     }
     if (!fd_.valid()) {
       std::uint64_t waiting = 0;  // the newest pending flush's sequence, 0: none
@@ -487,6 +599,7 @@ void Flusher::run() {
     bool busy = false;
     if (fd_.valid()) read_socket();
     if (fd_.valid() && off_ < len_) send_pending();
+    if (fd_.valid() && off_ == len_ && accepted_ && shm_connection()) offer_rings();
     if (fd_.valid() && off_ == len_) {
       busy = build_batch();
       if (len_ > 0) send_pending();

@@ -97,6 +97,14 @@ class Flusher {
   void close_connection(bool lost = true);
   void read_socket();
   void send_pending();
+  // Protocol version 5: offers the rings nobody consumes yet to the daemon (a RingAttach
+  // with the memfd, after a ClockSync). False when the socket is full.
+  void offer_rings();
+  // The RingAck of an offer: the daemon consumes the ring from now on, or refused it.
+  void ring_answered(const proto::RingAck& ack);
+  // Every ring back to the flusher (a new connection, or the daemon is gone).
+  void unshare_rings();
+  bool shm_connection() const { return version_ >= proto::kShmProtocolVersion && s_.shm_rings; }
   // Builds the next batch into buf_; true when more is waiting right away.
   bool build_batch();
   std::uint64_t next_own_flush() { return kOwnFlushBit | ++own_flushes_; }
@@ -129,6 +137,7 @@ class Flusher {
   std::uint64_t flush_attempted_ = 0;  // last flush sequence a connection attempt was made for
   bool last_round_sent_events_ = false;
   std::size_t next_ring_ = 0;  // the ring the next round starts with
+  bool clock_dirty_ = true;    // re-anchored since the last ClockSync sent
   Clock::time_point last_anchor_{};
 
   // The batch being sent: buf_[off_, len_) is still unsent; it carries batch_records_

@@ -304,6 +304,25 @@ std::string report::metrics_text(const CollectorView& view) {
                "Replies replaced by 'error: busy': too many reply bytes waited to be read.")
       .sample({}, c.replies_refused);
   {
+    const RingCounters& r = c.rings;
+    MetricFamily(out, "steptrace_shared_rings", "gauge",
+                 "Client rings in shared memory the daemon maps now.")
+        .sample({}, r.mapped);
+    MetricFamily(out, "steptrace_shared_ring_bytes", "gauge", "Bytes of those rings.")
+        .sample({}, r.bytes_mapped);
+    MetricFamily(out, "steptrace_shared_ring_events_total", "counter",
+                 "Events read from shared-memory rings.")
+        .sample({}, r.events);
+    MetricFamily(out, "steptrace_shared_rings_refused_total", "counter",
+                 "Rings a client offered that the daemon refused (a limit, or not a sealed "
+                 "memfd of the right size); their events go on the socket.")
+        .sample({}, r.refused);
+    MetricFamily(out, "steptrace_shared_ring_records_refused_total", "counter",
+                 "Ring records skipped as invalid (counted as the process's drops, cause "
+                 "invalid).")
+        .sample({}, r.records_refused);
+  }
+  {
     const FlightRecorderCounters& r = c.flight_recorder;
     MetricFamily(out, "steptrace_flight_recorder_bytes", "gauge",
                  "Bytes the flight recorder holds for `trace` (its budget: "

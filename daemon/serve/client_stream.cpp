@@ -2,6 +2,10 @@
 
 #include "proto/printable.h"
 
+#include <unistd.h>
+
+#include "daemon/state/histogram.h"
+
 #include <spdlog/spdlog.h>
 
 #include <utility>
@@ -71,7 +75,10 @@ ClientStream::ClientStream(SessionShared& shared, StreamTransport& transport, Pe
       decoder_(proto::Side::kDaemon, shared.config.server_limits.max_frame_bytes),
       handshake_deadline_(now + std::chrono::seconds(shared.config.timeouts.handshake_s)) {}
 
-ClientStream::~ClientStream() = default;
+ClientStream::~ClientStream() {
+  close_pending_fds();
+  if (rings_) shared_.ring_streams.erase(this);
+}
 
 std::string ClientStream::describe_peer() const {
   // The comm is the client's choice (any bytes but NUL): never raw into the log.
@@ -238,6 +245,9 @@ std::error_code ClientStream::apply(const proto::Message& message) {
           [&](const proto::EventSpan& events) { return collector.events(handle, events); },
           [&](const proto::RegisterStep& step) { return collector.register_step(handle, step); },
           [&](const proto::LedgerRecord& record) -> std::error_code {
+            // The ring of the record's thread first, up to the record's stamp: the
+            // events before it come before it, as on the socket path.
+            if (rings_) drain_rings(SharedRings::Pass::kLive, record.thread_id, record.timestamp_ns);
             collector.ledger(handle, record);
             return {};
           },
@@ -246,7 +256,13 @@ std::error_code ClientStream::apply(const proto::Message& message) {
             return {};
           },
           [&](const proto::DroppedByCause& causes) -> std::error_code {
-            collector.dropped_by_cause(handle, causes);
+            frame_drops_ = causes;
+            update_drops();
+            return {};
+          },
+          [&](const proto::RingAttach& attach) { return attach_ring(attach); },
+          [&](const proto::ClockSync& clock) -> std::error_code {
+            rings().set_clock(clock);
             return {};
           },
           [&](const proto::Identity& identity) -> std::error_code {
@@ -254,6 +270,8 @@ std::error_code ClientStream::apply(const proto::Message& message) {
             return {};
           },
           [&](const proto::FlushRequest& flush) -> std::error_code {
+            // Everything the process published before it asked is folded before the ack.
+            if (rings_) drain_rings(SharedRings::Pass::kLive);
             std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::FlushAck)> buf{};
             proto::Encoder encoder(buf);
             encoder.flush_ack(flush.sequence);
@@ -263,6 +281,7 @@ std::error_code ClientStream::apply(const proto::Message& message) {
           // The daemon-side decoder never yields these.
           [&](const proto::FlushAck&) -> std::error_code { return errc::unknown_frame_type; },
           [&](const proto::ErrorReport&) -> std::error_code { return errc::unknown_frame_type; },
+          [&](const proto::RingAck&) -> std::error_code { return errc::unknown_frame_type; },
       },
       message);
 }
@@ -333,6 +352,8 @@ void ClientStream::answer_line(std::string_view line) {
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
   if (line.find_first_not_of(" \t") == std::string_view::npos) return;  // blank: no reply
   ++shared_.counters.commands_served;
+  // Reports show what the rings hold now, not as of the ring timer's last pass.
+  drain_all_rings(shared_);
   const CommandContext context{shared_.collector, peer_.uid, shared_.daemon_euid, &peer_};
   answer(shared_.commands.dispatch(line, context));
 }
@@ -482,11 +503,137 @@ void ClientStream::closed() {
   handshake_deadline_.reset();
   frame_deadline_.reset();
   idle_deadline_.reset();
+  close_pending_fds();
   if (handle_) {
     const ProcessHandle handle = *handle_;
+    // The process may be dead: its rings are all that is left of what it recorded.
+    if (rings_) {
+      drain_rings(SharedRings::Pass::kFinal);
+      update_drops();
+      shared_.ring_streams.erase(this);
+      rings_.reset();
+    }
     handle_.reset();
     shared_.collector.detach(handle);
   }
+  if (rings_) {
+    shared_.ring_streams.erase(this);
+    rings_.reset();
+  }
+}
+
+// ---- shared-memory rings -------------------------------------------------------------
+
+std::uint64_t drain_all_rings(SessionShared& shared) {
+  if (shared.ring_streams.empty()) return 0;
+  const std::vector<ClientStream*> streams(shared.ring_streams.begin(), shared.ring_streams.end());
+  std::uint64_t events = 0;
+  for (ClientStream* stream : streams) events += stream->drain_rings();
+  return events;
+}
+
+void ClientStream::received_fds(std::span<const int> fds, bool truncated) {
+  // A RingAttach takes one each, in the same read (the library sends each with its frame,
+  // and the kernel never merges two sends that carry descriptors): a second one waiting is
+  // abuse. So a connection holds at most one extra descriptor (Server::check_fd_limit).
+  constexpr std::size_t kMaxPendingFds = 1;
+  for (const int fd : fds) pending_fds_.push_back(fd);
+  shared_.pending_fds += fds.size();
+  if (state_ == State::kFinishing || state_ == State::kClosed) {
+    close_pending_fds();
+    return;
+  }
+  if (truncated || pending_fds_.size() > kMaxPendingFds || dialect_ == Dialect::kText ||
+      shared_.pending_fds > kMaxPendingRingFds) {
+    close_pending_fds();
+    fail(make_error_code(errc::bad_ring),
+         truncated ? "descriptors cut off (MSG_CTRUNC)"
+                   : "descriptors without RingAttach frames to take them");
+  }
+}
+
+void ClientStream::close_pending_fds() {
+  for (const int fd : pending_fds_) ::close(fd);
+  shared_.pending_fds -= std::min(shared_.pending_fds, pending_fds_.size());
+  pending_fds_.clear();
+}
+
+SharedRings& ClientStream::rings() {
+  if (!rings_) {
+    rings_ = std::make_unique<SharedRings>(shared_.config.server_limits, shared_.ring_budget,
+                                           peer_.uid);
+  }
+  return *rings_;
+}
+
+std::error_code ClientStream::attach_ring(const proto::RingAttach& attach) {
+  int fd = -1;
+  if (!pending_fds_.empty()) {
+    fd = pending_fds_.front();
+    pending_fds_.pop_front();
+    --shared_.pending_fds;
+  }
+  std::optional<LimitKind> limit;
+  const proto::RingStatus status = rings().attach(attach, fd, limit);
+  RingCounters& counters = shared_.counters.rings;
+  if (status == proto::RingStatus::kMapped) {
+    ++counters.attached;
+    if (shared_.ring_streams.insert(this).second && shared_.rings_active) shared_.rings_active();
+  } else {
+    ++counters.refused;
+    if (limit) shared_.collector.count_limit(*limit);
+    shared_.log.warn("ring_refused",
+                     "client " + describe_peer() + ": ring " + std::to_string(attach.ring_id) +
+                         " refused (" +
+                         (limit ? std::string(limit_name(*limit))
+                                : std::string(fd < 0 ? "no descriptor"
+                                                     : "not a sealed memfd of the stated size")) +
+                         "); its events come on the socket");
+  }
+  counters.mapped = shared_.ring_budget.rings;
+  counters.bytes_mapped = shared_.ring_budget.bytes;
+  std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::RingAck)> buf{};
+  proto::Encoder encoder(buf);
+  encoder.ring_ack(attach.ring_id, status);
+  transport_.send({reinterpret_cast<const char*>(buf.data()), encoder.size()});
+  return {};
+}
+
+std::uint64_t ClientStream::drain_rings() {
+  if (!rings_ || !handle_ || state_ == State::kClosed) return 0;
+  return drain_rings(SharedRings::Pass::kLive);
+}
+
+std::uint64_t ClientStream::drain_rings(SharedRings::Pass pass, std::optional<std::uint32_t> thread,
+                                        std::uint64_t until_ns) {
+  if (!rings_ || !handle_) return 0;
+  const SharedRings::Drained d = rings_->drain(shared_.collector, *handle_, pass, thread, until_ns);
+  RingCounters& counters = shared_.counters.rings;
+  counters.events += d.events;
+  counters.records_refused += d.refused;
+  counters.bad_rings += d.bad_rings;
+  counters.mapped = shared_.ring_budget.rings;
+  counters.bytes_mapped = shared_.ring_budget.bytes;
+  if (d.bad_rings > 0) {
+    shared_.counters.protocol_errors[errc_name(errc::bad_ring)] += d.bad_rings;
+    shared_.log.warn(errc_name(errc::bad_ring),
+                     "client " + describe_peer() +
+                         ": ring head out of range; the ring is dropped, the connection stays");
+  }
+  if (d.refused > 0 || d.bad_rings > 0 || d.events > 0) update_drops();
+  return d.events;
+}
+
+void ClientStream::update_drops() {
+  if (!handle_) return;
+  proto::DroppedByCause total = frame_drops_;
+  if (rings_) {
+    const proto::DroppedByCause in_rings = rings_->drops();
+    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+      total.count[i] = saturating_add(total.count[i], in_rings.count[i]);
+    }
+  }
+  shared_.collector.dropped_by_cause(*handle_, total);
 }
 
 }  // namespace steptrace::daemon

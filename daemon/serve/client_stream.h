@@ -43,10 +43,12 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -55,6 +57,7 @@
 #include "daemon/serve/commands.h"
 #include "daemon/serve/config.h"
 #include "daemon/serve/render_worker.h"
+#include "daemon/serve/shared_rings.h"
 #include "daemon/state/collector.h"
 #include "proto/codec.h"
 
@@ -77,6 +80,12 @@ class RateLimitedLog {
   std::map<std::string, Window> windows_;
 };
 
+class ClientStream;
+
+// Descriptors clients passed (SCM_RIGHTS) that wait for their RingAttach frame to be
+// complete, all connections together; past it the connection that sends one more fails.
+inline constexpr std::size_t kMaxPendingRingFds = 32;
+
 // What every connection shares; owned by the Server, which outlives its sessions.
 struct SessionShared {
   Collector& collector;
@@ -93,7 +102,17 @@ struct SessionShared {
   // Set when shutdown begins: sessions start no new asynchronous read, so every byte
   // already read by a completed read is applied by its handler before the final drain.
   bool stopping = false;
+  // Shared-memory rings: the bytes every connection maps, the streams that map any (the
+  // server's ring timer drains them), and the server's hook that starts that timer.
+  RingBudget ring_budget{};
+  std::size_t pending_fds = 0;  // <= kMaxPendingRingFds
+  std::set<ClientStream*> ring_streams{};
+  std::function<void()> rings_active{};
 };
+
+// Drains every connection's shared-memory rings into the collector (the ring timer, and
+// before a text command is answered); returns the events read.
+std::uint64_t drain_all_rings(SessionShared& shared);
 
 // What a ClientStream needs from the connection it runs on.
 class StreamTransport {
@@ -162,6 +181,12 @@ class ClientStream {
   void received(std::size_t n);
   // The peer sends no more (EOF or a reset).
   void input_ended();
+  // Descriptors the peer passed (SCM_RIGHTS) with the bytes about to be received(): each
+  // belongs to the next RingAttach frame. Owned (closed) from here on. `truncated`: the
+  // kernel dropped some (MSG_CTRUNC).
+  void received_fds(std::span<const int> fds, bool truncated);
+  // Folds what this connection's shared-memory rings hold; the events read.
+  std::uint64_t drain_rings();
   // The reply of the render job handed to StreamTransport::render(). Sent at once; the
   // lines after it wait for resume().
   void rendered(std::string text);
@@ -204,6 +229,14 @@ class ClientStream {
   void request_piece();
   void maybe_finish();
   void set_frame_deadline(bool frame_finished);
+  // Shared-memory rings (protocol version 5).
+  std::error_code attach_ring(const proto::RingAttach& attach);
+  SharedRings& rings();
+  std::uint64_t drain_rings(SharedRings::Pass pass, std::optional<std::uint32_t> thread = {},
+                            std::uint64_t until_ns = UINT64_MAX);
+  // The process's drops: the last DroppedByCause plus what the rings' headers say.
+  void update_drops();
+  void close_pending_fds();
   bool output_backed_up() const { return transport_.unsent_bytes() >= kMaxPendingWrite; }
   // Counts `kind`, logs `log_line` about the peer (rate-limited), sends `reply` (may be
   // empty) and finishes. The one way a connection ends because of its input.
@@ -227,6 +260,9 @@ class ClientStream {
   std::shared_ptr<ReplyStream> reply_stream_;  // a streamed reply going out
   bool piece_out_ = false;                     // a piece of it is rendering
   std::error_code failure_;
+  std::unique_ptr<SharedRings> rings_;  // from the first RingAttach or ClockSync on
+  std::deque<int> pending_fds_;         // received, not yet taken by a RingAttach
+  proto::DroppedByCause frame_drops_{};  // the last DroppedByCause frame
 
   std::optional<Clock::time_point> handshake_deadline_;
   std::optional<Clock::time_point> frame_deadline_;

@@ -102,6 +102,12 @@ void read_limits(JsonObject limits, Config& c) {
   // A frame must at least hold the largest fixed record (a LedgerRecord).
   limits.optional_unsigned("max_frame_bytes", s.max_frame_bytes, 256, proto::kMaxFramePayload);
   limits.optional_unsigned("max_line_bytes", s.max_line_bytes, 64, 1 << 20);
+  // 0 refuses every ring: the clients send their events on the socket instead.
+  limits.optional_unsigned("max_rings_per_process", s.max_rings_per_process, 0, 65536);
+  limits.optional_unsigned("max_ring_bytes_per_process", s.max_ring_bytes_per_process, 0,
+                           std::uint64_t{1} << 40);
+  limits.optional_unsigned("max_ring_bytes_per_uid", s.max_ring_bytes_per_uid, 0,
+                           std::uint64_t{1} << 44);
   Limits& l = c.limits;
   limits.optional_unsigned("max_processes", l.max_processes, 1, 1'000'000);
   limits.optional_unsigned("max_exited_processes", l.max_exited_processes, 0, 1'000'000);
@@ -309,6 +315,9 @@ json config_to_json(const Config& c) {
         {"max_connections_per_uid", c.server_limits.max_connections_per_uid},
         {"max_frame_bytes", c.server_limits.max_frame_bytes},
         {"max_line_bytes", c.server_limits.max_line_bytes},
+        {"max_rings_per_process", c.server_limits.max_rings_per_process},
+        {"max_ring_bytes_per_process", c.server_limits.max_ring_bytes_per_process},
+        {"max_ring_bytes_per_uid", c.server_limits.max_ring_bytes_per_uid},
         {"max_processes", c.limits.max_processes},
         {"max_exited_processes", c.limits.max_exited_processes},
         {"max_custom_steps", c.limits.max_custom_steps},

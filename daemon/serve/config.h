@@ -30,6 +30,10 @@ struct ServerLimits {
   std::size_t max_connections_per_uid = 256;                // of one peer uid (SO_PEERCRED) at once
   std::uint32_t max_frame_bytes = proto::kMaxFramePayload;  // payload cap, <= 262144
   std::size_t max_line_bytes = 4096;                        // one text command line
+  // Shared-memory rings (protocol version 5) one process, or one uid, may have mapped.
+  std::size_t max_rings_per_process = 1024;
+  std::uint64_t max_ring_bytes_per_process = std::uint64_t{1} << 30;
+  std::uint64_t max_ring_bytes_per_uid = std::uint64_t{8} << 30;
 };
 
 struct Timeouts {

@@ -91,6 +91,7 @@ Server::Server(const Config& config, Collector& collector)
       acceptor_(io_),
       accept_retry_timer_(io_),
       liveness_timer_(io_),
+      ring_timer_(io_),
       snapshot_timer_(io_),
       renderer_(io_, collector, &counters_),
       shared_{collector,
@@ -101,7 +102,11 @@ Server::Server(const Config& config, Collector& collector)
               &renderer_,
               Environment::system(),
               static_cast<std::uint32_t>(::geteuid())},
-      gpu_sampler_(io_, collector, config.nvml) {}
+      gpu_sampler_(io_, collector, config.nvml) {
+  shared_.rings_active = [this] {
+    if (!ring_timer_armed_ && !stopping_) schedule_ring_drain(std::chrono::milliseconds(1));
+  };
+}
 
 Server::~Server() {
   // close() calls back into sessions_, so iterate over a copy.
@@ -118,7 +123,10 @@ Server::~Server() {
 // daemon refuses to start, saying what to change, rather than fail later (clients hung
 // without a reply, snapshots failing, live holders taken for dead).
 std::optional<std::string> Server::check_fd_limit() {
-  const rlim_t needed = config_.server_limits.max_connections + kMaxRejecting + kReservedFds;
+  // Plus the descriptors clients passed whose RingAttach frames are not complete yet
+  // (ClientStream::received_fds, at most kMaxPendingRingFds for all connections).
+  const rlim_t needed = config_.server_limits.max_connections + kMaxRejecting +
+                        kMaxPendingRingFds + kReservedFds;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) {
     return std::string("cannot read the open-file limit (RLIMIT_NOFILE): ") + std::strerror(errno);
@@ -133,13 +141,12 @@ std::optional<std::string> Server::check_fd_limit() {
     }
   }
   if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= needed) return std::nullopt;
-  const rlim_t fits = limit.rlim_cur > kMaxRejecting + kReservedFds
-                          ? limit.rlim_cur - kMaxRejecting - kReservedFds
-                          : 0;
+  const rlim_t extra = kMaxRejecting + kMaxPendingRingFds + kReservedFds;
+  const rlim_t fits = limit.rlim_cur > extra ? limit.rlim_cur - extra : 0;
   return "limits.max_connections " + std::to_string(config_.server_limits.max_connections) +
-         " needs " + std::to_string(needed) + " open files (" +
-         std::to_string(kMaxRejecting + kReservedFds) +
-         " more for refusals, probes, snapshots and HTTP), but the open-file limit is " +
+         " needs " + std::to_string(needed) + " open files (" + std::to_string(extra) +
+         " more for refusals, passed ring descriptors, probes, snapshots and HTTP), but the "
+         "open-file limit is " +
          std::to_string(limit.rlim_cur) + " (hard limit " +
          (limit.rlim_max == RLIM_INFINITY ? std::string("unlimited")
                                           : std::to_string(limit.rlim_max)) +
@@ -445,6 +452,19 @@ void Server::schedule_liveness() {
   });
 }
 
+void Server::schedule_ring_drain(std::chrono::milliseconds delay) {
+  ring_timer_armed_ = true;
+  ring_timer_.expires_after(delay);
+  ring_timer_.async_wait([this](const boost::system::error_code& ec) {
+    ring_timer_armed_ = false;
+    if (ec || stopping_) return;
+    const std::uint64_t events = drain_all_rings(shared_);
+    if (!shared_.ring_streams.empty()) {
+      schedule_ring_drain(std::chrono::milliseconds(events > 0 ? 1 : 4));
+    }
+  });
+}
+
 void Server::schedule_snapshot() {
   if (config_.state_dir.empty()) return;
   snapshot_timer_.expires_after(std::chrono::seconds(config_.snapshot_interval_s));
@@ -483,6 +503,7 @@ void Server::shutdown(int signal_number) {
   if (http_) http_->close();
   accept_retry_timer_.cancel();
   liveness_timer_.cancel();
+  ring_timer_.cancel();
   snapshot_timer_.cancel();
   // A read that completed before the signal may still have its handler queued: let
   // every queued handler run first (sessions arm no new reads now), then drain the rest

@@ -66,6 +66,9 @@ class Server {
   void drain_and_stop(std::vector<std::shared_ptr<Session>>& live);
   void take_for_drain(boost::asio::local::stream_protocol::socket socket);
   void schedule_liveness();
+  // The ring timer: drains every connection's shared-memory rings, every 1 ms while they
+  // carry events, every kRingIdleMs while they do not, and not at all without rings.
+  void schedule_ring_drain(std::chrono::milliseconds delay);
   void schedule_snapshot();
   void watch_other_signals();
   void shutdown(int signal_number);
@@ -80,6 +83,8 @@ class Server {
   boost::asio::local::stream_protocol::acceptor acceptor_;
   boost::asio::steady_timer accept_retry_timer_;
   boost::asio::steady_timer liveness_timer_;
+  boost::asio::steady_timer ring_timer_;
+  bool ring_timer_armed_ = false;
   boost::asio::steady_timer snapshot_timer_;
   RateLimitedLog log_;
   ServerCounters counters_;  // connections, bytes, frames, protocol errors, commands, snapshots

@@ -1,6 +1,11 @@
 #include "daemon/serve/session.h"
 
 #include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <cstring>
+#include <span>
 
 #include <spdlog/spdlog.h>
 #include <boost/asio/write.hpp>
@@ -69,22 +74,68 @@ void Session::after_stream() {
 void Session::read_more() {
   if (reading_ || closed() || shared_.stopping || !stream_->wants_input()) return;
   reading_ = true;
-  const auto buffer = stream_->read_buffer();
-  socket_.async_read_some(boost::asio::buffer(buffer.data(), buffer.size()),
-                          [self = shared_from_this()](const boost::system::error_code& ec,
-                                                      std::size_t n) { self->on_read(ec, n); });
+  // Wait, then recvmsg: a plain read would drop the descriptors a client passes.
+  socket_.async_wait(Socket::wait_read, [self = shared_from_this()](
+                                            const boost::system::error_code& ec) {
+    self->on_readable(ec);
+  });
 }
 
-void Session::on_read(const boost::system::error_code& ec, std::size_t n) {
+std::size_t Session::receive(boost::system::error_code& ec) {
+  constexpr std::size_t kMaxFdsPerRead = 2;  // more is cut (MSG_CTRUNC): the stream fails
+  const auto buffer = stream_->read_buffer();
+  iovec iov{buffer.data(), buffer.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  do {
+    n = ::recvmsg(socket_.native_handle(), &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    ec = boost::system::error_code(errno, boost::system::system_category());
+    return 0;
+  }
+  int fds[kMaxFdsPerRead];
+  std::size_t count = 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < k && count < kMaxFdsPerRead; ++i) {
+      std::memcpy(&fds[count++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+    }
+  }
+  const bool truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+  if (count > 0 || truncated) stream_->received_fds(std::span<const int>(fds, count), truncated);
+  if (n == 0) {
+    ec = boost::asio::error::eof;
+    return 0;
+  }
+  ec = {};
+  return static_cast<std::size_t>(n);
+}
+
+void Session::on_readable(const boost::system::error_code& ec) {
   reading_ = false;
   if (closed()) return;
-  if (stream_->state() == State::kDraining) {
-    // Shutting down: a read that completed before the cancel holds the client's bytes
-    // (in the stream's buffer, untouched since); apply them, read no more here.
-    if (!ec && n > 0) stream_->received(n);
+  // Shutting down: what the client sent is still in the socket; drain() reads it.
+  if (stream_->state() == State::kDraining) return;
+  if (ec) {
+    stream_->input_ended();  // the wait failed: the peer is gone either way
+    after_stream();
     return;
   }
-  if (ec) {
+  boost::system::error_code read_ec;
+  const std::size_t n = receive(read_ec);
+  if (closed()) return;
+  if (read_ec == boost::asio::error::would_block || read_ec == boost::asio::error::try_again) {
+    after_stream();
+    return;
+  }
+  if (read_ec) {
     stream_->input_ended();  // EOF or a reset: either way the peer sends no more
   } else {
     stream_->received(n);
@@ -234,9 +285,8 @@ void Session::drain(Clock::time_point deadline) {
   socket_.non_blocking(true, ec);
   std::size_t drained = 0;
   while (stream_->state() == State::kDraining && Clock::now() < deadline) {
-    const auto buffer = stream_->read_buffer();
-    const std::size_t n = socket_.read_some(boost::asio::buffer(buffer.data(), buffer.size()), ec);
-    if (ec) break;  // would_block: nothing more was sent; eof: the peer is done
+    const std::size_t n = receive(ec);
+    if (ec || closed()) break;  // would_block: nothing more was sent; eof: the peer is done
     drained += n;
     stream_->received(n);
   }

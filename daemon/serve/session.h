@@ -68,7 +68,11 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   // re-arm the timer and read on if it wants input.
   void after_stream();
   void read_more();
-  void on_read(const boost::system::error_code& ec, std::size_t n);
+  void on_readable(const boost::system::error_code& ec);
+  // One recvmsg into the stream's read buffer, without waiting; descriptors passed along
+  // (SCM_RIGHTS, protocol version 5) go to the stream first. 0 with `ec` set: would
+  // block, end of stream, or an error.
+  std::size_t receive(boost::system::error_code& ec);
   void write_next();
   void update_timer();
   void on_timeout();
@@ -83,7 +87,7 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   std::deque<std::string> write_queue_;
   std::size_t pending_write_bytes_ = 0;
   bool writing_ = false;   // an async_write is in flight
-  bool reading_ = false;   // an async_read_some is in flight
+  bool reading_ = false;   // an async_wait for input is in flight
   bool draining_ = false;  // begin_drain() cancelled reading for the shutdown drain
 
   boost::asio::steady_timer timer_;

@@ -37,6 +37,7 @@ void DaemonCounters::add(const ServerCounters& server) {
   commands_served += server.commands_served;
   replies_refused += server.replies_refused;
   http = server.http;
+  rings = server.rings;
   snapshots_written += server.snapshots_written;
   snapshot_errors += server.snapshot_errors;
   for (const auto& [kind, n] : server.protocol_errors) protocol_errors[kind] += n;
@@ -441,6 +442,14 @@ void Collector::hello(ProcessHandle process, const proto::Hello& hello) {
   ProcessRecord& rec = state_->write(process);
   rec.client_name = proto::field_view(hello.process_name);
   rec.library_version = proto::field_view(hello.library_version);
+}
+
+bool Collector::step_known(ProcessHandle process, std::uint32_t step) const {
+  if (step < kBuiltinStepCount) return proto::is_builtin_step(step);
+  if (!proto::is_custom_step(step) || process >= state_->slots.size()) return false;
+  const ProcessRecord* rec = state_->slots[process].get();
+  return rec != nullptr && rec->custom_slot &&
+         (*rec->custom_slot)[step - proto::kFirstCustomStep] != 0;
 }
 
 void Collector::identity(ProcessHandle process, const proto::Identity& identity) {

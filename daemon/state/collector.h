@@ -95,6 +95,11 @@ class Collector {
   void dropped(ProcessHandle process, std::uint64_t total_dropped);
   // Protocol version 2: the same, per cause (each cumulative; the total is their sum).
   void dropped_by_cause(ProcessHandle process, const proto::DroppedByCause& causes);
+  // Whether an event of `step` can be folded for the process now: a built-in step, or a
+  // custom one it registered (shared-memory rings wait for the registration).
+  bool step_known(ProcessHandle process, std::uint32_t step) const;
+  // A configured bound of the server's was hit (shared-memory rings).
+  void count_limit(LimitKind kind) { counters_.hit(kind); }
   // The connection closed. Spans it left open are counted as abandoned when the process
   // has no other connection; liveness is then checked against /proc.
   void detach(ProcessHandle process);

@@ -86,8 +86,11 @@ enum class LimitKind : std::uint8_t {
   kMaxStateBytes,
   kMaxJobs,
   kMaxJobsPerUid,
+  kMaxRingsPerProcess,  // ServerLimits: shared-memory rings (a RingAttach refused)
+  kMaxRingBytesPerProcess,
+  kMaxRingBytesPerUid,
 };
-inline constexpr std::array<std::string_view, 16> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 19> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -102,8 +105,11 @@ inline constexpr std::array<std::string_view, 16> kLimitNames = {"max_connection
                                                                  "max_process_state_bytes",
                                                                  "max_state_bytes",
                                                                  "max_jobs",
-                                                                 "max_jobs_per_uid"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxJobsPerUid) + 1 == kLimitNames.size());
+                                                                 "max_jobs_per_uid",
+                                                                 "max_rings_per_process",
+                                                                 "max_ring_bytes_per_process",
+                                                                 "max_ring_bytes_per_uid"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxRingBytesPerUid) + 1 == kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
@@ -129,6 +135,18 @@ struct HttpCounters {
   std::uint64_t responses = 0;        // responses written in full
 };
 
+// Shared-memory rings (protocol version 5; daemon/serve/shared_rings.h): the server's
+// counts, as they are now (not kept in snapshots).
+struct RingCounters {
+  std::uint64_t mapped = 0;        // rings mapped now
+  std::uint64_t bytes_mapped = 0;  // their bytes
+  std::uint64_t attached = 0;      // RingAttach frames answered kMapped, since start
+  std::uint64_t refused = 0;       // answered with a refusal (limit or descriptor)
+  std::uint64_t events = 0;        // events read from rings
+  std::uint64_t records_refused = 0;  // records skipped as invalid (drop cause invalid)
+  std::uint64_t bad_rings = 0;     // rings dropped for a head out of range
+};
+
 struct ServerCounters {
   std::uint64_t frames_received = 0;
   std::uint64_t bytes_received = 0;
@@ -143,6 +161,7 @@ struct ServerCounters {
   std::uint64_t snapshot_errors = 0;
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name() or session kind
   HttpCounters http;
+  RingCounters rings;
 };
 
 // What the recorder counts (stats, metrics).
@@ -187,6 +206,7 @@ struct DaemonCounters {
   std::uint64_t snapshot_errors = 0;
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
   HttpCounters http;                       // the server's, as it is now (not kept in snapshots)
+  RingCounters rings;                      // the server's, as it is now (not kept in snapshots)
   FlightRecorderCounters flight_recorder;  // as it is now (not kept in snapshots)
   NvmlCounters nvml;                       // since start (not kept in snapshots)
   std::map<std::string, std::uint64_t> limits_hit;  // by limit name, e.g. "max_open_depth"

@@ -33,6 +33,10 @@ using Clock = std::chrono::steady_clock;
 // unless the test sets another, so no daemon running on this machine gets the events.
 [[maybe_unused]] const int kAbsentSocketEnv =
     ::setenv("STEPTRACE_SOCKET", "/nonexistent-steptrace-dir/steptraced.sock", 1);
+// These tests script the socket path frame by frame: rings stay in the library's memory
+// (STEPTRACE_SHM_RINGS=0, read at load) and the flusher encodes every event. The shared
+// rings of protocol version 5 are tested against the real daemon (shm_ring_test.cpp).
+[[maybe_unused]] const int kSocketPathEnv = ::setenv("STEPTRACE_SHM_RINGS", "0", 1);
 
 class FakeDaemon {
  public:
@@ -249,13 +253,13 @@ void refuse_hellos(FakeDaemon& daemon, std::initializer_list<std::uint16_t> vers
   }
 }
 
-TEST(Flusher, VersionOneDaemonGetsVersionOneAfterTwoRefusalsAndLosesNothing) {
+TEST(Flusher, VersionOneDaemonGetsVersionOneAfterEachNewerVersionIsRefusedAndLosesNothing) {
   FakeDaemon daemon;
   steptrace_start(4000);  // unknown step: one invalid drop
   spans(STEPTRACE_MATMUL, 100);
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  // A version-1 daemon refuses the version-4 hello and closes, then versions 3 and 2.
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {4, 3, 2}));
+  // A version-1 daemon refuses the version-5 hello and closes, then versions 4, 3 and 2.
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {5, 4, 3, 2}));
   // The next connection speaks version 1 (and the daemon decodes it as version 1: a
   // DroppedByCause frame would be a decode error).
   ASSERT_TRUE(daemon.accept_connection(5000));
@@ -281,7 +285,7 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
   ASSERT_TRUE(daemon.accept_connection(5000));
-  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);  // 4: leases came with 3
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);  // 5: leases came with 3
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);
   steptrace_ledger_renew("GPU-a", 7, 2500);
   steptrace_ledger_reserve_lease("GPU-a", 8, 1 << 20, "job", 0);  // no lease: refused here
@@ -300,7 +304,7 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
 TEST(Flusher, AVersionTwoDaemonGetsLeasedReservationsWithoutTheLeaseAndNoRenewals) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {4, 3}));
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {5, 4, 3}));
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), 2u);
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);

@@ -451,12 +451,12 @@ TEST(ProtoMalformed, BadMagic) {
 }
 
 TEST(ProtoMalformed, UnsupportedVersion) {
-  for (std::uint16_t version : {0, 5, 0x100, 0xffff}) {
+  for (std::uint16_t version : {0, 6, 0x100, 0xffff}) {
     expect_rejected(Side::kDaemon, hello_bytes(version), errc::unsupported_version, 0);
   }
   // The version is checked before the rest of the hello, so a future hello with other
   // flags still gets "unsupported version".
-  expect_rejected(Side::kDaemon, hello_bytes(5, 0xffff, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(6, 0xffff, ""), errc::unsupported_version, 0);
 }
 
 TEST(ProtoMalformed, BadHello) {
@@ -500,7 +500,7 @@ TEST(ProtoMalformed, ConfiguredSmallerCapIsEnforced) {
 }
 
 TEST(ProtoMalformed, UnknownFrameType) {
-  for (std::uint16_t type : {0, 8, 0x80, 0x83, 0x100, 0xffff}) {
+  for (std::uint16_t type : {0, 10, 0x80, 0x84, 0x100, 0xffff}) {
     SCOPED_TRACE(type);
     expect_daemon_frame_rejected(frame_bytes(type, Bytes(8)), errc::unknown_frame_type);
     expect_rejected(Side::kClient, frame_bytes(type, Bytes(8)), errc::unknown_frame_type, 0);
@@ -521,6 +521,30 @@ TEST(ProtoMalformed, UnknownFrameType) {
   }
   // A hello sent to a client is not a frame it knows.
   expect_rejected(Side::kClient, hello_bytes(), errc::unknown_frame_type, 0);
+}
+
+// Version 5's frames: a ring capacity that is not a power of two in range, a clock
+// scale past 1024 ns per tick, a RingAck status nobody defined.
+TEST(ProtoMalformed, BadRingFrames) {
+  auto attach = [](std::uint64_t capacity) {
+    ByteWriter w;
+    w.u32(1).u32(77).u64(capacity);
+    return frame_bytes(8, w.take());
+  };
+  for (std::uint64_t capacity : {0ull, 4095ull, 4097ull, 6000ull, (1ull << 26) * 2, ~0ull}) {
+    SCOPED_TRACE(capacity);
+    expect_daemon_frame_rejected(attach(capacity), errc::bad_ring);
+  }
+  for (std::uint64_t capacity : {4096ull, 1ull << 18, 1ull << 26}) {
+    const DecodeAll d = decode_all(Side::kDaemon, concat({hello_bytes(), attach(capacity)}));
+    EXPECT_FALSE(d.error) << capacity;
+  }
+  ByteWriter clock;
+  clock.u64(0).u64(0).u64(std::uint64_t{1} << 42);
+  expect_daemon_frame_rejected(frame_bytes(9, clock.take()), errc::bad_ring);
+  ByteWriter ack;
+  ack.u32(1).u32(3);
+  expect_rejected(Side::kClient, frame_bytes(0x83, ack.take()), errc::bad_ring, 0);
 }
 
 TEST(ProtoMalformed, BadFrameSize) {
@@ -806,6 +830,7 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
       {19, "bad_command", "bad command"},
       {20, "bad_snapshot", "snapshot is not valid"},
       {21, "bad_identity", "identity frame repeated or rank out of range"},
+      {22, "bad_ring", "shared-memory ring frame, descriptor or contents not valid"},
   };
   ASSERT_EQ(kErrcTable.size(), std::size(expected));
   for (const Expected& e : expected) {
@@ -817,10 +842,10 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
     EXPECT_STREQ(row.name, e.name);
     EXPECT_STREQ(row.message, e.message);
   }
-  EXPECT_EQ(static_cast<int>(errc::bad_identity), 21);
+  EXPECT_EQ(static_cast<int>(errc::bad_ring), 22);
   EXPECT_STREQ(errc_name(static_cast<errc>(0)), "unknown");
-  EXPECT_STREQ(errc_name(static_cast<errc>(22)), "unknown");
-  EXPECT_EQ(make_error_code(static_cast<errc>(22)).message(), "unknown steptrace error");
+  EXPECT_STREQ(errc_name(static_cast<errc>(23)), "unknown");
+  EXPECT_EQ(make_error_code(static_cast<errc>(23)).message(), "unknown steptrace error");
 }
 
 // The kinds `metrics` always exports under steptrace_protocol_errors_total: the ones the
@@ -834,7 +859,8 @@ TEST(ProtoErrc, ProtocolErrorKinds) {
                                              "bad_hello", "frame_too_large", "unknown_frame_type",
                                              "bad_frame_size", "bad_reserved", "bad_step_id",
                                              "bad_event_kind", "bad_string", "bad_ledger_op",
-                                             "unregistered_step", "timed_out", "bad_identity"}));
+                                             "unregistered_step", "timed_out", "bad_identity",
+                                             "bad_ring"}));
 }
 
 // ---- encoder ------------------------------------------------------------------------

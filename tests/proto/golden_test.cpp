@@ -227,11 +227,52 @@ void expect_hello_golden(const std::string& file, std::uint16_t version) {
 
 TEST(ProtoGolden, HelloVersion3) { expect_hello_golden("hello_v3.hex", 3); }
 
-TEST(ProtoGolden, HelloVersion4) {
-  expect_hello_golden("hello_v4.hex", 4);
+TEST(ProtoGolden, HelloVersion4) { expect_hello_golden("hello_v4.hex", 4); }
+
+TEST(ProtoGolden, HelloVersion5) {
+  expect_hello_golden("hello_v5.hex", 5);
   // The encoder's default is kProtocolVersion.
-  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.4.0", "trainer")); }),
-            read_hex("hello_v4.hex"));
+  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.5.0", "trainer")); }),
+            read_hex("hello_v5.hex"));
+}
+
+TEST(ProtoGolden, RingAttach) {
+  expect_golden("ring_attach.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.ring_attach(2, 4242, 262144)); }), 24);
+  const auto got = std::get<RingAttach>(
+      decode_one(Side::kDaemon, read_hex("ring_attach.hex"), "hello_v5.hex"));
+  EXPECT_EQ(got.ring_id, 2u);
+  EXPECT_EQ(got.thread_id, 4242u);
+  EXPECT_EQ(got.capacity, 262144u);
+  // A version-4 stream does not carry it.
+  const DecodeAll v4 = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello_v4.hex"), read_hex("ring_attach.hex")}));
+  EXPECT_EQ(v4.error, make_error_code(errc::unknown_frame_type));
+}
+
+TEST(ProtoGolden, ClockSync) {
+  expect_golden("clock_sync.hex", encode([](Encoder& e) {
+                  ASSERT_TRUE(e.clock_sync(ClockSync{1000000, 5000000000, 1ull << 31}));
+                }),
+                32);
+  const auto got = std::get<ClockSync>(
+      decode_one(Side::kDaemon, read_hex("clock_sync.hex"), "hello_v5.hex"));
+  EXPECT_EQ(got.anchor_ticks, 1000000u);
+  EXPECT_EQ(got.anchor_ns, 5000000000u);
+  EXPECT_EQ(got.scale, 1ull << 31);
+  // Half a nanosecond per tick: 2000 ticks after the anchor are 1000 ns after it.
+  EXPECT_EQ(ticks_to_ns(got, 1002000), 5000001000u);
+  EXPECT_EQ(ticks_to_ns(got, 998000), 4999999000u);
+  EXPECT_EQ(ticks_to_ns(ClockSync{}, 123), 123u);  // scale 0: ticks are ns
+}
+
+TEST(ProtoGolden, RingAck) {
+  expect_golden("ring_ack.hex",
+                encode([](Encoder& e) { ASSERT_TRUE(e.ring_ack(2, RingStatus::kRefusedLimit)); }),
+                16);
+  const auto got = std::get<RingAck>(decode_one(Side::kClient, read_hex("ring_ack.hex")));
+  EXPECT_EQ(got.ring_id, 2u);
+  EXPECT_EQ(got.status, static_cast<std::uint32_t>(RingStatus::kRefusedLimit));
 }
 
 TEST(ProtoGolden, Identity) {

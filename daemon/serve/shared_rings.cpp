@@ -1,0 +1,206 @@
+#include "daemon/serve/shared_rings.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "daemon/state/histogram.h"
+
+namespace steptrace::daemon {
+namespace {
+
+// Records copied out of a ring per chunk (64 KiB).
+constexpr std::size_t kChunkRecords = 4096;
+
+}  // namespace
+
+SharedRings::SharedRings(const ServerLimits& limits, RingBudget& budget, std::uint32_t uid)
+    : limits_(limits), budget_(budget), uid_(uid) {}
+
+SharedRings::~SharedRings() {
+  while (!rings_.empty()) unmap(rings_.size() - 1);
+}
+
+proto::RingStatus SharedRings::attach(const proto::RingAttach& attach, int fd,
+                                      std::optional<LimitKind>& limit) {
+  struct Closer {
+    int fd;
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
+  } closer{fd};
+  if (fd < 0) return proto::RingStatus::kRefusedFd;
+  const std::uint64_t size = proto::shm_ring_bytes(attach.capacity);
+  // Budgets first: a refusal for size costs no system call.
+  auto& by_uid = budget_.bytes_by_uid[uid_];
+  if (rings_.size() >= limits_.max_rings_per_process) {
+    limit = LimitKind::kMaxRingsPerProcess;
+  } else if (bytes_ + size > limits_.max_ring_bytes_per_process) {
+    limit = LimitKind::kMaxRingBytesPerProcess;
+  } else if (by_uid + size > limits_.max_ring_bytes_per_uid) {
+    limit = LimitKind::kMaxRingBytesPerUid;
+  }
+  if (limit) {
+    if (by_uid == 0) budget_.bytes_by_uid.erase(uid_);
+    return proto::RingStatus::kRefusedLimit;
+  }
+  // A memfd sealed against shrinking (so a mapping can never fault), of exactly the
+  // stated size; anything else (a socket, a pipe, a file, an unsealed memfd) is refused.
+  struct stat st {};
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 ||
+      static_cast<std::uint64_t>(st.st_size) != size) {
+    if (by_uid == 0) budget_.bytes_by_uid.erase(uid_);
+    return proto::RingStatus::kRefusedFd;
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    if (by_uid == 0) budget_.bytes_by_uid.erase(uid_);
+    return proto::RingStatus::kRefusedFd;
+  }
+  ::madvise(p, size, MADV_DONTDUMP);  // a client's memory has no place in the daemon's core
+  Ring ring;
+  ring.ring_id = attach.ring_id;
+  ring.thread_id = attach.thread_id;
+  ring.capacity = attach.capacity;
+  ring.header = static_cast<proto::RingHeader*>(p);
+  ring.slots = static_cast<const std::byte*>(p) + proto::kRingHeaderBytes;
+  ring.mapped = size;
+  // Where the previous consumer stopped (the library's flusher, or a daemon before a
+  // restart). Checked against head at every pass like everything else read here.
+  ring.tail = proto::ring_field(ring.header->tail).load(std::memory_order_acquire);
+  read_drops(ring);
+  rings_.push_back(ring);
+  bytes_ += size;
+  by_uid += size;
+  budget_.bytes += size;
+  ++budget_.rings;
+  return proto::RingStatus::kMapped;
+}
+
+void SharedRings::read_drops(Ring& ring) {
+  ring.dropped_full = std::max(
+      ring.dropped_full,
+      proto::ring_field(ring.header->dropped_buffer_full).load(std::memory_order_relaxed));
+  ring.dropped_unconnected = std::max(
+      ring.dropped_unconnected,
+      proto::ring_field(ring.header->dropped_not_connected).load(std::memory_order_relaxed));
+}
+
+void SharedRings::unmap(std::size_t index) {
+  Ring& ring = rings_[index];
+  retired_full_ = saturating_add(retired_full_, ring.dropped_full);
+  retired_unconnected_ = saturating_add(retired_unconnected_, ring.dropped_unconnected);
+  ::munmap(ring.header, ring.mapped);
+  bytes_ -= ring.mapped;
+  budget_.bytes -= ring.mapped;
+  --budget_.rings;
+  auto it = budget_.bytes_by_uid.find(uid_);
+  if (it != budget_.bytes_by_uid.end()) {
+    it->second -= std::min(it->second, static_cast<std::uint64_t>(ring.mapped));
+    if (it->second == 0) budget_.bytes_by_uid.erase(it);
+  }
+  rings_.erase(rings_.begin() + static_cast<std::ptrdiff_t>(index));
+}
+
+proto::DroppedByCause SharedRings::drops() const {
+  proto::DroppedByCause d{};
+  std::uint64_t full = retired_full_;
+  std::uint64_t unconnected = retired_unconnected_;
+  for (const Ring& ring : rings_) {
+    full = saturating_add(full, ring.dropped_full);
+    unconnected = saturating_add(unconnected, ring.dropped_unconnected);
+  }
+  d.count[static_cast<std::size_t>(proto::DropCause::kBufferFull)] = full;
+  d.count[static_cast<std::size_t>(proto::DropCause::kNotConnected)] = unconnected;
+  d.count[static_cast<std::size_t>(proto::DropCause::kInvalid)] = refused_;
+  return d;
+}
+
+SharedRings::Drained SharedRings::drain(Collector& collector, ProcessHandle process, Pass pass,
+                                        std::optional<std::uint32_t> thread,
+                                        std::uint64_t until_ns) {
+  Drained out;
+  for (std::size_t i = 0; i < rings_.size();) {
+    Ring& ring = rings_[i];
+    if (thread && ring.thread_id != *thread) {
+      ++i;
+      continue;
+    }
+    // The orphaned flag is read before the head: a producer sets it after its last push.
+    const bool orphaned =
+        proto::ring_field(ring.header->orphaned).load(std::memory_order_acquire) != 0;
+    if (!drain_ring(ring, collector, process, pass, until_ns, out)) {
+      ++out.bad_rings;
+      unmap(i);
+      continue;
+    }
+    read_drops(ring);
+    const bool empty =
+        proto::ring_field(ring.header->head).load(std::memory_order_acquire) == ring.tail;
+    // The thread is gone and everything it wrote is folded; at the last pass every ring goes.
+    if ((orphaned && empty) || pass == Pass::kFinal) {
+      unmap(i);
+      continue;
+    }
+    ++i;
+  }
+  return out;
+}
+
+bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle process, Pass pass,
+                             std::uint64_t until_ns, Drained& out) {
+  const std::uint64_t head = proto::ring_field(ring.header->head).load(std::memory_order_acquire);
+  if (head - ring.tail > ring.capacity) return false;  // also head < tail (wraps)
+  const std::uint64_t mask = ring.capacity - 1;
+  copy_.resize(kChunkRecords);
+  while (ring.tail != head) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(head - ring.tail, kChunkRecords));
+    // Copy first, then look: the producer may rewrite the slots meanwhile.
+    const std::size_t first = static_cast<std::size_t>(ring.tail & mask);
+    const std::size_t run = std::min<std::size_t>(n, static_cast<std::size_t>(ring.capacity) - first);
+    std::memcpy(copy_.data(), ring.slots + first * sizeof(proto::EventRecord),
+                run * sizeof(proto::EventRecord));
+    if (run < n) std::memcpy(copy_.data() + run, ring.slots, (n - run) * sizeof(proto::EventRecord));
+    // Validate and convert in place, compacting the good records to the front; stop at
+    // the first one that must wait (unregistered step, or past until_ns).
+    std::size_t good = 0;
+    std::size_t taken = 0;
+    for (; taken < n; ++taken) {
+      proto::EventRecord e = copy_[taken];
+      const bool valid = e.reserved == 0 && e.thread_id == ring.thread_id &&
+                         (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart) ||
+                          e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) &&
+                         proto::is_valid_step(e.step);
+      if (!valid) {
+        ++refused_;
+        ++out.refused;
+        continue;
+      }
+      e.timestamp_ns = proto::ticks_to_ns(clock_, e.timestamp_ns);
+      if (e.timestamp_ns > until_ns) break;
+      if (!collector.step_known(process, e.step)) {
+        if (pass == Pass::kLive) break;  // its RegisterStep is on its way
+        ++refused_;
+        ++out.refused;
+        continue;
+      }
+      copy_[good++] = e;
+    }
+    if (good > 0) {
+      collector.events(process, proto::EventSpan(reinterpret_cast<const std::byte*>(copy_.data()), good));
+      out.events += good;
+    }
+    ring.tail += taken;
+    proto::ring_field(ring.header->tail).store(ring.tail, std::memory_order_release);
+    if (taken < n) break;  // waits: for a registration, or for its ledger record
+  }
+  return true;
+}
+
+}  // namespace steptrace::daemon

@@ -1,0 +1,112 @@
+// The rings one client connection handed the daemon in shared memory (protocol version
+// 5, proto/shm_ring.h, PROTOCOL.md section 11): mapping them, reading them into the
+// Collector, and the drop counts in their headers.
+//
+// Data flow: the Session receives a memfd with the bytes of a RingAttach frame
+// (SCM_RIGHTS); ClientStream hands both to attach(), which checks the descriptor (a
+// memfd sealed against shrinking, exactly the size the frame states), the connection's,
+// the process's and the uid's budgets, and maps it; the descriptor is closed at once
+// (the mapping keeps the memory). drain() copies each ring's published records out,
+// validates the copies, converts their ticks with the latest ClockSync, folds them with
+// Collector::events and then frees the slots (a release store of the ring's tail). It
+// runs on the server's ring timer, before a Flush is answered, before a text command is
+// answered, for one thread up to a ledger record's stamp, and a last time when the
+// connection closes (the process may be dead: its rings are all that is left of it).
+//
+// Untrusted: the producer may rewrite anything in the mapping at any time. The reader
+// keeps its own tail, reads head once per pass and checks 0 <= head - tail <= capacity
+// (else the ring is dropped from the set and counted as bad_ring), and never reads a
+// record twice. A bad record (kind, reserved byte, step id, thread id) is skipped and
+// counted as refused (drop cause invalid); an event of a custom step not yet registered
+// waits in the ring until the step's RegisterStep arrives (the library sends it within
+// a round), or is refused in the last pass. The file cannot shrink (F_SEAL_SHRINK), so a
+// mapping never faults.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "daemon/serve/config.h"
+#include "daemon/state/collector.h"
+#include "proto/shm_ring.h"
+
+namespace steptrace::daemon {
+
+// What every connection's rings share: the bytes mapped per uid and in all.
+struct RingBudget {
+  std::map<std::uint32_t, std::uint64_t> bytes_by_uid;
+  std::uint64_t bytes = 0;  // mapped now, all connections
+  std::uint64_t rings = 0;  // mapped now
+};
+
+class SharedRings {
+ public:
+  // Why a drain() runs: the last pass refuses what can never become valid.
+  enum class Pass : std::uint8_t { kLive, kFinal };
+
+  SharedRings(const ServerLimits& limits, RingBudget& budget, std::uint32_t uid);
+  ~SharedRings();  // unmaps every ring, returns its bytes
+  SharedRings(const SharedRings&) = delete;
+  SharedRings& operator=(const SharedRings&) = delete;
+
+  // Maps `fd` (always closed here; -1: the frame came without one) as the ring `attach`
+  // names. The answer for the RingAck; a refusal is counted by the caller.
+  // `limit`: which bound refused it (kRefusedLimit).
+  proto::RingStatus attach(const proto::RingAttach& attach, int fd,
+                           std::optional<LimitKind>& limit);
+  void set_clock(const proto::ClockSync& clock) { clock_ = clock; }
+
+  struct Drained {
+    std::uint64_t events = 0;   // folded into the collector
+    std::uint64_t refused = 0;  // bad records skipped (drop cause invalid)
+    std::uint64_t bad_rings = 0;  // rings dropped for a head out of range
+  };
+  // Folds what every ring published. `thread` / `until_ns`: only that thread's ring, and
+  // only records stamped at or before until_ns (a ledger record's place among them).
+  Drained drain(Collector& collector, ProcessHandle process, Pass pass,
+                std::optional<std::uint32_t> thread = std::nullopt,
+                std::uint64_t until_ns = UINT64_MAX);
+
+  // The drop counts the rings' producers wrote (rings unmapped since included), plus the
+  // records refused here under invalid: what the library leaves out of its DroppedByCause
+  // frames on a version-5 connection.
+  proto::DroppedByCause drops() const;
+  std::size_t size() const { return rings_.size(); }
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  struct Ring {
+    std::uint32_t ring_id = 0;
+    std::uint32_t thread_id = 0;
+    std::uint64_t capacity = 0;
+    proto::RingHeader* header = nullptr;
+    const std::byte* slots = nullptr;
+    std::size_t mapped = 0;
+    std::uint64_t tail = 0;  // ours: never read back from the mapping
+    std::uint64_t dropped_full = 0;
+    std::uint64_t dropped_unconnected = 0;
+  };
+  // Reads the header's drop counters (never backwards).
+  static void read_drops(Ring& ring);
+  void unmap(std::size_t index);  // keeps its drop counts
+  // One ring's pass; false when its head was out of range.
+  bool drain_ring(Ring& ring, Collector& collector, ProcessHandle process, Pass pass,
+                  std::uint64_t until_ns, Drained& out);
+
+  const ServerLimits& limits_;
+  RingBudget& budget_;
+  std::uint32_t uid_;
+  std::vector<Ring> rings_;
+  std::uint64_t bytes_ = 0;
+  proto::ClockSync clock_{};
+  std::uint64_t retired_full_ = 0;  // drop counts of rings unmapped
+  std::uint64_t retired_unconnected_ = 0;
+  std::uint64_t refused_ = 0;
+  std::vector<proto::EventRecord> copy_;  // one chunk copied out of a ring
+};
+
+}  // namespace steptrace::daemon
