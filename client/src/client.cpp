@@ -198,6 +198,9 @@ EventRing* Client::create_ring() {
   registry.rings.push_back(std::move(ring));
   registry.used_bytes += bytes;
   thread_key_.set(own);
+  // The flusher offers the new ring to the daemon now rather than at its next poll: what
+  // the thread records survives the process's death once the daemon maps it.
+  if (own->memfd() >= 0) s_.wake();
   return own;
 }
 

@@ -211,6 +211,7 @@ class EventRing {
   // Flusher-only, under RingRegistry::mu: the ring's consumer on this connection and its
   // name in RingAttach/RingAck.
   Sharing sharing = Sharing::kLocal;
+  bool refused = false;  // the daemon of this connection refused it: not offered again
   std::uint32_t ring_id = 0;
 
   // Producer-only state for the opt-in blocking mode: after one bounded wait timed out

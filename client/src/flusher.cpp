@@ -130,7 +130,10 @@ void Flusher::on_connected(UniqueFd fd) {
 
 void Flusher::unshare_rings() {
   std::lock_guard lock(s_.registry.mu);
-  for (auto& ring : s_.registry.rings) ring->sharing = EventRing::Sharing::kLocal;
+  for (auto& ring : s_.registry.rings) {
+    ring->sharing = EventRing::Sharing::kLocal;
+    ring->refused = false;
+  }
 }
 
 void Flusher::close_connection(bool lost) {
@@ -486,7 +489,7 @@ void Flusher::offer_rings() {
   std::lock_guard lock(s_.registry.mu);
   for (auto& owned : s_.registry.rings) {
     EventRing& ring = *owned;
-    if (ring.sharing != EventRing::Sharing::kLocal || ring.memfd() < 0) continue;
+    if (ring.sharing != EventRing::Sharing::kLocal || ring.refused || ring.memfd() < 0) continue;
     if (ring.orphaned() && ring.fill() == 0) continue;  // about to be freed
     // [ClockSync] RingAttach, the memfd riding on the first byte (PROTOCOL.md 11.2).
     std::array<std::byte, 2 * kFrameBytes + sizeof(proto::ClockSync) + sizeof(proto::RingAttach)>
@@ -515,7 +518,10 @@ void Flusher::offer_rings() {
       if (errno != EAGAIN && errno != EWOULDBLOCK) {
         // Not a descriptor the socket can pass (e.g. too many in flight): this ring stays
         // on the socket path for this connection.
-        if (errno == ETOOMANYREFS || errno == EMFILE || errno == ENFILE) continue;
+        if (errno == ETOOMANYREFS || errno == EMFILE || errno == ENFILE) {
+          ring.refused = true;
+          continue;
+        }
         close_connection();
       }
       return;
@@ -542,7 +548,10 @@ void Flusher::ring_answered(const proto::RingAck& ack) {
     ring->sharing = ack.status == static_cast<std::uint32_t>(proto::RingStatus::kMapped)
                         ? EventRing::Sharing::kShared
                         : EventRing::Sharing::kLocal;
-    if (ring->sharing == EventRing::Sharing::kLocal) ++s_.rings_refused;
+    if (ring->sharing == EventRing::Sharing::kLocal) {
+      ring->refused = true;
+      s_.rings_refused.fetch_add(1, std::memory_order_relaxed);
+    }
     return;
   }
 }

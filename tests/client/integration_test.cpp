@@ -609,5 +609,75 @@ TEST_F(AutoConnect, DisableAndOptOutStartNothing) {
   EXPECT_EQ(events_received(socket()), 0);
 }
 
+// Protocol version 5: the rings travel in shared memory when the daemon maps them, and on
+// the socket when it refuses them or the library is told not to offer them. Same counts
+// either way; `stats --json`'s shared_rings says which path they took.
+class Transport : public ::testing::Test {
+ protected:
+  // A daemon with `limits` (a JSON object) as its config's "limits".
+  void start_daemon(const std::string& limits = "{}") {
+    const std::string config = dir_.file("config.json");
+    std::ofstream(config) << "{\"limits\": " << limits << "}\n";
+    daemon_ = std::make_unique<DaemonProcess>(dir_.file("d.sock"),
+                                              std::vector<std::string>{"--config", config});
+    ASSERT_TRUE(daemon_->start()) << daemon_->log();
+  }
+  std::string socket() const { return dir_.file("d.sock"); }
+  nlohmann::json shared_rings() const {
+    const auto reply = command(socket(), "stats --json");
+    EXPECT_TRUE(reply.has_value());
+    if (!reply) return {};
+    return nlohmann::json::parse(*reply).at("shared_rings");
+  }
+  // 4 threads x 2000 Matmul spans, exact in the daemon.
+  void expect_threads_arrive(const std::vector<std::string>& env = {}) {
+    const std::string out = dir_.file("t");
+    ASSERT_EQ(run_process({STEPTRACE_TEST_TRAINER, "threads", socket(), out, "4", "2000"}, env,
+                          60000),
+              0);
+    const Values v = wait_values(out);
+    EXPECT_EQ(v.at("dropped"), 0);
+    const auto proc = process_report(socket(), v.at("pid"));
+    EXPECT_EQ(step_count(proc, "Matmul"), 4 * 2000);
+    EXPECT_EQ(step_count(proc, "Matmul", "open"), 0);
+    EXPECT_EQ(dropped_of(proc), 0);
+    EXPECT_EQ(events_received(socket()), 4 * 2000 * 2);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(Transport, TheDaemonReadsTheRingsInSharedMemory) {
+  ASSERT_NO_FATAL_FAILURE(start_daemon());
+  ASSERT_NO_FATAL_FAILURE(expect_threads_arrive());
+  const auto rings = shared_rings();
+  EXPECT_GE(rings.at("attached").get<long long>(), 4) << rings;
+  EXPECT_EQ(rings.at("events").get<long long>(), 4 * 2000 * 2) << rings;
+  EXPECT_EQ(rings.at("refused").get<long long>(), 0) << rings;
+  // The process exited: its rings are unmapped, their bytes returned.
+  EXPECT_EQ(rings.at("mapped").get<long long>(), 0) << rings;
+  EXPECT_EQ(rings.at("bytes_mapped").get<long long>(), 0) << rings;
+}
+
+TEST_F(Transport, RingsTheDaemonRefusesGoOnTheSocketAndLoseNothing) {
+  ASSERT_NO_FATAL_FAILURE(start_daemon(R"({"max_rings_per_process": 0})"));
+  ASSERT_NO_FATAL_FAILURE(expect_threads_arrive());
+  const auto rings = shared_rings();
+  EXPECT_EQ(rings.at("attached").get<long long>(), 0) << rings;
+  EXPECT_GE(rings.at("refused").get<long long>(), 4) << rings;
+  EXPECT_EQ(rings.at("events").get<long long>(), 0) << rings;
+  const auto stats = nlohmann::json::parse(*command(socket(), "stats --json"));
+  EXPECT_GE(stats.at("limits_hit").value("max_rings_per_process", 0), 4) << stats;
+}
+
+TEST_F(Transport, ShmRingsOffKeepsEveryRingOnTheSocket) {
+  ASSERT_NO_FATAL_FAILURE(start_daemon());
+  ASSERT_NO_FATAL_FAILURE(expect_threads_arrive({"STEPTRACE_SHM_RINGS=0"}));
+  const auto rings = shared_rings();
+  EXPECT_EQ(rings.at("attached").get<long long>(), 0) << rings;
+  EXPECT_EQ(rings.at("refused").get<long long>(), 0) << rings;
+}
+
 }  // namespace
 }  // namespace steptrace::testing
