@@ -50,12 +50,23 @@ struct RingHeader {
   std::uint8_t pad1[32];
   // The consumer's line.
   alignas(64) std::uint64_t tail;
-  std::uint8_t pad2[56];
+  // The pid of the daemon that maps the ring (0: none). Set when it maps the ring,
+  // cleared when it unmaps it after its last pass. The library takes a ring back (reads it
+  // itself, or offers it on another connection) only when this is 0 or names a process
+  // that no longer exists (a daemon that crashed): never two consumers at once.
+  std::uint64_t consumer_pid;
+  std::uint8_t pad2[48];
 };
 static_assert(sizeof(RingHeader) == 192);
 static_assert(sizeof(RingHeader) <= kRingHeaderBytes);
-static_assert(offsetof(RingHeader, head) == 64 && offsetof(RingHeader, tail) == 128);
+static_assert(offsetof(RingHeader, head) == 64 && offsetof(RingHeader, tail) == 128 &&
+              offsetof(RingHeader, consumer_pid) == 136);
 
+// The bytes of the slots, what the daemon's ring budgets count (the header page is bounded
+// by the ring-count limits).
+constexpr std::uint64_t shm_ring_slot_bytes(std::uint64_t capacity) {
+  return capacity * sizeof(EventRecord);
+}
 constexpr std::uint64_t shm_ring_bytes(std::uint64_t capacity) {
   return kRingHeaderBytes + capacity * sizeof(EventRecord);
 }

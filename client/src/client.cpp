@@ -178,7 +178,7 @@ EventRing* Client::create_ring() {
     // Nobody drains the rings of exited threads now: a live thread comes first. Their
     // events are counted under not_connected, oldest ring first.
     for (std::size_t i = 0; i < registry.rings.size() && bytes < registry.per_thread_bytes;) {
-      if (registry.rings[i]->orphaned()) {
+      if (registry.rings[i]->orphaned() && registry.rings[i]->consumer_gone()) {
         registry.free_ring_locked(i);
         bytes = size();
       } else {
@@ -219,7 +219,9 @@ void Client::retire_ring(EventRing* ring) noexcept {
   // Nobody drains: keep only the newest kMaxOrphanRings exited threads' events.
   std::size_t orphans = 0;
   for (std::size_t i = rings.size(); i-- > 0;) {
-    if (rings[i]->orphaned() && ++orphans > kMaxOrphanRings) s_.registry.free_ring_locked(i);
+    if (rings[i]->orphaned() && rings[i]->consumer_gone() && ++orphans > kMaxOrphanRings) {
+      s_.registry.free_ring_locked(i);
+    }
   }
 }
 
@@ -454,7 +456,7 @@ void Client::count_unsent_at_exit(proto::DropCause cause) noexcept {
     std::lock_guard lock(s_.registry.mu);
     for (const auto& ring : s_.registry.rings) {
       // The daemon that maps the ring drains it once it sees this process's socket close.
-      if (ring->sharing != EventRing::Sharing::kLocal) continue;
+      if (ring->sharing != EventRing::Sharing::kLocal || !ring->consumer_gone()) continue;
       const std::uint64_t head = ring->published();
       unsent += head - ring->consumed();
       ring->release(head);  // the flusher is gone: this thread is the consumer now

@@ -44,12 +44,14 @@
 #pragma once
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cassert>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -211,7 +213,21 @@ class EventRing {
   // Flusher-only, under RingRegistry::mu: the ring's consumer on this connection and its
   // name in RingAttach/RingAck.
   Sharing sharing = Sharing::kLocal;
-  bool refused = false;  // the daemon of this connection refused it: not offered again
+  bool refused = false;     // the daemon of this connection refused it: not offered again
+  bool was_shared = false;  // a daemon mapped it; cleared once that daemon let it go
+  // Whether no daemon reads the ring any more (requires RingRegistry::mu): never shared,
+  // or the header's consumer_pid is 0 (that daemon unmapped it after its last pass) or
+  // names no live process (it crashed). Until then nobody else consumes or frees it.
+  bool consumer_gone() noexcept {
+    if (!was_shared) return true;
+    const std::uint64_t pid =
+        proto::ring_field(header_->consumer_pid).load(std::memory_order_acquire);
+    if (pid != 0 && pid <= 0x7fffffff && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)) {
+      return false;
+    }
+    was_shared = false;
+    return true;
+  }
   std::uint32_t ring_id = 0;
 
   // Producer-only state for the opt-in blocking mode: after one bounded wait timed out

@@ -28,9 +28,8 @@ constexpr std::chrono::milliseconds kAnchorInterval{50};
 // Room kept after the events for the DroppedByCause frame and two Flush frames (the
 // flusher's own and a steptrace_flush caller's).
 constexpr std::size_t kFrameBytes = sizeof(proto::FrameHeader);
-constexpr std::size_t kTailReserve = kFrameBytes + sizeof(proto::DroppedByCause) +
-                                     2 * (kFrameBytes + sizeof(proto::FlushRequest)) +
-                                     kFrameBytes + sizeof(proto::ClockSync);
+constexpr std::size_t kTailReserve =
+    kFrameBytes + sizeof(proto::DroppedByCause) + 2 * (kFrameBytes + sizeof(proto::FlushRequest));
 static_assert(sizeof(proto::DroppedByCause) >= sizeof(proto::DroppedReport));
 
 bool same_counts(const proto::DroppedByCause& a, const proto::DroppedByCause& b) {
@@ -280,6 +279,10 @@ bool Flusher::build_batch() {
     return false;
   }
   if (!accepted_) return false;
+  // A re-anchored conversion goes first: the ledger stamps below were converted with it.
+  if (shm_connection() && clock_dirty_ && tsc && enc.clock_sync(s_.converter.sync())) {
+    clock_dirty_ = false;
+  }
 
   auto to_ns = [&](std::uint64_t ticks) { return tsc ? s_.converter.to_ns(ticks) : ticks; };
   std::uint64_t flush_seq = 0;
@@ -408,6 +411,11 @@ bool Flusher::build_batch() {
       if (ring.sharing == EventRing::Sharing::kOffered) offered = true;
       continue;
     }
+    if (!ring.consumer_gone()) {
+      // A daemon that mapped it on an earlier connection has not let it go yet.
+      offered = true;
+      continue;
+    }
     std::uint64_t pos = ring.consumed();
     for (std::size_t k = 0; k < ledger_.size(); ++k) {
       if (ledger_ring_[k] != i) continue;
@@ -443,7 +451,7 @@ bool Flusher::build_batch() {
   for (std::size_t i = rings.size(); i-- > 0;) {
     EventRing& ring = *rings[i];
     if (ring.sharing == EventRing::Sharing::kOffered) continue;
-    if (ring.orphaned() && ring.fill() == 0) {
+    if (ring.orphaned() && ring.fill() == 0 && ring.consumer_gone()) {
       s_.registry.free_ring_locked(i);
     } else if (ring.sharing == EventRing::Sharing::kLocal && ring.fill() >= ring.high_water()) {
       busy = true;
@@ -467,10 +475,6 @@ bool Flusher::build_batch() {
     batch_flush_ = next_own_flush();
     tail.flush(batch_flush_);  // fits: kTailReserve
   }
-  if (shm_connection() && clock_dirty_ && s_.clock_source == ClockSource::kTsc &&
-      tail.clock_sync(s_.converter.sync())) {
-    clock_dirty_ = false;
-  }
   // Everything recorded before the flush call was taken (the heads were read after it);
   // the daemon drains the rings it maps before it answers.
   if (!leftovers && !ledger_waits && !offered && flush_seq > flush_sent_ &&
@@ -490,6 +494,7 @@ void Flusher::offer_rings() {
   for (auto& owned : s_.registry.rings) {
     EventRing& ring = *owned;
     if (ring.sharing != EventRing::Sharing::kLocal || ring.refused || ring.memfd() < 0) continue;
+    if (!ring.consumer_gone()) continue;  // the last daemon's final pass is not done yet
     if (ring.orphaned() && ring.fill() == 0) continue;  // about to be freed
     // [ClockSync] RingAttach, the memfd riding on the first byte (PROTOCOL.md 11.2).
     std::array<std::byte, 2 * kFrameBytes + sizeof(proto::ClockSync) + sizeof(proto::RingAttach)>
@@ -548,6 +553,7 @@ void Flusher::ring_answered(const proto::RingAck& ack) {
     ring->sharing = ack.status == static_cast<std::uint32_t>(proto::RingStatus::kMapped)
                         ? EventRing::Sharing::kShared
                         : EventRing::Sharing::kLocal;
+    if (ring->sharing == EventRing::Sharing::kShared) ring->was_shared = true;
     if (ring->sharing == EventRing::Sharing::kLocal) {
       ring->refused = true;
       s_.rings_refused.fetch_add(1, std::memory_order_relaxed);
@@ -598,7 +604,7 @@ void Flusher::run() {
         auto& rings = s_.registry.rings;
         std::size_t orphans = 0;
         for (std::size_t i = rings.size(); i-- > 0;) {
-          if (!rings[i]->orphaned()) continue;
+          if (!rings[i]->orphaned() || !rings[i]->consumer_gone()) continue;
           if (rings[i]->fill() == 0 || ++orphans > kMaxOrphanRings) {
             s_.registry.free_ring_locked(i);
           }

@@ -308,7 +308,8 @@ std::string report::metrics_text(const CollectorView& view) {
     MetricFamily(out, "steptrace_shared_rings", "gauge",
                  "Client rings in shared memory the daemon maps now.")
         .sample({}, r.mapped);
-    MetricFamily(out, "steptrace_shared_ring_bytes", "gauge", "Bytes of those rings.")
+    MetricFamily(out, "steptrace_shared_ring_bytes", "gauge",
+                 "Bytes of those rings' slots (what the ring budgets count).")
         .sample({}, r.bytes_mapped);
     MetricFamily(out, "steptrace_shared_ring_events_total", "counter",
                  "Events read from shared-memory rings.")

@@ -110,6 +110,7 @@ void ClientStream::received(std::size_t n) {
     if (dialect_ == Dialect::kBinary) {
       decoder_.feed(std::as_bytes(std::span(text_buf_.data(), n)));
     } else {
+      close_pending_fds();  // a text connection has no use for descriptors
       line_buf_.append(text_buf_.data(), n);
     }
   } else if (dialect_ == Dialect::kBinary) {
@@ -243,7 +244,10 @@ std::error_code ClientStream::apply(const proto::Message& message) {
             return {};
           },
           [&](const proto::EventSpan& events) { return collector.events(handle, events); },
-          [&](const proto::RegisterStep& step) { return collector.register_step(handle, step); },
+          [&](const proto::RegisterStep& step) {
+            if (rings_) rings_->step_registered();
+            return collector.register_step(handle, step);
+          },
           [&](const proto::LedgerRecord& record) -> std::error_code {
             // The ring of the record's thread first, up to the record's stamp: the
             // events before it come before it, as on the socket path.
@@ -533,18 +537,26 @@ std::uint64_t drain_all_rings(SessionShared& shared) {
 }
 
 void ClientStream::received_fds(std::span<const int> fds, bool truncated) {
-  // A RingAttach takes one each, in the same read (the library sends each with its frame,
-  // and the kernel never merges two sends that carry descriptors): a second one waiting is
-  // abuse. So a connection holds at most one extra descriptor (Server::check_fd_limit).
-  constexpr std::size_t kMaxPendingFds = 1;
-  for (const int fd : fds) pending_fds_.push_back(fd);
-  shared_.pending_fds += fds.size();
-  if (state_ == State::kFinishing || state_ == State::kClosed) {
-    close_pending_fds();
+  // A RingAttach takes one each. The library sends each with its own frames, and a read
+  // ends after the first send that carries descriptors, so at most one waits from a read
+  // whose frame was cut (a partial send) when the next arrives: a third is abuse.
+  constexpr std::size_t kMaxPendingFds = 2;
+  if (state_ == State::kFinishing || state_ == State::kClosed || dialect_ == Dialect::kText) {
+    for (const int fd : fds) ::close(fd);
     return;
   }
-  if (truncated || pending_fds_.size() > kMaxPendingFds || dialect_ == Dialect::kText ||
-      shared_.pending_fds > kMaxPendingRingFds) {
+  for (const int fd : fds) {
+    if (shared_.pending_fds >= kMaxPendingRingFds) {
+      // The daemon's reserve for passed descriptors is in use (by others): this one is
+      // closed now and its RingAttach refused (the ring goes on the socket), in order.
+      ::close(fd);
+      pending_fds_.push_back(-1);
+      continue;
+    }
+    pending_fds_.push_back(fd);
+    ++shared_.pending_fds;
+  }
+  if (truncated || pending_fds_.size() > kMaxPendingFds) {
     close_pending_fds();
     fail(make_error_code(errc::bad_ring),
          truncated ? "descriptors cut off (MSG_CTRUNC)"
@@ -553,8 +565,11 @@ void ClientStream::received_fds(std::span<const int> fds, bool truncated) {
 }
 
 void ClientStream::close_pending_fds() {
-  for (const int fd : pending_fds_) ::close(fd);
-  shared_.pending_fds -= std::min(shared_.pending_fds, pending_fds_.size());
+  for (const int fd : pending_fds_) {
+    if (fd < 0) continue;
+    ::close(fd);
+    --shared_.pending_fds;
+  }
   pending_fds_.clear();
 }
 
@@ -571,7 +586,7 @@ std::error_code ClientStream::attach_ring(const proto::RingAttach& attach) {
   if (!pending_fds_.empty()) {
     fd = pending_fds_.front();
     pending_fds_.pop_front();
-    --shared_.pending_fds;
+    if (fd >= 0) --shared_.pending_fds;
   }
   std::optional<LimitKind> limit;
   const proto::RingStatus status = rings().attach(attach, fd, limit);

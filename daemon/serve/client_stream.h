@@ -83,7 +83,8 @@ class RateLimitedLog {
 class ClientStream;
 
 // Descriptors clients passed (SCM_RIGHTS) that wait for their RingAttach frame to be
-// complete, all connections together; past it the connection that sends one more fails.
+// complete, all connections together; past it a passed descriptor is closed at once and
+// its ring refused (the client sends that ring's events on the socket).
 inline constexpr std::size_t kMaxPendingRingFds = 32;
 
 // What every connection shares; owned by the Server, which outlives its sessions.

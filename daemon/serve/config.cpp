@@ -104,6 +104,7 @@ void read_limits(JsonObject limits, Config& c) {
   limits.optional_unsigned("max_line_bytes", s.max_line_bytes, 64, 1 << 20);
   // 0 refuses every ring: the clients send their events on the socket instead.
   limits.optional_unsigned("max_rings_per_process", s.max_rings_per_process, 0, 65536);
+  limits.optional_unsigned("max_rings_per_uid", s.max_rings_per_uid, 0, 1'000'000);
   limits.optional_unsigned("max_ring_bytes_per_process", s.max_ring_bytes_per_process, 0,
                            std::uint64_t{1} << 40);
   limits.optional_unsigned("max_ring_bytes_per_uid", s.max_ring_bytes_per_uid, 0,
@@ -316,6 +317,7 @@ json config_to_json(const Config& c) {
         {"max_frame_bytes", c.server_limits.max_frame_bytes},
         {"max_line_bytes", c.server_limits.max_line_bytes},
         {"max_rings_per_process", c.server_limits.max_rings_per_process},
+        {"max_rings_per_uid", c.server_limits.max_rings_per_uid},
         {"max_ring_bytes_per_process", c.server_limits.max_ring_bytes_per_process},
         {"max_ring_bytes_per_uid", c.server_limits.max_ring_bytes_per_uid},
         {"max_processes", c.limits.max_processes},

@@ -82,7 +82,9 @@ void Session::read_more() {
 }
 
 std::size_t Session::receive(boost::system::error_code& ec) {
-  constexpr std::size_t kMaxFdsPerRead = 2;  // more is cut (MSG_CTRUNC): the stream fails
+  // The library passes one per send, and a read ends after a send that carries any: more
+  // is cut (MSG_CTRUNC, the kernel closes the rest) and the stream fails.
+  constexpr std::size_t kMaxFdsPerRead = 2;
   const auto buffer = stream_->read_buffer();
   iovec iov{buffer.data(), buffer.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerRead)];

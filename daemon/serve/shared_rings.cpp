@@ -36,31 +36,37 @@ proto::RingStatus SharedRings::attach(const proto::RingAttach& attach, int fd,
   } closer{fd};
   if (fd < 0) return proto::RingStatus::kRefusedFd;
   const std::uint64_t size = proto::shm_ring_bytes(attach.capacity);
+  const std::uint64_t charge = proto::shm_ring_slot_bytes(attach.capacity);
   // Budgets first: a refusal for size costs no system call.
-  auto& by_uid = budget_.bytes_by_uid[uid_];
+  const auto uid_bytes = budget_.bytes_by_uid.find(uid_);
+  const auto uid_rings = budget_.rings_by_uid.find(uid_);
+  const std::uint64_t by_uid = uid_bytes == budget_.bytes_by_uid.end() ? 0 : uid_bytes->second;
+  const std::uint64_t rings_of_uid = uid_rings == budget_.rings_by_uid.end() ? 0 : uid_rings->second;
   if (rings_.size() >= limits_.max_rings_per_process) {
     limit = LimitKind::kMaxRingsPerProcess;
-  } else if (bytes_ + size > limits_.max_ring_bytes_per_process) {
+  } else if (rings_of_uid >= limits_.max_rings_per_uid) {
+    limit = LimitKind::kMaxRingsPerUid;
+  } else if (bytes_ + charge > limits_.max_ring_bytes_per_process) {
     limit = LimitKind::kMaxRingBytesPerProcess;
-  } else if (by_uid + size > limits_.max_ring_bytes_per_uid) {
+  } else if (by_uid + charge > limits_.max_ring_bytes_per_uid) {
     limit = LimitKind::kMaxRingBytesPerUid;
   }
-  if (limit) {
-    if (by_uid == 0) budget_.bytes_by_uid.erase(uid_);
-    return proto::RingStatus::kRefusedLimit;
-  }
+  if (limit) return proto::RingStatus::kRefusedLimit;
   // A memfd sealed against shrinking (so a mapping can never fault), of exactly the
   // stated size; anything else (a socket, a pipe, a file, an unsealed memfd) is refused.
   struct stat st {};
   const int seals = ::fcntl(fd, F_GET_SEALS);
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 ||
       static_cast<std::uint64_t>(st.st_size) != size) {
-    if (by_uid == 0) budget_.bytes_by_uid.erase(uid_);
     return proto::RingStatus::kRefusedFd;
   }
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    if (by_uid == 0) budget_.bytes_by_uid.erase(uid_);
+  if (p == MAP_FAILED) return proto::RingStatus::kRefusedFd;
+  // The header must say what the frame says (a later layout is refused, not misread).
+  const auto* header = static_cast<const proto::RingHeader*>(p);
+  if (header->magic != proto::kRingMagic || header->layout_version != proto::kRingLayoutVersion ||
+      header->capacity != attach.capacity || header->thread_id != attach.thread_id) {
+    ::munmap(p, size);
     return proto::RingStatus::kRefusedFd;
   }
   ::madvise(p, size, MADV_DONTDUMP);  // a client's memory has no place in the daemon's core
@@ -71,16 +77,29 @@ proto::RingStatus SharedRings::attach(const proto::RingAttach& attach, int fd,
   ring.header = static_cast<proto::RingHeader*>(p);
   ring.slots = static_cast<const std::byte*>(p) + proto::kRingHeaderBytes;
   ring.mapped = size;
+  ring.charged = charge;
+  proto::ring_field(ring.header->consumer_pid)
+      .store(static_cast<std::uint64_t>(::getpid()), std::memory_order_release);
   // Where the previous consumer stopped (the library's flusher, or a daemon before a
   // restart). Checked against head at every pass like everything else read here.
   ring.tail = proto::ring_field(ring.header->tail).load(std::memory_order_acquire);
   read_drops(ring);
   rings_.push_back(ring);
-  bytes_ += size;
-  by_uid += size;
-  budget_.bytes += size;
-  ++budget_.rings;
+  bytes_ += charge;
+  charge_uid(1, static_cast<std::int64_t>(charge));
   return proto::RingStatus::kMapped;
+}
+
+void SharedRings::charge_uid(std::int64_t rings, std::int64_t bytes) {
+  auto add = [&](std::map<std::uint32_t, std::uint64_t>& by_uid, std::uint64_t& total,
+                 std::int64_t n) {
+    std::uint64_t& mine = by_uid[uid_];
+    mine = static_cast<std::uint64_t>(static_cast<std::int64_t>(mine) + n);
+    total = static_cast<std::uint64_t>(static_cast<std::int64_t>(total) + n);
+    if (mine == 0) by_uid.erase(uid_);
+  };
+  add(budget_.rings_by_uid, budget_.rings, rings);
+  add(budget_.bytes_by_uid, budget_.bytes, bytes);
 }
 
 void SharedRings::read_drops(Ring& ring) {
@@ -96,15 +115,14 @@ void SharedRings::unmap(std::size_t index) {
   Ring& ring = rings_[index];
   retired_full_ = saturating_add(retired_full_, ring.dropped_full);
   retired_unconnected_ = saturating_add(retired_unconnected_, ring.dropped_unconnected);
+  // Done with it: the library may read it itself or offer it again (unless a newer
+  // consumer claimed it meanwhile).
+  std::uint64_t mine = static_cast<std::uint64_t>(::getpid());
+  proto::ring_field(ring.header->consumer_pid)
+      .compare_exchange_strong(mine, 0, std::memory_order_release, std::memory_order_relaxed);
   ::munmap(ring.header, ring.mapped);
-  bytes_ -= ring.mapped;
-  budget_.bytes -= ring.mapped;
-  --budget_.rings;
-  auto it = budget_.bytes_by_uid.find(uid_);
-  if (it != budget_.bytes_by_uid.end()) {
-    it->second -= std::min(it->second, static_cast<std::uint64_t>(ring.mapped));
-    if (it->second == 0) budget_.bytes_by_uid.erase(it);
-  }
+  bytes_ -= ring.charged;
+  charge_uid(-1, -static_cast<std::int64_t>(ring.charged));
   rings_.erase(rings_.begin() + static_cast<std::ptrdiff_t>(index));
 }
 
@@ -128,7 +146,8 @@ SharedRings::Drained SharedRings::drain(Collector& collector, ProcessHandle proc
   Drained out;
   for (std::size_t i = 0; i < rings_.size();) {
     Ring& ring = rings_[i];
-    if (thread && ring.thread_id != *thread) {
+    if ((thread && ring.thread_id != *thread) ||
+        (pass == Pass::kLive && ring.waiting_since == registrations_)) {
       ++i;
       continue;
     }
@@ -157,6 +176,7 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
                              std::uint64_t until_ns, Drained& out) {
   const std::uint64_t head = proto::ring_field(ring.header->head).load(std::memory_order_acquire);
   if (head - ring.tail > ring.capacity) return false;  // also head < tail (wraps)
+  ring.waiting_since = UINT64_MAX;
   const std::uint64_t mask = ring.capacity - 1;
   copy_.resize(kChunkRecords);
   while (ring.tail != head) {
@@ -185,7 +205,10 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
       e.timestamp_ns = proto::ticks_to_ns(clock_, e.timestamp_ns);
       if (e.timestamp_ns > until_ns) break;
       if (!collector.step_known(process, e.step)) {
-        if (pass == Pass::kLive) break;  // its RegisterStep is on its way
+        if (pass == Pass::kLive) {  // its RegisterStep is on its way
+          ring.waiting_since = registrations_;
+          break;
+        }
         ++refused_;
         ++out.refused;
         continue;

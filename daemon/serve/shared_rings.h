@@ -39,6 +39,7 @@ namespace steptrace::daemon {
 // What every connection's rings share: the bytes mapped per uid and in all.
 struct RingBudget {
   std::map<std::uint32_t, std::uint64_t> bytes_by_uid;
+  std::map<std::uint32_t, std::uint64_t> rings_by_uid;
   std::uint64_t bytes = 0;  // mapped now, all connections
   std::uint64_t rings = 0;  // mapped now
 };
@@ -59,6 +60,8 @@ class SharedRings {
   proto::RingStatus attach(const proto::RingAttach& attach, int fd,
                            std::optional<LimitKind>& limit);
   void set_clock(const proto::ClockSync& clock) { clock_ = clock; }
+  // The process registered a custom step: rings waiting for one are read again.
+  void step_registered() { ++registrations_; }
 
   struct Drained {
     std::uint64_t events = 0;   // folded into the collector
@@ -76,7 +79,7 @@ class SharedRings {
   // frames on a version-5 connection.
   proto::DroppedByCause drops() const;
   std::size_t size() const { return rings_.size(); }
-  std::uint64_t bytes() const { return bytes_; }
+  std::uint64_t bytes() const { return bytes_; }  // slot bytes charged
 
  private:
   struct Ring {
@@ -85,14 +88,20 @@ class SharedRings {
     std::uint64_t capacity = 0;
     proto::RingHeader* header = nullptr;
     const std::byte* slots = nullptr;
-    std::size_t mapped = 0;
+    std::size_t mapped = 0;   // bytes mapped
+    std::size_t charged = 0;  // bytes counted against the budgets (the slots)
     std::uint64_t tail = 0;  // ours: never read back from the mapping
     std::uint64_t dropped_full = 0;
     std::uint64_t dropped_unconnected = 0;
+    // Stopped at an event of an unregistered custom step when registrations_ had this
+    // value: not read again (not even copied) until another step is registered.
+    std::uint64_t waiting_since = UINT64_MAX;
   };
   // Reads the header's drop counters (never backwards).
   static void read_drops(Ring& ring);
   void unmap(std::size_t index);  // keeps its drop counts
+  // Adds `rings` and `bytes` (negative: returns them) to this uid's share of the budget.
+  void charge_uid(std::int64_t rings, std::int64_t bytes);
   // One ring's pass; false when its head was out of range.
   bool drain_ring(Ring& ring, Collector& collector, ProcessHandle process, Pass pass,
                   std::uint64_t until_ns, Drained& out);
@@ -106,6 +115,7 @@ class SharedRings {
   std::uint64_t retired_full_ = 0;  // drop counts of rings unmapped
   std::uint64_t retired_unconnected_ = 0;
   std::uint64_t refused_ = 0;
+  std::uint64_t registrations_ = 0;
   std::vector<proto::EventRecord> copy_;  // one chunk copied out of a ring
 };
 

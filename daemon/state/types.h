@@ -87,10 +87,11 @@ enum class LimitKind : std::uint8_t {
   kMaxJobs,
   kMaxJobsPerUid,
   kMaxRingsPerProcess,  // ServerLimits: shared-memory rings (a RingAttach refused)
+  kMaxRingsPerUid,
   kMaxRingBytesPerProcess,
   kMaxRingBytesPerUid,
 };
-inline constexpr std::array<std::string_view, 19> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 20> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -107,6 +108,7 @@ inline constexpr std::array<std::string_view, 19> kLimitNames = {"max_connection
                                                                  "max_jobs",
                                                                  "max_jobs_per_uid",
                                                                  "max_rings_per_process",
+                                                                 "max_rings_per_uid",
                                                                  "max_ring_bytes_per_process",
                                                                  "max_ring_bytes_per_uid"};
 static_assert(static_cast<std::size_t>(LimitKind::kMaxRingBytesPerUid) + 1 == kLimitNames.size());

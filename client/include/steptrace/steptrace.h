@@ -5,8 +5,17 @@
  * calling thread: no lock, no allocation after the thread's first event, and no system
  * call but one: when a buffer fills up to its high-water mark (an eighth of it, at most
  * 32,768 events), one write to an eventfd wakes the background thread, and no other
- * until that thread has taken events from it. That thread ships the buffers to the
- * daemon over a Unix socket every 1-2 ms (at once when woken), draining them completely.
+ * until its events have been taken. Each buffer is a sealed memfd that the background
+ * thread hands to the daemon over a Unix socket (protocol version 5, PROTOCOL.md
+ * section 11); the daemon maps it and reads the events itself, every 1-4 ms, and at once
+ * when the woken background thread asks it to with a flush, and a last time when the
+ * process's connection closes, so what a thread recorded in a buffer the daemon has taken
+ * is not lost when the process is killed or calls _exit (a new thread's buffer is handed
+ * over as soon as it is made). The background thread keeps the connection (hello,
+ * step names, ledger records, drop counts). A buffer the daemon cannot take (a daemon
+ * older than protocol 5, a buffer it refused, STEPTRACE_SHM_RINGS=0) is shipped by the
+ * background thread over the socket instead, every 1-2 ms (at once when woken), draining
+ * it completely.
  * When the daemon is absent, slow or restarted, events that do not fit are dropped and
  * counted (steptrace_dropped, steptrace_dropped_by_cause), never waited for (unless
  * STEPTRACE_BLOCK_WHEN_FULL=1 or steptrace_set_block_when_full(1) asks for a bounded
@@ -19,9 +28,10 @@
  * recording thread is the figure to plan for). All buffers of the process together
  * stay within 256 MiB by default: a thread gets the per-thread size, or the largest
  * power of two left in that total, or, below 64 KiB, no buffer at all (its events are
- * then dropped and counted as STEPTRACE_DROP_BUFFER_FULL). An exited thread's buffer is
- * freed once sent (while no daemon is connected, the newest 64 are kept for it, within
- * that total). See steptrace_set_buffer_size.
+ * then dropped and counted as STEPTRACE_DROP_BUFFER_FULL). Each buffer also has a 4 KiB
+ * header page, not counted in those sizes. An exited thread's buffer is freed once sent
+ * or read by the daemon (while no daemon is connected, the newest 64 are kept for it,
+ * within that total). See steptrace_set_buffer_size.
  *
  * Connecting: calling steptrace_connect is optional. A process that never called it
  * (nor steptrace_shutdown) connects by itself at its first event, ledger call or
@@ -41,7 +51,9 @@
  *   STEPTRACE_DISABLE=1       record nothing, start nothing
  *   STEPTRACE_AUTOCONNECT=0   do not connect unless steptrace_connect is called
  *   STEPTRACE_QUIET=1         no stderr notice when the daemon cannot be reached
- *   STEPTRACE_BLOCK_WHEN_FULL=1  a full buffer waits (bounded) for the flusher
+ *   STEPTRACE_BLOCK_WHEN_FULL=1  a full buffer waits (bounded) for its reader
+ *   STEPTRACE_SHM_RINGS=0     buffers in private memory, all events over the socket
+ *                             (events still buffered are lost if the process is killed)
  *   STEPTRACE_CLOCK=monotonic    timestamp with clock_gettime instead of the TSC
  *                                (the TSC is used only when invariant; =tsc forces it then)
  *   STEPTRACE_BUFFER_BYTES=4M    per-thread buffer, 64K..1G, rounded down to a power of 2
@@ -101,7 +113,9 @@ enum steptrace_drop_cause {
   /* Lost with a connection: sent on one the daemon ended (killed, restarted, refusing)
    * or that failed before the daemon acknowledged them, or not completely written when
    * the library closed it (steptrace_shutdown, exit); and events still buffered when the
-   * process exits while connected (the final bounded flush at exit did not take them). */
+   * process exits while connected (the final bounded flush at exit did not take them),
+   * in a buffer the daemon does not map: one it maps is read by the daemon after the
+   * exit, and loses nothing. */
   STEPTRACE_DROP_IN_FLIGHT = 2,
   /* Refused by the library: an unknown step id (neither built-in nor registered), a
    * ledger call with a null or empty GPU UUID or a lease outside 1 ms .. 7 days, or a
@@ -190,7 +204,8 @@ STEPTRACE_EXPORT int steptrace_set_buffer_size(uint64_t per_thread_bytes, uint64
 STEPTRACE_EXPORT void steptrace_set_enabled(int on);
 
 /* Opt-in backpressure: with on != 0 a full thread buffer waits up to a bounded time for
- * the flusher instead of dropping. Off by default. */
+ * its reader (the daemon, or the flusher on the socket path) instead of dropping. Off by
+ * default. */
 STEPTRACE_EXPORT void steptrace_set_block_when_full(int on);
 
 /* Flushes briefly (bounded), stops the flusher and disconnects. Recording after it is
