@@ -197,9 +197,9 @@ class EventSpan {
   std::size_t count_ = 0;
 };
 
-using Message = std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport,
-                             FlushRequest, FlushAck, ErrorReport, DroppedByCause, Identity,
-                             RingAttach, ClockSync, RingAck>;
+using Message =
+    std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport, FlushRequest,
+                 FlushAck, ErrorReport, DroppedByCause, Identity, RingAttach, ClockSync, RingAck>;
 
 // Which end of the connection decodes: the daemon expects a hello and client frames;
 // the client expects daemon frames (kFlushAck, kError) and no hello.

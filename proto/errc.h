@@ -46,9 +46,8 @@ namespace steptrace {
   X(bad_config, 18, "bad_config", "bad configuration", false)                                 \
   X(bad_command, 19, "bad_command", "bad command", false)                                     \
   X(bad_snapshot, 20, "bad_snapshot", "snapshot is not valid", false)                         \
-  X(bad_identity, 21, "bad_identity", "identity frame repeated or rank out of range", true)    \
-  X(bad_ring, 22, "bad_ring",                                                                 \
-    "shared-memory ring frame, descriptor or contents not valid", true)
+  X(bad_identity, 21, "bad_identity", "identity frame repeated or rank out of range", true)   \
+  X(bad_ring, 22, "bad_ring", "shared-memory ring frame, descriptor or contents not valid", true)
 
 // Spelled like std::errc on purpose (it is used the same way), hence no kName constants.
 // NOLINTBEGIN(readability-identifier-naming)

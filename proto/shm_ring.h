@@ -30,7 +30,7 @@ namespace steptrace::proto {
 inline constexpr std::uint32_t kRingMagic = 0x47525453;  // "STRG" little-endian
 inline constexpr std::uint16_t kRingLayoutVersion = 1;
 inline constexpr std::size_t kRingHeaderBytes = 4096;
-inline constexpr std::uint64_t kMinShmRingRecords = 4096;               // 64 KiB of slots
+inline constexpr std::uint64_t kMinShmRingRecords = 4096;                    // 64 KiB of slots
 inline constexpr std::uint64_t kMaxShmRingRecords = std::uint64_t{1} << 26;  // 1 GiB of slots
 
 struct RingHeader {
@@ -85,7 +85,8 @@ inline std::uint64_t ticks_to_ns(const ClockSync& clock, std::uint64_t ticks) {
   if (clock.scale == 0) return ticks;
   __extension__ typedef __int128 Int128;
   const Int128 delta = static_cast<std::int64_t>(ticks - clock.anchor_ticks);
-  const Int128 ns = static_cast<Int128>(clock.anchor_ns) + ((delta * static_cast<Int128>(clock.scale)) >> 32);
+  const Int128 ns =
+      static_cast<Int128>(clock.anchor_ns) + ((delta * static_cast<Int128>(clock.scale)) >> 32);
   if (ns < 0) return 0;
   if (ns > static_cast<Int128>(UINT64_MAX)) return UINT64_MAX;
   return static_cast<std::uint64_t>(ns);

@@ -192,7 +192,7 @@ EventRing* Client::create_ring() {
   }
   registry.rings.reserve(registry.rings.size() + 1);  // the push_back below cannot throw
   auto ring = std::make_unique<EventRing>(tid, static_cast<std::size_t>(bytes / kRingRecordBytes),
-                                         s_.shm_rings);
+                                          s_.shm_rings);
   ring->ring_id = registry.next_ring_id++;
   EventRing* const own = ring.get();
   registry.rings.push_back(std::move(ring));
@@ -329,7 +329,10 @@ std::uint32_t Client::register_step(const char* name) {
     s_.count_rejected();
     return id;
   }
-  g_custom_steps.store(s_.steps.count(), std::memory_order_release);
+  const std::uint32_t count = s_.steps.count();
+  // A new step: the flusher registers it with the daemon now, since events of it in a
+  // shared ring wait for that registration (and are refused if the process dies first).
+  if (g_custom_steps.exchange(count, std::memory_order_acq_rel) != count) s_.wake();
   return id;
 }
 

@@ -70,7 +70,7 @@ inline constexpr std::size_t kMinRingRecords = std::size_t{64} * 1024 / kRingRec
 inline constexpr std::size_t kMaxRingRecords = (std::size_t{1} << 30) / kRingRecordBytes;
 inline constexpr std::size_t kMaxHighWater = 32768;
 static_assert(kMinRingRecords == proto::kMinShmRingRecords &&
-              kMaxRingRecords == proto::kMaxShmRingRecords,
+                  kMaxRingRecords == proto::kMaxShmRingRecords,
               "every ring the budget allows can be shared");
 
 constexpr std::size_t ring_high_water(std::size_t capacity) {
@@ -222,7 +222,8 @@ class EventRing {
     if (!was_shared) return true;
     const std::uint64_t pid =
         proto::ring_field(header_->consumer_pid).load(std::memory_order_acquire);
-    if (pid != 0 && pid <= 0x7fffffff && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)) {
+    if (pid != 0 && pid <= 0x7fffffff &&
+        (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)) {
       return false;
     }
     was_shared = false;

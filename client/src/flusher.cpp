@@ -412,8 +412,14 @@ bool Flusher::build_batch() {
       continue;
     }
     if (!ring.consumer_gone()) {
-      // A daemon that mapped it on an earlier connection has not let it go yet.
+      // A daemon that mapped it on an earlier connection has not let it go yet: its
+      // annotations wait with its events.
       offered = true;
+      for (std::size_t k = 0; k < ledger_.size(); ++k) {
+        if (ledger_ring_[k] != i) continue;
+        ledger_reserved -= kLedgerFrame;
+        carried_.push_back(ledger_[k]);
+      }
       continue;
     }
     std::uint64_t pos = ring.consumed();
@@ -477,8 +483,7 @@ bool Flusher::build_batch() {
   }
   // Everything recorded before the flush call was taken (the heads were read after it);
   // the daemon drains the rings it maps before it answers.
-  if (!leftovers && !ledger_waits && !offered && flush_seq > flush_sent_ &&
-      tail.flush(flush_seq)) {
+  if (!leftovers && !ledger_waits && !offered && flush_seq > flush_sent_ && tail.flush(flush_seq)) {
     flush_sent_ = flush_seq;
   }
   len_ = enc.size() + tail.size();

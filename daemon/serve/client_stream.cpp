@@ -121,6 +121,13 @@ void ClientStream::received(std::size_t n) {
   if (dialect_ == Dialect::kBinary) {
     shared_.counters.bytes_received += n;
     process_binary();
+    // Every frame of the read is decoded and none is cut: a descriptor still waiting came
+    // without a RingAttach to take it (an honest library passes none such).
+    if (!pending_fds_.empty() && decoder_.buffered() == 0 &&
+        (state_ == State::kBinary || state_ == State::kDraining)) {
+      close_pending_fds();
+      fail(make_error_code(errc::bad_ring), "a descriptor without a RingAttach frame to take it");
+    }
   } else {
     process_text();
   }
@@ -251,7 +258,8 @@ std::error_code ClientStream::apply(const proto::Message& message) {
           [&](const proto::LedgerRecord& record) -> std::error_code {
             // The ring of the record's thread first, up to the record's stamp: the
             // events before it come before it, as on the socket path.
-            if (rings_) drain_rings(SharedRings::Pass::kLive, record.thread_id, record.timestamp_ns);
+            if (rings_)
+              drain_rings(SharedRings::Pass::kLive, record.thread_id, record.timestamp_ns);
             collector.ledger(handle, record);
             return {};
           },
@@ -545,17 +553,21 @@ void ClientStream::received_fds(std::span<const int> fds, bool truncated) {
     for (const int fd : fds) ::close(fd);
     return;
   }
+  std::size_t& of_uid = shared_.pending_fds_by_uid[peer_.uid];
   for (const int fd : fds) {
-    if (shared_.pending_fds >= kMaxPendingRingFds) {
-      // The daemon's reserve for passed descriptors is in use (by others): this one is
-      // closed now and its RingAttach refused (the ring goes on the socket), in order.
+    if (shared_.pending_fds >= kMaxPendingRingFds || of_uid >= kMaxPendingRingFdsPerUid) {
+      // The daemon's reserve for passed descriptors (or this uid's share of it) is in
+      // use: this one is closed now and its RingAttach refused (the ring goes on the
+      // socket), in order.
       ::close(fd);
       pending_fds_.push_back(-1);
       continue;
     }
     pending_fds_.push_back(fd);
     ++shared_.pending_fds;
+    ++of_uid;
   }
+  if (of_uid == 0) shared_.pending_fds_by_uid.erase(peer_.uid);
   if (truncated || pending_fds_.size() > kMaxPendingFds) {
     close_pending_fds();
     fail(make_error_code(errc::bad_ring),
@@ -566,17 +578,24 @@ void ClientStream::received_fds(std::span<const int> fds, bool truncated) {
 
 void ClientStream::close_pending_fds() {
   for (const int fd : pending_fds_) {
-    if (fd < 0) continue;
-    ::close(fd);
-    --shared_.pending_fds;
+    if (fd >= 0) fd_taken(fd, true);
   }
   pending_fds_.clear();
 }
 
+void ClientStream::fd_taken(int fd, bool close) {
+  if (close) ::close(fd);
+  --shared_.pending_fds;
+  auto it = shared_.pending_fds_by_uid.find(peer_.uid);
+  if (it != shared_.pending_fds_by_uid.end() && --it->second == 0) {
+    shared_.pending_fds_by_uid.erase(it);
+  }
+}
+
 SharedRings& ClientStream::rings() {
   if (!rings_) {
-    rings_ = std::make_unique<SharedRings>(shared_.config.server_limits, shared_.ring_budget,
-                                           peer_.uid);
+    rings_ =
+        std::make_unique<SharedRings>(shared_.config.server_limits, shared_.ring_budget, peer_.uid);
   }
   return *rings_;
 }
@@ -586,7 +605,7 @@ std::error_code ClientStream::attach_ring(const proto::RingAttach& attach) {
   if (!pending_fds_.empty()) {
     fd = pending_fds_.front();
     pending_fds_.pop_front();
-    if (fd >= 0) --shared_.pending_fds;
+    if (fd >= 0) fd_taken(fd, false);
   }
   std::optional<LimitKind> limit;
   const proto::RingStatus status = rings().attach(attach, fd, limit);

@@ -86,6 +86,8 @@ class ClientStream;
 // complete, all connections together; past it a passed descriptor is closed at once and
 // its ring refused (the client sends that ring's events on the socket).
 inline constexpr std::size_t kMaxPendingRingFds = 32;
+// One uid's share of it: a tenant cannot refuse every other tenant's rings.
+inline constexpr std::size_t kMaxPendingRingFdsPerUid = 8;
 
 // What every connection shares; owned by the Server, which outlives its sessions.
 struct SessionShared {
@@ -106,7 +108,8 @@ struct SessionShared {
   // Shared-memory rings: the bytes every connection maps, the streams that map any (the
   // server's ring timer drains them), and the server's hook that starts that timer.
   RingBudget ring_budget{};
-  std::size_t pending_fds = 0;  // <= kMaxPendingRingFds
+  std::size_t pending_fds = 0;                                // <= kMaxPendingRingFds
+  std::map<std::uint32_t, std::size_t> pending_fds_by_uid{};  // each <= kMaxPendingRingFdsPerUid
   std::set<ClientStream*> ring_streams{};
   std::function<void()> rings_active{};
 };
@@ -238,6 +241,8 @@ class ClientStream {
   // The process's drops: the last DroppedByCause plus what the rings' headers say.
   void update_drops();
   void close_pending_fds();
+  // A pending descriptor leaves the reserve (closed, or taken by a RingAttach).
+  void fd_taken(int fd, bool close);
   bool output_backed_up() const { return transport_.unsent_bytes() >= kMaxPendingWrite; }
   // Counts `kind`, logs `log_line` about the peer (rate-limited), sends `reply` (may be
   // empty) and finishes. The one way a connection ends because of its input.
@@ -261,8 +266,8 @@ class ClientStream {
   std::shared_ptr<ReplyStream> reply_stream_;  // a streamed reply going out
   bool piece_out_ = false;                     // a piece of it is rendering
   std::error_code failure_;
-  std::unique_ptr<SharedRings> rings_;  // from the first RingAttach or ClockSync on
-  std::deque<int> pending_fds_;         // received, not yet taken by a RingAttach
+  std::unique_ptr<SharedRings> rings_;   // from the first RingAttach or ClockSync on
+  std::deque<int> pending_fds_;          // received, not yet taken by a RingAttach
   proto::DroppedByCause frame_drops_{};  // the last DroppedByCause frame
 
   std::optional<Clock::time_point> handshake_deadline_;

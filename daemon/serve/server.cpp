@@ -125,8 +125,8 @@ Server::~Server() {
 std::optional<std::string> Server::check_fd_limit() {
   // Plus the descriptors clients passed whose RingAttach frames are not complete yet
   // (ClientStream::received_fds, at most kMaxPendingRingFds for all connections).
-  const rlim_t needed = config_.server_limits.max_connections + kMaxRejecting +
-                        kMaxPendingRingFds + kReservedFds;
+  const rlim_t needed =
+      config_.server_limits.max_connections + kMaxRejecting + kMaxPendingRingFds + kReservedFds;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) {
     return std::string("cannot read the open-file limit (RLIMIT_NOFILE): ") + std::strerror(errno);

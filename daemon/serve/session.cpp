@@ -75,10 +75,9 @@ void Session::read_more() {
   if (reading_ || closed() || shared_.stopping || !stream_->wants_input()) return;
   reading_ = true;
   // Wait, then recvmsg: a plain read would drop the descriptors a client passes.
-  socket_.async_wait(Socket::wait_read, [self = shared_from_this()](
-                                            const boost::system::error_code& ec) {
-    self->on_readable(ec);
-  });
+  socket_.async_wait(
+      Socket::wait_read,
+      [self = shared_from_this()](const boost::system::error_code& ec) { self->on_readable(ec); });
 }
 
 std::size_t Session::receive(boost::system::error_code& ec) {

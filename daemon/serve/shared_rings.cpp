@@ -41,7 +41,8 @@ proto::RingStatus SharedRings::attach(const proto::RingAttach& attach, int fd,
   const auto uid_bytes = budget_.bytes_by_uid.find(uid_);
   const auto uid_rings = budget_.rings_by_uid.find(uid_);
   const std::uint64_t by_uid = uid_bytes == budget_.bytes_by_uid.end() ? 0 : uid_bytes->second;
-  const std::uint64_t rings_of_uid = uid_rings == budget_.rings_by_uid.end() ? 0 : uid_rings->second;
+  const std::uint64_t rings_of_uid =
+      uid_rings == budget_.rings_by_uid.end() ? 0 : uid_rings->second;
   if (rings_.size() >= limits_.max_rings_per_process) {
     limit = LimitKind::kMaxRingsPerProcess;
   } else if (rings_of_uid >= limits_.max_rings_per_uid) {
@@ -103,9 +104,9 @@ void SharedRings::charge_uid(std::int64_t rings, std::int64_t bytes) {
 }
 
 void SharedRings::read_drops(Ring& ring) {
-  ring.dropped_full = std::max(
-      ring.dropped_full,
-      proto::ring_field(ring.header->dropped_buffer_full).load(std::memory_order_relaxed));
+  ring.dropped_full =
+      std::max(ring.dropped_full,
+               proto::ring_field(ring.header->dropped_buffer_full).load(std::memory_order_relaxed));
   ring.dropped_unconnected = std::max(
       ring.dropped_unconnected,
       proto::ring_field(ring.header->dropped_not_connected).load(std::memory_order_relaxed));
@@ -180,13 +181,16 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
   const std::uint64_t mask = ring.capacity - 1;
   copy_.resize(kChunkRecords);
   while (ring.tail != head) {
-    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(head - ring.tail, kChunkRecords));
+    const std::size_t n =
+        static_cast<std::size_t>(std::min<std::uint64_t>(head - ring.tail, kChunkRecords));
     // Copy first, then look: the producer may rewrite the slots meanwhile.
     const std::size_t first = static_cast<std::size_t>(ring.tail & mask);
-    const std::size_t run = std::min<std::size_t>(n, static_cast<std::size_t>(ring.capacity) - first);
+    const std::size_t run =
+        std::min<std::size_t>(n, static_cast<std::size_t>(ring.capacity) - first);
     std::memcpy(copy_.data(), ring.slots + first * sizeof(proto::EventRecord),
                 run * sizeof(proto::EventRecord));
-    if (run < n) std::memcpy(copy_.data() + run, ring.slots, (n - run) * sizeof(proto::EventRecord));
+    if (run < n)
+      std::memcpy(copy_.data() + run, ring.slots, (n - run) * sizeof(proto::EventRecord));
     // Validate and convert in place, compacting the good records to the front; stop at
     // the first one that must wait (unregistered step, or past until_ns).
     std::size_t good = 0;
@@ -216,7 +220,8 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
       copy_[good++] = e;
     }
     if (good > 0) {
-      collector.events(process, proto::EventSpan(reinterpret_cast<const std::byte*>(copy_.data()), good));
+      collector.events(process,
+                       proto::EventSpan(reinterpret_cast<const std::byte*>(copy_.data()), good));
       out.events += good;
     }
     ring.tail += taken;

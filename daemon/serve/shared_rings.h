@@ -64,8 +64,8 @@ class SharedRings {
   void step_registered() { ++registrations_; }
 
   struct Drained {
-    std::uint64_t events = 0;   // folded into the collector
-    std::uint64_t refused = 0;  // bad records skipped (drop cause invalid)
+    std::uint64_t events = 0;     // folded into the collector
+    std::uint64_t refused = 0;    // bad records skipped (drop cause invalid)
     std::uint64_t bad_rings = 0;  // rings dropped for a head out of range
   };
   // Folds what every ring published. `thread` / `until_ns`: only that thread's ring, and
@@ -90,7 +90,7 @@ class SharedRings {
     const std::byte* slots = nullptr;
     std::size_t mapped = 0;   // bytes mapped
     std::size_t charged = 0;  // bytes counted against the budgets (the slots)
-    std::uint64_t tail = 0;  // ours: never read back from the mapping
+    std::uint64_t tail = 0;   // ours: never read back from the mapping
     std::uint64_t dropped_full = 0;
     std::uint64_t dropped_unconnected = 0;
     // Stopped at an event of an unregistered custom step when registrations_ had this

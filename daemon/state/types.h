@@ -140,13 +140,13 @@ struct HttpCounters {
 // Shared-memory rings (protocol version 5; daemon/serve/shared_rings.h): the server's
 // counts, as they are now (not kept in snapshots).
 struct RingCounters {
-  std::uint64_t mapped = 0;        // rings mapped now
-  std::uint64_t bytes_mapped = 0;  // their bytes
-  std::uint64_t attached = 0;      // RingAttach frames answered kMapped, since start
-  std::uint64_t refused = 0;       // answered with a refusal (limit or descriptor)
-  std::uint64_t events = 0;        // events read from rings
+  std::uint64_t mapped = 0;           // rings mapped now
+  std::uint64_t bytes_mapped = 0;     // their bytes
+  std::uint64_t attached = 0;         // RingAttach frames answered kMapped, since start
+  std::uint64_t refused = 0;          // answered with a refusal (limit or descriptor)
+  std::uint64_t events = 0;           // events read from rings
   std::uint64_t records_refused = 0;  // records skipped as invalid (drop cause invalid)
-  std::uint64_t bad_rings = 0;     // rings dropped for a head out of range
+  std::uint64_t bad_rings = 0;        // rings dropped for a head out of range
 };
 
 struct ServerCounters {

@@ -13,11 +13,11 @@
 // 3. EVENTS events of Forward, alternately steptrace_start and steptrace_end, with no
 //    flush: EVENTS / 2 complete spans, and an odd EVENTS leaves one span open.
 // 4. DEATH, at once, with nothing flushed and no at-exit hook run:
-//      kill   raise(SIGKILL)                          status 128 + 9
-//      exit   _exit(0)                                status 0
-//      segv   a write to a read-only page, SIGSEGV's default action (a sanitizer's
-//             handler is removed first)                status 128 + 11
-//      abort  abort(), SIGABRT's default action       status 128 + 6
+//      kill   raise(SIGKILL)                                     status 128 + 9
+//      exit   _exit(0)                                           status 0
+//      segv   a write to a read-only page, SIGSEGV's default     status 128 + 11
+//             action (a sanitizer's handler is removed first)
+//      abort  abort(), SIGABRT's default action                  status 128 + 6
 //    No core is written (RLIMIT_CORE 0, not dumpable).
 //
 // Exit 2 when a step before the death failed (connect or flush), 64 on bad arguments.

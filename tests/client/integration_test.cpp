@@ -632,9 +632,9 @@ class Transport : public ::testing::Test {
   // 4 threads x 2000 Matmul spans, exact in the daemon.
   void expect_threads_arrive(const std::vector<std::string>& env = {}) {
     const std::string out = dir_.file("t");
-    ASSERT_EQ(run_process({STEPTRACE_TEST_TRAINER, "threads", socket(), out, "4", "2000"}, env,
-                          60000),
-              0);
+    ASSERT_EQ(
+        run_process({STEPTRACE_TEST_TRAINER, "threads", socket(), out, "4", "2000"}, env, 60000),
+        0);
     const Values v = wait_values(out);
     EXPECT_EQ(v.at("dropped"), 0);
     const auto proc = process_report(socket(), v.at("pid"));

@@ -23,7 +23,8 @@ records PARENT_SPANS Backward spans before it forks (a trainer's library is busy
 workers are made), then flushes them and exits normally. OUTFILE (JSON): {"parent": pid,
 "parent_spans": n, "workers": {"pid": Forward spans recorded there}}.
 
-Exit 2 when a flush failed (a worker's is reported back with its results)."""
+Exit 1, with a message, when a flush failed (a worker's is reported back with its results)
+or the results do not add up."""
 
 import json
 import os

@@ -855,12 +855,11 @@ TEST(ProtoErrc, ProtocolErrorKinds) {
   for (const ErrcInfo& e : kErrcTable) {
     if (e.protocol_error) kinds.emplace_back(e.name);
   }
-  EXPECT_EQ(kinds, (std::vector<std::string>{"truncated", "bad_magic", "unsupported_version",
-                                             "bad_hello", "frame_too_large", "unknown_frame_type",
-                                             "bad_frame_size", "bad_reserved", "bad_step_id",
-                                             "bad_event_kind", "bad_string", "bad_ledger_op",
-                                             "unregistered_step", "timed_out", "bad_identity",
-                                             "bad_ring"}));
+  EXPECT_EQ(kinds, (std::vector<std::string>{
+                       "truncated", "bad_magic", "unsupported_version", "bad_hello",
+                       "frame_too_large", "unknown_frame_type", "bad_frame_size", "bad_reserved",
+                       "bad_step_id", "bad_event_kind", "bad_string", "bad_ledger_op",
+                       "unregistered_step", "timed_out", "bad_identity", "bad_ring"}));
 }
 
 // ---- encoder ------------------------------------------------------------------------

@@ -239,8 +239,8 @@ TEST(ProtoGolden, HelloVersion5) {
 TEST(ProtoGolden, RingAttach) {
   expect_golden("ring_attach.hex",
                 encode([](Encoder& e) { ASSERT_TRUE(e.ring_attach(2, 4242, 262144)); }), 24);
-  const auto got = std::get<RingAttach>(
-      decode_one(Side::kDaemon, read_hex("ring_attach.hex"), "hello_v5.hex"));
+  const auto got =
+      std::get<RingAttach>(decode_one(Side::kDaemon, read_hex("ring_attach.hex"), "hello_v5.hex"));
   EXPECT_EQ(got.ring_id, 2u);
   EXPECT_EQ(got.thread_id, 4242u);
   EXPECT_EQ(got.capacity, 262144u);
@@ -255,8 +255,8 @@ TEST(ProtoGolden, ClockSync) {
                   ASSERT_TRUE(e.clock_sync(ClockSync{1000000, 5000000000, 1ull << 31}));
                 }),
                 32);
-  const auto got = std::get<ClockSync>(
-      decode_one(Side::kDaemon, read_hex("clock_sync.hex"), "hello_v5.hex"));
+  const auto got =
+      std::get<ClockSync>(decode_one(Side::kDaemon, read_hex("clock_sync.hex"), "hello_v5.hex"));
   EXPECT_EQ(got.anchor_ticks, 1000000u);
   EXPECT_EQ(got.anchor_ns, 5000000000u);
   EXPECT_EQ(got.scale, 1ull << 31);
