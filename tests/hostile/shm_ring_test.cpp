@@ -81,7 +81,7 @@
 
 namespace steptrace::proto {
 // gtest prints a RingStatus by name (found by argument-dependent lookup).
-static void PrintTo(RingStatus status, std::ostream* os) {
+static void PrintTo(RingStatus status, std::ostream* os) {  // NOLINT(readability-identifier-naming)
   switch (status) {
     case RingStatus::kMapped:
       *os << "kMapped";
