@@ -362,7 +362,10 @@ void Client::ledger(proto::LedgerOp op, const char* gpu_uuid, std::uint64_t rese
   if (!s_.ledger.push(*record)) {
     s_.count_drops(s_.connected.load(std::memory_order_relaxed) ? proto::DropCause::kBufferFull
                                                                 : proto::DropCause::kNotConnected);
+    return;
   }
+  // A quiet flusher (every ring read by the daemon) sleeps: it sends this one now.
+  s_.wake();
 }
 
 int Client::flush(int timeout_ms) {

@@ -25,6 +25,7 @@ namespace {
 constexpr std::chrono::milliseconds kMinBackoff{10};
 constexpr std::chrono::milliseconds kMaxBackoff{1000};
 constexpr std::chrono::milliseconds kAnchorInterval{50};
+constexpr int kQuietPollMs = 20;
 // Room kept after the events for the DroppedByCause frame and two Flush frames (the
 // flusher's own and a steptrace_flush caller's).
 constexpr std::size_t kFrameBytes = sizeof(proto::FrameHeader);
@@ -118,6 +119,7 @@ void Flusher::on_connected(UniqueFd fd) {
   marks_.clear();
   unacked_.clear();
   clock_dirty_ = true;
+  quiet_ = false;
   connected_at_ = Clock::now();
   unshare_rings();
   {
@@ -454,6 +456,9 @@ bool Flusher::build_batch() {
   next_ring_ = unfinished == SIZE_MAX ? 0 : unfinished + 1;
 
   bool busy = leftovers || ledger_waits;
+  std::size_t shared = 0;
+  for (const auto& ring : rings) shared += ring->sharing == EventRing::Sharing::kShared ? 1 : 0;
+  quiet_ = shared == rings.size() && carried_.empty() && !busy;
   for (std::size_t i = rings.size(); i-- > 0;) {
     EventRing& ring = *rings[i];
     if (ring.sharing == EventRing::Sharing::kOffered) continue;
@@ -574,6 +579,7 @@ int Flusher::poll_timeout_ms(bool busy) const {
     return static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, 100));
   }
   if (off_ < len_) return 10;  // waiting for POLLOUT; flush requests wake us anyway
+  if (quiet_) return kQuietPollMs;
   return last_round_sent_events_ ? 1 : 2;
 }
 

@@ -1,7 +1,9 @@
 // The flusher: libsteptrace's one background thread, which moves events from the
 // per-thread rings and the ledger queue to steptraced.
 //
-// Each round (every 1-2 ms; at once when a flush is requested, when a ring reaches its
+// Each round (every 1-2 ms, or every 20 ms while the daemon reads every ring itself and
+// nothing waits here; at once when a flush is requested, a ring is made, a custom step is
+// registered or a ledger record queued, when a ring reaches its
 // high-water mark (the producer writes the wake eventfd once per such episode, see
 // event_ring.h), or when the last round left work behind: a busy flusher does not
 // sleep): read a clock cutoff, then every ring's published head (acquire), then the
@@ -138,6 +140,10 @@ class Flusher {
   bool last_round_sent_events_ = false;
   std::size_t next_ring_ = 0;  // the ring the next round starts with
   bool clock_dirty_ = true;    // re-anchored since the last ClockSync sent
+  // The last round found every ring read by the daemon and nothing waiting: the flusher
+  // sleeps kQuietPollMs unless woken (a flush, a new ring or step, a ledger record, a
+  // shared ring at its high-water mark all wake it).
+  bool quiet_ = false;
   Clock::time_point last_anchor_{};
 
   // The batch being sent: buf_[off_, len_) is still unsent; it carries batch_records_

@@ -32,7 +32,7 @@ struct ServerLimits {
   std::size_t max_line_bytes = 4096;                        // one text command line
   // Shared-memory rings (protocol version 5) one process, or one uid, may have mapped.
   std::size_t max_rings_per_process = 1024;
-  // Each mapped ring costs the ring timer a look every 1-4 ms, whatever its size.
+  // Each mapped ring costs the ring timer a look every 1-10 ms, whatever its size.
   std::size_t max_rings_per_uid = 4096;
   std::uint64_t max_ring_bytes_per_process = std::uint64_t{1} << 30;
   std::uint64_t max_ring_bytes_per_uid = std::uint64_t{8} << 30;

@@ -460,7 +460,7 @@ void Server::schedule_ring_drain(std::chrono::milliseconds delay) {
     if (ec || stopping_) return;
     const std::uint64_t events = drain_all_rings(shared_);
     if (!shared_.ring_streams.empty()) {
-      schedule_ring_drain(std::chrono::milliseconds(events > 0 ? 1 : 4));
+      schedule_ring_drain(std::chrono::milliseconds(events > 0 ? 1 : 10));
     }
   });
 }

@@ -67,7 +67,8 @@ class Server {
   void take_for_drain(boost::asio::local::stream_protocol::socket socket);
   void schedule_liveness();
   // The ring timer: drains every connection's shared-memory rings, every 1 ms while they
-  // carry events, every kRingIdleMs while they do not, and not at all without rings.
+  // carry events, every 10 ms while they do not (a ring past its high-water mark makes its
+  // library send a Flush, which drains at once), and not at all without rings.
   void schedule_ring_drain(std::chrono::milliseconds delay);
   void schedule_snapshot();
   void watch_other_signals();
