@@ -120,6 +120,7 @@ void Flusher::on_connected(UniqueFd fd) {
   unacked_.clear();
   clock_dirty_ = true;
   quiet_ = false;
+  nudge_flush_ = 0;
   connected_at_ = Clock::now();
   unshare_rings();
   {
@@ -212,6 +213,7 @@ void Flusher::read_socket() {
       if (const auto* ack = std::get_if<proto::FlushAck>(&*r.message)) {
         if ((ack->sequence & kOwnFlushBit) != 0) {
           if (ack->sequence >= hello_flush_) accepted_ = true;
+          if (nudge_flush_ != 0 && ack->sequence >= nudge_flush_) nudge_flush_ = 0;
           while (!unacked_.empty() && unacked_.front().flush <= ack->sequence) {
             unacked_.pop_front();
           }
@@ -482,9 +484,13 @@ bool Flusher::build_batch() {
     }
   }
   batch_records_ = events_sent + ledger_sent;
+  // One nudge at a time: a daemon busy draining must not get a Flush per wake-up, or one
+  // connection's Flushes keep its io thread from every other ring.
+  nudge = nudge && nudge_flush_ == 0;
   if (batch_records_ > 0 || nudge) {
     batch_flush_ = next_own_flush();
     tail.flush(batch_flush_);  // fits: kTailReserve
+    if (nudge) nudge_flush_ = batch_flush_;
   }
   // Everything recorded before the flush call was taken (the heads were read after it);
   // the daemon drains the rings it maps before it answers.

@@ -144,6 +144,9 @@ class Flusher {
   // sleeps kQuietPollMs unless woken (a flush, a new ring or step, a ledger record, a
   // shared ring at its high-water mark all wake it).
   bool quiet_ = false;
+  // The own Flush sent to make the daemon drain a shared ring at its high-water mark,
+  // until acknowledged (0: none out): no other nudge goes before.
+  std::uint64_t nudge_flush_ = 0;
   Clock::time_point last_anchor_{};
 
   // The batch being sent: buf_[off_, len_) is still unsent; it carries batch_records_
