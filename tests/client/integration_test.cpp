@@ -341,11 +341,14 @@ TEST_P(ClientIntegration, StoppedDaemonDefaultModeDropsAndNeverBlocks) {
             << " calls over 1 ms; rss " << rec.at("rss_before_kib") << " -> "
             << rec.at("rss_after_kib") << " KiB\n";
   EXPECT_EQ(rec.at("connect_rc"), 0);  // connected: the flusher really is stuck on the socket
-  // (b) No call waited for the flusher. A call that blocks would take 100 ms (the opt-in
-  // mode's bounded wait) or forever. Preemption alone makes single calls take tens of ms
-  // on a loaded 2-core machine, so the bound is on each call's time minus what its
-  // thread spent waiting for a CPU (the raw figure when the kernel does not report that).
-  EXPECT_LT(rec.at("max_call_unqueued_ns"), 50'000'000);
+  // (b) No call waited for the flusher. A call that waits sleeps (the opt-in mode's
+  // bounded wait is a loop of 50 us sleeps, about 2,000 voluntary context switches) or
+  // blocks on a lock: either is a voluntary context switch of the recording thread. Not a
+  // time bound: a loaded or throttled machine stalls single calls for 100 ms without any
+  // of them waiting (seen on this VM with the library of before the shared rings too), so
+  // the call times above are printed, not judged.
+  ASSERT_GE(rec.at("max_voluntary_switches"), 0) << "/proc/thread-self/status unreadable";
+  EXPECT_LT(rec.at("max_voluntary_switches"), 20);
   // (c) What did not fit was counted, as buffer_full: connected, the daemon fell behind.
   EXPECT_GT(rec.at("dropped_phase1"), 0);
   EXPECT_LT(rec.at("dropped_phase1"), rec.at("recorded_events"));

@@ -105,7 +105,18 @@ struct CallTimes {
   long long longest_ns = 0;
   long long longest_unqueued_ns = 0;
   long long over_1ms = 0;
+  long long voluntary_switches = 0;  // the thread gave up its CPU itself (slept, blocked)
 };
+
+// This thread's voluntary context switches so far (-1: unreadable).
+long long voluntary_switches() {
+  std::ifstream in("/proc/thread-self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("voluntary_ctxt_switches:", 0) == 0) return std::atoll(line.c_str() + 24);
+  }
+  return -1;
+}
 CallTimes timed_spans(std::uint32_t step, int n) {
   constexpr long long kSlowNs = 1'000'000;
   CallTimes times;
@@ -120,6 +131,7 @@ CallTimes timed_spans(std::uint32_t step, int n) {
     }
     times.longest_unqueued_ns = std::max(times.longest_unqueued_ns, unqueued);
   };
+  const long long switches0 = voluntary_switches();
   for (int i = 0; i < n; ++i) {
     if (i % 1024 == 0) batch_wait = run_queue_wait_ns();
     const long long t0 = monotonic_ns();
@@ -130,6 +142,8 @@ CallTimes timed_spans(std::uint32_t step, int n) {
     note(t1 - t0);
     note(t2 - t1);
   }
+  const long long switches1 = voluntary_switches();
+  times.voluntary_switches = switches0 < 0 || switches1 < 0 ? -1 : switches1 - switches0;
   return times;
 }
 
@@ -351,12 +365,14 @@ int main(int argc, char** argv) {
             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
     out.set("rss_before_kib", rss_before);
     out.set("rss_after_kib", vm_rss_kib());
-    long long longest = 0, longest_unqueued = 0, over_1ms = 0;
+    long long longest = 0, longest_unqueued = 0, over_1ms = 0, switches = 0;
     for (const auto& t : times) {
       longest = std::max(longest, t.longest_ns);
       longest_unqueued = std::max(longest_unqueued, t.longest_unqueued_ns);
       over_1ms += t.over_1ms;
+      switches = t.voluntary_switches < 0 ? -1 : std::max(switches, t.voluntary_switches);
     }
+    out.set("max_voluntary_switches", switches);
     out.set("max_call_ns", longest);
     out.set("max_call_unqueued_ns", longest_unqueued);
     out.set("calls_over_1ms", over_1ms);
