@@ -109,6 +109,7 @@ void read_limits(JsonObject limits, Config& c) {
                            std::uint64_t{1} << 40);
   limits.optional_unsigned("max_ring_bytes_per_uid", s.max_ring_bytes_per_uid, 0,
                            std::uint64_t{1} << 44);
+  limits.optional_unsigned("max_rings", s.max_rings, 0, 1'000'000);
   Limits& l = c.limits;
   limits.optional_unsigned("max_processes", l.max_processes, 1, 1'000'000);
   limits.optional_unsigned("max_exited_processes", l.max_exited_processes, 0, 1'000'000);
@@ -320,6 +321,7 @@ json config_to_json(const Config& c) {
         {"max_rings_per_uid", c.server_limits.max_rings_per_uid},
         {"max_ring_bytes_per_process", c.server_limits.max_ring_bytes_per_process},
         {"max_ring_bytes_per_uid", c.server_limits.max_ring_bytes_per_uid},
+        {"max_rings", c.server_limits.max_rings},
         {"max_processes", c.limits.max_processes},
         {"max_exited_processes", c.limits.max_exited_processes},
         {"max_custom_steps", c.limits.max_custom_steps},

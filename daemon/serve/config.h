@@ -36,6 +36,10 @@ struct ServerLimits {
   std::size_t max_rings_per_uid = 4096;
   std::uint64_t max_ring_bytes_per_process = std::uint64_t{1} << 30;
   std::uint64_t max_ring_bytes_per_uid = std::uint64_t{8} << 30;
+  // Rings mapped over all connections: each keeps its descriptor open (the daemon reads
+  // the slots with pread, so a hole the producer never wrote commits no memory), so
+  // they count in the open-file limit (Server::check_fd_limit).
+  std::size_t max_rings = 4096;
 };
 
 struct Timeouts {

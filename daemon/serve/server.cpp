@@ -124,9 +124,11 @@ Server::~Server() {
 // without a reply, snapshots failing, live holders taken for dead).
 std::optional<std::string> Server::check_fd_limit() {
   // Plus the descriptors clients passed whose RingAttach frames are not complete yet
-  // (ClientStream::received_fds, at most kMaxPendingRingFds for all connections).
-  const rlim_t needed =
-      config_.server_limits.max_connections + kMaxRejecting + kMaxPendingRingFds + kReservedFds;
+  // (ClientStream::received_fds, at most kMaxPendingRingFds for all connections), and
+  // one per mapped shared ring (SharedRings keeps it to read the slots).
+  const ServerLimits& limits = config_.server_limits;
+  const rlim_t base = kMaxRejecting + kMaxPendingRingFds + kReservedFds;
+  const rlim_t needed = base + limits.max_connections + limits.max_rings;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) {
     return std::string("cannot read the open-file limit (RLIMIT_NOFILE): ") + std::strerror(errno);
@@ -135,22 +137,24 @@ std::optional<std::string> Server::check_fd_limit() {
     rlimit raised = limit;
     raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? needed : std::min(needed, limit.rlim_max);
     if (raised.rlim_cur > limit.rlim_cur && ::setrlimit(RLIMIT_NOFILE, &raised) == 0) {
-      spdlog::info("raised the open-file limit from {} to {} (limits.max_connections {})",
-                   limit.rlim_cur, raised.rlim_cur, config_.server_limits.max_connections);
+      spdlog::info(
+          "raised the open-file limit from {} to {} (limits.max_connections {}, max_rings {})",
+          limit.rlim_cur, raised.rlim_cur, limits.max_connections, limits.max_rings);
       limit = raised;
     }
   }
   if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= needed) return std::nullopt;
-  const rlim_t extra = kMaxRejecting + kMaxPendingRingFds + kReservedFds;
-  const rlim_t fits = limit.rlim_cur > extra ? limit.rlim_cur - extra : 0;
-  return "limits.max_connections " + std::to_string(config_.server_limits.max_connections) +
-         " needs " + std::to_string(needed) + " open files (" + std::to_string(extra) +
+  const rlim_t fits = limit.rlim_cur > base ? limit.rlim_cur - base : 0;
+  return "limits.max_connections " + std::to_string(limits.max_connections) +
+         " and limits.max_rings " + std::to_string(limits.max_rings) + " need " +
+         std::to_string(needed) + " open files (" + std::to_string(base) +
          " more for refusals, passed ring descriptors, probes, snapshots and HTTP), but the "
          "open-file limit is " +
          std::to_string(limit.rlim_cur) + " (hard limit " +
          (limit.rlim_max == RLIM_INFINITY ? std::string("unlimited")
                                           : std::to_string(limit.rlim_max)) +
-         "): raise LimitNOFILE= (or ulimit -n), or set limits.max_connections to " +
+         "): raise LimitNOFILE= (or ulimit -n), or lower limits.max_connections and "
+         "limits.max_rings so that they add up to " +
          std::to_string(fits) + " or less";
 }
 

@@ -3,19 +3,37 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "daemon/state/histogram.h"
 
 namespace steptrace::daemon {
 namespace {
 
-// Records copied out of a ring per chunk (64 KiB).
-constexpr std::size_t kChunkRecords = 4096;
+// Records copied out of a ring per chunk (128 KiB): one or two preads each.
+constexpr std::size_t kChunkRecords = 8192;
+
+bool read_exactly(int fd, const iovec& part, off_t offset) {
+  auto* at = static_cast<std::byte*>(part.iov_base);
+  std::size_t left = part.iov_len;
+  while (left > 0) {
+    const ssize_t got = ::pread(fd, at, left, offset);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    at += got;
+    left -= static_cast<std::size_t>(got);
+    offset += got;
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -43,7 +61,9 @@ proto::RingStatus SharedRings::attach(const proto::RingAttach& attach, int fd,
   const std::uint64_t by_uid = uid_bytes == budget_.bytes_by_uid.end() ? 0 : uid_bytes->second;
   const std::uint64_t rings_of_uid =
       uid_rings == budget_.rings_by_uid.end() ? 0 : uid_rings->second;
-  if (rings_.size() >= limits_.max_rings_per_process) {
+  if (budget_.rings >= limits_.max_rings) {
+    limit = LimitKind::kMaxRings;
+  } else if (rings_.size() >= limits_.max_rings_per_process) {
     limit = LimitKind::kMaxRingsPerProcess;
   } else if (rings_of_uid >= limits_.max_rings_per_uid) {
     limit = LimitKind::kMaxRingsPerUid;
@@ -61,23 +81,26 @@ proto::RingStatus SharedRings::attach(const proto::RingAttach& attach, int fd,
       static_cast<std::uint64_t>(st.st_size) != size) {
     return proto::RingStatus::kRefusedFd;
   }
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // Only the header is mapped (written by the producer when it made the ring, so reading
+  // it commits nothing new); the slots are read with pread, which reads a hole the
+  // producer never wrote as zeros without allocating it (a mapping's read fault would,
+  // charged to the daemon).
+  void* p = ::mmap(nullptr, proto::kRingHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return proto::RingStatus::kRefusedFd;
   // The header must say what the frame says (a later layout is refused, not misread).
   const auto* header = static_cast<const proto::RingHeader*>(p);
   if (header->magic != proto::kRingMagic || header->layout_version != proto::kRingLayoutVersion ||
       header->capacity != attach.capacity || header->thread_id != attach.thread_id) {
-    ::munmap(p, size);
+    ::munmap(p, proto::kRingHeaderBytes);
     return proto::RingStatus::kRefusedFd;
   }
-  ::madvise(p, size, MADV_DONTDUMP);  // a client's memory has no place in the daemon's core
+  ::madvise(p, proto::kRingHeaderBytes, MADV_DONTDUMP);  // no client memory in our core
   Ring ring;
   ring.ring_id = attach.ring_id;
   ring.thread_id = attach.thread_id;
   ring.capacity = attach.capacity;
   ring.header = static_cast<proto::RingHeader*>(p);
-  ring.slots = static_cast<const std::byte*>(p) + proto::kRingHeaderBytes;
-  ring.mapped = size;
+  ring.fd = std::exchange(closer.fd, -1);  // kept for the reads; counted in max_rings
   ring.charged = charge;
   proto::ring_field(ring.header->consumer_pid)
       .store(static_cast<std::uint64_t>(::getpid()), std::memory_order_release);
@@ -121,7 +144,8 @@ void SharedRings::unmap(std::size_t index) {
   std::uint64_t mine = static_cast<std::uint64_t>(::getpid());
   proto::ring_field(ring.header->consumer_pid)
       .compare_exchange_strong(mine, 0, std::memory_order_release, std::memory_order_relaxed);
-  ::munmap(ring.header, ring.mapped);
+  ::munmap(ring.header, proto::kRingHeaderBytes);
+  ::close(ring.fd);
   bytes_ -= ring.charged;
   charge_uid(-1, -static_cast<std::int64_t>(ring.charged));
   rings_.erase(rings_.begin() + static_cast<std::ptrdiff_t>(index));
@@ -187,10 +211,17 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
     const std::size_t first = static_cast<std::size_t>(ring.tail & mask);
     const std::size_t run =
         std::min<std::size_t>(n, static_cast<std::size_t>(ring.capacity) - first);
-    std::memcpy(copy_.data(), ring.slots + first * sizeof(proto::EventRecord),
-                run * sizeof(proto::EventRecord));
-    if (run < n)
-      std::memcpy(copy_.data() + run, ring.slots, (n - run) * sizeof(proto::EventRecord));
+    std::array<iovec, 2> parts{{{copy_.data(), run * sizeof(proto::EventRecord)},
+                                {copy_.data() + run, (n - run) * sizeof(proto::EventRecord)}}};
+    const auto slot_offset = [](std::size_t slot) {
+      return static_cast<off_t>(proto::kRingHeaderBytes + slot * sizeof(proto::EventRecord));
+    };
+    // Sealed against shrinking and of the checked size: a short read cannot happen, and
+    // is taken for a bad ring if it does.
+    if (!read_exactly(ring.fd, parts[0], slot_offset(first)) ||
+        (run < n && !read_exactly(ring.fd, parts[1], slot_offset(0)))) {
+      return false;
+    }
     // Validate and convert in place, compacting the good records to the front; stop at
     // the first one that must wait (unregistered step, or past until_ns).
     std::size_t good = 0;

@@ -5,10 +5,13 @@
 // Data flow: the Session receives a memfd with the bytes of a RingAttach frame
 // (SCM_RIGHTS); ClientStream hands both to attach(), which checks the descriptor (a
 // memfd sealed against shrinking, exactly the size the frame states), the connection's,
-// the process's and the uid's budgets, and maps it; the descriptor is closed at once
-// (the mapping keeps the memory). drain() copies each ring's published records out,
-// validates the copies, converts their ticks with the latest ClockSync, folds them with
-// Collector::events and then frees the slots (a release store of the ring's tail). It
+// the process's, the uid's and the daemon's budgets, and maps its header page; the
+// descriptor stays open (counted in limits.max_rings) because the slots are read with
+// pread, never through a mapping: a hole the producer never wrote then reads as zeros
+// without the daemon committing a page for it. drain() copies each ring's published
+// records out, validates the copies, converts their ticks with the latest ClockSync,
+// folds them with Collector::events and then frees the slots (a release store of the
+// ring's tail). It
 // runs on the server's ring timer, before a Flush is answered, before a text command is
 // answered, for one thread up to a ledger record's stamp, and a last time when the
 // connection closes (the process may be dead: its rings are all that is left of it).
@@ -19,8 +22,8 @@
 // record twice. A bad record (kind, reserved byte, step id, thread id) is skipped and
 // counted as refused (drop cause invalid); an event of a custom step not yet registered
 // waits in the ring until the step's RegisterStep arrives (the library sends it within
-// a round), or is refused in the last pass. The file cannot shrink (F_SEAL_SHRINK), so a
-// mapping never faults.
+// a round), or is refused in the last pass. The file cannot shrink (F_SEAL_SHRINK), so
+// the header's mapping never faults and a pread of the slots is never short.
 #pragma once
 
 #include <cstddef>
@@ -36,7 +39,7 @@
 
 namespace steptrace::daemon {
 
-// What every connection's rings share: the bytes mapped per uid and in all.
+// What every connection's rings share: the rings and slot bytes held per uid and in all.
 struct RingBudget {
   std::map<std::uint32_t, std::uint64_t> bytes_by_uid;
   std::map<std::uint32_t, std::uint64_t> rings_by_uid;
@@ -86,11 +89,10 @@ class SharedRings {
     std::uint32_t ring_id = 0;
     std::uint32_t thread_id = 0;
     std::uint64_t capacity = 0;
-    proto::RingHeader* header = nullptr;
-    const std::byte* slots = nullptr;
-    std::size_t mapped = 0;   // bytes mapped
-    std::size_t charged = 0;  // bytes counted against the budgets (the slots)
-    std::uint64_t tail = 0;   // ours: never read back from the mapping
+    proto::RingHeader* header = nullptr;  // the first kRingHeaderBytes, mapped
+    int fd = -1;                          // the memfd, owned: the slots are read from it
+    std::size_t charged = 0;              // bytes counted against the budgets (the slots)
+    std::uint64_t tail = 0;               // ours: never read back from the mapping
     std::uint64_t dropped_full = 0;
     std::uint64_t dropped_unconnected = 0;
     // Stopped at an event of an unregistered custom step when registrations_ had this

@@ -68,7 +68,8 @@ int connect_to(const std::string& path) {
 
 std::string write_config(const TempDir& dir, int max_connections) {
   const std::string path = dir.file("steptraced.json");
-  std::ofstream(path) << "{\"limits\": {\"max_connections\": " << max_connections << "}}\n";
+  std::ofstream(path) << "{\"limits\": {\"max_connections\": " << max_connections
+                      << ", \"max_rings\": 32}}\n";
   return path;
 }
 
@@ -80,25 +81,30 @@ TEST(HostileFdsTest, AMaxConnectionsTheHardLimitCannotHoldIsRefusedAtStartSaying
   DaemonProcess daemon(dir.file("d.sock"));  // max_connections 1024 by default
   EXPECT_FALSE(daemon.start());
   const std::string log = daemon.log();
-  EXPECT_NE(log.find("limits.max_connections 1024 needs 1248 open files"), std::string::npos)
+  EXPECT_NE(log.find("limits.max_connections 1024 and limits.max_rings 4096 need 5344 open files"),
+            std::string::npos)
       << log;
   EXPECT_NE(log.find("the open-file limit is 256 (hard limit 256)"), std::string::npos) << log;
-  EXPECT_NE(log.find("set limits.max_connections to 32 or less"), std::string::npos) << log;
+  EXPECT_NE(
+      log.find(
+          "lower limits.max_connections and limits.max_rings so that they add up to 32 or less"),
+      std::string::npos)
+      << log;
 }
 
 TEST(HostileFdsTest, TheSoftLimitIsRaisedToWhatMaxConnectionsNeeds) {
   rlimit now{};
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &now), 0);
-  if (now.rlim_max != RLIM_INFINITY && now.rlim_max < 1248) {
-    GTEST_SKIP() << "the hard open-file limit here (" << now.rlim_max << ") is below 1248";
+  if (now.rlim_max != RLIM_INFINITY && now.rlim_max < 5344) {
+    GTEST_SKIP() << "the hard open-file limit here (" << now.rlim_max << ") is below 5344";
   }
   TempDir dir;
   ScopedFileLimit limit(256, now.rlim_max);
   ASSERT_TRUE(limit.ok());
   DaemonProcess daemon(dir.file("d.sock"));
   ASSERT_TRUE(daemon.start()) << daemon.log();
-  EXPECT_EQ(open_file_limits(daemon.pid()).first, "1248");
-  EXPECT_NE(daemon.log().find("raised the open-file limit from 256 to 1248"), std::string::npos)
+  EXPECT_EQ(open_file_limits(daemon.pid()).first, "5344");
+  EXPECT_NE(daemon.log().find("raised the open-file limit from 256 to 5344"), std::string::npos)
       << daemon.log();
   EXPECT_EQ(daemon.stop(), 0) << daemon.log();
 }
@@ -115,13 +121,13 @@ TEST(HostileFdsTest, AFloodOfConnectionsAtTheLimitNeverRunsTheDaemonOutOfFds) {
   const std::string config = write_config(dir, 64);
   std::unique_ptr<DaemonProcess> daemon;
   {
-    ScopedFileLimit limit(288, 288);  // 64 + 64 refusing + 32 passed fds + 128 reserved
+    ScopedFileLimit limit(320, 320);  // 64 + 32 rings + 64 refusing + 32 passed fds + 128 reserved
     ASSERT_TRUE(limit.ok());
     daemon = std::make_unique<DaemonProcess>(
         dir.file("d.sock"), std::vector<std::string>{"--config", config, "--state-dir", state});
     ASSERT_TRUE(daemon->start()) << daemon->log();
   }
-  EXPECT_EQ(open_file_limits(daemon->pid()).first, "288");
+  EXPECT_EQ(open_file_limits(daemon->pid()).first, "320");
 
   std::vector<int> flood;
   for (int i = 0; i < 4 * 64 + 64; ++i) {

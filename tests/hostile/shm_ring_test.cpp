@@ -25,15 +25,15 @@
 //     drains (and a second connection mapping the same memfds) crash nothing, close no
 //     connection, and cost the trainer recording alongside nothing;
 //   - the ring budgets (max_rings_per_process, max_rings_per_uid,
-//     max_ring_bytes_per_process, max_ring_bytes_per_uid) refuse kRefusedLimit, count
+//     max_ring_bytes_per_process, max_ring_bytes_per_uid, max_rings over all
+//     connections, each mapped ring holding one descriptor) refuse kRefusedLimit, count
 //     limits_hit, are given back when a connection closes, thousands of refused attempts
 //     cost no descriptor or mapping, and one uid's full budget leaves another uid's rings
 //     mapped (as uid 4242, root only);
 //   - a ring sealed F_SEAL_SHRINK cannot be truncated (EPERM), and punched holes read as
-//     zeros (refused records, or a head out of range), so no SIGBUS path exists.
-// Two DISABLED cases state what the design promises and the daemon does not do yet (see
-// their comments): another client's ring mapped whatever one tenant holds of the shared
-// reserve of waiting descriptors, and no memory committed for slots a producer never wrote.
+//     zeros (refused records, or a head out of range), so no SIGBUS path exists; the
+//     daemon reads slots with pread, so a head claiming a whole ring the producer never
+//     wrote commits no memory in the daemon or the memfd.
 // Run against the ASan build (build with STEPTRACE_SANITIZE) for the scribbling case's
 // full value: TearDown fails on any sanitizer report in the daemon's log.
 #include <fcntl.h>
@@ -429,6 +429,20 @@ std::size_t hostile_mappings(pid_t pid) {
   std::size_t n = 0;
   for (std::string line; std::getline(maps, line);) {
     if (line.find(needle) != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// The daemon's descriptors of memfds this test made: one per mapped ring (it reads the
+// slots with pread).
+std::size_t hostile_descriptors(pid_t pid) {
+  const std::string needle = std::string("/memfd:") + kMemfdName;
+  std::size_t n = 0;
+  std::error_code ec;
+  for (fs::directory_iterator it("/proc/" + std::to_string(pid) + "/fd", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const fs::path target = fs::read_symlink(it->path(), ec);
+    if (!ec && target.string().find(needle) != std::string::npos) ++n;
   }
   return n;
 }
@@ -917,6 +931,7 @@ TEST_F(HostileShmRingTest, AFloodOfStrayDescriptorsLeaksNoneInTheDaemon) {
   }
   EXPECT_EQ(rings()["mapped"], 40);
   EXPECT_EQ(hostile_mappings(daemon_pid()), 40u);
+  EXPECT_EQ(hostile_descriptors(daemon_pid()), 40u);
   good.close();
   expect_nothing_mapped();
   expect_fds(fds_before);
@@ -954,7 +969,7 @@ TEST_F(HostileShmRingTest, StrayDescriptorsHeldByOneTenantDoNotRefuseAnotherClie
   expect_pong();
   expect_exact(start_trainer(2, 1000));
   holders.clear();
-  expect_fds(fds_before + 1);  // `other`'s connection
+  expect_fds(fds_before + 2);  // `other`'s connection and its ring's memfd
 }
 
 // ---- 3. a producer that lies ------------------------------------------------------------------
@@ -1140,7 +1155,10 @@ TEST_F(HostileShmRingTest, BadRecordsAreSkippedAndCountedAndTheGoodOnesAroundThe
 // without bound (seen: 4 rounds of 64 MiB left 256 MiB of shmem with bytes_mapped 0).
 // pread(2) of a hole does not allocate (shmem reads holes as the zero page): reading the
 // slots from the descriptor (kept open) instead of the mapping would close this.
-TEST_F(HostileShmRingTest, DISABLED_AProducerCannotMakeTheDaemonCommitMemoryItNeverWrote) {
+// The daemon maps only a ring's header and reads its slots with pread: a hole the
+// producer never wrote reads as zeros (refused records) and commits no page, where a
+// read through a mapping would allocate every page of it, charged to the daemon.
+TEST_F(HostileShmRingTest, AProducerCannotMakeTheDaemonCommitMemoryItNeverWrote) {
   ASSERT_NO_FATAL_FAILURE(start());
   RawClient hostile(socket());
   ASSERT_TRUE(hostile.handshake());
@@ -1155,6 +1173,12 @@ TEST_F(HostileShmRingTest, DISABLED_AProducerCannotMakeTheDaemonCommitMemoryItNe
   EXPECT_EQ(rings()["records_refused"], kSparse);
   EXPECT_LT(rss_shmem_kib(daemon_pid()), before + 1024)
       << "the daemon's reads committed the holes the producer never wrote";
+  // Nor did the file grow: still only the header page is allocated in it.
+  struct stat st {};
+  ASSERT_EQ(::fstat(ring.fd(), &st), 0);
+  EXPECT_LE(st.st_blocks * 512, 2 * 4096) << "pages allocated in the memfd";
+  expect_pong();
+  run_trainer_exactly();
 }
 
 // ---- 4. a producer scribbling while the daemon drains ---------------------------------------
@@ -1353,7 +1377,7 @@ TEST_F(HostileShmRingTest,
     for (std::uint32_t k = 0; k < 4; ++k) ASSERT_EQ(c.attach(k, *made[k]), RingStatus::kMapped);
     ASSERT_EQ(c.attach(4, fifth), RingStatus::kRefusedLimit);
   }
-  expect_fds(fds_before);
+  expect_fds(fds_before + 4);  // one per ring still mapped (the first connection's 4)
   EXPECT_TRUE(eventually([&] { return rings()["mapped"] == 4; })) << rings().dump();
   r = rings();
   EXPECT_EQ(r["bytes_mapped"], 4 * kSlotBytes) << r.dump();
@@ -1464,6 +1488,35 @@ TEST_F(HostileShmRingTest, MaxRingsPerUidRefusesTheRingPastItOverAllConnectionsO
   run_trainer_exactly();
   second.close();
   expect_nothing_mapped();
+}
+
+// limits.max_rings bounds the rings of all connections together: each keeps a
+// descriptor open in the daemon, counted in its open-file limit.
+TEST_F(HostileShmRingTest, MaxRingsRefusesTheRingPastItOverAllConnectionsEachHoldingOneDescriptor) {
+  ASSERT_NO_FATAL_FAILURE(start("\"max_rings\": 2"));
+  RawClient first(socket());
+  RawClient second(socket());
+  ASSERT_TRUE(first.handshake());
+  ASSERT_TRUE(second.handshake());
+  CraftedRing a(60), b(61), c(62);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(first.attach(0, a), RingStatus::kMapped);
+  EXPECT_EQ(second.attach(1, b), RingStatus::kMapped);
+  EXPECT_EQ(hostile_descriptors(daemon_pid()), 2u);
+  EXPECT_EQ(second.attach(2, c), RingStatus::kRefusedLimit);
+  EXPECT_EQ(limits_hit("max_rings"), 1u);
+  EXPECT_EQ(hostile_descriptors(daemon_pid()), 2u) << "the refused ring's descriptor is closed";
+  first.close();
+  EXPECT_TRUE(eventually([&] { return rings()["mapped"] == 1; })) << rings().dump();
+  EXPECT_TRUE(eventually([&] { return hostile_descriptors(daemon_pid()) == 1; }));
+  EXPECT_EQ(second.attach(3, c), RingStatus::kMapped);
+  expect_pong();
+  second.close();
+  expect_nothing_mapped();
+  EXPECT_EQ(hostile_descriptors(daemon_pid()), 0u);
+  // No ring left for the trainer past this daemon's budget of 2: what does not fit goes
+  // on the socket, exactly.
+  run_trainer_exactly();
 }
 
 // The budget per uid is the one that stands between tenants: a uid that fills its own
