@@ -1,7 +1,24 @@
 #!/usr/bin/env bash
 # Installs what steptrace needs to build and test, from Debian 12 packages only.
 # Idempotent: when every package is present it does not call apt-get at all.
+#   scripts/setup.sh           what the build, the daemon and the examples need
+#   scripts/setup.sh --tests   also what only tests use: python3-torch (Debian's PyTorch,
+#                              for the DataLoader tests; they skip, saying so, without it)
 set -euo pipefail
+
+with_tests=0
+case "${1:-}" in
+  "") ;;
+  --tests) with_tests=1 ;;
+  -h | --help)
+    sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+    ;;
+  *)
+    echo "setup: unknown argument '$1' (usage: scripts/setup.sh [--tests])" >&2
+    exit 2
+    ;;
+esac
 
 packages=(
   build-essential cmake ninja-build pkg-config git
@@ -16,6 +33,9 @@ packages=(
 # already (rustup's, say).
 if ! command -v cargo >/dev/null; then
   packages+=(cargo)
+fi
+if ((with_tests)); then
+  packages+=(python3-torch)
 fi
 
 missing=()

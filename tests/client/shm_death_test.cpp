@@ -50,7 +50,6 @@ using Clock = std::chrono::steady_clock;
 constexpr int kKilled = 128 + SIGKILL;
 constexpr int kSegfault = 128 + SIGSEGV;
 constexpr int kAborted = 128 + SIGABRT;
-constexpr int kSkipped = 77;  // shm_death_child.py: torch cannot be imported
 
 constexpr const char* kCauses[] = {"buffer_full", "not_connected", "in_flight", "invalid"};
 
@@ -243,19 +242,21 @@ class ShmDeath : public ::testing::Test {
     env.push_back("ASAN_OPTIONS=detect_leaks=0");
     return env;
   }
-  pid_t python_child(const std::vector<std::string>& args) const {
-    std::vector<std::string> argv{STEPTRACE_PYTHON, "-B", STEPTRACE_SHM_DEATH_CHILD};
+  pid_t python_child(const std::vector<std::string>& args,
+                     const std::string& python = STEPTRACE_PYTHON) const {
+    std::vector<std::string> argv{python, "-B", STEPTRACE_SHM_DEATH_CHILD};
     argv.insert(argv.end(), args.begin(), args.end());
     return spawn_process(argv, python_env());
   }
 
   // Runs shm_death_child.py MODE SOCKET OUTFILE ARGS... (exit 0 expected) and checks every
   // worker it reports, and the parent. Returns its exit status.
-  int run_python_workers(const std::string& mode, const std::vector<std::string>& args) {
+  int run_python_workers(const std::string& mode, const std::vector<std::string>& args,
+                         const std::string& python = STEPTRACE_PYTHON) {
     const std::string out = file(mode + ".json");
     std::vector<std::string> all{mode, socket(), out};
     all.insert(all.end(), args.begin(), args.end());
-    const int status = wait_or_kill(python_child(all), 180000);
+    const int status = wait_or_kill(python_child(all, python), 180000);
     if (status != 0) return status;
     std::ifstream in(out);
     const auto doc = nlohmann::json::parse(in, nullptr, false);
@@ -422,11 +423,16 @@ TEST_F(ShmDeath, PythonPoolWorkersExitingLoseNoSpan) {
 // torch.utils.data.DataLoader, num_workers=2, persistent_workers=False: each item's
 // __getitem__ records one span in its worker; after the epoch the workers are shut down
 // (os._exit, no flush). Every item's span arrives, under the pid that fetched it.
+// The interpreter is the one that imported torch when the build was configured (the
+// build's python3, else Debian's /usr/bin/python3 with python3-torch, which
+// `scripts/setup.sh --tests` installs).
 TEST_F(ShmDeath, PythonTorchDataLoaderWorkersLoseNoSpan) {
-  SKIP_WITHOUT_PYTHON();
-  const int status = run_python_workers("dataloader", {"2000"});
-  if (status == kSkipped) GTEST_SKIP() << "torch is not installed (`import torch` failed)";
-  EXPECT_EQ(status, 0);
+  if (std::string(STEPTRACE_TORCH_PYTHON).empty()) {
+    GTEST_SKIP() << "no python3 that imports torch was found when the build was configured "
+                    "(install python3-torch, e.g. scripts/setup.sh --tests, and configure again)";
+  }
+  EXPECT_EQ(run_python_workers("dataloader", {"2000"}, STEPTRACE_TORCH_PYTHON), 0)
+      << "exit status 77: torch could not be imported after all";
 }
 
 }  // namespace
