@@ -24,6 +24,7 @@
 #include <variant>
 #include <vector>
 
+#include "daemon/serve/render_job.h"
 #include "daemon/state/collector.h"
 
 namespace steptrace::daemon {

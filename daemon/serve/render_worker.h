@@ -28,6 +28,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/thread_pool.hpp>
 
+#include "daemon/serve/render_job.h"
 #include "daemon/state/collector.h"
 
 namespace steptrace::daemon {

@@ -26,8 +26,6 @@
 #include <string_view>
 #include <system_error>
 
-#include <nlohmann/json_fwd.hpp>
-
 #include "daemon/state/flight_recorder.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/proc_probe.h"
@@ -40,9 +38,6 @@ struct CollectorState;
 struct ProcessRecord;
 struct RestoredState;
 class CollectorView;
-
-// Text rendered from a view, possibly on another thread (daemon/serve/render_worker.h).
-using RenderJob = std::function<std::string(const CollectorView&)>;
 
 // The collector's state at one instant, for rendering: cheap to make (process records,
 // the ledger and the retired histograms are shared copy-on-write, see
