@@ -1,5 +1,6 @@
 #include "daemon/persist/snapshot_codec.h"
 
+#include <array>
 #include <limits>
 #include <map>
 #include <memory>
@@ -39,7 +40,20 @@ constexpr StringRule kNameRule{1, proto::kMaxNameLength};        // step names, 
 constexpr StringRule kLedgerTextRule{0, proto::kMaxNameLength};  // comm, task
 constexpr StringRule kJobRule{0, proto::kMaxNameLength};         // a job id (may be "")
 
+// The snapshot's own keys for the drop causes, by proto::DropCause: a format of its own,
+// so that renaming a cause in a report or on the wire cannot change what a snapshot says
+// (version 1 wrote these).
+constexpr std::array<std::string_view, proto::kDropCauseCount> kDropCauseKeys = {
+    "buffer_full", "not_connected", "in_flight", "invalid"};
+
 // ---- encode ------------------------------------------------------------------------------
+
+json drop_causes_json(const DropCounts& counts) {
+  json j = json::object();
+  for (std::size_t i = 0; i < kDropCauseKeys.size(); ++i)
+    j[std::string(kDropCauseKeys[i])] = counts[i];
+  return j;
+}
 
 json step_agg_json(const StepAgg& agg) {
   return {{"unmatched_ends", agg.unmatched_ends},
@@ -163,7 +177,7 @@ bool read_histogram(JsonObject h, Histogram& out) {
 bool read_drop_causes(std::optional<JsonObject> causes, DropCounts& out) {
   if (!causes) return true;
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
-    causes->get_unsigned(proto::kDropCauseNames[i], out[i]);
+    causes->get_unsigned(kDropCauseKeys[i], out[i]);
   }
   return causes->finish();
 }
@@ -285,6 +299,46 @@ bool read_counters(JsonObject c, DaemonCounters& out) {
 
 // ---- the ledger section --------------------------------------------------------------------
 
+// A GPU's ledger rows as a snapshot keeps them: the same shape as `ledger --json`'s
+// (version 1 wrote them with the report's functions), but written here, so a report
+// field renamed changes no snapshot.
+constexpr std::array<std::string_view, ledger::kOpCount> kOpKeys = {"reserve", "release", "cleanup",
+                                                                    "vram_sample", "renew"};
+
+json ledger_steps_json(const std::map<std::uint32_t, ledger::StepTime>& steps) {
+  json out = json::array();
+  for (const auto& [step, time] : steps) {
+    out.push_back({{"step", proto::kBuiltinStepNames[step]},
+                   {"count", time.count},
+                   {"total_ns", time.total_ns}});
+  }
+  return out;
+}
+
+json ledger_processes_json(const ledger::Gpu& gpu) {
+  json processes = json::array();
+  for (const auto& [key, row] : gpu.processes) {
+    processes.push_back({{"pid", key.pid},
+                         {"start_time", key.start_time},
+                         {"comm", row.comm},
+                         {"reserves", row.reserves},
+                         {"releases", row.releases},
+                         {"cleanups", row.cleanups},
+                         {"renews", row.renews},
+                         {"refused", row.refused},
+                         {"steps", ledger_steps_json(row.steps)}});
+  }
+  return processes;
+}
+
+json ledger_operations_json(const ledger::Gpu& gpu) {
+  json operations = json::object();
+  for (std::size_t op = 0; op < kOpKeys.size(); ++op) {
+    operations[std::string(kOpKeys[op])] = gpu.operations[op];
+  }
+  return operations;
+}
+
 json ledger_json(const ledger::State& state) {
   json gpus = json::array();
   for (const auto& [uuid, gpu] : state.gpus) {
@@ -314,10 +368,10 @@ json ledger_json(const ledger::State& state) {
                     {"high_water_bytes", gpu.high_water_bytes},
                     {"sample", std::move(sample)},
                     {"overcommit_events", gpu.overcommit_events},
-                    {"operations", ledger::operations_json(gpu)},
-                    {"steps", ledger::steps_json(gpu.steps)},
+                    {"operations", ledger_operations_json(gpu)},
+                    {"steps", ledger_steps_json(gpu.steps)},
                     {"reservations", std::move(reservations)},
-                    {"processes", ledger::processes_json(gpu)}});
+                    {"processes", ledger_processes_json(gpu)}});
   }
   json anomalies = json::object();
   for (std::size_t kind = 0; kind < ledger::kAnomalyCount; ++kind) {
@@ -420,9 +474,9 @@ bool read_gpu(JsonObject g, const Limits& limits, ledger::State& out) {
   JsonObject operations = g.object("operations");
   for (std::size_t op = 0; op < ledger::kOpCount; ++op) {
     if (op == ledger::kOpRenew) {
-      operations.optional_unsigned(ledger::kOpNames[op], gpu.operations[op]);  // since leases
+      operations.optional_unsigned(kOpKeys[op], gpu.operations[op]);  // since leases
     } else {
-      operations.get_unsigned(ledger::kOpNames[op], gpu.operations[op]);
+      operations.get_unsigned(kOpKeys[op], gpu.operations[op]);
     }
   }
   if (!operations.finish() ||

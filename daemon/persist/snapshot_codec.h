@@ -7,9 +7,8 @@
 // reader (daemon/persist/json_reader.h) into a RestoredState and hands that to
 // Collector::adopt(). The state classes only hand their state over (CollectorView::state,
 // LedgerView::state, Histogram::parts) and adopt a decoded one (Collector::adopt,
-// LedgerView::adopt, Histogram::from_parts); the document's layout lives here, except the
-// ledger rows it shares with the `ledger --json` report (ledger::steps_json and friends,
-// daemon/state/ledger_state.h).
+// LedgerView::adopt, Histogram::from_parts); the document's layout lives here, all of it
+// (its keys are its own: a report's field or a wire name renamed changes no snapshot).
 //
 // The format is fixed: files earlier builds wrote restore, and encoding what was decoded
 // gives the same bytes (tests/daemon/persist/snapshot_v1.json is such a file). A document

@@ -20,6 +20,44 @@ namespace {
 using nlohmann::json;
 using namespace ledger;
 
+// A GPU's ledger rows in `ledger --json`: [{"step", "count", "total_ns"}, ...],
+// [{"pid", "start_time", "comm", "reserves", "releases", "cleanups", "renews", "refused",
+// "steps"}, ...] and {"reserve": n, "release": n, "cleanup": n, "vram_sample": n,
+// "renew": n}. The snapshot writes its own (persist/snapshot_codec.cpp).
+json steps_json(const std::map<std::uint32_t, StepTime>& steps) {
+  json out = json::array();
+  for (const auto& [step, time] : steps) {
+    out.push_back({{"step", proto::kBuiltinStepNames[step]},
+                   {"count", time.count},
+                   {"total_ns", time.total_ns}});
+  }
+  return out;
+}
+
+json processes_json(const Gpu& gpu) {
+  json processes = json::array();
+  for (const auto& [key, row] : gpu.processes) {
+    processes.push_back({{"pid", key.pid},
+                         {"start_time", key.start_time},
+                         {"comm", row.comm},
+                         {"reserves", row.reserves},
+                         {"releases", row.releases},
+                         {"cleanups", row.cleanups},
+                         {"renews", row.renews},
+                         {"refused", row.refused},
+                         {"steps", steps_json(row.steps)}});
+  }
+  return processes;
+}
+
+json operations_json(const Gpu& gpu) {
+  json operations = json::object();
+  for (std::size_t op = 0; op < kOpCount; ++op) {
+    operations[std::string(kOpNames[op])] = gpu.operations[op];
+  }
+  return operations;
+}
+
 // A uid for the JSON documents: null when unknown (restored from an older snapshot).
 json uid_json(std::uint32_t uid) { return uid == kUnknownUid ? json(nullptr) : json(uid); }
 

@@ -16,6 +16,15 @@
 namespace steptrace::daemon {
 namespace {
 
+// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n}: the wire's cause
+// names (PROTOCOL.md section 4.7).
+nlohmann::json drop_causes_json(const DropCounts& counts) {
+  nlohmann::json j = nlohmann::json::object();
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+    j[std::string(proto::kDropCauseNames[i])] = counts[i];
+  return j;
+}
+
 std::uint64_t uptime_s(std::chrono::steady_clock::duration elapsed) {
   return static_cast<std::uint64_t>(
       std::max<std::int64_t>(0, std::chrono::duration_cast<std::chrono::seconds>(elapsed).count()));

@@ -8,19 +8,10 @@
 #include <set>
 #include <utility>
 
-#include <nlohmann/json.hpp>
-
 #include "daemon/state/collector_state.h"
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
-
-nlohmann::json drop_causes_json(const DropCounts& counts) {
-  nlohmann::json j = nlohmann::json::object();
-  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
-    j[std::string(proto::kDropCauseNames[i])] = counts[i];
-  return j;
-}
 
 void DaemonCounters::add(const ServerCounters& server) {
   frames_received += server.frames_received;

@@ -36,14 +36,9 @@
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/ledger_view.h"
 
-#include <nlohmann/json_fwd.hpp>
-
 namespace steptrace::daemon {
 
 using DropCounts = std::array<std::uint64_t, proto::kDropCauseCount>;
-
-// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n}
-nlohmann::json drop_causes_json(const DropCounts& counts);
 
 struct StepAgg {
   Histogram hist;  // count, total, min, max, percentiles, Prometheus buckets

@@ -20,8 +20,6 @@
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
-
 #include "daemon/state/types.h"
 
 namespace steptrace::daemon::ledger {
@@ -275,15 +273,6 @@ struct State {
     gpu.overcommitted = now;
   }
 };
-
-// The JSON of a GPU's ledger rows that the `ledger --json` report and the snapshot both
-// write (defined in ledger_view.cpp): [{"step", "count", "total_ns"}, ...],
-// [{"pid", "start_time", "comm", "reserves", "releases", "cleanups", "refused", "steps"},
-// ...] and
-// {"reserve": n, "release": n, "cleanup": n, "vram_sample": n}.
-nlohmann::json steps_json(const std::map<std::uint32_t, StepTime>& steps);
-nlohmann::json processes_json(const Gpu& gpu);
-nlohmann::json operations_json(const Gpu& gpu);
 
 // The findings on GPU `uuid` (ledger_view.cpp): every device process against the
 // reservations of the same pid, every reservation of a live holder against the device.

@@ -23,15 +23,11 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "daemon/state/ledger_state.h"
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
 namespace {
-
-using nlohmann::json;
 
 // Longest process name kept; /proc comm is at most 15 bytes, the hello's name 23.
 constexpr std::size_t kMaxComm = proto::kMaxNameLength;
@@ -54,47 +50,6 @@ std::uint64_t lease_deadline(std::uint64_t from_ns, std::uint64_t lease_ms) {
 }
 
 }  // namespace
-
-// ---- the rows both the report and the snapshot write ----------------------------------
-
-namespace ledger {
-
-json steps_json(const std::map<std::uint32_t, StepTime>& steps) {
-  json out = json::array();
-  for (const auto& [step, time] : steps) {
-    out.push_back({{"step", proto::kBuiltinStepNames[step]},
-                   {"count", time.count},
-                   {"total_ns", time.total_ns}});
-  }
-  return out;
-}
-
-// Per-process ledger rows of one GPU, as both the report and the snapshot write them.
-json processes_json(const Gpu& gpu) {
-  json processes = json::array();
-  for (const auto& [key, row] : gpu.processes) {
-    processes.push_back({{"pid", key.pid},
-                         {"start_time", key.start_time},
-                         {"comm", row.comm},
-                         {"reserves", row.reserves},
-                         {"releases", row.releases},
-                         {"cleanups", row.cleanups},
-                         {"renews", row.renews},
-                         {"refused", row.refused},
-                         {"steps", steps_json(row.steps)}});
-  }
-  return processes;
-}
-
-json operations_json(const Gpu& gpu) {
-  json operations = json::object();
-  for (std::size_t op = 0; op < kOpCount; ++op) {
-    operations[std::string(kOpNames[op])] = gpu.operations[op];
-  }
-  return operations;
-}
-
-}  // namespace ledger
 
 using namespace ledger;  // this file implements the view over that state
 

@@ -28,8 +28,6 @@
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
-
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/types.h"
 
