@@ -7,9 +7,6 @@
 // without dying is EXPIRED (not LEAKED) at the daemon's liveness tick, and another
 // process (of another uid when the test runs as root) cleans it up; a renewal revives an
 // expired lease; a lease outlives a daemon restart.
-#include <fcntl.h>
-#include <grp.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -34,8 +31,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/ledger_json.h"
-
-extern char** environ;
+#include "tests/support/worker.h"
 
 namespace steptrace::testing {
 namespace {
@@ -53,150 +49,6 @@ const std::string kGpuB = "GPU-3b9d7c21-1111-4c2a-8e6f-bbbbbbbbbbbb";
 
 // A uid no test user has: `nobody` on Debian. Only root can run a child as it.
 constexpr uid_t kNobody = 65534;
-
-// A ledger_worker with its stdin and stdout on pipes, SIGKILLed and reaped by the
-// destructor if it still runs. With `as_uid` (not 0; the test must be root) the child
-// drops to that uid and gid (setresgid, setresuid) before the exec.
-class Worker {
- public:
-  Worker(const std::string& socket, std::vector<std::string> args, uid_t as_uid = 0) {
-    args.insert(args.begin(), {STEPTRACE_LEDGER_WORKER, socket});
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int to_child[2];
-    int from_child[2];
-    if (::pipe2(to_child, O_CLOEXEC) != 0) return;
-    if (::pipe2(from_child, O_CLOEXEC) != 0) {
-      ::close(to_child[0]);
-      ::close(to_child[1]);
-      return;
-    }
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(to_child[0], STDIN_FILENO);  // dup2 clears close-on-exec on the copies
-      ::dup2(from_child[1], STDOUT_FILENO);
-      if (as_uid != 0 &&
-          (::setgroups(0, nullptr) != 0 || ::setresgid(as_uid, as_uid, as_uid) != 0 ||
-           ::setresuid(as_uid, as_uid, as_uid) != 0 || ::setuid(0) == 0)) {
-        ::_exit(126);  // could not drop root (or could get it back)
-      }
-      ::execve(argv[0], argv.data(), environ);
-      ::_exit(127);
-    }
-    ::close(to_child[0]);
-    ::close(from_child[1]);
-    in_ = to_child[1];
-    out_ = from_child[0];
-    if (pid_ < 0) close_pipes();
-  }
-  ~Worker() {
-    if (pid_ > 0) kill_and_reap();
-    close_pipes();
-  }
-  Worker(const Worker&) = delete;
-  Worker& operator=(const Worker&) = delete;
-
-  pid_t pid() const { return pid_; }
-
-  // The next line the worker printed; nullopt on EOF (it exited) or timeout.
-  std::optional<std::string> read_line(int timeout_ms) {
-    const auto deadline = Clock::now() + milliseconds(timeout_ms);
-    for (;;) {
-      if (const auto nl = buffer_.find('\n'); nl != std::string::npos) {
-        std::string line = buffer_.substr(0, nl);
-        buffer_.erase(0, nl + 1);
-        return line;
-      }
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      if (out_ < 0 || left.count() <= 0) return std::nullopt;
-      pollfd p{out_, POLLIN, 0};
-      const int r = ::poll(&p, 1, static_cast<int>(left.count()));
-      if (r < 0 && errno != EINTR) return std::nullopt;
-      if (r <= 0) continue;
-      char buf[256];
-      const ssize_t n = ::read(out_, buf, sizeof buf);
-      if (n == 0) return std::nullopt;
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return std::nullopt;
-      }
-      buffer_.append(buf, static_cast<std::size_t>(n));
-    }
-  }
-
-  // Waits for the line `want`; on anything else says what the worker did instead.
-  ::testing::AssertionResult expect_line(const std::string& want) {
-    const auto line = read_line(kReadyTimeoutMs);
-    if (line == want) return ::testing::AssertionSuccess();
-    auto failure = ::testing::AssertionFailure()
-                   << "worker " << pid_ << ": wanted \"" << want << "\", got ";
-    if (line) return failure << '"' << *line << '"';
-    return failure << "nothing; exit status " << wait_exit(5000);
-  }
-
-  // Writes one request line to the worker's stdin; false when it is gone.
-  bool send(const std::string& request) {
-    const std::string line = request + "\n";
-    // A worker that died must fail the test, not kill it with SIGPIPE.
-    struct sigaction ignore {};
-    struct sigaction old {};
-    ignore.sa_handler = SIG_IGN;
-    ::sigaction(SIGPIPE, &ignore, &old);
-    const bool sent = ::write(in_, line.data(), line.size()) == static_cast<ssize_t>(line.size());
-    ::sigaction(SIGPIPE, &old, nullptr);
-    return sent;
-  }
-
-  // Asks a holder to release one of its reservations and waits until it has flushed.
-  ::testing::AssertionResult release(const std::string& gpu, std::uint64_t id) {
-    if (!send("release " + gpu + " " + std::to_string(id))) {
-      return ::testing::AssertionFailure() << "worker " << pid_ << " gone";
-    }
-    return expect_line("released");
-  }
-
-  // Whether the process still runs (has not exited; a zombie would answer kill(pid, 0)).
-  bool running() {
-    if (pid_ <= 0) return false;
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) == 0) return true;
-    pid_ = -1;  // exited (and now reaped)
-    return false;
-  }
-
-  // Closes its stdin (a holder then exits 0) and returns the exit status.
-  int finish(int timeout_ms = 30000) {
-    if (in_ >= 0) ::close(in_);
-    in_ = -1;
-    return wait_exit(timeout_ms);
-  }
-
-  void kill_and_reap() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  int wait_exit(int timeout_ms) {
-    if (pid_ <= 0) return -1;
-    const int status = wait_process(pid_, timeout_ms);
-    if (status >= 0) pid_ = -1;
-    return status;
-  }
-  void close_pipes() {
-    if (in_ >= 0) ::close(in_);
-    if (out_ >= 0) ::close(out_);
-    in_ = out_ = -1;
-  }
-
-  pid_t pid_ = -1;
-  int in_ = -1;
-  int out_ = -1;
-  std::string buffer_;
-};
 
 json command_json(const std::string& socket, const std::string& line) {
   const auto reply = command(socket, line);
@@ -288,7 +140,7 @@ class LedgerIntegration : public ::testing::Test {
   // ASSERT_TRUE(worker->expect_line("ready")).
   std::unique_ptr<Worker> hold(std::vector<std::string> reservations) const {
     reservations.insert(reservations.begin(), "hold");
-    return std::make_unique<Worker>(socket(), std::move(reservations));
+    return std::make_unique<Worker>(STEPTRACE_LEDGER_WORKER, socket(), std::move(reservations));
   }
 
   // A one-shot worker (reserve, release, cleanup, sample, anomalies): its exit status.
@@ -642,14 +494,14 @@ class LedgerLeaseIntegration : public LedgerIntegration {
   std::unique_ptr<Worker> lease(const std::string& gpu, std::uint64_t id, std::uint64_t bytes,
                                 const std::string& task, int lease_ms, int heartbeat_ms) const {
     return std::make_unique<Worker>(
-        socket(),
+        STEPTRACE_LEDGER_WORKER, socket(),
         std::vector<std::string>{"lease", gpu, std::to_string(id), std::to_string(bytes), task,
                                  std::to_string(lease_ms), std::to_string(heartbeat_ms)});
   }
 
   // A one-shot worker run as `uid` (0: as the test): its exit status and, in `pid`, its pid.
   int run_as(uid_t uid, std::vector<std::string> args, pid_t& pid) const {
-    Worker worker(socket(), std::move(args), uid);
+    Worker worker(STEPTRACE_LEDGER_WORKER, socket(), std::move(args), uid);
     pid = worker.pid();
     return worker.finish(60000);
   }

@@ -17,10 +17,7 @@
 // The script is named by $FAKE_NVML_SCRIPT, set in this process before the daemon is
 // started (it inherits the environment), and rewritten atomically (rename) while the
 // daemon runs: the fake re-reads it at every sample.
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -44,8 +41,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/ledger_json.h"
-
-extern char** environ;
+#include "tests/support/worker.h"
 
 namespace steptrace::testing {
 namespace {
@@ -87,87 +83,6 @@ pid_t absent_pid() {
   }
   return 999999;
 }
-
-// A ledger_worker (tests/ledger/ledger_worker.cpp) with its stdin and stdout on pipes,
-// SIGKILLed and reaped by the destructor if it still runs. `hold` keeps its reservations
-// while its stdin is open.
-class Worker {
- public:
-  Worker(const std::string& socket, std::vector<std::string> args) {
-    args.insert(args.begin(), {STEPTRACE_LEDGER_WORKER, socket});
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int to_child[2];
-    int from_child[2];
-    if (::pipe2(to_child, O_CLOEXEC) != 0) return;
-    if (::pipe2(from_child, O_CLOEXEC) != 0) {
-      ::close(to_child[0]);
-      ::close(to_child[1]);
-      return;
-    }
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(to_child[0], STDIN_FILENO);  // dup2 clears close-on-exec on the copies
-      ::dup2(from_child[1], STDOUT_FILENO);
-      ::execve(argv[0], argv.data(), environ);
-      ::_exit(127);
-    }
-    ::close(to_child[0]);
-    ::close(from_child[1]);
-    in_ = to_child[1];
-    out_ = from_child[0];
-  }
-  ~Worker() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    for (int fd : {in_, out_}) {
-      if (fd >= 0) ::close(fd);
-    }
-  }
-  Worker(const Worker&) = delete;
-  Worker& operator=(const Worker&) = delete;
-
-  pid_t pid() const { return pid_; }
-
-  // Waits for the line `want` on its stdout.
-  ::testing::AssertionResult expect_line(const std::string& want) {
-    const auto deadline = Clock::now() + milliseconds(kReadyTimeoutMs);
-    for (;;) {
-      if (const auto nl = buffer_.find('\n'); nl != std::string::npos) {
-        const std::string line = buffer_.substr(0, nl);
-        buffer_.erase(0, nl + 1);
-        if (line == want) return ::testing::AssertionSuccess();
-        return ::testing::AssertionFailure()
-               << "worker " << pid_ << ": wanted \"" << want << "\", got \"" << line << '"';
-      }
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-      if (out_ < 0 || left.count() <= 0) break;
-      pollfd p{out_, POLLIN, 0};
-      const int r = ::poll(&p, 1, static_cast<int>(left.count()));
-      if (r < 0 && errno != EINTR) break;
-      if (r <= 0) continue;
-      char buf[256];
-      const ssize_t n = ::read(out_, buf, sizeof buf);
-      if (n == 0) break;
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        break;
-      }
-      buffer_.append(buf, static_cast<std::size_t>(n));
-    }
-    return ::testing::AssertionFailure()
-           << "worker " << pid_ << ": wanted \"" << want << "\", got EOF or nothing in time";
-  }
-
- private:
-  pid_t pid_ = -1;
-  int in_ = -1;
-  int out_ = -1;
-  std::string buffer_;
-};
 
 // The finding of `kind` for `pid` in a GPU's `findings`; nullptr when absent.
 const json* find_finding(const json& gpu, const std::string& kind, std::int64_t pid) {
@@ -299,9 +214,9 @@ class NvmlDaemonTestBase : public ::testing::Test {
   // A holder of reservation `id` (`bytes` on `uuid`), ready (its reserve applied).
   std::unique_ptr<Worker> hold(const std::string& uuid, std::uint64_t id, std::uint64_t bytes) {
     auto worker = std::make_unique<Worker>(
-        socket(),
+        STEPTRACE_LEDGER_WORKER, socket(),
         std::vector<std::string>{"hold", uuid, std::to_string(id), std::to_string(bytes), "train"});
-    EXPECT_TRUE(worker->expect_line("ready"));
+    EXPECT_TRUE(worker->expect_line("ready", kReadyTimeoutMs));
     return worker;
   }
 
