@@ -14,9 +14,11 @@ import tempfile
 import time
 import unittest
 
-# One client of the daemon's text commands for all the Python tests: tests/client's (the
-# binding's tests cannot import this module, which needs the packaging tests' environment).
-sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "client"))
+# One client of the daemon's text commands for all the Python tests: the binding's, in
+# bindings/python/tests (they cannot import this module, which needs the packaging tests'
+# environment).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                             "bindings", "python", "tests"))
 from python_testutil import command as _command  # noqa: E402
 
 BUILD_DIR = os.environ["STEPTRACE_BUILD_DIR"]
