@@ -6,7 +6,7 @@
         ...
     @steptrace.span("Tokenize")              # a decorator too; other names are custom steps
     def tokenize(batch): ...
-    steptrace.flush(1000)                    # 0 once the daemon has applied everything
+    steptrace.flush(1000, check=True)        # OSError unless the daemon applied everything
     steptrace.dropped_by_cause()             # {"buffer_full": 0, "not_connected": 0, ...}
 
 steptrace.torch instruments a torch.nn.Module (Forward/Backward spans from its hooks).
@@ -15,9 +15,12 @@ Where the library comes from: steptrace._loader (STEPTRACE_LIBRARY, the installe
 prefix, the system's search, a source checkout's build tree); `library_path` is the file
 loaded. Arguments are checked here, before any C call: a bad step name, a step id the
 process never registered, a wrong type or an out-of-range number raises TypeError or
-ValueError. Tracing itself never raises: events that cannot be delivered (no daemon, a
-full buffer) are dropped and counted (dropped(), dropped_by_cause()); calls the library
-refuses for their arguments are counted by rejected().
+ValueError. A call the library fails raises OSError with its errno (set_buffer_size;
+connect and flush with check=True: by default they still return 0 or -errno, as they
+always did, a form kept for existing callers and deprecated for new code). Tracing itself
+never raises: events that cannot be delivered (no daemon, a full buffer) are dropped and
+counted (dropped(), dropped_by_cause()); calls the library refuses for their arguments
+are counted by rejected().
 """
 
 import ctypes as _c
@@ -327,20 +330,53 @@ def ledger_renew(gpu_uuid, reservation_id, lease_ms):
 # ---- connection, delivery, settings ----------------------------------------------------
 
 
-def connect(socket_path=None):
-    """Connects (None: $STEPTRACE_SOCKET, then the default). 0 or -errno; recording works
-    either way and the library keeps reconnecting in the background."""
+def _os_error(rc, what, path=None):
+    """The OSError for the library's -errno `rc` (Python picks the subclass the errno maps
+    to: FileNotFoundError, ConnectionRefusedError, TimeoutError, ...); `what` says which
+    call failed and what it means, `path` is its filename (None: no file concerned)."""
+    code = -rc
+    message = f"{os.strerror(code)} ({what})"
+    return OSError(code, message) if path is None else OSError(code, message, path)
+
+
+def connect(socket_path=None, *, check=False):
+    """Connects (None: $STEPTRACE_SOCKET, then the library's default path) and starts the
+    background thread; recording works either way and the library keeps reconnecting.
+
+    check=True: 0, or OSError with the errno when the daemon cannot be reached now
+    (filename: the socket, unless it is the library's default). check=False (the
+    default): 0 or -errno, the stable form existing code relies on; deprecated for new
+    code, which should pass check=True."""
     if socket_path is not None:
         path = os.fsencode(socket_path)  # TypeError for anything but str/bytes/PathLike
         if not path or b"\0" in path:
             raise ValueError(f"bad socket path {socket_path!r}")
-        return _c_connect(path)
-    return _c_connect(None)
+    else:
+        path = None
+    rc = _c_connect(path)
+    if check and rc < 0:
+        if path is None:
+            path = os.environb.get(b"STEPTRACE_SOCKET") or None
+        raise _os_error(rc, "steptrace.connect: steptraced cannot be reached at "
+                        + ("this socket" if path else "the library's default socket")
+                        + "; the library keeps reconnecting in the background",
+                        None if path is None else os.fsdecode(path))
+    return rc
 
 
-def flush(timeout_ms=1000):
-    """0 once the daemon has applied every event recorded before; -errno otherwise."""
-    return _c_flush(_uint(timeout_ms, "timeout_ms", (1 << 31) - 1))
+def flush(timeout_ms=1000, *, check=False):
+    """Waits up to `timeout_ms` until the daemon has applied every event recorded before.
+
+    check=True: 0, or OSError: errno ETIMEDOUT (TimeoutError) when the time ran out,
+    ENOTCONN when not connected (nothing recorded or connected yet, after shutdown(), or
+    the daemon cannot be reached). check=False (the default): 0 or -errno, the stable
+    form existing code relies on; deprecated for new code, which should pass check=True."""
+    timeout_ms = _uint(timeout_ms, "timeout_ms", (1 << 31) - 1)
+    rc = _c_flush(timeout_ms)
+    if check and rc < 0:
+        raise _os_error(rc, f"steptrace.flush({timeout_ms}): events recorded before it "
+                        "are not all applied by the daemon")
+    return rc
 
 
 def dropped():
@@ -380,9 +416,16 @@ def rejected():
 def set_buffer_size(per_thread, total=0):
     """Buffer bytes for threads whose first event comes later: per thread (64 KiB..1 GiB,
     rounded down to a power of two) and for all of them (64 KiB..1 TiB); 0 keeps a
-    value. 0, or -errno (-EINVAL: out of range, nothing changed)."""
-    return _c_set_buffer_size(_uint(per_thread, "per_thread", _U64),
-                              _uint(total, "total", _U64))
+    value. Returns 0; OSError with errno EINVAL when a value is out of range (nothing
+    changed). (It used to return -EINVAL, which a caller could miss.)"""
+    per_thread = _uint(per_thread, "per_thread", _U64)
+    total = _uint(total, "total", _U64)
+    rc = _c_set_buffer_size(per_thread, total)
+    if rc < 0:
+        raise _os_error(rc, f"steptrace.set_buffer_size(per_thread={per_thread}, "
+                        f"total={total}): per_thread must be 0 or 64 KiB..1 GiB, total 0 or "
+                        "64 KiB..1 TiB; nothing changed")
+    return rc
 
 
 def set_enabled(on):

@@ -2,16 +2,21 @@
 """The Python package's argument checks and its span context manager / decorator, with
 no daemon: every bad argument raises TypeError or ValueError in Python, before any C call
 (so the library counts nothing as invalid, and steptrace.rejected() does not move); the
-calls the library itself refuses are counted by rejected().
+calls the library itself refuses are counted by rejected(); the calls it fails raise
+OSError with their errno.
 
 Run by ctest with STEPTRACE_LIBRARY, PYTHONPATH (the bindings dir) and STEPTRACE_VERSION
 (the project's version) set."""
 
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
+import unittest.mock
 
 import steptrace
 
@@ -112,8 +117,55 @@ class ArgumentChecks(unittest.TestCase):
             steptrace.flush(-1)
         with self.assertRaises(ValueError):
             steptrace.set_buffer_size(-1)
-        # Not connected: flush says so at once.
-        self.assertLess(steptrace.flush(0), 0)
+        with self.assertRaises(TypeError):
+            steptrace.flush(0, True)  # check is keyword-only
+        with self.assertRaises(TypeError):
+            steptrace.connect(None, True)
+
+
+class FailingCalls(unittest.TestCase):
+    """What the library fails raises OSError with its errno: set_buffer_size always,
+    connect and flush with check=True. Without check=True, connect and flush return
+    -errno as they always did."""
+
+    def test_set_buffer_size_out_of_range(self):
+        for args in ((1024,), (1 << 31,), (0, 1024), (0, 1 << 41)):
+            with self.assertRaises(OSError, msg=repr(args)) as caught:
+                steptrace.set_buffer_size(*args)
+            self.assertEqual(caught.exception.errno, errno.EINVAL)
+            self.assertIn("set_buffer_size", str(caught.exception))
+            self.assertIn("nothing changed", caught.exception.strerror)
+            self.assertIsNone(caught.exception.filename)
+        self.assertEqual(steptrace.set_buffer_size(4 << 20, 256 << 20), 0)  # the defaults
+
+    def test_flush_not_connected(self):
+        # No daemon: flush says so at once, as -ENOTCONN or as OSError(ENOTCONN).
+        self.assertEqual(steptrace.flush(0), -errno.ENOTCONN)
+        with self.assertRaises(OSError) as caught:
+            steptrace.flush(0, check=True)
+        self.assertEqual(caught.exception.errno, errno.ENOTCONN)
+        self.assertIn("steptrace.flush(0)", str(caught.exception))
+        self.assertIsNone(caught.exception.filename)
+
+    def test_connect_no_daemon(self):
+        missing = os.path.join(tempfile.mkdtemp(prefix="steptrace-py-api-"), "none.sock")
+        try:
+            self.assertEqual(steptrace.connect(missing), -errno.ENOENT)
+            with self.assertRaises(FileNotFoundError) as caught:
+                steptrace.connect(missing, check=True)
+            self.assertEqual(caught.exception.errno, errno.ENOENT)
+            self.assertEqual(caught.exception.filename, missing)
+            self.assertIn("steptrace.connect", caught.exception.strerror)
+            # No path given: $STEPTRACE_SOCKET is the file named.
+            with unittest.mock.patch.dict(os.environ, {"STEPTRACE_SOCKET": missing}):
+                with self.assertRaises(OSError) as caught:
+                    steptrace.connect(check=True)
+            self.assertEqual(caught.exception.errno, errno.ENOENT)
+            self.assertEqual(caught.exception.filename, missing)
+        finally:
+            # Not steptrace.shutdown(): RejectedCount needs recording on. The library
+            # keeps trying this path in the background, as it tried the default before.
+            shutil.rmtree(os.path.dirname(missing), ignore_errors=True)
 
 
 # Counts the calls the library refused, in a fresh process: registers custom steps until

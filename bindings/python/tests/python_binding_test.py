@@ -7,6 +7,7 @@ STEPTRACED_BIN (the daemon) set. Starts its own daemon on a temporary socket."""
 import errno
 import json
 import os
+import signal
 import unittest
 
 import steptrace
@@ -126,7 +127,9 @@ class BindingTest(unittest.TestCase):
     def test_buffer_size(self):
         self.assertEqual(steptrace.set_buffer_size(1 << 20, 0), 0)
         self.assertEqual(steptrace.set_buffer_size(0, 64 << 20), 0)
-        self.assertEqual(steptrace.set_buffer_size(1024), -errno.EINVAL)
+        with self.assertRaises(OSError) as caught:
+            steptrace.set_buffer_size(1024)
+        self.assertEqual(caught.exception.errno, errno.EINVAL)
         self.assertEqual(steptrace.set_buffer_size(4 << 20, 256 << 20), 0)  # the defaults
 
     def test_disabled_records_nothing(self):
@@ -137,6 +140,48 @@ class BindingTest(unittest.TestCase):
             steptrace.end("Alloc")
         steptrace.set_enabled(True)
         self.assertEqual(steptrace.dropped(), before)
+
+
+class CheckedCalls(unittest.TestCase):
+    """connect and flush with check=True against a daemon of its own: 0 when they
+    succeed, OSError with the errno when they fail. (After BindingTest, whose
+    tearDownClass shut the library down: the names sort in that order.)"""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        steptrace.shutdown()
+        cls.daemon.close()
+
+    def test_connect_and_flush(self):
+        self.assertEqual(steptrace.connect(self.daemon.socket, check=True), 0)
+        with steptrace.span("PyChecked"):
+            pass
+        self.assertEqual(steptrace.flush(10000, check=True), 0)
+
+        # A stopped daemon applies nothing: the flush runs out of time.
+        self.daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            with steptrace.span("PyChecked"):
+                pass
+            self.assertEqual(steptrace.flush(100), -errno.ETIMEDOUT)
+            with self.assertRaises(TimeoutError) as caught:
+                steptrace.flush(100, check=True)
+            self.assertEqual(caught.exception.errno, errno.ETIMEDOUT)
+            self.assertIn("steptrace.flush(100)", caught.exception.strerror)
+        finally:
+            self.daemon.proc.send_signal(signal.SIGCONT)
+        self.assertEqual(steptrace.flush(10000, check=True), 0)
+        self.assertEqual(self.daemon.steps(os.getpid())["PyChecked"]["count"], 2)
+
+        # After shutdown: not connected.
+        steptrace.shutdown()
+        with self.assertRaises(OSError) as caught:
+            steptrace.flush(1000, check=True)
+        self.assertEqual(caught.exception.errno, errno.ENOTCONN)
 
 
 if __name__ == "__main__":
