@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon/report/report_format.h"
+#include "daemon/state/collector.h"
 #include "daemon/state/ledger_state.h"
 #include "proto/printable.h"
 
@@ -475,6 +476,33 @@ nlohmann::json ledger_anomalies_json(const ledger::State& state) {
     out[std::string(kAnomalyNames[kind])] = state.anomalies[kind];
   }
   return out;
+}
+
+std::string cleanup_reply(const CleanupOutcome& outcome, std::string_view gpu, std::uint64_t id,
+                          std::int32_t sender_pid) {
+  using Result = CleanupOutcome::Result;
+  const std::string where =
+      "reservation " + std::to_string(id) + " on GPU '" + proto::printable(gpu) + "'";
+  const std::string holder =
+      "pid " + std::to_string(outcome.holder_pid) +
+      (outcome.holder_uid == kUnknownUid ? "" : ", uid " + std::to_string(outcome.holder_uid));
+  switch (outcome.result) {
+    case Result::kNoReservation:
+      return "error: no " + where + "\n";
+    case Result::kBadGpu:
+      return "error: bad GPU UUID\n";
+    case Result::kDenied:
+      return "error: permission denied: " + where + " is held by " + holder +
+             ", alive and not expired; only root, its holder's uid or the holder may clean it "
+             "up (counted as cleanup_refused)\n";
+    case Result::kCleaned:
+      break;
+  }
+  const char* state = outcome.holder == CleanupOutcome::Holder::kLeaked    ? "LEAKED"
+                      : outcome.holder == CleanupOutcome::Holder::kExpired ? "EXPIRED"
+                                                                           : "alive";
+  return "ok: " + where + " (" + state + ", held by " + holder + ") cleaned up, credited to pid " +
+         std::to_string(sender_pid) + "\n";
 }
 
 }  // namespace steptrace::daemon::report

@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json_fwd.hpp>
 
 namespace steptrace::daemon {
+struct CleanupOutcome;
 namespace ledger {
 struct State;
 }  // namespace ledger
@@ -23,6 +25,10 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns);
 void append_ledger_metrics(const ledger::State& state, std::string& out);
 // Anomaly counts by kind, for stats.
 nlohmann::json ledger_anomalies_json(const ledger::State& state);
+// The reply line (with its newline) to `ledger cleanup GPU ID` sent by `sender_pid`:
+// "ok: ..." or "error: ..." saying why not.
+std::string cleanup_reply(const CleanupOutcome& outcome, std::string_view gpu, std::uint64_t id,
+                          std::int32_t sender_pid);
 
 }  // namespace report
 }  // namespace steptrace::daemon

@@ -12,6 +12,7 @@
 #include <optional>
 #include <tuple>
 
+#include "daemon/report/ledger_report.h"
 #include "daemon/report/trace_export.h"
 #include "daemon/serve/render_worker.h"
 #include "proto/codec.h"
@@ -397,9 +398,10 @@ CommandTable::CommandTable() {
                      [](const LedgerRequest& r, const CommandContext& c) -> Reply {
                        if (r.cleanup) {
                          static const PeerIdentity kNobody{{0, 0}, 65534, 65534, ""};
-                         return c.collector.operator_cleanup(c.peer ? *c.peer : kNobody,
-                                                             r.cleanup->gpu, r.cleanup->id) +
-                                "\n";
+                         const PeerIdentity& sender = c.peer ? *c.peer : kNobody;
+                         return report::cleanup_reply(
+                             c.collector.operator_cleanup(sender, r.cleanup->gpu, r.cleanup->id),
+                             r.cleanup->gpu, r.cleanup->id, sender.key.pid);
                        }
                        return RenderJob([r](const CollectorView& v) {
                          return r.json ? json_line(report::ledger_json(v))

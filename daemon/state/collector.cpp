@@ -750,32 +750,34 @@ std::size_t Collector::reset(std::optional<std::int32_t> pid) {
   return cleared;
 }
 
-std::string Collector::operator_cleanup(const PeerIdentity& peer, std::string_view gpu,
-                                        std::uint64_t id) {
-  const std::string where =
-      "reservation " + std::to_string(id) + " on GPU '" + proto::printable(gpu) + "'";
+CleanupOutcome Collector::operator_cleanup(const PeerIdentity& peer, std::string_view gpu,
+                                           std::uint64_t id) {
+  using Result = CleanupOutcome::Result;
+  CleanupOutcome out;
   const auto& gpus = state_->ledger.state().gpus;
   const auto g = gpus.find(gpu);
-  if (g == gpus.end() || !g->second.reservations.contains(id)) return "error: no " + where;
+  if (g == gpus.end() || !g->second.reservations.contains(id)) return out;  // kNoReservation
   proto::LedgerRecord record{};
   record.op = static_cast<std::uint8_t>(proto::LedgerOp::kCleanup);
   record.timestamp_ns = env_.monotonic_now_ns();
   record.reservation_id = id;
   record.holder_pid = static_cast<std::uint32_t>(g->second.reservations.at(id).holder.pid);
-  if (!proto::set_field(record.gpu_uuid, gpu)) return "error: bad GPU UUID";
+  if (!proto::set_field(record.gpu_uuid, gpu)) {
+    out.result = Result::kBadGpu;
+    return out;
+  }
   refresh_holder(record);  // a holder that died since the last tick counts as dead
   const auto& r = state_->ledger.state().gpus.find(gpu)->second.reservations.at(id);
-  const std::string holder = "pid " + std::to_string(r.holder.pid) +
-                             (r.uid == kUnknownUid ? "" : ", uid " + std::to_string(r.uid));
-  const std::string state = !r.holder_alive ? "LEAKED" : r.expired ? "EXPIRED" : "alive";
-  if (!state_->ledger.apply(LedgerActor{peer.key, peer.comm, peer.uid}, record,
-                            record.timestamp_ns)) {
-    return "error: permission denied: " + where + " is held by " + holder +
-           ", alive and not expired; only root, its holder's uid or the holder may clean it "
-           "up (counted as cleanup_refused)";
-  }
-  return "ok: " + where + " (" + state + ", held by " + holder + ") cleaned up, credited to pid " +
-         std::to_string(peer.key.pid);
+  out.holder_pid = r.holder.pid;
+  out.holder_uid = r.uid;
+  out.holder = !r.holder_alive ? CleanupOutcome::Holder::kLeaked
+               : r.expired     ? CleanupOutcome::Holder::kExpired
+                               : CleanupOutcome::Holder::kAlive;
+  out.result =
+      state_->ledger.apply(LedgerActor{peer.key, peer.comm, peer.uid}, record, record.timestamp_ns)
+          ? Result::kCleaned
+          : Result::kDenied;
+  return out;
 }
 
 std::size_t Collector::reset_ledger(std::optional<std::string_view> gpu) {

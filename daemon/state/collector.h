@@ -66,6 +66,22 @@ class CollectorView {
   std::chrono::steady_clock::duration uptime_;  // at the view's instant
 };
 
+// What `ledger cleanup GPU ID` did (Collector::operator_cleanup).
+struct CleanupOutcome {
+  enum class Result : std::uint8_t {
+    kCleaned,        // removed, credited to the sender
+    kNoReservation,  // no such GPU, or no such reservation on it
+    kBadGpu,         // the GPU UUID does not fit a Cleanup record
+    kDenied,         // the holder is alive and its lease not expired; not root, not its uid
+  };
+  enum class Holder : std::uint8_t { kAlive, kLeaked, kExpired };
+  Result result = Result::kNoReservation;
+  // The reservation as it was (kCleaned, kDenied).
+  std::int32_t holder_pid = 0;
+  std::uint32_t holder_uid = kUnknownUid;  // kUnknownUid: restored from an older snapshot
+  Holder holder = Holder::kAlive;
+};
+
 class Collector {
  public:
   Collector(Limits limits, Environment env, FlightRecorderConfig recorder = {});
@@ -113,9 +129,9 @@ class Collector {
   // command checks.
   std::size_t reset_ledger(std::optional<std::string_view> gpu);
   // `ledger cleanup GPU ID`: `peer` (the command's sender) removes a reservation under
-  // the rules of a Cleanup record (PROTOCOL.md 4.6), credited to it. The reply line:
-  // "ok: ..." or "error: ..." saying why not.
-  std::string operator_cleanup(const PeerIdentity& peer, std::string_view gpu, std::uint64_t id);
+  // the rules of a Cleanup record (PROTOCOL.md 4.6), credited to it. What happened, as
+  // plain values (the reply line is report::cleanup_reply's).
+  CleanupOutcome operator_cleanup(const PeerIdentity& peer, std::string_view gpu, std::uint64_t id);
 
   // ---- reports ---------------------------------------------------------------------
   // The state now, to render on any thread with the functions of daemon/report/report.h.
