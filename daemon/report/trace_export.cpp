@@ -1,10 +1,12 @@
 // The Chrome Trace Event document of a TraceCapture. Event lines are written by hand
 // (std::to_chars, no iostreams, no nlohmann): a capture can hold millions of events.
+// Every event goes through write_event(), so all of them have one shape.
 #include "daemon/report/trace_export.h"
 
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -33,17 +35,22 @@ void append_int(std::string& out, std::int64_t value) {
   out.append(buf, result.ptr);
 }
 
-// Nanoseconds as microseconds with three decimals: 1234567 -> "1234.567".
-void append_us(std::string& out, std::uint64_t ns) {
-  char buf[32];
-  auto result = std::to_chars(buf, buf + sizeof buf - 4, ns / 1000);
+// Nanoseconds as microseconds with three decimals: 1234567 -> "1234.567". At most
+// kUsChars characters from `p`; returns their end.
+constexpr std::size_t kUsChars = 24;
+char* write_us(char* p, std::uint64_t ns) {
+  p = std::to_chars(p, p + kUsChars - 4, ns / 1000).ptr;
   const auto frac = static_cast<unsigned>(ns % 1000);
-  char* p = result.ptr;
   *p++ = '.';
   *p++ = static_cast<char>('0' + frac / 100);
   *p++ = static_cast<char>('0' + frac / 10 % 10);
   *p++ = static_cast<char>('0' + frac % 10);
-  out.append(buf, p);
+  return p;
+}
+
+void append_us(std::string& out, std::uint64_t ns) {
+  char buf[kUsChars];
+  out.append(buf, write_us(buf, ns));
 }
 
 // Length of the valid UTF-8 sequence of two or more bytes at s[i] (RFC 3629: no
@@ -122,20 +129,194 @@ std::string_view ledger_op_name(std::uint8_t op) {
   return "LedgerOp";
 }
 
-void append_flags(std::string& out, std::uint8_t flags) {
-  if (flags == 0) return;
-  out.append(",\"args\":{");
-  bool first = true;
-  const auto flag = [&](std::uint8_t bit, std::string_view name) {
-    if ((flags & bit) == 0) return;
-    if (!first) out.push_back(',');
-    first = false;
-    out.append(name);
-  };
-  flag(kFlagOpen, "\"open\":true");
-  flag(kFlagClipped, "\"clipped\":true");
-  flag(kFlagStartBeforeWindow, "\"start_before_window\":true");
-  out.push_back('}');
+// ---- one event ---------------------------------------------------------------------
+// The fields of one Trace Event. write_event() writes them on one line, in this order,
+// leaving out "s", "cat", "ts", "dur" and "args" when they are not set:
+//   {"ph":"X","s":"p","cat":"step","name":"Forward","pid":7,"tid":8,"ts":1.000,"dur":2.000,
+//    "args":{...}}
+struct TraceEvent {
+  char ph = 'X';                 // 'X' complete, 'i' instant, 'C' counter, 'M' metadata
+  char scope = 0;                // "s" of an instant: 'p' (process) or 't' (thread); 0 none
+  std::string_view cat{};        // "" when none
+  std::string_view name{};       // escaped when written
+  std::string_view name_json{};  // or the name already a JSON string (step_name_json())
+  std::int64_t pid = 0;
+  std::int64_t tid = 0;
+  std::optional<std::uint64_t> ts_ns{};   // written as microseconds, append_us()
+  std::optional<std::uint64_t> dur_ns{};  // likewise
+};
+
+// The members of an event's "args" object, in the order they are added.
+class EventArgs {
+ public:
+  explicit EventArgs(std::string& out) : out_(out) {}
+  EventArgs& add_uint(std::string_view key, std::uint64_t value) {
+    add_key(key);
+    append_uint(out_, value);
+    return *this;
+  }
+  EventArgs& add_string(std::string_view key, std::string_view value) {
+    add_key(key);
+    append_json_string(out_, value);
+    return *this;
+  }
+  EventArgs& add_bool(std::string_view key, bool value) {
+    add_key(key);
+    out_.append(value ? "true" : "false");
+    return *this;
+  }
+
+ private:
+  void add_key(std::string_view key) {
+    if (!first_) out_.push_back(',');
+    first_ = false;
+    append_json_string(out_, key);
+    out_.push_back(':');
+  }
+  std::string& out_;
+  bool first_ = true;
+};
+
+// Text composed on the stack and appended to a string in a few pieces: an event is a
+// handful of appends, not one per field (a capture's spans are millions of events).
+class LineBuffer {
+ public:
+  explicit LineBuffer(std::string& out) : out_(out) {}
+  LineBuffer(const LineBuffer&) = delete;
+  LineBuffer& operator=(const LineBuffer&) = delete;
+  ~LineBuffer() { flush(); }
+
+  // A literal: a copy of known size, inlined.
+  template <std::size_t N>
+  void put(const char (&text)[N]) {
+    room(N - 1);
+    std::memcpy(p_, text, N - 1);
+    p_ += N - 1;
+  }
+  void put(std::string_view text) {
+    if (!room(text.size())) {
+      out_.append(text);
+      return;
+    }
+    std::memcpy(p_, text.data(), text.size());
+    p_ += text.size();
+  }
+  void put_char(char c) {
+    room(1);
+    *p_++ = c;
+  }
+  void put_int(std::int64_t value) {
+    room(kIntChars);
+    p_ = std::to_chars(p_, p_ + kIntChars, value).ptr;
+  }
+  void put_us(std::uint64_t ns) {
+    room(kUsChars);
+    p_ = write_us(p_, ns);
+  }
+  // Appends what is composed; `out` may then be written directly.
+  std::string& flush() {
+    out_.append(buf_, p_);
+    p_ = buf_;
+    return out_;
+  }
+
+ private:
+  static constexpr std::size_t kIntChars = 24;
+  // Flushes unless `n` more characters fit; false when they would not fit even then.
+  bool room(std::size_t n) {
+    if (n <= static_cast<std::size_t>(buf_ + sizeof buf_ - p_)) return true;
+    flush();
+    return n <= sizeof buf_;
+  }
+  std::string& out_;
+  char buf_[256];
+  char* p_ = buf_;
+};
+
+// The event up to "args": then `tail` ("}" or the start of "args").
+void write_event_fields(std::string& out, const TraceEvent& e, std::string_view tail) {
+  LineBuffer line(out);
+  line.put(R"({"ph":")");
+  line.put_char(e.ph);
+  if (e.scope != 0) {
+    line.put(R"(","s":")");
+    line.put_char(e.scope);
+  }
+  if (!e.cat.empty()) {
+    line.put(R"(","cat":")");
+    line.put(e.cat);
+  }
+  line.put(R"(","name":)");
+  if (e.name_json.empty()) {
+    append_json_string(line.flush(), e.name);
+  } else {
+    line.put(e.name_json);
+  }
+  line.put(R"(,"pid":)");
+  line.put_int(e.pid);
+  line.put(R"(,"tid":)");
+  line.put_int(e.tid);
+  if (e.ts_ns) {
+    line.put(R"(,"ts":)");
+    line.put_us(*e.ts_ns);
+  }
+  if (e.dur_ns) {
+    line.put(R"(,"dur":)");
+    line.put_us(*e.dur_ns);
+  }
+  line.put(tail);
+}
+
+// An event without args.
+void write_event(std::string& out, const TraceEvent& e) { write_event_fields(out, e, "}"); }
+
+// An event whose args `add_args(EventArgs&)` adds.
+template <class AddArgs>
+void write_event(std::string& out, const TraceEvent& e, AddArgs&& add_args) {
+  write_event_fields(out, e, R"(,"args":{)");
+  EventArgs args(out);
+  add_args(args);
+  out.append("}}");
+}
+
+// A counter ("C") on the daemon's "steptraced: GPU memory" pseudo process.
+TraceEvent gpu_counter(std::string_view name, std::int32_t daemon_pid, std::uint64_t ts_ns) {
+  return {.ph = 'C', .name = name, .pid = daemon_pid, .tid = 0, .ts_ns = ts_ns};
+}
+
+// A span's args: what is unusual about it (kFlag*); none when `flags` is 0.
+void add_flags(EventArgs& args, std::uint8_t flags) {
+  if ((flags & kFlagOpen) != 0) args.add_bool("open", true);
+  if ((flags & kFlagClipped) != 0) args.add_bool("clipped", true);
+  if ((flags & kFlagStartBeforeWindow) != 0) args.add_bool("start_before_window", true);
+}
+
+// A ledger instant's args between "gpu" and "applied": what its op carries.
+void add_ledger_args(EventArgs& args, const proto::LedgerRecord& r) {
+  switch (static_cast<proto::LedgerOp>(r.op)) {
+    case proto::LedgerOp::kReserve:
+    case proto::LedgerOp::kReserveLease:
+      args.add_uint("reservation_id", r.reservation_id)
+          .add_uint("bytes", r.bytes)
+          .add_string("task", field(r.task));
+      if (r.op == static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease)) {
+        args.add_uint("lease_ms", r.total_bytes);
+      }
+      return;
+    case proto::LedgerOp::kRenew:
+      args.add_uint("reservation_id", r.reservation_id).add_uint("lease_ms", r.total_bytes);
+      return;
+    case proto::LedgerOp::kRelease:
+      args.add_uint("reservation_id", r.reservation_id);
+      return;
+    case proto::LedgerOp::kCleanup:
+      args.add_uint("reservation_id", r.reservation_id).add_uint("holder_pid", r.holder_pid);
+      return;
+    case proto::LedgerOp::kVramSample:
+      args.add_uint("free_bytes", r.bytes).add_uint("total_bytes", r.total_bytes);
+      return;
+  }
+  args.add_uint("op", r.op);
 }
 
 std::uint64_t pair_key(std::uint32_t tid, std::uint32_t step) {
@@ -210,14 +391,8 @@ void TraceExport::begin_process(std::string& out) {
   threads_.clear();
   names_.clear();
   held_.clear();
-  pid_json_ = ",\"pid\":";
-  append_int(pid_json_, p.key.pid);
-  pid_json_.append(",\"tid\":");
+  pid_ = p.key.pid;
 
-  begin_event(out);
-  out.append(R"({"ph":"M","name":"process_name")");
-  out.append(pid_json_);
-  out.append(R"(0,"args":{"name":)");
   std::string name = p.comm;
   if (!name.empty()) name.push_back(' ');
   name.push_back('[');
@@ -229,22 +404,18 @@ void TraceExport::begin_process(std::string& out) {
     append_int(name, p.rank);
   }
   if (!p.alive) name.append(" (exited)");
-  append_json_string(out, name);
-  out.append("}}");
+  begin_event(out);
+  write_event(out, {.ph = 'M', .name = "process_name", .pid = pid_, .tid = 0},
+              [&](EventArgs& args) { args.add_string("name", name); });
   phase_ = Phase::kEvents;
 }
 
 void TraceExport::write_thread_name(std::string& out, std::uint32_t tid) {
-  const std::int32_t pid = capture_->processes[process_].key.pid;
+  std::string name = static_cast<std::int64_t>(tid) == pid_ ? "main thread " : "thread ";
+  append_uint(name, tid);
   begin_event(out);
-  out.append(R"({"ph":"M","name":"thread_name")");
-  out.append(pid_json_);
-  append_uint(out, tid);
-  out.append(R"(,"args":{"name":")");
-  if (static_cast<std::int64_t>(tid) == pid) out.append("main ");
-  out.append("thread ");
-  append_uint(out, tid);
-  out.append("\"}}");
+  write_event(out, {.ph = 'M', .name = "thread_name", .pid = pid_, .tid = tid},
+              [&](EventArgs& args) { args.add_string("name", name); });
 }
 
 const std::string& TraceExport::step_name_json(std::uint32_t step) {
@@ -327,17 +498,19 @@ void TraceExport::span(std::string& out, std::uint32_t tid, std::uint32_t step, 
 
 void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t step,
                              std::uint64_t ts, std::uint64_t dur, std::uint8_t flags) {
+  const TraceEvent e{.ph = 'X',
+                     .cat = "step",
+                     .name_json = step_name_json(step),
+                     .pid = pid_,
+                     .tid = tid,
+                     .ts_ns = ts,
+                     .dur_ns = dur};
   begin_event(out);
-  out.append(R"({"ph":"X","cat":"step","name":)");
-  out.append(step_name_json(step));
-  out.append(pid_json_);
-  append_uint(out, tid);
-  out.append(",\"ts\":");
-  append_us(out, ts);
-  out.append(",\"dur\":");
-  append_us(out, dur);
-  append_flags(out, flags);
-  out.push_back('}');
+  if (flags == 0) {
+    write_event(out, e);
+  } else {
+    write_event(out, e, [flags](EventArgs& args) { add_flags(args, flags); });
+  }
 }
 
 void TraceExport::end_held_collection() {
@@ -399,164 +572,129 @@ void TraceExport::next_mark(std::string& out) {
     phase_ = Phase::kFooter;
     return;
   }
+  // Each call writes one event; the marks of several events keep their place in
+  // mark_part_, and the GPU process's name comes before its first counter.
   const TraceMark& m = marks[mark_];
-  if (m.kind == TraceMark::Kind::kDropped) {
-    const std::string_view cause = trace_drop_cause(m.cause);
-    const bool by_daemon = m.cause == kDaemonDropOpenDepth || m.cause == kDaemonDropStateLimit;
-    begin_event(out);
-    out.append(R"({"ph":"i","s":"p","cat":"drops","name":"dropped: )");
-    out.append(cause);
-    out.append("\",\"pid\":");
-    append_int(out, m.sender.pid);
-    out.append(",\"tid\":");
-    append_int(out, m.sender.pid);
-    out.append(",\"ts\":");
-    append_us(out, m.ts_ns);
-    out.append(R"(,"args":{"cause":")");
-    out.append(cause);
-    out.append("\",\"events\":");
-    append_uint(out, m.dropped);
-    out.append(by_daemon ? R"(,"by":"daemon"}})" : R"(,"by":"client"}})");
-    ++mark_;
-    return;
-  }
-  if (m.kind == TraceMark::Kind::kLeaseExpired) {
-    // On the holder's process: the moment its lease passed unrenewed.
-    begin_event(out);
-    out.append(R"({"ph":"i","s":"p","cat":"ledger","name":"lease expired","pid":)");
-    append_int(out, m.sender.pid);
-    out.append(",\"tid\":");
-    append_int(out, m.sender.pid);
-    out.append(",\"ts\":");
-    append_us(out, m.ts_ns);
-    out.append(R"(,"args":{"gpu":)");
-    append_json_string(out, field(m.record.gpu_uuid));
-    out.append(",\"reservation_id\":");
-    append_uint(out, m.record.reservation_id);
-    out.append(",\"bytes\":");
-    append_uint(out, m.record.bytes);
-    out.append(",\"lease_ms\":");
-    append_uint(out, m.record.total_bytes);
-    out.append(R"(,"by":"daemon"}})");
-    ++mark_;
-    return;
-  }
-  if (m.kind == TraceMark::Kind::kDevice) {
-    // NVML's sample: the device's used bytes, then the findings by kind.
-    if (name_gpu_process(out)) return;
-    begin_event(out);
-    std::string name = mark_part_ == 0 ? "VRAM used (device) " : "findings ";
-    name.append(field(m.record.gpu_uuid));
-    out.append(R"({"ph":"C","name":)");
-    append_json_string(out, name);
-    out.append(",\"pid\":");
-    append_int(out, capture_->daemon_pid);
-    out.append(",\"tid\":0,\"ts\":");
-    append_us(out, m.ts_ns);
-    if (mark_part_ == 0) {
-      out.append(",\"args\":{\"bytes\":");
-      append_uint(out, m.gpu_reserved_bytes);
-      out.append("}}");
-      mark_part_ = 1;
-      return;
-    }
-    out.append(",\"args\":{");
-    for (std::size_t k = 0; k < ledger::Finding::kKindCount; ++k) {
-      if (k != 0) out.push_back(',');
-      append_json_string(out, ledger::kFindingNames[k]);
-      out.push_back(':');
-      append_uint(out, m.findings[k]);
-    }
-    out.append("}}");
-    mark_part_ = 0;
-    ++mark_;
-    return;
-  }
-  if (m.kind != TraceMark::Kind::kLedger) {
-    ++mark_;
-    return;
-  }
-
-  const proto::LedgerRecord& r = m.record;
-  const std::string_view gpu = field(r.gpu_uuid);
-  const bool sample = r.op == static_cast<std::uint8_t>(proto::LedgerOp::kVramSample);
-  if (mark_part_ == 0) {
-    begin_event(out);
-    out.append(R"({"ph":"i","s":"t","cat":"ledger","name":")");
-    out.append(ledger_op_name(r.op));
-    out.append("\",\"pid\":");
-    append_int(out, m.sender.pid);
-    out.append(",\"tid\":");
-    append_uint(out, r.thread_id);
-    out.append(",\"ts\":");
-    append_us(out, m.ts_ns);
-    out.append(R"(,"args":{"gpu":)");
-    append_json_string(out, gpu);
-    switch (static_cast<proto::LedgerOp>(r.op)) {
-      case proto::LedgerOp::kReserve:
-      case proto::LedgerOp::kReserveLease:
-        out.append(",\"reservation_id\":");
-        append_uint(out, r.reservation_id);
-        out.append(",\"bytes\":");
-        append_uint(out, r.bytes);
-        out.append(",\"task\":");
-        append_json_string(out, field(r.task));
-        if (r.op == static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease)) {
-          out.append(",\"lease_ms\":");
-          append_uint(out, r.total_bytes);
-        }
-        break;
-      case proto::LedgerOp::kRenew:
-        out.append(",\"reservation_id\":");
-        append_uint(out, r.reservation_id);
-        out.append(",\"lease_ms\":");
-        append_uint(out, r.total_bytes);
-        break;
-      case proto::LedgerOp::kRelease:
-        out.append(",\"reservation_id\":");
-        append_uint(out, r.reservation_id);
-        break;
-      case proto::LedgerOp::kCleanup:
-        out.append(",\"reservation_id\":");
-        append_uint(out, r.reservation_id);
-        out.append(",\"holder_pid\":");
-        append_uint(out, r.holder_pid);
-        break;
-      case proto::LedgerOp::kVramSample:
-        out.append(",\"free_bytes\":");
-        append_uint(out, r.bytes);
-        out.append(",\"total_bytes\":");
-        append_uint(out, r.total_bytes);
-        break;
-      default:
-        out.append(",\"op\":");
-        append_uint(out, r.op);
-        break;
-    }
-    out.append(m.applied ? ",\"applied\":true}}" : ",\"applied\":false}}");
-    if (m.applied) {
-      mark_part_ = 1;
-    } else {
+  switch (m.kind) {
+    case TraceMark::Kind::kDropped:
+      write_drop(out, m);
       ++mark_;
-    }
+      return;
+    case TraceMark::Kind::kLeaseExpired:
+      write_lease_expired(out, m);
+      ++mark_;
+      return;
+    case TraceMark::Kind::kDevice:
+      if (!name_gpu_process(out)) write_device_sample(out, m);
+      return;
+    case TraceMark::Kind::kLedger:
+      if (mark_part_ == 0) {
+        write_ledger_instant(out, m);
+      } else if (!name_gpu_process(out)) {
+        write_ledger_counter(out, m);
+      }
+      return;
+  }
+  ++mark_;  // a kind this version does not know
+}
+
+// On the sender's process: how many events were lost and why.
+void TraceExport::write_drop(std::string& out, const TraceMark& m) {
+  const std::string_view cause = trace_drop_cause(m.cause);
+  const bool by_daemon = m.cause == kDaemonDropOpenDepth || m.cause == kDaemonDropStateLimit;
+  const std::string name = "dropped: " + std::string(cause);
+  begin_event(out);
+  write_event(out,
+              {.ph = 'i',
+               .scope = 'p',
+               .cat = "drops",
+               .name = name,
+               .pid = m.sender.pid,
+               .tid = m.sender.pid,
+               .ts_ns = m.ts_ns},
+              [&](EventArgs& args) {
+                args.add_string("cause", cause)
+                    .add_uint("events", m.dropped)
+                    .add_string("by", by_daemon ? "daemon" : "client");
+              });
+}
+
+// On the holder's process: the moment its lease passed unrenewed.
+void TraceExport::write_lease_expired(std::string& out, const TraceMark& m) {
+  begin_event(out);
+  write_event(out,
+              {.ph = 'i',
+               .scope = 'p',
+               .cat = "ledger",
+               .name = "lease expired",
+               .pid = m.sender.pid,
+               .tid = m.sender.pid,
+               .ts_ns = m.ts_ns},
+              [&](EventArgs& args) {
+                args.add_string("gpu", field(m.record.gpu_uuid))
+                    .add_uint("reservation_id", m.record.reservation_id)
+                    .add_uint("bytes", m.record.bytes)
+                    .add_uint("lease_ms", m.record.total_bytes)
+                    .add_string("by", "daemon");
+              });
+}
+
+// NVML's sample, two counters: the device's used bytes (part 0), then the findings by
+// kind (part 1).
+void TraceExport::write_device_sample(std::string& out, const TraceMark& m) {
+  std::string name = mark_part_ == 0 ? "VRAM used (device) " : "findings ";
+  name.append(field(m.record.gpu_uuid));
+  const TraceEvent e = gpu_counter(name, capture_->daemon_pid, m.ts_ns);
+  begin_event(out);
+  if (mark_part_ == 0) {
+    write_event(out, e, [&](EventArgs& args) { args.add_uint("bytes", m.gpu_reserved_bytes); });
+    mark_part_ = 1;
     return;
   }
+  write_event(out, e, [&](EventArgs& args) {
+    for (std::size_t k = 0; k < ledger::Finding::kKindCount; ++k) {
+      args.add_uint(ledger::kFindingNames[k], m.findings[k]);
+    }
+  });
+  mark_part_ = 0;
+  ++mark_;
+}
 
-  // Counters of an applied record, on the daemon's pseudo process.
-  if (name_gpu_process(out)) return;
+// A ledger record as sent, on the sender's thread; an applied one's counters follow.
+void TraceExport::write_ledger_instant(std::string& out, const TraceMark& m) {
+  const proto::LedgerRecord& r = m.record;
   begin_event(out);
+  write_event(out,
+              {.ph = 'i',
+               .scope = 't',
+               .cat = "ledger",
+               .name = ledger_op_name(r.op),
+               .pid = m.sender.pid,
+               .tid = r.thread_id,
+               .ts_ns = m.ts_ns},
+              [&](EventArgs& args) {
+                args.add_string("gpu", field(r.gpu_uuid));
+                add_ledger_args(args, r);
+                args.add_bool("applied", m.applied);
+              });
+  if (m.applied) {
+    mark_part_ = 1;
+  } else {
+    ++mark_;
+  }
+}
+
+// Counters of an applied record, on the daemon's pseudo process: the GPU's reserved
+// bytes (part 1), then for a sample its free bytes (part 2).
+void TraceExport::write_ledger_counter(std::string& out, const TraceMark& m) {
   const bool reserved = mark_part_ == 1;
-  out.append(R"({"ph":"C","name":)");
+  const bool sample = m.record.op == static_cast<std::uint8_t>(proto::LedgerOp::kVramSample);
   std::string name = reserved ? "VRAM reserved " : "VRAM free ";
-  name.append(gpu);
-  append_json_string(out, name);
-  out.append(",\"pid\":");
-  append_int(out, capture_->daemon_pid);
-  out.append(",\"tid\":0,\"ts\":");
-  append_us(out, m.ts_ns);
-  out.append(",\"args\":{\"bytes\":");
-  append_uint(out, reserved ? m.gpu_reserved_bytes : m.gpu_free_bytes);
-  out.append("}}");
+  name.append(field(m.record.gpu_uuid));
+  begin_event(out);
+  write_event(out, gpu_counter(name, capture_->daemon_pid, m.ts_ns), [&](EventArgs& args) {
+    args.add_uint("bytes", reserved ? m.gpu_reserved_bytes : m.gpu_free_bytes);
+  });
   if (reserved && sample) {
     mark_part_ = 2;
   } else {
@@ -568,9 +706,8 @@ void TraceExport::next_mark(std::string& out) {
 bool TraceExport::name_gpu_process(std::string& out) {
   if (gpu_process_named_) return false;
   begin_event(out);
-  out.append(R"({"ph":"M","name":"process_name","pid":)");
-  append_int(out, capture_->daemon_pid);
-  out.append(R"(,"tid":0,"args":{"name":"steptraced: GPU memory"}})");
+  write_event(out, {.ph = 'M', .name = "process_name", .pid = capture_->daemon_pid, .tid = 0},
+              [](EventArgs& args) { args.add_string("name", "steptraced: GPU memory"); });
   gpu_process_named_ = true;
   return true;
 }

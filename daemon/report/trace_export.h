@@ -63,6 +63,11 @@ class TraceExport {
   void end_held_collection();  // sorts the held spans and starts writing them
   void write_held(std::string& out);
   void next_mark(std::string& out);
+  void write_drop(std::string& out, const TraceMark& m);
+  void write_lease_expired(std::string& out, const TraceMark& m);
+  void write_device_sample(std::string& out, const TraceMark& m);
+  void write_ledger_instant(std::string& out, const TraceMark& m);
+  void write_ledger_counter(std::string& out, const TraceMark& m);
   void write_footer(std::string& out);
 
   void begin_event(std::string& out);
@@ -82,7 +87,7 @@ class TraceExport {
   std::size_t chunk_ = 0;
   std::uint32_t index_ = 0;
   std::uint64_t window_start_ns_ = 0;  // max(its earliest event, since_ns)
-  std::string pid_json_;               // "pid":P,
+  std::int32_t pid_ = 0;               // its pid
   std::unordered_map<std::uint64_t, std::vector<std::uint64_t>> open_;  // (tid,step)->starts
   std::unordered_set<std::uint32_t> threads_;
   std::unordered_map<std::uint32_t, std::string> names_;  // step -> escaped name, quoted
