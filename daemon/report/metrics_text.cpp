@@ -24,6 +24,7 @@ namespace steptrace::daemon {
 namespace {
 
 using report::MetricFamily;
+using report::with_known_kinds;
 
 // The "le" label of each bucket: the bound in seconds, shortest round-trip form
 // ("2.5e-06", "0.001"), then "+Inf".
@@ -115,14 +116,10 @@ void append_job_metrics(const CollectorState& state, std::string& out) {
                          "Events the processes of a job could not deliver, exited ones included.");
   for (const JobSeries& j : jobs) f_dropped.sample({{"job_id", j.job}, {"uid", j.uid}}, j.dropped);
 }
-}  // namespace
 
-std::string report::metrics_text(const CollectorView& view) {
-  const CollectorState& state = view.state();
-  std::string out;
-  out.reserve(16 * 1024);
-
-  // ---- per step, all processes -------------------------------------------------------
+// steptrace_step_duration_seconds: per step, every process of this node, the evicted ones
+// included.
+void append_step_histograms(const CollectorState& state, std::string& out) {
   std::map<std::string, Histogram, std::less<>> by_step;
   for (const proto::BuiltinStep& step : proto::kBuiltinSteps) {
     by_step.try_emplace(std::string(step.name));
@@ -145,102 +142,99 @@ std::string report::metrics_text(const CollectorView& view) {
     }
   }
   for (const auto& [name, h] : *state.retired) merge_into(name, h);
-  {
-    MetricFamily f(out, "steptrace_step_duration_seconds", "histogram",
-                   "Duration of ended spans per step, summed over all processes of this node.");
-    for (const auto& [name, h] : by_step) {
-      std::uint64_t cumulative = 0;
-      const auto& le = le_labels();
-      for (std::size_t b = 0; b < Histogram::kPromBuckets; ++b) {
-        cumulative += h.prom_buckets()[b];
-        f.sample({{"step", name}, {"le", le[b]}}, cumulative, "_bucket");
+  MetricFamily f(out, "steptrace_step_duration_seconds", "histogram",
+                 "Duration of ended spans per step, summed over all processes of this node.");
+  for (const auto& [name, h] : by_step) {
+    std::uint64_t cumulative = 0;
+    const auto& le = le_labels();
+    for (std::size_t b = 0; b < Histogram::kPromBuckets; ++b) {
+      cumulative += h.prom_buckets()[b];
+      f.sample({{"step", name}, {"le", le[b]}}, cumulative, "_bucket");
+    }
+    f.sample({{"step", name}}, seconds(h.sum()), "_sum");
+    f.sample({{"step", name}}, h.count(), "_count");
+  }
+}
+
+// Per live process: per step, then its drops. One pass per family, straight into `out`:
+// with thousands of (process, step) pairs the text runs to megabytes, and building it in
+// pieces and concatenating them cost more than the formatting (a scrape holds the io
+// thread while it renders).
+void append_live_process_metrics(const CollectorState& state, std::string& out) {
+  struct Live {
+    const ProcessRecord* rec;
+    std::string pid;
+    std::string rank;  // "" when not known: the label is left out
+    std::vector<std::uint64_t> open;
+  };
+  std::vector<Live> live;
+  std::size_t pairs = 0;
+  for (const ProcessRecord* rec : select_processes(state, std::nullopt)) {
+    if (!rec->alive) continue;
+    live.push_back({rec, std::to_string(rec->key().pid),
+                    rec->rank == proto::kNoRank ? std::string() : std::to_string(rec->rank),
+                    rec->open_per_slot()});
+    pairs += rec->steps.size();
+  }
+  // About 120 bytes a sample, five families per (process, step).
+  out.reserve(out.size() + pairs * 5 * 120 + live.size() * 120 + 64 * 1024);
+  // `value(agg, open)` gives the sample; its type (counts or seconds) picks the format.
+  auto per_step = [&](std::string_view name, std::string_view type, std::string_view help,
+                      auto&& value) {
+    MetricFamily f(out, name, type, help);
+    for (const Live& l : live) {
+      const ProcessRecord& rec = *l.rec;
+      for (std::size_t s = 0; s < rec.steps.size(); ++s) {
+        const StepAgg& agg = rec.steps[s];
+        if (!agg.has_data() && l.open[s] == 0) continue;
+        f.sample({{"pid", l.pid},
+                  {"comm", rec.peer.comm},
+                  {"job_id", rec.job},
+                  {"rank", l.rank},
+                  {"step", rec.step_name(s)}},
+                 value(agg, l.open[s]));
       }
-      f.sample({{"step", name}}, seconds(h.sum()), "_sum");
-      f.sample({{"step", name}}, h.count(), "_count");
+    }
+  };
+  using Open = std::uint64_t;
+  per_step("steptrace_process_step_seconds_total", "counter",
+           "Total time of ended spans per live process and step.",
+           [](const StepAgg& a, Open) { return seconds(a.hist.sum()); });
+  per_step("steptrace_process_step_spans_total", "counter",
+           "Ended spans per live process and step.",
+           [](const StepAgg& a, Open) { return a.hist.count(); });
+  per_step("steptrace_process_open_spans", "gauge", "Spans open now per live process and step.",
+           [](const StepAgg&, Open open) { return open; });
+  per_step("steptrace_process_unmatched_ends_total", "counter",
+           "Span ends without a start per live process and step.",
+           [](const StepAgg& a, Open) { return a.unmatched_ends; });
+  per_step("steptrace_process_abandoned_spans_total", "counter",
+           "Spans left open when the process's connections closed.",
+           [](const StepAgg& a, Open) { return a.abandoned; });
+  MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
+                         "Events a live process reported it could not deliver.");
+  for (const Live& l : live) {
+    f_dropped.sample(
+        {{"pid", l.pid}, {"comm", l.rec->peer.comm}, {"job_id", l.rec->job}, {"rank", l.rank}},
+        l.rec->dropped);
+  }
+  MetricFamily f_cause(out, "steptrace_process_dropped_events_by_cause_total", "counter",
+                       "Events a live process could not deliver, by cause (clients of "
+                       "protocol version 2; buffer_full means the daemon fell behind).");
+  for (const Live& l : live) {
+    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+      f_cause.sample({{"pid", l.pid},
+                      {"comm", l.rec->peer.comm},
+                      {"job_id", l.rec->job},
+                      {"rank", l.rank},
+                      {"cause", proto::kDropCauseNames[i]}},
+                     l.rec->dropped_by_cause[i]);
     }
   }
+}
 
-  // ---- per live process -------------------------------------------------------------------
-  // One pass per family, straight into `out`: with thousands of (process, step) pairs the
-  // text runs to megabytes, and building it in pieces and concatenating them cost more
-  // than the formatting (a scrape holds the io thread while it renders).
-  {
-    struct Live {
-      const ProcessRecord* rec;
-      std::string pid;
-      std::string rank;  // "" when not known: the label is left out
-      std::vector<std::uint64_t> open;
-    };
-    std::vector<Live> live;
-    std::size_t pairs = 0;
-    for (const ProcessRecord* rec : select_processes(state, std::nullopt)) {
-      if (!rec->alive) continue;
-      live.push_back({rec, std::to_string(rec->key().pid),
-                      rec->rank == proto::kNoRank ? std::string() : std::to_string(rec->rank),
-                      rec->open_per_slot()});
-      pairs += rec->steps.size();
-    }
-    // About 120 bytes a sample, five families per (process, step).
-    out.reserve(out.size() + pairs * 5 * 120 + live.size() * 120 + 64 * 1024);
-    // `value(agg, open)` gives the sample; its type (counts or seconds) picks the format.
-    auto per_step = [&](std::string_view name, std::string_view type, std::string_view help,
-                        auto&& value) {
-      MetricFamily f(out, name, type, help);
-      for (const Live& l : live) {
-        const ProcessRecord& rec = *l.rec;
-        for (std::size_t s = 0; s < rec.steps.size(); ++s) {
-          const StepAgg& agg = rec.steps[s];
-          if (!agg.has_data() && l.open[s] == 0) continue;
-          f.sample({{"pid", l.pid},
-                    {"comm", rec.peer.comm},
-                    {"job_id", rec.job},
-                    {"rank", l.rank},
-                    {"step", rec.step_name(s)}},
-                   value(agg, l.open[s]));
-        }
-      }
-    };
-    using Open = std::uint64_t;
-    per_step("steptrace_process_step_seconds_total", "counter",
-             "Total time of ended spans per live process and step.",
-             [](const StepAgg& a, Open) { return seconds(a.hist.sum()); });
-    per_step("steptrace_process_step_spans_total", "counter",
-             "Ended spans per live process and step.",
-             [](const StepAgg& a, Open) { return a.hist.count(); });
-    per_step("steptrace_process_open_spans", "gauge", "Spans open now per live process and step.",
-             [](const StepAgg&, Open open) { return open; });
-    per_step("steptrace_process_unmatched_ends_total", "counter",
-             "Span ends without a start per live process and step.",
-             [](const StepAgg& a, Open) { return a.unmatched_ends; });
-    per_step("steptrace_process_abandoned_spans_total", "counter",
-             "Spans left open when the process's connections closed.",
-             [](const StepAgg& a, Open) { return a.abandoned; });
-    MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
-                           "Events a live process reported it could not deliver.");
-    for (const Live& l : live) {
-      f_dropped.sample(
-          {{"pid", l.pid}, {"comm", l.rec->peer.comm}, {"job_id", l.rec->job}, {"rank", l.rank}},
-          l.rec->dropped);
-    }
-    MetricFamily f_cause(out, "steptrace_process_dropped_events_by_cause_total", "counter",
-                         "Events a live process could not deliver, by cause (clients of "
-                         "protocol version 2; buffer_full means the daemon fell behind).");
-    for (const Live& l : live) {
-      for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
-        f_cause.sample({{"pid", l.pid},
-                        {"comm", l.rec->peer.comm},
-                        {"job_id", l.rec->job},
-                        {"rank", l.rank},
-                        {"cause", proto::kDropCauseNames[i]}},
-                       l.rec->dropped_by_cause[i]);
-      }
-    }
-  }
-
-  append_job_metrics(state, out);
-
-  // ---- daemon -----------------------------------------------------------------------------
-  const DaemonCounters& c = view.counters();
+// What clients sent and what they could not, and the connections closed for errors.
+void append_ingest_metrics(const DaemonCounters& c, std::string& out) {
   MetricFamily(out, "steptrace_events_received_total", "counter",
                "Span events received from clients.")
       .sample({}, c.events_received);
@@ -257,33 +251,35 @@ std::string report::metrics_text(const CollectorView& view) {
     for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
       f.sample({{"cause", std::string(proto::kDropCauseNames[i])}}, c.events_dropped_by_cause[i]);
   }
-  {
-    // The kinds of protocol error (proto/errc.h, and those sessions count that are not
-    // errcs) are always exported, zero until seen; any other kind counted is exported too.
-    std::vector<std::string_view> kinds(kSessionErrorKinds.begin(), kSessionErrorKinds.end());
-    for (const ErrcInfo& e : kErrcTable) {
-      if (e.protocol_error) kinds.push_back(e.name);
-    }
-    const auto errors = with_known_kinds(kinds, c.protocol_errors);
-    MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
-                   "Connections closed for a protocol error, by kind.");
-    for (const auto& [kind, n] : errors) f.sample({{"kind", kind}}, n);
+  // The kinds of protocol error (proto/errc.h, and those sessions count that are not
+  // errcs) are always exported, zero until seen; any other kind counted is exported too.
+  std::vector<std::string_view> kinds(kSessionErrorKinds.begin(), kSessionErrorKinds.end());
+  for (const ErrcInfo& e : kErrcTable) {
+    if (e.protocol_error) kinds.push_back(e.name);
   }
-  {
-    const HttpCounters& h = c.http;
-    MetricFamily f(out, "steptrace_http_connections_total", "counter",
-                   "Connections to this HTTP listener, by what became of them.");
-    f.sample({{"outcome", "accepted"}}, h.accepted);
-    f.sample({{"outcome", "refused"}}, h.refused);
-    f.sample({{"outcome", "evicted"}}, h.evicted);
-    f.sample({{"outcome", "header_timeout"}}, h.header_timeouts);
-    f.sample({{"outcome", "idle_closed"}}, h.idle_closed);
-    f.sample({{"outcome", "write_timeout"}}, h.write_timeouts);
-    f.sample({{"outcome", "bad_request"}}, h.bad_requests);
-    MetricFamily(out, "steptrace_http_responses_total", "counter",
-                 "HTTP responses written in full.")
-        .sample({}, h.responses);
-  }
+  const auto errors = with_known_kinds(kinds, c.protocol_errors);
+  MetricFamily f(out, "steptrace_protocol_errors_total", "counter",
+                 "Connections closed for a protocol error, by kind.");
+  for (const auto& [kind, n] : errors) f.sample({{"kind", kind}}, n);
+}
+
+// The HTTP listener's connections and responses.
+void append_http_metrics(const HttpCounters& h, std::string& out) {
+  MetricFamily f(out, "steptrace_http_connections_total", "counter",
+                 "Connections to this HTTP listener, by what became of them.");
+  f.sample({{"outcome", "accepted"}}, h.accepted);
+  f.sample({{"outcome", "refused"}}, h.refused);
+  f.sample({{"outcome", "evicted"}}, h.evicted);
+  f.sample({{"outcome", "header_timeout"}}, h.header_timeouts);
+  f.sample({{"outcome", "idle_closed"}}, h.idle_closed);
+  f.sample({{"outcome", "write_timeout"}}, h.write_timeouts);
+  f.sample({{"outcome", "bad_request"}}, h.bad_requests);
+  MetricFamily(out, "steptrace_http_responses_total", "counter", "HTTP responses written in full.")
+      .sample({}, h.responses);
+}
+
+// Client connections, the /proc probe, and the text commands.
+void append_connection_metrics(const DaemonCounters& c, std::string& out) {
   MetricFamily(out, "steptrace_connections", "gauge", "Client connections open now.")
       .sample({}, c.connections_now);
   MetricFamily(out, "steptrace_connections_accepted_total", "counter",
@@ -303,52 +299,61 @@ std::string report::metrics_text(const CollectorView& view) {
   MetricFamily(out, "steptrace_replies_refused_total", "counter",
                "Replies replaced by 'error: busy': too many reply bytes waited to be read.")
       .sample({}, c.replies_refused);
+}
+
+// Shared-memory rings.
+void append_ring_metrics(const RingCounters& r, std::string& out) {
+  MetricFamily(out, "steptrace_shared_rings", "gauge",
+               "Client rings in shared memory the daemon maps now.")
+      .sample({}, r.mapped);
+  MetricFamily(out, "steptrace_shared_ring_bytes", "gauge",
+               "Bytes of those rings' slots (what the ring budgets count).")
+      .sample({}, r.bytes_mapped);
+  MetricFamily(out, "steptrace_shared_ring_events_total", "counter",
+               "Events read from shared-memory rings.")
+      .sample({}, r.events);
+  MetricFamily(out, "steptrace_shared_rings_refused_total", "counter",
+               "Rings a client offered that the daemon refused (a limit, or not a sealed "
+               "memfd of the right size); their events go on the socket.")
+      .sample({}, r.refused);
+  MetricFamily(out, "steptrace_shared_ring_records_refused_total", "counter",
+               "Ring records skipped as invalid (counted as the process's drops, cause "
+               "invalid).")
+      .sample({}, r.records_refused);
+}
+
+// The flight recorder (`trace`) and NVML's sampling.
+void append_recorder_and_nvml_metrics(const DaemonCounters& c, std::string& out) {
+  const FlightRecorderCounters& r = c.flight_recorder;
+  MetricFamily(out, "steptrace_flight_recorder_bytes", "gauge",
+               "Bytes the flight recorder holds for `trace` (its budget: "
+               "steptrace_flight_recorder_budget_bytes).")
+      .sample({}, static_cast<std::uint64_t>(r.bytes));
+  MetricFamily(out, "steptrace_flight_recorder_budget_bytes", "gauge",
+               "The flight recorder's budget in force (0: off).")
+      .sample({}, static_cast<std::uint64_t>(r.budget_bytes));
   {
-    const RingCounters& r = c.rings;
-    MetricFamily(out, "steptrace_shared_rings", "gauge",
-                 "Client rings in shared memory the daemon maps now.")
-        .sample({}, r.mapped);
-    MetricFamily(out, "steptrace_shared_ring_bytes", "gauge",
-                 "Bytes of those rings' slots (what the ring budgets count).")
-        .sample({}, r.bytes_mapped);
-    MetricFamily(out, "steptrace_shared_ring_events_total", "counter",
-                 "Events read from shared-memory rings.")
-        .sample({}, r.events);
-    MetricFamily(out, "steptrace_shared_rings_refused_total", "counter",
-                 "Rings a client offered that the daemon refused (a limit, or not a sealed "
-                 "memfd of the right size); their events go on the socket.")
-        .sample({}, r.refused);
-    MetricFamily(out, "steptrace_shared_ring_records_refused_total", "counter",
-                 "Ring records skipped as invalid (counted as the process's drops, cause "
-                 "invalid).")
-        .sample({}, r.records_refused);
-  }
-  {
-    const FlightRecorderCounters& r = c.flight_recorder;
-    MetricFamily(out, "steptrace_flight_recorder_bytes", "gauge",
-                 "Bytes the flight recorder holds for `trace` (its budget: "
-                 "steptrace_flight_recorder_budget_bytes).")
-        .sample({}, static_cast<std::uint64_t>(r.bytes));
-    MetricFamily(out, "steptrace_flight_recorder_budget_bytes", "gauge",
-                 "The flight recorder's budget in force (0: off).")
-        .sample({}, static_cast<std::uint64_t>(r.budget_bytes));
     MetricFamily f(out, "steptrace_flight_recorder_events_total", "counter",
                    "Raw events the flight recorder kept, and those it evicted (budget, horizon).");
     f.sample({{"outcome", "recorded"}}, r.events_recorded);
     f.sample({{"outcome", "evicted"}}, r.events_evicted);
   }
-  {
-    const NvmlCounters& n = c.nvml;
-    MetricFamily(out, "steptrace_nvml_samples_total", "counter",
-                 "NVML device samples applied (0 when NVML is off or absent).")
-        .sample({}, n.samples);
-    MetricFamily(out, "steptrace_nvml_sample_errors_total", "counter",
-                 "NVML device samples in which a call failed (stats nvml.sample_errors).")
-        .sample({}, n.sample_errors);
-    MetricFamily(out, "steptrace_nvml_slow_samples_total", "counter",
-                 "NVML device samples that took longer than nvml_interval_ms.")
-        .sample({}, n.slow_samples);
-  }
+  const NvmlCounters& n = c.nvml;
+  MetricFamily(out, "steptrace_nvml_samples_total", "counter",
+               "NVML device samples applied (0 when NVML is off or absent).")
+      .sample({}, n.samples);
+  MetricFamily(out, "steptrace_nvml_sample_errors_total", "counter",
+               "NVML device samples in which a call failed (stats nvml.sample_errors).")
+      .sample({}, n.sample_errors);
+  MetricFamily(out, "steptrace_nvml_slow_samples_total", "counter",
+               "NVML device samples that took longer than nvml_interval_ms.")
+      .sample({}, n.slow_samples);
+}
+
+// The process table, the limits hit, the snapshots, and the uptime.
+void append_state_metrics(const CollectorView& view, std::string& out) {
+  const CollectorState& state = view.state();
+  const DaemonCounters& c = view.counters();
   {
     std::uint64_t live = 0;
     for (const auto& slot : state.slots) live += (slot && slot->alive) ? 1 : 0;
@@ -368,10 +373,26 @@ std::string report::metrics_text(const CollectorView& view) {
   MetricFamily(out, "steptrace_snapshot_errors_total", "counter",
                "State snapshots that failed to write.")
       .sample({}, c.snapshot_errors);
-  {
-    MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
-        .sample({}, std::chrono::duration<double>(view.uptime()).count());
-  }
+  MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
+      .sample({}, std::chrono::duration<double>(view.uptime()).count());
+}
+
+}  // namespace
+
+std::string report::metrics_text(const CollectorView& view) {
+  const CollectorState& state = view.state();
+  const DaemonCounters& c = view.counters();
+  std::string out;
+  out.reserve(16 * 1024);
+  append_step_histograms(state, out);
+  append_live_process_metrics(state, out);
+  append_job_metrics(state, out);
+  append_ingest_metrics(c, out);
+  append_http_metrics(c.http, out);
+  append_connection_metrics(c, out);
+  append_ring_metrics(c.rings, out);
+  append_recorder_and_nvml_metrics(c, out);
+  append_state_metrics(view, out);
   report::append_ledger_metrics(state.ledger.state(), out);
   report::append_process_metrics(view, out);
   return out;
