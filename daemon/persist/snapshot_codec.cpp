@@ -14,6 +14,7 @@
 #include "daemon/persist/snapshot.h"
 #include "daemon/state/collector.h"
 #include "daemon/state/collector_state.h"
+#include "daemon/state/counter_table.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/ledger_view.h"
 
@@ -64,19 +65,13 @@ json step_agg_json(const StepAgg& agg) {
 }
 
 json counters_json(const DaemonCounters& c) {
-  return {{"events_received", c.events_received},
-          {"frames_received", c.frames_received},
-          {"bytes_received", c.bytes_received},
-          {"events_dropped_by_clients", c.events_dropped_by_clients},
-          {"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
-          {"connections_total", c.connections_total},
-          {"connections_rejected", c.connections_rejected},
-          {"connections_undrained", c.connections_undrained},
-          {"liveness_probe_errors", c.liveness_probe_errors},
-          {"replies_refused", c.replies_refused},
-          {"commands_served", c.commands_served},
-          {"protocol_errors", c.protocol_errors},
-          {"limits_hit", c.limits_hit}};
+  json out = {{"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
+              {"protocol_errors", c.protocol_errors},
+              {"limits_hit", c.limits_hit}};
+  for (const CounterRow& row : kCounterTable) {
+    if (row.kept != Kept::kNo) out[std::string(row.snapshot_key)] = c.*row.field;
+  }
+  return out;
 }
 
 json process_json(const ProcessRecord& rec) {
@@ -275,21 +270,15 @@ bool read_counter_map(JsonObject m, std::map<std::string, std::uint64_t>& out) {
 }
 
 bool read_counters(JsonObject c, DaemonCounters& out) {
-  c.get_unsigned("events_received", out.events_received);
-  c.get_unsigned("frames_received", out.frames_received);
-  c.get_unsigned("bytes_received", out.bytes_received);
-  c.get_unsigned("events_dropped_by_clients", out.events_dropped_by_clients);
+  for (const CounterRow& row : kCounterTable) {
+    // Added later (Kept::kLater): a snapshot of an older daemon has none.
+    if (row.kept == Kept::kSinceV1) c.get_unsigned(row.snapshot_key, out.*row.field);
+    if (row.kept == Kept::kLater) c.optional_unsigned(row.snapshot_key, out.*row.field);
+  }
   if (!read_drop_causes(c.optional_object("events_dropped_by_cause"),
                         out.events_dropped_by_cause)) {
     return false;
   }
-  c.get_unsigned("connections_total", out.connections_total);
-  c.get_unsigned("connections_rejected", out.connections_rejected);
-  // Added later: a snapshot of an older daemon has none.
-  c.optional_unsigned("connections_undrained", out.connections_undrained);
-  c.optional_unsigned("liveness_probe_errors", out.liveness_probe_errors);
-  c.optional_unsigned("replies_refused", out.replies_refused);
-  c.get_unsigned("commands_served", out.commands_served);
   if (!read_counter_map(c.object("protocol_errors"), out.protocol_errors) ||
       !read_counter_map(c.object("limits_hit"), out.limits_hit)) {
     return false;

@@ -18,6 +18,7 @@
 #include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
 #include "daemon/state/collector_state.h"
+#include "daemon/state/counter_table.h"
 #include "proto/errc.h"
 
 namespace steptrace::daemon {
@@ -233,18 +234,18 @@ void append_live_process_metrics(const CollectorState& state, std::string& out) 
   }
 }
 
+// The plain counters of one group (state/counter_table.h), in table order.
+void append_counter_group(const DaemonCounters& c, MetricGroup group, std::string& out) {
+  for (const CounterRow& row : kCounterTable) {
+    if (row.metric_group == group) {
+      MetricFamily(out, row.metric, row.metric_type, row.help).sample({}, c.*row.field);
+    }
+  }
+}
+
 // What clients sent and what they could not, and the connections closed for errors.
 void append_ingest_metrics(const DaemonCounters& c, std::string& out) {
-  MetricFamily(out, "steptrace_events_received_total", "counter",
-               "Span events received from clients.")
-      .sample({}, c.events_received);
-  MetricFamily(out, "steptrace_frames_received_total", "counter", "Frames received from clients.")
-      .sample({}, c.frames_received);
-  MetricFamily(out, "steptrace_received_bytes_total", "counter", "Bytes received from clients.")
-      .sample({}, c.bytes_received);
-  MetricFamily(out, "steptrace_events_dropped_by_clients_total", "counter",
-               "Events clients reported they could not deliver (daemon absent or slow).")
-      .sample({}, c.events_dropped_by_clients);
+  append_counter_group(c, MetricGroup::kIngest, out);
   {
     MetricFamily f(out, "steptrace_events_dropped_by_clients_by_cause_total", "counter",
                    "Events clients could not deliver, by cause (protocol version 2 clients).");
@@ -280,25 +281,7 @@ void append_http_metrics(const HttpCounters& h, std::string& out) {
 
 // Client connections, the /proc probe, and the text commands.
 void append_connection_metrics(const DaemonCounters& c, std::string& out) {
-  MetricFamily(out, "steptrace_connections", "gauge", "Client connections open now.")
-      .sample({}, c.connections_now);
-  MetricFamily(out, "steptrace_connections_accepted_total", "counter",
-               "Client connections accepted.")
-      .sample({}, c.connections_total);
-  MetricFamily(out, "steptrace_connections_rejected_total", "counter",
-               "Client connections refused over max_connections or max_connections_per_uid.")
-      .sample({}, c.connections_rejected);
-  MetricFamily(out, "steptrace_connections_undrained_total", "counter",
-               "Connections queued at shutdown that were closed unread (no room to drain).")
-      .sample({}, c.connections_undrained);
-  MetricFamily(out, "steptrace_liveness_probe_errors_total", "counter",
-               "/proc probes that failed (EMFILE...); never taken for a process's death.")
-      .sample({}, c.liveness_probe_errors);
-  MetricFamily(out, "steptrace_commands_served_total", "counter", "Text commands answered.")
-      .sample({}, c.commands_served);
-  MetricFamily(out, "steptrace_replies_refused_total", "counter",
-               "Replies replaced by 'error: busy': too many reply bytes waited to be read.")
-      .sample({}, c.replies_refused);
+  append_counter_group(c, MetricGroup::kConnections, out);
 }
 
 // Shared-memory rings.
@@ -368,11 +351,7 @@ void append_state_metrics(const CollectorView& view, std::string& out) {
                    "Times a configured limit refused or dropped something, by limit.");
     for (const auto& [name, n] : limits) f.sample({{"limit", name}}, n);
   }
-  MetricFamily(out, "steptrace_snapshots_written_total", "counter", "State snapshots written.")
-      .sample({}, c.snapshots_written);
-  MetricFamily(out, "steptrace_snapshot_errors_total", "counter",
-               "State snapshots that failed to write.")
-      .sample({}, c.snapshot_errors);
+  append_counter_group(c, MetricGroup::kSnapshots, out);
   MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
       .sample({}, std::chrono::duration<double>(view.uptime()).count());
 }

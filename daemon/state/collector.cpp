@@ -9,28 +9,22 @@
 #include <utility>
 
 #include "daemon/state/collector_state.h"
+#include "daemon/state/counter_table.h"
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
 
 void DaemonCounters::add(const ServerCounters& server) {
-  frames_received += server.frames_received;
-  bytes_received += server.bytes_received;
-  connections_now += server.connections_now;
-  connections_total += server.connections_total;
-  connections_rejected += server.connections_rejected;
-  connections_undrained += server.connections_undrained;
+  for (const CounterRow& row : kCounterTable) {
+    if (row.server != nullptr) this->*row.field += server.*row.server;
+  }
   // Every refused connection is a hit of the limit that refused it.
   const std::uint64_t per_uid = server.connections_rejected_per_uid;
   if (server.connections_rejected > per_uid)
     hit(LimitKind::kMaxConnections, server.connections_rejected - per_uid);
   if (per_uid != 0) hit(LimitKind::kMaxConnectionsPerUid, per_uid);
-  commands_served += server.commands_served;
-  replies_refused += server.replies_refused;
   http = server.http;
   rings = server.rings;
-  snapshots_written += server.snapshots_written;
-  snapshot_errors += server.snapshot_errors;
   for (const auto& [kind, n] : server.protocol_errors) protocol_errors[kind] += n;
 }
 
@@ -962,18 +956,11 @@ std::error_code Collector::adopt(RestoredState restored) {
 
   DaemonCounters& c = counters_;
   const DaemonCounters& r = restored.counters;
-  c.events_received += r.events_received;
-  c.frames_received += r.frames_received;
-  c.bytes_received += r.bytes_received;
-  c.events_dropped_by_clients += r.events_dropped_by_clients;
+  for (const CounterRow& row : kCounterTable) {
+    if (row.kept != Kept::kNo) c.*row.field += r.*row.field;
+  }
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
     c.events_dropped_by_cause[i] += r.events_dropped_by_cause[i];
-  c.connections_total += r.connections_total;
-  c.connections_rejected += r.connections_rejected;
-  c.connections_undrained += r.connections_undrained;
-  c.liveness_probe_errors += r.liveness_probe_errors;
-  c.replies_refused += r.replies_refused;
-  c.commands_served += r.commands_served;
   for (const auto& [k, v] : r.protocol_errors) c.protocol_errors[k] += v;
   for (const auto& [k, v] : r.limits_hit) c.limits_hit[k] += v;
   // Restored processes have no connection: ask /proc who is still there.

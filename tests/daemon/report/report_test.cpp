@@ -11,6 +11,7 @@
 #include "daemon/report/report.h"
 #include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
+#include "daemon/state/counter_table.h"
 #include "proto/errc.h"
 #include "tests/daemon/daemon_test_util.h"
 
@@ -508,5 +509,43 @@ TEST_F(ReportTest, TextOutputsSanitiseClientChosenStrings) {
   EXPECT_EQ(metrics.find('\x1b'), std::string::npos);
 }
 
+// Every plain counter of state/counter_table.h shows in `stats --json` at its group and
+// key and in the metrics as its family, with its value; the server's own counts reach
+// the row they belong to (each a distinct value here, so a crossed pointer shows).
+TEST_F(ReportTest, EveryCounterOfTheTableShowsInStatsAndMetricsWithItsValue) {
+  Connection a(collector_, world_.spawn(4242, 1, "trainer"));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 500)}));
+  ServerCounters server;
+  std::uint64_t next = 1000;
+  for (const CounterRow& row : kCounterTable) {
+    if (row.server != nullptr) server.*row.server = next++;
+  }
+  const auto view = collector_.freeze(&server);
+  const json stats = report::stats_json(*view);
+  const Exposition e(report::metrics_text(*view));
+  std::set<std::string> stats_paths, metrics, snapshot_keys;
+  for (const CounterRow& row : kCounterTable) {
+    SCOPED_TRACE(std::string(row.metric));
+    const std::uint64_t value = view->counters().*row.field;
+    if (row.server != nullptr) {
+      EXPECT_EQ(value, server.*row.server);
+    }
+    const json& at = row.stats_group.empty() ? stats : stats.at(std::string(row.stats_group));
+    EXPECT_EQ(at.at(std::string(row.stats_key)), value);
+    const auto samples = e.of(std::string(row.metric));
+    ASSERT_EQ(samples.size(), 1u);
+    EXPECT_TRUE(samples[0].labels.empty());
+    EXPECT_EQ(samples[0].value, std::to_string(value));
+    EXPECT_EQ(e.type.at(std::string(row.metric)), row.metric_type);
+    EXPECT_TRUE(
+        stats_paths.insert(std::string(row.stats_group) + "." + std::string(row.stats_key)).second);
+    EXPECT_TRUE(metrics.insert(std::string(row.metric)).second);
+    EXPECT_EQ(row.kept == Kept::kNo, row.snapshot_key.empty());
+    if (row.kept != Kept::kNo) {
+      EXPECT_TRUE(snapshot_keys.insert(std::string(row.snapshot_key)).second);
+    }
+  }
+  EXPECT_EQ(view->counters().events_received, 2u);
+}
 }  // namespace
 }  // namespace steptrace::daemon

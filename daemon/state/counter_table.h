@@ -1,0 +1,91 @@
+// The daemon's plain counters (DaemonCounters' std::uint64_t fields), one row each: the
+// one place that says what each is called in `stats --json`, in a snapshot and in
+// Prometheus, whether the server counts it (DaemonCounters::add) and whether a snapshot
+// keeps it (Collector::adopt adds it back). The struct fields are in types.h; everything
+// else that names one of these counters derives from this table:
+//   - DaemonCounters::add and Collector::adopt (daemon/state/collector.cpp),
+//   - the snapshot codec's counters object (daemon/persist/snapshot_codec.cpp),
+//   - `stats --json` (daemon/report/report_json.cpp) and the metrics
+//     (daemon/report/metrics_text.cpp).
+// The counters kept by kind (drop causes, protocol errors, limits) and the families of
+// their own (HTTP, rings, flight recorder, NVML) are not in it.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+
+#include "daemon/state/types.h"
+
+namespace steptrace::daemon {
+
+// Where a counter's metric family sits in the Prometheus text (metrics_text.cpp writes
+// each group's rows at one place, in table order).
+enum class MetricGroup : std::uint8_t { kIngest, kConnections, kSnapshots };
+
+// Whether a snapshot keeps a counter, and since when.
+enum class Kept : std::uint8_t {
+  kNo,       // the server's live state, or counted again from nothing at start
+  kSinceV1,  // in every snapshot: required when reading
+  kLater,    // added after version 1: absent in older snapshots (read as 0)
+};
+
+struct CounterRow {
+  std::uint64_t DaemonCounters::*field;
+  std::uint64_t ServerCounters::*server;  // the server's own count, added by add(); or null
+  std::string_view stats_group;           // the object of `stats --json` it sits in ("": top)
+  std::string_view stats_key;
+  Kept kept;
+  std::string_view snapshot_key;  // its key in a snapshot's "counters" object
+  MetricGroup metric_group;
+  std::string_view metric;  // the Prometheus family
+  std::string_view metric_type;
+  std::string_view help;
+};
+
+inline constexpr std::array<CounterRow, 13> kCounterTable = {{
+    {&DaemonCounters::events_received, nullptr, "", "events_received", Kept::kSinceV1,
+     "events_received", MetricGroup::kIngest, "steptrace_events_received_total", "counter",
+     "Span events received from clients."},
+    {&DaemonCounters::frames_received, &ServerCounters::frames_received, "", "frames_received",
+     Kept::kSinceV1, "frames_received", MetricGroup::kIngest, "steptrace_frames_received_total",
+     "counter", "Frames received from clients."},
+    {&DaemonCounters::bytes_received, &ServerCounters::bytes_received, "", "bytes_received",
+     Kept::kSinceV1, "bytes_received", MetricGroup::kIngest, "steptrace_received_bytes_total",
+     "counter", "Bytes received from clients."},
+    {&DaemonCounters::events_dropped_by_clients, nullptr, "", "events_dropped_by_clients",
+     Kept::kSinceV1, "events_dropped_by_clients", MetricGroup::kIngest,
+     "steptrace_events_dropped_by_clients_total", "counter",
+     "Events clients reported they could not deliver (daemon absent or slow)."},
+    {&DaemonCounters::connections_now, &ServerCounters::connections_now, "connections", "now",
+     Kept::kNo, "", MetricGroup::kConnections, "steptrace_connections", "gauge",
+     "Client connections open now."},
+    {&DaemonCounters::connections_total, &ServerCounters::connections_total, "connections", "total",
+     Kept::kSinceV1, "connections_total", MetricGroup::kConnections,
+     "steptrace_connections_accepted_total", "counter", "Client connections accepted."},
+    {&DaemonCounters::connections_rejected, &ServerCounters::connections_rejected, "connections",
+     "rejected", Kept::kSinceV1, "connections_rejected", MetricGroup::kConnections,
+     "steptrace_connections_rejected_total", "counter",
+     "Client connections refused over max_connections or max_connections_per_uid."},
+    {&DaemonCounters::connections_undrained, &ServerCounters::connections_undrained, "connections",
+     "undrained", Kept::kLater, "connections_undrained", MetricGroup::kConnections,
+     "steptrace_connections_undrained_total", "counter",
+     "Connections queued at shutdown that were closed unread (no room to drain)."},
+    {&DaemonCounters::liveness_probe_errors, nullptr, "", "liveness_probe_errors", Kept::kLater,
+     "liveness_probe_errors", MetricGroup::kConnections, "steptrace_liveness_probe_errors_total",
+     "counter", "/proc probes that failed (EMFILE...); never taken for a process's death."},
+    {&DaemonCounters::commands_served, &ServerCounters::commands_served, "", "commands_served",
+     Kept::kSinceV1, "commands_served", MetricGroup::kConnections,
+     "steptrace_commands_served_total", "counter", "Text commands answered."},
+    {&DaemonCounters::replies_refused, &ServerCounters::replies_refused, "", "replies_refused",
+     Kept::kLater, "replies_refused", MetricGroup::kConnections, "steptrace_replies_refused_total",
+     "counter", "Replies replaced by 'error: busy': too many reply bytes waited to be read."},
+    {&DaemonCounters::snapshots_written, &ServerCounters::snapshots_written, "snapshots", "written",
+     Kept::kNo, "", MetricGroup::kSnapshots, "steptrace_snapshots_written_total", "counter",
+     "State snapshots written."},
+    {&DaemonCounters::snapshot_errors, &ServerCounters::snapshot_errors, "snapshots", "errors",
+     Kept::kNo, "", MetricGroup::kSnapshots, "steptrace_snapshot_errors_total", "counter",
+     "State snapshots that failed to write."},
+}};
+
+}  // namespace steptrace::daemon
