@@ -1,4 +1,5 @@
 #include "daemon/serve/config.h"
+#include "daemon/serve/limit_table.h"
 
 #include <steptrace/version.h>
 #include <sys/un.h>
@@ -96,39 +97,10 @@ void read_string_key(JsonObject& obj, std::string_view key, Apply apply) {
 }
 
 void read_limits(JsonObject limits, Config& c) {
-  ServerLimits& s = c.server_limits;
-  limits.optional_unsigned("max_connections", s.max_connections, 1, 65536);
-  limits.optional_unsigned("max_connections_per_uid", s.max_connections_per_uid, 1, 65536);
-  // A frame must at least hold the largest fixed record (a LedgerRecord).
-  limits.optional_unsigned("max_frame_bytes", s.max_frame_bytes, 256, proto::kMaxFramePayload);
-  limits.optional_unsigned("max_line_bytes", s.max_line_bytes, 64, 1 << 20);
-  // 0 refuses every ring: the clients send their events on the socket instead.
-  limits.optional_unsigned("max_rings_per_process", s.max_rings_per_process, 0, 65536);
-  limits.optional_unsigned("max_rings_per_uid", s.max_rings_per_uid, 0, 1'000'000);
-  limits.optional_unsigned("max_ring_bytes_per_process", s.max_ring_bytes_per_process, 0,
-                           std::uint64_t{1} << 40);
-  limits.optional_unsigned("max_ring_bytes_per_uid", s.max_ring_bytes_per_uid, 0,
-                           std::uint64_t{1} << 44);
-  limits.optional_unsigned("max_rings", s.max_rings, 0, 1'000'000);
-  Limits& l = c.limits;
-  limits.optional_unsigned("max_processes", l.max_processes, 1, 1'000'000);
-  limits.optional_unsigned("max_exited_processes", l.max_exited_processes, 0, 1'000'000);
-  limits.optional_unsigned("max_custom_steps", l.max_custom_steps, 0, proto::kMaxCustomSteps);
-  limits.optional_unsigned("max_open_depth", l.max_open_depth, 1, 4096);
-  limits.optional_unsigned("max_threads_per_process", l.max_threads_per_process, 1, 65536);
-  limits.optional_unsigned("max_gpus", l.max_gpus, 1, 4096);
-  limits.optional_unsigned("max_reservations_per_gpu", l.max_reservations_per_gpu, 1, 1'000'000);
-  limits.optional_unsigned("max_processes_per_uid", l.max_processes_per_uid, 1, 1'000'000);
-  limits.optional_unsigned("max_jobs", l.max_jobs, 1, 100'000);
-  limits.optional_unsigned("max_jobs_per_uid", l.max_jobs_per_uid, 1, 100'000);
-  limits.optional_unsigned("max_process_state_bytes", l.max_process_state_bytes, 65536,
-                           std::uint64_t{1} << 40);
-  limits.optional_unsigned("max_state_bytes", l.max_state_bytes, 1u << 20, std::uint64_t{1} << 44);
-  limits.optional_unsigned("max_snapshot_bytes", l.max_snapshot_bytes, 1u << 20,
-                           std::uint64_t{1} << 40);
-  limits.optional_unsigned("max_gpus_per_uid", l.max_gpus_per_uid, 1, 4096);
-  limits.optional_unsigned("max_reservations_per_uid", l.max_reservations_per_uid, 1,
-                           1'000'000'000);
+  for (const LimitRow& row : kLimitTable) {
+    std::uint64_t value = row.get(c);
+    if (limits.optional_unsigned(row.key, value, row.min, row.max)) row.set(c, value);
+  }
   limits.finish();
 }
 
@@ -296,6 +268,14 @@ std::optional<ConfigError> apply_flags_unprefixed(const Flags& flags, Config& co
 }
 }  // namespace
 
+namespace {
+json limits_json(const Config& c) {
+  json out = json::object();
+  for (const LimitRow& row : kLimitTable) out[std::string(row.key)] = row.get(c);
+  return out;
+}
+}  // namespace
+
 json config_to_json(const Config& c) {
   return json{
       {"socket", c.socket},
@@ -312,31 +292,7 @@ json config_to_json(const Config& c) {
       {"nvml_over_tolerance_pct", c.nvml.rules.over_tolerance_pct},
       {"nvml_idle_s", c.nvml.rules.idle_ns / 1'000'000'000},
       {"flight_recorder_seconds", c.flight_recorder.horizon_ns / 1'000'000'000},
-      {"limits",
-       {{"max_connections", c.server_limits.max_connections},
-        {"max_connections_per_uid", c.server_limits.max_connections_per_uid},
-        {"max_frame_bytes", c.server_limits.max_frame_bytes},
-        {"max_line_bytes", c.server_limits.max_line_bytes},
-        {"max_rings_per_process", c.server_limits.max_rings_per_process},
-        {"max_rings_per_uid", c.server_limits.max_rings_per_uid},
-        {"max_ring_bytes_per_process", c.server_limits.max_ring_bytes_per_process},
-        {"max_ring_bytes_per_uid", c.server_limits.max_ring_bytes_per_uid},
-        {"max_rings", c.server_limits.max_rings},
-        {"max_processes", c.limits.max_processes},
-        {"max_exited_processes", c.limits.max_exited_processes},
-        {"max_custom_steps", c.limits.max_custom_steps},
-        {"max_open_depth", c.limits.max_open_depth},
-        {"max_threads_per_process", c.limits.max_threads_per_process},
-        {"max_gpus", c.limits.max_gpus},
-        {"max_reservations_per_gpu", c.limits.max_reservations_per_gpu},
-        {"max_processes_per_uid", c.limits.max_processes_per_uid},
-        {"max_jobs", c.limits.max_jobs},
-        {"max_jobs_per_uid", c.limits.max_jobs_per_uid},
-        {"max_process_state_bytes", c.limits.max_process_state_bytes},
-        {"max_state_bytes", c.limits.max_state_bytes},
-        {"max_snapshot_bytes", c.limits.max_snapshot_bytes},
-        {"max_gpus_per_uid", c.limits.max_gpus_per_uid},
-        {"max_reservations_per_uid", c.limits.max_reservations_per_uid}}},
+      {"limits", limits_json(c)},
       {"timeouts",
        {{"handshake_s", c.timeouts.handshake_s},
         {"frame_s", c.timeouts.frame_s},

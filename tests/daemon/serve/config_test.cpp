@@ -4,9 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <steptrace/version.h>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <vector>
 
+#include "daemon/serve/limit_table.h"
 #include "tests/support/daemon_process.h"
 
 namespace steptrace::daemon {
@@ -57,6 +63,71 @@ TEST(Config, ShippedFileListsEveryKeyWithItsDefault) {
   EXPECT_EQ(shipped, config_to_json(Config{}));
   Config c;
   EXPECT_FALSE(apply_config_json(shipped, c).has_value());
+}
+
+// The bound the README states, as written there: "1024", "1073741824 (1 GiB)", "2^40",
+// "1 MiB", "protocol cap".
+std::optional<std::uint64_t> documented_value(std::string text) {
+  text.erase(0, text.find_first_not_of(' '));
+  text.erase(text.find_last_not_of(' ') + 1);
+  if (text == "protocol cap") return proto::kMaxFramePayload;
+  if (text.rfind("2^", 0) == 0) return std::uint64_t{1} << std::stoul(text.substr(2));
+  std::size_t used = 0;
+  const std::uint64_t n = std::stoull(text, &used);
+  if (text.substr(used) == " MiB") return n << 20;
+  return n;
+}
+
+// config/README.md has a row `limits.KEY | default | min .. max` for every row of
+// kLimitTable, stating what the code does, and no row for a limit the code lacks.
+TEST(Config, TheReadmeDocumentsEveryLimitWithItsDefaultAndBounds) {
+  const std::filesystem::path readme =
+      std::filesystem::path(STEPTRACE_DEFAULT_CONFIG).parent_path() / "README.md";
+  std::ifstream in(readme);
+  ASSERT_TRUE(in) << readme;
+  std::map<std::string, std::vector<std::string>> rows;  // key -> cells
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("| `limits.", 0) != 0) continue;
+    std::vector<std::string> cells;
+    std::stringstream ss(line.substr(1));
+    for (std::string cell; std::getline(ss, cell, '|');) cells.push_back(cell);
+    ASSERT_GE(cells.size(), 3u) << line;
+    const std::string key = cells[0].substr(cells[0].find('.') + 1);
+    rows[key.substr(0, key.find('`'))] = cells;
+  }
+  const Config defaults;
+  for (const LimitRow& row : kLimitTable) {
+    SCOPED_TRACE(std::string(row.key));
+    const auto it = rows.find(std::string(row.key));
+    ASSERT_NE(it, rows.end()) << "no row in config/README.md";
+    const std::string& range = it->second[2];
+    const auto dots = range.find("..");
+    ASSERT_NE(dots, std::string::npos) << range;
+    EXPECT_EQ(documented_value(it->second[1].substr(0, it->second[1].find('('))),
+              row.get(defaults));
+    EXPECT_EQ(documented_value(range.substr(0, dots)), row.min);
+    EXPECT_EQ(documented_value(range.substr(dots + 2)), row.max);
+    rows.erase(it);
+  }
+  EXPECT_TRUE(rows.empty()) << "documented but not in kLimitTable: " << rows.begin()->first;
+}
+
+// Each limit takes its bounds and refuses one past either, naming itself.
+TEST(Config, EveryLimitTakesItsBoundsAndRefusesOnePastThem) {
+  for (const LimitRow& row : kLimitTable) {
+    SCOPED_TRACE(std::string(row.key));
+    for (const std::uint64_t ok : {row.min, row.max}) {
+      Config c;
+      EXPECT_FALSE(apply_config_json({{"limits", {{std::string(row.key), ok}}}}, c).has_value());
+      EXPECT_EQ(row.get(c), ok);
+    }
+    if (row.min > 0) {
+      EXPECT_NE(error_of({{"limits", {{std::string(row.key), row.min - 1}}}}).find(row.key),
+                std::string::npos);
+    }
+    EXPECT_NE(error_of({{"limits", {{std::string(row.key), row.max + 1}}}}).find(row.key),
+              std::string::npos);
+  }
 }
 
 TEST(Config, FileValuesAreApplied) {
