@@ -6,6 +6,7 @@
 // breaks on an operator's terminal.
 #include <algorithm>
 #include <array>
+#include <span>
 
 #include <nlohmann/json.hpp>
 
@@ -13,7 +14,6 @@
 #include "daemon/report/report.h"
 #include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
-#include "daemon/state/collector_state.h"
 #include "proto/printable.h"
 #include "proto/steps.h"
 
@@ -42,18 +42,18 @@ double percent_of(std::uint64_t part, std::uint64_t whole) {
 }
 
 // The table and analysis for one set of step aggregates (everything after the title).
-std::string step_table(const std::vector<NamedTotals>& totals) {
+std::string step_table(const std::vector<StepFigures>& totals) {
   std::vector<Row> rows;
   std::uint64_t total_time = 0, total_self = 0;
   std::uint64_t compute = 0, overhead = 0;
   std::size_t name_width = 15;
-  for (const NamedTotals& t : totals) {
-    if (t.agg.hist.count() == 0) continue;
-    const Histogram& h = t.agg.hist;
+  for (const StepFigures& t : totals) {
+    const Histogram& h = t.hist();
+    if (h.count() == 0) continue;
     rows.push_back({proto::printable(t.name), h.count(), h.sum(), h.percentile(0.50),
-                    h.percentile(0.99), t.agg.self_ns});
+                    h.percentile(0.99), t.self_ns});
     total_time = saturating_add(total_time, h.sum());
-    total_self = saturating_add(total_self, t.agg.self_ns);
+    total_self = saturating_add(total_self, t.self_ns);
     name_width = std::max(name_width, report::display_width(rows.back().name));
     // Built-in names are unique; a custom step can not take a built-in's name slot.
     if (t.name == proto::builtin_step_name(kMatmul)) compute = saturating_add(compute, h.sum());
@@ -116,7 +116,7 @@ std::string step_table(const std::vector<NamedTotals>& totals) {
 }
 
 // " (buffer full N, not connected N, ...)" for the causes that are not 0.
-std::string drop_causes_text(const ProcessRecord& rec) {
+std::string drop_causes_text(const ProcessFigures& rec) {
   std::string out;
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
     if (rec.dropped_by_cause[i] == 0) continue;
@@ -128,7 +128,7 @@ std::string drop_causes_text(const ProcessRecord& rec) {
 }
 
 // " · job J · rank R/W (local L)" for what the process's Identity said, or "".
-std::string identity_text(const ProcessRecord& rec, bool with_job) {
+std::string identity_text(const ProcessFigures& rec, bool with_job) {
   std::string out;
   if (with_job && !rec.job.empty()) out += " · job " + proto::printable(rec.job);
   if (rec.rank != proto::kNoRank) {
@@ -139,12 +139,7 @@ std::string identity_text(const ProcessRecord& rec, bool with_job) {
   return out;
 }
 
-std::string process_header(const ProcessRecord& rec, std::uint64_t now, bool with_job) {
-  std::uint64_t unmatched = 0, abandoned = 0;
-  for (const StepAgg& s : rec.steps) {
-    unmatched += s.unmatched_ends;
-    abandoned += s.abandoned;
-  }
+std::string process_header(const ProcessFigures& rec, std::uint64_t now, bool with_job) {
   std::string state;
   if (rec.alive) {
     state = rec.connections > 0 ? "alive" : "alive (disconnected)";
@@ -153,12 +148,12 @@ std::string process_header(const ProcessRecord& rec, std::uint64_t now, bool wit
     // tick, so this is an upper bound on how long ago the process ended.
     state = "exit noticed " + report::format_age(rec.exited_at_ns, now) + " ago";
   }
-  return "── Process " + std::to_string(rec.key().pid) + " (" +
-         (rec.peer.comm.empty() ? std::string("?") : proto::printable(rec.peer.comm)) + ")" +
+  return "── Process " + std::to_string(rec.key.pid) + " (" +
+         (rec.comm.empty() ? std::string("?") : proto::printable(rec.comm)) + ")" +
          identity_text(rec, with_job) + " · " + state + " · dropped " +
          std::to_string(rec.dropped) + drop_causes_text(rec) + " · unmatched ends " +
-         std::to_string(unmatched) + " · abandoned " + std::to_string(abandoned) + " · open " +
-         std::to_string(rec.open_total()) + "\n";
+         std::to_string(rec.unmatched_ends) + " · abandoned " + std::to_string(rec.abandoned) +
+         " · open " + std::to_string(rec.open) + "\n";
 }
 
 // `stats` as "a.b.c: value" lines; keys and string values sanitised (kinds are the
@@ -179,12 +174,11 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::string& ou
 }
 
 // "══ Job J (uid U) · 4 processes (3 live) · ranks 0-3 of 4" above a job's sections.
-std::string job_header(const JobGroup& group) {
+std::string job_header(const JobFigures& group) {
   const std::vector<std::uint32_t>& ranks = group.ranks;
-  std::string out = group.key.job.empty() ? std::string("══ Processes without a job id")
-                                          : "══ Job " + proto::printable(group.key.job);
-  out += " (uid " + std::to_string(group.key.uid) + ") · " +
-         std::to_string(group.processes.size()) +
+  std::string out = group.job.empty() ? std::string("══ Processes without a job id")
+                                      : "══ Job " + proto::printable(group.job);
+  out += " (uid " + std::to_string(group.uid) + ") · " + std::to_string(group.processes.size()) +
          (group.processes.size() == 1 ? " process (" : " processes (") +
          std::to_string(group.live) + " live)";
   if (!ranks.empty()) {
@@ -207,7 +201,7 @@ std::string job_header(const JobGroup& group) {
 
 std::string report::report_text(const CollectorView& view, const ReportFilter& filter) {
   const std::uint64_t now = view.now_ns();
-  const auto processes = select_processes(view.state(), filter.pid, filter.job);
+  const auto processes = view.processes(filter.pid, filter.job);
   std::string title = "STEPTRACE REPORT";
   if (filter.pid) title += " (pid " + std::to_string(*filter.pid) + ")";
   if (filter.job) title += " (job " + proto::printable(*filter.job, 32) + ")";
@@ -225,29 +219,29 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
     }
   } else if (processes.size() == 1) {
     // One process (`report --pid N`, or only one there): its table once.
-    out += process_header(*processes.front(), now, true);
-    out += step_table(totals_by_name(processes));
+    out += process_header(processes.front(), now, true);
+    out += step_table(view.totals(processes));
   } else {
-    const auto groups = group_by_job(view.state(), processes, false);
-    const bool by_job = groups.size() > 1 || !groups.front().key.job.empty();
+    const auto groups = view.jobs(processes);
+    const bool by_job = groups.size() > 1 || !groups.front().job.empty();
     out += "Processes: " + std::to_string(processes.size());
     if (by_job) out += " · jobs: " + std::to_string(groups.size());
     out += "\n";
-    out += step_table(totals_by_name(processes));
-    for (const JobGroup& group : groups) {
+    out += step_table(view.totals(processes));
+    for (const JobFigures& group : groups) {
       if (by_job) {
         out += "\n" + job_header(group);
         // A job of one process: its own section says it all.
-        if (group.processes.size() > 1) out += step_table(totals_by_name(group.processes));
+        if (group.processes.size() > 1) out += step_table(view.totals(group.processes));
       }
-      for (const ProcessRecord* rec : group.processes) {
+      for (const ProcessFigures* rec : group.processes) {
         out += "\n" + process_header(*rec, now, false);
-        out += step_table(totals_by_name({rec}));
+        out += step_table(view.totals(std::span<const ProcessFigures>(rec, 1)));
       }
     }
   }
   out += "\n[VRAM Ledger]\n";
-  out += report::ledger_text(view.state().ledger.state(), now);
+  out += report::ledger_text(view.ledger(), now);
   return out;
 }
 
@@ -256,7 +250,7 @@ std::string report::report_text(const CollectorView& view, std::optional<std::in
 }
 
 std::string report::ledger_text(const CollectorView& view) {
-  return report::ledger_text(view.state().ledger.state(), view.now_ns());
+  return report::ledger_text(view.ledger(), view.now_ns());
 }
 
 std::string report::stats_text(const CollectorView& view) {

@@ -22,13 +22,16 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 #include "daemon/state/flight_recorder.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/proc_probe.h"
+#include "daemon/state/read_model.h"
 #include "daemon/state/types.h"
 #include "proto/codec.h"
 
@@ -51,7 +54,22 @@ class CollectorView {
 
   // CLOCK_MONOTONIC when the view was made: "open for" and "exited ago" count to it.
   std::uint64_t now_ns() const { return now_ns_; }
-  // What the renderers (daemon/report/report.h) and the snapshot codec read.
+
+  // ---- the read model (read_model.h; read_model.cpp) ----------------------------------
+  // Processes in (pid, start_time) order: all, one pid's, or one job id's (of any uid).
+  std::vector<ProcessFigures> processes(std::optional<std::int32_t> pid = std::nullopt,
+                                        const std::optional<std::string>& job = {}) const;
+  // Their steps merged by name, built-ins first in enum order, then custom names
+  // alphabetically; steps without data left out.
+  std::vector<StepFigures> totals(std::span<const ProcessFigures> processes) const;
+  std::vector<StepFigures> totals(std::span<const ProcessFigures* const> processes) const;
+  // Grouped by (uid, job id), in that order; each group's processes in the given order.
+  std::vector<JobFigures> jobs(std::span<const ProcessFigures> processes) const;
+  TableFigures table() const;
+  const ledger::State& ledger() const;
+
+  // What the renderers not yet on the read model (metrics_text.cpp) and the snapshot
+  // codec read: the ingest layout itself (collector_state.h).
   const CollectorState& state() const { return *state_; }
   const DaemonCounters& counters() const { return counters_; }
   std::chrono::steady_clock::duration uptime() const { return uptime_; }

@@ -1,0 +1,161 @@
+// CollectorView's read model (read_model.h): the ingest layout (collector_state.h)
+// described as plain values for the renderers.
+#include "daemon/state/read_model.h"
+
+#include <algorithm>
+
+#include "daemon/state/collector.h"
+#include "daemon/state/collector_state.h"
+
+namespace steptrace::daemon {
+namespace {
+
+// Per thread, the innermost open span (the latest start still open) and the depth.
+std::vector<OpenSpanNow> open_spans_now(const ProcessRecord& rec, std::uint64_t now) {
+  std::vector<const ThreadSpans*> threads;
+  for (const auto& t : rec.threads) {
+    if (t->open != 0) threads.push_back(t.get());
+  }
+  std::sort(threads.begin(), threads.end(),
+            [](const ThreadSpans* a, const ThreadSpans* b) { return a->tid < b->tid; });
+  std::vector<OpenSpanNow> out;
+  for (const ThreadSpans* t : threads) {
+    std::size_t best_slot = 0;
+    std::uint64_t best_start = 0;
+    bool found = false;
+    for (std::size_t slot = 0; slot < t->stacks.size(); ++slot) {
+      if (t->stacks[slot].empty()) continue;
+      const std::uint64_t start = t->stacks[slot].back();
+      if (!found || start >= best_start) {
+        best_slot = slot;
+        best_start = start;
+        found = true;
+      }
+    }
+    if (!found) continue;
+    out.push_back({t->tid, std::string(rec.step_name(best_slot)),
+                   now > best_start ? now - best_start : 0, t->open});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<ProcessFigures> CollectorView::processes(std::optional<std::int32_t> pid,
+                                                     const std::optional<std::string>& job) const {
+  std::vector<ProcessFigures> out;
+  for (const ProcessRecord* rec : select_processes(*state_, pid, job)) {
+    ProcessFigures p;
+    p.record_ = rec;
+    p.key = rec->key();
+    p.uid = rec->peer.uid;
+    p.gid = rec->peer.gid;
+    p.comm = rec->peer.comm;
+    p.client = rec->client_name;
+    p.library_version = rec->library_version;
+    p.job = rec->job;
+    p.rank = rec->rank;
+    p.local_rank = rec->local_rank;
+    p.world_size = rec->world_size;
+    p.alive = rec->alive;
+    p.connections = rec->connections;
+    p.exited_at_ns = rec->exited_at_ns;
+    p.dropped = rec->dropped;
+    p.dropped_by_cause = rec->dropped_by_cause;
+    const auto open = rec->open_per_slot();
+    for (std::size_t slot = 0; slot < rec->steps.size(); ++slot) {
+      const StepAgg& agg = rec->steps[slot];
+      p.unmatched_ends += agg.unmatched_ends;
+      p.abandoned += agg.abandoned;
+      p.open += open[slot];
+      if (!agg.has_data() && open[slot] == 0) continue;
+      StepFigures s;
+      s.name = rec->step_name(slot);
+      s.open = open[slot];
+      s.unmatched_ends = agg.unmatched_ends;
+      s.abandoned = agg.abandoned;
+      s.depth_dropped = agg.depth_dropped;
+      s.self_ns = agg.self_ns;
+      s.processes = 1;
+      s.in_view_ = &agg.hist;
+      p.steps.push_back(std::move(s));
+    }
+    p.current = open_spans_now(*rec, now_ns_);
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::vector<StepFigures> CollectorView::totals(
+    std::span<const ProcessFigures* const> processes) const {
+  std::vector<const ProcessRecord*> records;
+  records.reserve(processes.size());
+  for (const ProcessFigures* p : processes) records.push_back(p->record_);
+  std::vector<StepFigures> out;
+  for (NamedTotals& t : totals_by_name(records)) {
+    StepFigures s;
+    s.name = std::move(t.name);
+    s.open = t.open;
+    s.unmatched_ends = t.agg.unmatched_ends;
+    s.abandoned = t.agg.abandoned;
+    s.depth_dropped = t.agg.depth_dropped;
+    s.self_ns = t.agg.self_ns;
+    s.processes = t.processes;
+    s.merged_ = std::move(t.agg.hist);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<StepFigures> CollectorView::totals(std::span<const ProcessFigures> processes) const {
+  std::vector<const ProcessFigures*> all;
+  all.reserve(processes.size());
+  for (const ProcessFigures& p : processes) all.push_back(&p);
+  return totals(std::span<const ProcessFigures* const>(all));
+}
+
+std::vector<JobFigures> CollectorView::jobs(std::span<const ProcessFigures> processes) const {
+  std::map<JobKey, JobFigures> groups;
+  for (const ProcessFigures& p : processes) {
+    JobFigures& group = groups[JobKey{p.uid, p.job}];
+    group.uid = p.uid;
+    group.job = p.job;
+    group.processes.push_back(&p);
+    group.live += p.alive ? 1 : 0;
+    group.world_size = std::max(group.world_size, p.world_size);
+    if (p.rank != proto::kNoRank) group.ranks.push_back(p.rank);
+  }
+  std::vector<JobFigures> out;
+  out.reserve(groups.size());
+  for (auto& [key, group] : groups) {
+    std::sort(group.ranks.begin(), group.ranks.end());
+    group.ranks.erase(std::unique(group.ranks.begin(), group.ranks.end()), group.ranks.end());
+    out.push_back(std::move(group));
+  }
+  return out;
+}
+
+TableFigures CollectorView::table() const {
+  const CollectorState& state = *state_;
+  TableFigures t;
+  t.state_bytes_estimate = sizeof(CollectorState) +
+                           state.slots.capacity() * sizeof(state.slots[0]) +
+                           state.by_key.size() * 64;
+  for (const auto& slot : state.slots) {
+    if (!slot) continue;
+    t.state_bytes_estimate += slot->memory_bytes();
+    t.live += slot->alive ? 1 : 0;
+    t.connected += slot->connections > 0 ? 1 : 0;
+    t.custom_steps += slot->custom_ids.size();
+  }
+  for (const auto& [name, hist] : *state.retired)
+    t.state_bytes_estimate += name.capacity() + hist.memory_bytes() + 48;
+  t.tracked = state.by_key.size();
+  t.exited = state.exited;
+  t.state_bytes_charged = state.charged;
+  return t;
+}
+
+const ledger::State& CollectorView::ledger() const { return state_->ledger.state(); }
+
+}  // namespace steptrace::daemon
