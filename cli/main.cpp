@@ -31,9 +31,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -138,6 +140,7 @@ struct Options {
   std::string reservation;              // ledger cleanup GPU ID
   std::vector<std::string> help_topic;  // help SUBCOMMAND [SUBCOMMAND...]
   std::string job;                      // report --job ID
+  steptrace::cli::TraceRequest trace;   // trace's options
 };
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -458,15 +461,26 @@ int run_top(const SocketPath& socket, const Options& options) {
   return last_ok ? kExitOk : kExitFailure;
 }
 
-}  // namespace
+// ---- the command line --------------------------------------------------------------
+//
+// Each subcommand is registered by its add_*() below (its options, their checks and its
+// help), which also says how it runs; main() parses and runs the one given.
 
-int main(int argc, char** argv) {
-  // A daemon that goes away mid-reply must give an error, not kill us with SIGPIPE; a
-  // reader of our output that goes away shows as EPIPE (see write_stdout).
-  ::signal(SIGPIPE, SIG_IGN);
+// What running a subcommand needs besides its own options.
+struct Invocation {
+  const CLI::App& app;
+  const Options& options;
+  const SocketPath& socket;
+  std::chrono::milliseconds timeout;
+};
 
-  Options options;
-  CLI::App app{kDescription, "steptrace"};
+struct Subcommand {
+  CLI::App* app = nullptr;
+  std::function<int(const Invocation&)> run;
+};
+
+// --socket, --timeout and --version, which come before or after the subcommand.
+void add_global_options(CLI::App& app, Options& options) {
   app.footer(kFooter);
   app.fallthrough();  // global options may come after the subcommand too
   app.require_subcommand(1);
@@ -480,9 +494,34 @@ int main(int argc, char** argv) {
       ->type_name("SECONDS")
       ->capture_default_str()
       ->check(CLI::Range(0.01, 3600.0));
+}
 
-  // One line each: `steptrace help` lists them; the details go in each one's footer.
-  auto* ping = app.add_subcommand("ping", "Check that steptraced answers (prints pong)");
+// A subcommand that sends one fixed command, with " --json" when `json` is set.
+Subcommand simple(CLI::App* sub, std::string command, const bool* json = nullptr) {
+  return {sub, [command = std::move(command), json](const Invocation& in) {
+            return run_and_print(
+                in.socket, json != nullptr && *json ? command + " --json" : command, in.timeout);
+          }};
+}
+
+Subcommand add_ping(CLI::App& app) {
+  return simple(app.add_subcommand("ping", "Check that steptraced answers (prints pong)"), "ping");
+}
+
+// report --job ID: what the daemon takes as a job id.
+CLI::Validator job_id_check() {
+  return CLI::Validator(
+      [](const std::string& value) -> std::string {
+        if (value.empty() || value.size() > 63) return "a job id has 1..63 characters";
+        for (const char c : value) {
+          if (c <= 0x20 || c > 0x7e) return "a job id here is printable ASCII without spaces";
+        }
+        return {};
+      },
+      "JOB_ID");
+}
+
+Subcommand add_report(CLI::App& app, Options& options) {
   auto* report = app.add_subcommand(
       "report", "Time per step, for all processes and each one, then the VRAM ledger");
   report->footer(kReportFooter);
@@ -495,46 +534,104 @@ int main(int argc, char** argv) {
                    "Only the processes of this job id (STEPTRACE_JOB, TORCHELASTIC_RUN_ID or "
                    "SLURM_JOB_ID of the trainers)")
       ->type_name("ID")
-      ->check(CLI::Validator(
-          [](const std::string& value) -> std::string {
-            if (value.empty() || value.size() > 63) return "a job id has 1..63 characters";
-            for (const char c : value) {
-              if (c <= 0x20 || c > 0x7e) return "a job id here is printable ASCII without spaces";
+      ->check(job_id_check());
+  return {report, [](const Invocation& in) {
+            const Options& o = in.options;
+            if (o.pid > 0 || !o.job.empty()) {
+              return run_report_filtered(in.socket, o.pid, o.job, o.json, in.timeout);
             }
-            return {};
-          },
-          "JOB_ID"));
+            return run_and_print(in.socket, o.json ? "report --json" : "report", in.timeout);
+          }};
+}
+
+// `ledger cleanup GPU ID`.
+int run_ledger_cleanup(const Invocation& in) {
+  const Options& o = in.options;
+  if (o.json) {
+    std::fprintf(stderr, "steptrace: ledger cleanup: --json does not apply\n");
+    return kExitUsage;
+  }
+  // One word each: the daemon refuses the rest by name.
+  for (const std::string* word : {&o.gpu, &o.reservation}) {
+    if (word->empty() || word->find_first_of(" \t\r\n") != std::string::npos) {
+      std::fprintf(stderr, "steptrace: ledger cleanup: GPU and ID have no blanks\n");
+      return kExitUsage;
+    }
+  }
+  return run_and_print(in.socket, "ledger cleanup " + o.gpu + " " + o.reservation, in.timeout);
+}
+
+Subcommand add_ledger(CLI::App& app, Options& options) {
   auto* ledger =
       app.add_subcommand("ledger", "Who holds VRAM on each GPU; leaked reservations are marked");
   ledger->add_flag("--json", options.json, "As JSON");
-  auto* ledger_cleanup = ledger->add_subcommand(
+  auto* cleanup = ledger->add_subcommand(
       "cleanup",
       "Remove a reservation, credited to you: root, the holder's uid, or anyone once it is "
       "LEAKED or EXPIRED");
-  ledger_cleanup->add_option("GPU", options.gpu, "The GPU's UUID, as `steptrace ledger` shows it")
+  cleanup->add_option("GPU", options.gpu, "The GPU's UUID, as `steptrace ledger` shows it")
       ->required();
-  ledger_cleanup->add_option("ID", options.reservation, "The reservation id")->required();
+  cleanup->add_option("ID", options.reservation, "The reservation id")->required();
+  return {ledger, [ledger, cleanup](const Invocation& in) {
+            if (ledger->got_subcommand(cleanup)) return run_ledger_cleanup(in);
+            return run_and_print(in.socket, in.options.json ? "ledger --json" : "ledger",
+                                 in.timeout);
+          }};
+}
+
+Subcommand add_stats(CLI::App& app, Options& options) {
   auto* stats = app.add_subcommand(
       "stats", "The daemon's own counters: events, connections, errors, limits hit");
   stats->add_flag("--json", options.json, "As JSON");
-  auto* metrics =
-      app.add_subcommand("metrics", "Everything in the Prometheus text exposition format");
+  return simple(stats, "stats", &options.json);
+}
+
+Subcommand add_metrics(CLI::App& app) {
+  return simple(
+      app.add_subcommand("metrics", "Everything in the Prometheus text exposition format"),
+      "metrics");
+}
+
+Subcommand add_reset(CLI::App& app, Options& options) {
   auto* reset = app.add_subcommand(
       "reset", "Clear step aggregates or the VRAM ledger view (root or the daemon's user)");
   reset->footer(kResetFooter);
-  auto* reset_pid = reset->add_option("--pid", options.pid, "Only this process's aggregates")
-                        ->type_name("PID")
-                        ->check(CLI::Range(1, 1 << 30));
-  auto* reset_ledger = reset->add_flag(
+  auto* pid = reset->add_option("--pid", options.pid, "Only this process's aggregates")
+                  ->type_name("PID")
+                  ->check(CLI::Range(1, 1 << 30));
+  auto* ledger = reset->add_flag(
       "--ledger", options.ledger,
       "Clear every GPU of the ledger view (reservations, rows, samples), not the aggregates");
-  auto* reset_gpu = reset->add_option("--gpu", options.gpu, "Clear this GPU from the ledger view")
-                        ->type_name("UUID");
-  reset_pid->excludes(reset_ledger)->excludes(reset_gpu);
-  reset_ledger->excludes(reset_gpu);
+  auto* gpu = reset->add_option("--gpu", options.gpu, "Clear this GPU from the ledger view")
+                  ->type_name("UUID");
+  pid->excludes(ledger)->excludes(gpu);
+  ledger->excludes(gpu);
+  return {reset, [gpu](const Invocation& in) {
+            const Options& o = in.options;
+            if (o.ledger) return run_and_print(in.socket, "reset --ledger", in.timeout);
+            if (gpu->count() > 0) {
+              // One word on the command line: the daemon refuses an empty or spaced one by name.
+              if (o.gpu.empty() || o.gpu.find_first_of(" \t\r\n") != std::string::npos) {
+                std::fprintf(stderr,
+                             "steptrace: reset --gpu: a GPU UUID has no blanks and is not empty\n");
+                return kExitUsage;
+              }
+              return run_and_print(in.socket, "reset --gpu " + o.gpu, in.timeout);
+            }
+            const std::string pid_arg = o.pid > 0 ? " --pid " + std::to_string(o.pid) : "";
+            return run_and_print(in.socket, "reset" + pid_arg, in.timeout);
+          }};
+}
+
+Subcommand add_version(CLI::App& app, Options& options) {
   auto* version = app.add_subcommand("version", "Versions of this CLI and of the running daemon");
   version->footer(kVersionFooter);
   version->add_flag("--json", options.json, "As JSON");
+  return {version,
+          [](const Invocation& in) { return run_version(in.socket, in.options.json, in.timeout); }};
+}
+
+Subcommand add_top(CLI::App& app, Options& options) {
   auto* top = app.add_subcommand(
       "top", "Live view: what each process does now, who waits for VRAM, the ledger");
   top->footer(kTopFooter);
@@ -546,43 +643,86 @@ int main(int argc, char** argv) {
       ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 30));
-  steptrace::cli::TraceRequest trace_request;
+  return {top, [](const Invocation& in) { return run_top(in.socket, in.options); }};
+}
+
+// `trace`: what CLI11 cannot check, then the trace itself.
+int run_trace_subcommand(const Invocation& in, const CLI::Option& output) {
+  const steptrace::cli::TraceRequest& request = in.options.trace;
+  if (request.pids.size() > steptrace::cli::kMaxTracePids) {
+    std::fprintf(stderr, "steptrace: trace: at most %zu --pid options, not %zu\n",
+                 steptrace::cli::kMaxTracePids, request.pids.size());
+    return kExitUsage;
+  }
+  if (request.output.empty() && output.count() > 0) {
+    std::fprintf(stderr, "steptrace: trace: -o wants a file name, or - for standard output\n");
+    return kExitUsage;
+  }
+  return steptrace::cli::run_trace(in.socket, request, in.timeout);
+}
+
+Subcommand add_trace(CLI::App& app, Options& options) {
+  steptrace::cli::TraceRequest& request = options.trace;
   auto* trace = app.add_subcommand(
       "trace", "Save a timeline (Chrome trace JSON) for ui.perfetto.dev or chrome://tracing");
   trace->footer(kTraceFooter);
   trace
-      ->add_option("--pid", trace_request.pids,
+      ->add_option("--pid", request.pids,
                    "Only this process (repeat for more, at most " +
                        std::to_string(steptrace::cli::kMaxTracePids) + ")")
       ->type_name("PID")
       ->check(CLI::Range(1, 1 << 30))
       ->allow_extra_args(false);
-  auto* trace_last =
-      trace
-          ->add_option("--last", trace_request.last,
-                       "Only the last SECONDS of the window (e.g. 30 or 2.5)")
-          ->type_name("SECONDS")
-          ->check(seconds_check(0.0, false, std::numeric_limits<double>::infinity()));
-  auto* trace_for =
-      trace
-          ->add_option("--for", trace_request.for_s,
-                       "Record from now for SECONDS (1 to 3600), then save that capture")
-          ->type_name("SECONDS")
-          ->check(
-              seconds_check(steptrace::cli::kMinForSeconds, true, steptrace::cli::kMaxForSeconds));
-  trace_last->excludes(trace_for);
-  trace
-      ->add_option("-o,--output", trace_request.output,
-                   "Write to FILE (- for standard output) instead of "
-                   "steptrace-trace-HOST-YYYYmmdd-HHMMSS.json")
-      ->type_name("FILE");
-  trace->add_flag("--force", trace_request.force, "Replace FILE if it exists");
+  auto* last = trace
+                   ->add_option("--last", request.last,
+                                "Only the last SECONDS of the window (e.g. 30 or 2.5)")
+                   ->type_name("SECONDS")
+                   ->check(seconds_check(0.0, false, std::numeric_limits<double>::infinity()));
+  auto* for_s = trace
+                    ->add_option("--for", request.for_s,
+                                 "Record from now for SECONDS (1 to 3600), then save that capture")
+                    ->type_name("SECONDS")
+                    ->check(seconds_check(steptrace::cli::kMinForSeconds, true,
+                                          steptrace::cli::kMaxForSeconds));
+  last->excludes(for_s);
+  auto* output = trace
+                     ->add_option("-o,--output", request.output,
+                                  "Write to FILE (- for standard output) instead of "
+                                  "steptrace-trace-HOST-YYYYmmdd-HHMMSS.json")
+                     ->type_name("FILE");
+  trace->add_flag("--force", request.force, "Replace FILE if it exists");
+  return {trace, [output](const Invocation& in) { return run_trace_subcommand(in, *output); }};
+}
+
+Subcommand add_help(CLI::App& app, Options& options) {
   auto* help =
       app.add_subcommand("help", "This list, or one subcommand's options: help SUBCOMMAND");
   help->add_option("subcommand", options.help_topic,
                    "The subcommand to describe (with its own: help ledger cleanup)")
       ->type_name("SUBCOMMAND");
+  return {help, [](const Invocation& in) { return run_help(in.app, in.options.help_topic); }};
+}
 
+// Every subcommand, in the order `steptrace help` lists them. One line each there; the
+// details go in each one's footer.
+std::vector<Subcommand> add_subcommands(CLI::App& app, Options& options) {
+  std::vector<Subcommand> all;
+  all.push_back(add_ping(app));
+  all.push_back(add_report(app, options));
+  all.push_back(add_ledger(app, options));
+  all.push_back(add_stats(app, options));
+  all.push_back(add_metrics(app));
+  all.push_back(add_reset(app, options));
+  all.push_back(add_version(app, options));
+  all.push_back(add_top(app, options));
+  all.push_back(add_trace(app, options));
+  all.push_back(add_help(app, options));
+  return all;
+}
+
+// Parses the command line; an exit status when there is nothing to run (--help,
+// --version, bad usage: said on stdout or stderr), nullopt to run the subcommand given.
+std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -604,65 +744,26 @@ int main(int argc, char** argv) {
     const int code = app.exit(e);  // prints help/version to stdout, errors to stderr
     return code == 0 ? kExitOk : kExitUsage;
   }
+  return std::nullopt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // A daemon that goes away mid-reply must give an error, not kill us with SIGPIPE; a
+  // reader of our output that goes away shows as EPIPE (see write_stdout).
+  ::signal(SIGPIPE, SIG_IGN);
+
+  Options options;
+  CLI::App app{kDescription, "steptrace"};
+  add_global_options(app, options);
+  const std::vector<Subcommand> subcommands = add_subcommands(app, options);
+  if (const std::optional<int> status = parse_command_line(app, argc, argv)) return *status;
 
   const SocketPath socket = steptrace::cli::resolve_socket_path(options.socket_flag);
-  const auto timeout = to_ms(options.timeout_s);
-  const std::string pid_arg = options.pid > 0 ? " --pid " + std::to_string(options.pid) : "";
-  const std::string json_arg = options.json ? " --json" : "";
-
-  if (app.got_subcommand(help)) return run_help(app, options.help_topic);
-  if (app.got_subcommand(ping)) return run_and_print(socket, "ping", timeout);
-  if (app.got_subcommand(report)) {
-    if (options.pid > 0 || !options.job.empty()) {
-      return run_report_filtered(socket, options.pid, options.job, options.json, timeout);
-    }
-    return run_and_print(socket, "report" + json_arg, timeout);
-  }
-  if (app.got_subcommand(ledger)) {
-    if (ledger->got_subcommand(ledger_cleanup)) {
-      if (options.json) {
-        std::fprintf(stderr, "steptrace: ledger cleanup: --json does not apply\n");
-        return kExitUsage;
-      }
-      // One word each: the daemon refuses the rest by name.
-      for (const std::string* word : {&options.gpu, &options.reservation}) {
-        if (word->empty() || word->find_first_of(" \t\r\n") != std::string::npos) {
-          std::fprintf(stderr, "steptrace: ledger cleanup: GPU and ID have no blanks\n");
-          return kExitUsage;
-        }
-      }
-      return run_and_print(socket, "ledger cleanup " + options.gpu + " " + options.reservation,
-                           timeout);
-    }
-    return run_and_print(socket, "ledger" + json_arg, timeout);
-  }
-  if (app.got_subcommand(stats)) return run_and_print(socket, "stats" + json_arg, timeout);
-  if (app.got_subcommand(metrics)) return run_and_print(socket, "metrics", timeout);
-  if (app.got_subcommand(reset)) {
-    if (options.ledger) return run_and_print(socket, "reset --ledger", timeout);
-    if (reset_gpu->count() > 0) {
-      // One word on the command line: the daemon refuses an empty or spaced one by name.
-      if (options.gpu.empty() || options.gpu.find_first_of(" \t\r\n") != std::string::npos) {
-        std::fprintf(stderr, "steptrace: reset --gpu: a GPU UUID has no blanks and is not empty\n");
-        return kExitUsage;
-      }
-      return run_and_print(socket, "reset --gpu " + options.gpu, timeout);
-    }
-    return run_and_print(socket, "reset" + pid_arg, timeout);
-  }
-  if (app.got_subcommand(version)) return run_version(socket, options.json, timeout);
-  if (app.got_subcommand(top)) return run_top(socket, options);
-  if (app.got_subcommand(trace)) {
-    if (trace_request.pids.size() > steptrace::cli::kMaxTracePids) {
-      std::fprintf(stderr, "steptrace: trace: at most %zu --pid options, not %zu\n",
-                   steptrace::cli::kMaxTracePids, trace_request.pids.size());
-      return kExitUsage;
-    }
-    if (trace_request.output.empty() && trace->get_option("--output")->count() > 0) {
-      std::fprintf(stderr, "steptrace: trace: -o wants a file name, or - for standard output\n");
-      return kExitUsage;
-    }
-    return steptrace::cli::run_trace(socket, trace_request, timeout);
+  const Invocation invocation{app, options, socket, to_ms(options.timeout_s)};
+  for (const Subcommand& sub : subcommands) {
+    if (app.got_subcommand(sub.app)) return sub.run(invocation);
   }
   return kExitUsage;  // unreachable: require_subcommand(1)
 }
