@@ -16,7 +16,12 @@
 
 #include <steptrace/steptrace.h>
 
+#include "proto/commands.h"
+
 namespace steptrace::client {
+
+// The public C spelling of the default socket is the daemon's (proto/commands.h).
+static_assert(std::string_view(STEPTRACE_DEFAULT_SOCKET) == proto::kDefaultSocketPath);
 
 std::atomic<std::uint8_t> g_mode{kModeOff};
 std::atomic<std::uint32_t> g_custom_steps{0};

@@ -20,10 +20,11 @@
 #include "daemon/state/flight_recorder.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/types.h"
+#include "proto/commands.h"
 
 namespace steptrace::daemon {
 
-inline constexpr const char* kDefaultSocketPath = "/run/steptrace/steptraced.sock";
+inline constexpr const char* kDefaultSocketPath = proto::kDefaultSocketPath;
 
 struct ServerLimits {
   std::size_t max_connections = 1024;

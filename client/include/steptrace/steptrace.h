@@ -76,6 +76,8 @@
 extern "C" {
 #endif
 
+/* Where steptraced listens by default: proto/commands.h's kDefaultSocketPath, which the
+ * library's build checks this against. */
 #define STEPTRACE_DEFAULT_SOCKET "/run/steptrace/steptraced.sock"
 
 /* C naming, fixed by the ABI. NOLINTBEGIN(readability-identifier-naming) */
