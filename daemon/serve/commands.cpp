@@ -16,12 +16,26 @@
 #include "daemon/report/trace_export.h"
 #include "daemon/serve/render_worker.h"
 #include "proto/codec.h"
+#include "proto/commands.h"
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
 namespace {
 
 using nlohmann::json;
+using proto::parse_pid;
+using proto::parse_seconds;
+
+// The option bounds are proto/commands.h's, shared with the CLI; commands.h spells
+// TraceRequest's for its users.
+static_assert(TraceRequest::kMaxPids == proto::kMaxTracePids);
+static_assert(TraceRequest::kMaxLastS == proto::kMaxTraceLastSeconds);
+static_assert(TraceRequest::kMaxForS == proto::kMaxTraceForSeconds);
+
+// "--pid needs a process id in 1..2147483647"
+std::string pid_range() {
+  return std::to_string(proto::kMinPid) + ".." + std::to_string(proto::kMaxPid);
+}
 
 // What options a command accepts, and what the words said.
 struct OptionSpec {
@@ -59,15 +73,6 @@ std::optional<std::string_view> option_value(std::string_view name, Args args, s
 bool is_option(std::string_view word, std::string_view name) {
   return word == name ||
          (word.starts_with(name) && word.size() > name.size() && word[name.size()] == '=');
-}
-
-std::optional<std::int32_t> parse_pid(std::string_view text) {
-  std::int64_t value = 0;
-  const auto* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (text.empty() || ec != std::errc{} || ptr != end) return std::nullopt;
-  if (value < 1 || value > std::numeric_limits<std::int32_t>::max()) return std::nullopt;
-  return static_cast<std::int32_t>(value);
 }
 
 Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args args) {
@@ -114,9 +119,8 @@ Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args ar
       const std::string_view value = *given;
       auto pid = parse_pid(value);
       if (!pid) {
-        return CommandError{std::string(command) +
-                            ": --pid needs a process id in 1..2147483647, got '" +
-                            std::string(value) + "'"};
+        return CommandError{std::string(command) + ": --pid needs a process id in " + pid_range() +
+                            ", got '" + std::string(value) + "'"};
       }
       options.pid = pid;
       continue;
@@ -154,16 +158,6 @@ Parsed<Request> no_arguments(std::string_view command, Args args) {
   auto parsed = parse_options(command, {}, args);
   if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
   return Request{};
-}
-
-// "2.5" -> 2.5: a decimal number of seconds in (0, max].
-std::optional<double> parse_seconds(std::string_view text, double max) {
-  double value = 0;
-  const auto* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (text.empty() || ec != std::errc{} || ptr != end) return std::nullopt;
-  if (!(value > 0) || value > max) return std::nullopt;
-  return value;
 }
 
 constexpr const char* kTraceUsage = "trace [--pid N]... [--last SECONDS | --for SECONDS]";
@@ -267,17 +261,18 @@ Parsed<TraceRequest> TraceRequest::parse(Args args) {
       if (!value) return bad("--pid needs a process id");
       const auto pid = parse_pid(*value);
       if (!pid) {
-        return bad("--pid needs a process id in 1..2147483647, got '" +
+        return bad("--pid needs a process id in " + pid_range() + ", got '" +
                    proto::printable(*value, 64) + "'");
       }
-      if (r.pids.size() >= kMaxPids && !r.pids.contains(*pid)) {
-        return bad("at most " + std::to_string(kMaxPids) + " --pid options");
+      if (r.pids.size() >= proto::kMaxTracePids && !r.pids.contains(*pid)) {
+        return bad("at most " + std::to_string(proto::kMaxTracePids) + " --pid options");
       }
       r.pids.insert(*pid);
       continue;
     }
     for (const auto& [name, max, out] :
-         {std::tuple{"--last", kMaxLastS, &r.last_s}, std::tuple{"--for", kMaxForS, &r.for_s}}) {
+         {std::tuple{"--last", proto::kMaxTraceLastSeconds, &r.last_s},
+          std::tuple{"--for", proto::kMaxTraceForSeconds, &r.for_s}}) {
       if (!is_option(word, name)) continue;
       if (out->has_value()) return bad(std::string(name) + " given twice");
       const auto value = option_value(name, args, i);
