@@ -1,6 +1,5 @@
 #include "cli/control_client.h"
 
-#include <steptrace/steptrace.h>
 #include <sys/un.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 #include <cstdlib>
 #include <optional>
 
+#include "proto/commands.h"
 #include "proto/errc.h"
 
 namespace steptrace::cli {
@@ -169,7 +169,7 @@ SocketPath resolve_socket_path(const std::string& flag) {
   if (!flag.empty()) return {flag, SocketSource::kFlag};
   const char* env = std::getenv("STEPTRACE_SOCKET");
   if (env != nullptr && *env != '\0') return {env, SocketSource::kEnvironment};
-  return {STEPTRACE_DEFAULT_SOCKET, SocketSource::kDefault};
+  return {proto::kDefaultSocketPath, SocketSource::kDefault};
 }
 
 CommandResult run_command(const std::string& socket_path, const std::string& line,

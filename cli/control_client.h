@@ -30,7 +30,7 @@ struct SocketPath {
 };
 
 // `flag` (from --socket) when set, else $STEPTRACE_SOCKET when set and non-empty, else
-// STEPTRACE_DEFAULT_SOCKET.
+// proto::kDefaultSocketPath (proto/commands.h; STEPTRACE_DEFAULT_SOCKET of steptrace.h).
 SocketPath resolve_socket_path(const std::string& flag);
 
 // Replies larger than this are refused rather than buffered without bound.

@@ -18,7 +18,6 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
-#include <steptrace/steptrace.h>
 #include <steptrace/version.h>
 #include <unistd.h>
 
@@ -45,6 +44,8 @@
 #include "cli/control_client.h"
 #include "cli/top_view.h"
 #include "cli/trace_command.h"
+#include "proto/commands.h"
+#include "proto/wire_format.h"
 
 namespace {
 
@@ -65,12 +66,15 @@ constexpr const char* kDescription =
 constexpr const char* kExitStatus =
     "Exit status: 0 ok, 1 daemon unreachable, unknown pid or error reply, 2 bad usage.\n";
 
-constexpr const char* kFooter =
-    "Socket: --socket PATH, else $STEPTRACE_SOCKET, else " STEPTRACE_DEFAULT_SOCKET
-    ".\nIf the daemon is not running: systemctl start steptraced.socket\n"
-    "Exit status: 0 ok, 1 daemon unreachable, unknown pid or error reply, 2 bad usage.\n"
-    "Run `steptrace help SUBCOMMAND` (or `steptrace SUBCOMMAND --help`) for a subcommand's "
-    "options.\n";
+// The footer of `steptrace --help`.
+std::string main_footer() {
+  return std::string("Socket: --socket PATH, else $STEPTRACE_SOCKET, else ") +
+         steptrace::proto::kDefaultSocketPath +
+         ".\nIf the daemon is not running: systemctl start steptraced.socket\n"
+         "Exit status: 0 ok, 1 daemon unreachable, unknown pid or error reply, 2 bad usage.\n"
+         "Run `steptrace help SUBCOMMAND` (or `steptrace SUBCOMMAND --help`) for a subcommand's "
+         "options.\n";
+}
 
 constexpr const char* kReportFooter =
     "Text: the shape of the in-process tracer steptrace replaces (per step: count, duration,\n"
@@ -227,8 +231,8 @@ std::string usage_overview(const CLI::App& app) {
          "this machine are doing.\n\nSubcommands:\n" +
          subcommand_list(app) +
          "\nRun `steptrace help SUBCOMMAND...` for a subcommand's options, `steptrace --help`\n"
-         "for the global ones: --socket PATH (default $STEPTRACE_SOCKET, "
-         "else\n" STEPTRACE_DEFAULT_SOCKET "), --timeout SECONDS (default 10).\n" +
+         "for the global ones: --socket PATH (default $STEPTRACE_SOCKET, else\n" +
+         steptrace::proto::kDefaultSocketPath + "), --timeout SECONDS (default 10).\n" +
          kExitStatus;
 }
 
@@ -260,24 +264,35 @@ int run_help(const CLI::App& app, const std::vector<std::string>& topic) {
 
 // ---- one command -------------------------------------------------------------------
 
-// --last / --for: a number of seconds the daemon's grammar takes, in (min, max] or, with
-// `min_inclusive`, [min, max].
-CLI::Validator seconds_check(double min, bool min_inclusive, double max) {
+// --last / --for: a SECONDS word the daemon takes for an option bounded by `max`
+// (proto/commands.h: its grammar, in (0, max]).
+CLI::Validator seconds_check(double max) {
   return CLI::Validator(
       [=](const std::string& text) -> std::string {
-        const auto value = steptrace::cli::parse_seconds(text);
-        if (!value) {
+        if (steptrace::proto::parse_seconds(text, max)) return "";
+        if (!steptrace::proto::parse_seconds(text)) {
           return "'" + text +
                  "' is not a number of seconds (digits with an optional fraction: 30, 2.5)";
         }
-        const bool above_min = min_inclusive ? *value >= min : *value > min;
-        if (above_min && *value <= max) return "";
-        if (max == std::numeric_limits<double>::infinity()) {
-          return fmt::format("{} s: must be more than {:g} s", text, min);
-        }
-        return fmt::format("{} s: must be from {:g} to {:g} s", text, min, max);
+        return fmt::format("{} s: must be more than 0 and at most {:g} s", text, max);
       },
       "");
+}
+
+// --pid: a pid as the daemon reads it (proto/commands.h: decimal, in [1, 2^31-1]),
+// passed on in its plain decimal spelling (CLI11 alone would read 010 as octal 8).
+CLI::Validator pid_check() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const auto pid = steptrace::proto::parse_pid(text);
+        if (!pid) {
+          return fmt::format("'{}' is not a process id (decimal, {} to {})", text,
+                             steptrace::proto::kMinPid, steptrace::proto::kMaxPid);
+        }
+        text = std::to_string(*pid);
+        return "";
+      },
+      fmt::format("INT in [{} - {}]", steptrace::proto::kMinPid, steptrace::proto::kMaxPid));
 }
 
 // The daemon's reply to `line`, or nullopt after saying on stderr why there is none
@@ -481,14 +496,14 @@ struct Subcommand {
 
 // --socket, --timeout and --version, which come before or after the subcommand.
 void add_global_options(CLI::App& app, Options& options) {
-  app.footer(kFooter);
+  app.footer(main_footer());
   app.fallthrough();  // global options may come after the subcommand too
   app.require_subcommand(1);
   app.set_version_flag("--version", "steptrace " STEPTRACE_VERSION_STRING,
                        "Print the CLI's version");
   app.add_option("--socket", options.socket_flag,
-                 "steptraced's socket (default: $STEPTRACE_SOCKET, else " STEPTRACE_DEFAULT_SOCKET
-                 ")")
+                 std::string("steptraced's socket (default: $STEPTRACE_SOCKET, else ") +
+                     steptrace::proto::kDefaultSocketPath + ")")
       ->type_name("PATH");
   app.add_option("--timeout", options.timeout_s, "Seconds to wait for the daemon's reply")
       ->type_name("SECONDS")
@@ -512,7 +527,10 @@ Subcommand add_ping(CLI::App& app) {
 CLI::Validator job_id_check() {
   return CLI::Validator(
       [](const std::string& value) -> std::string {
-        if (value.empty() || value.size() > 63) return "a job id has 1..63 characters";
+        if (value.empty() || value.size() > steptrace::proto::kMaxNameLength) {
+          return "a job id has 1.." + std::to_string(steptrace::proto::kMaxNameLength) +
+                 " characters";
+        }
         for (const char c : value) {
           if (c <= 0x20 || c > 0x7e) return "a job id here is printable ASCII without spaces";
         }
@@ -528,7 +546,7 @@ Subcommand add_report(CLI::App& app, Options& options) {
   report->add_flag("--json", options.json, "Machine-readable report (steptrace.report/v1)");
   report->add_option("--pid", options.pid, "Only this process")
       ->type_name("PID")
-      ->check(CLI::Range(1, 1 << 30));
+      ->transform(pid_check());
   report
       ->add_option("--job", options.job,
                    "Only the processes of this job id (STEPTRACE_JOB, TORCHELASTIC_RUN_ID or "
@@ -598,7 +616,7 @@ Subcommand add_reset(CLI::App& app, Options& options) {
   reset->footer(kResetFooter);
   auto* pid = reset->add_option("--pid", options.pid, "Only this process's aggregates")
                   ->type_name("PID")
-                  ->check(CLI::Range(1, 1 << 30));
+                  ->transform(pid_check());
   auto* ledger = reset->add_flag(
       "--ledger", options.ledger,
       "Clear every GPU of the ledger view (reservations, rows, samples), not the aggregates");
@@ -649,9 +667,9 @@ Subcommand add_top(CLI::App& app, Options& options) {
 // `trace`: what CLI11 cannot check, then the trace itself.
 int run_trace_subcommand(const Invocation& in, const CLI::Option& output) {
   const steptrace::cli::TraceRequest& request = in.options.trace;
-  if (request.pids.size() > steptrace::cli::kMaxTracePids) {
+  if (request.pids.size() > steptrace::proto::kMaxTracePids) {
     std::fprintf(stderr, "steptrace: trace: at most %zu --pid options, not %zu\n",
-                 steptrace::cli::kMaxTracePids, request.pids.size());
+                 steptrace::proto::kMaxTracePids, request.pids.size());
     return kExitUsage;
   }
   if (request.output.empty() && output.count() > 0) {
@@ -669,21 +687,26 @@ Subcommand add_trace(CLI::App& app, Options& options) {
   trace
       ->add_option("--pid", request.pids,
                    "Only this process (repeat for more, at most " +
-                       std::to_string(steptrace::cli::kMaxTracePids) + ")")
+                       std::to_string(steptrace::proto::kMaxTracePids) + ")")
       ->type_name("PID")
-      ->check(CLI::Range(1, 1 << 30))
+      ->transform(pid_check())
       ->allow_extra_args(false);
-  auto* last = trace
-                   ->add_option("--last", request.last,
-                                "Only the last SECONDS of the window (e.g. 30 or 2.5)")
-                   ->type_name("SECONDS")
-                   ->check(seconds_check(0.0, false, std::numeric_limits<double>::infinity()));
-  auto* for_s = trace
-                    ->add_option("--for", request.for_s,
-                                 "Record from now for SECONDS (1 to 3600), then save that capture")
-                    ->type_name("SECONDS")
-                    ->check(seconds_check(steptrace::cli::kMinForSeconds, true,
-                                          steptrace::cli::kMaxForSeconds));
+  auto* last =
+      trace
+          ->add_option(
+              "--last", request.last,
+              fmt::format("Only the last SECONDS of the window (e.g. 30 or 2.5; at most {:g})",
+                          steptrace::proto::kMaxTraceLastSeconds))
+          ->type_name("SECONDS")
+          ->check(seconds_check(steptrace::proto::kMaxTraceLastSeconds));
+  auto* for_s =
+      trace
+          ->add_option(
+              "--for", request.for_s,
+              fmt::format("Record from now for SECONDS (at most {:g}), then save that capture",
+                          steptrace::proto::kMaxTraceForSeconds))
+          ->type_name("SECONDS")
+          ->check(seconds_check(steptrace::proto::kMaxTraceForSeconds));
   last->excludes(for_s);
   auto* output = trace
                      ->add_option("-o,--output", request.output,

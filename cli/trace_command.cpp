@@ -13,10 +13,11 @@
 #include <set>
 #include <variant>
 
+#include "proto/commands.h"
+
 namespace steptrace::cli {
 namespace {
 
-constexpr std::size_t kMaxSecondsText = 20;
 constexpr std::string_view kErrorPrefix = "error:";
 constexpr std::size_t kMaxErrorText = 4096;  // an error reply is one line; keep that much
 constexpr const char* kOpenHint =
@@ -257,22 +258,6 @@ std::string host_name() {
 
 }  // namespace
 
-std::optional<double> parse_seconds(std::string_view text) {
-  if (text.empty() || text.size() > kMaxSecondsText) return std::nullopt;
-  const auto dot = text.find('.');
-  const auto all_digits = [](std::string_view s) {
-    if (s.empty()) return false;
-    for (char c : s) {
-      if (c < '0' || c > '9') return false;
-    }
-    return true;
-  };
-  if (!all_digits(text.substr(0, dot))) return std::nullopt;
-  if (dot != std::string_view::npos && !all_digits(text.substr(dot + 1))) return std::nullopt;
-  const std::string copy(text);
-  return std::strtod(copy.c_str(), nullptr);
-}
-
 std::string trace_command_line(const TraceRequest& request) {
   std::string line = "trace";
   std::set<int> seen;
@@ -384,7 +369,7 @@ int run_trace(const SocketPath& socket, const TraceRequest& request,
   // --for S: the daemon records for S seconds before it answers.
   std::chrono::milliseconds first_byte = timeout;
   if (!request.for_s.empty()) {
-    const double seconds = parse_seconds(request.for_s).value_or(0.0);
+    const double seconds = proto::parse_seconds(request.for_s).value_or(0.0);
     first_byte += std::chrono::milliseconds(static_cast<long long>(std::ceil(seconds * 1000.0)));
   }
 

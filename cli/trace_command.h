@@ -11,7 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <ctime>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,21 +24,15 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;  // daemon unreachable, error reply, I/O failure
 inline constexpr int kExitUsage = 2;
 
-inline constexpr std::size_t kMaxTracePids = 64;
-inline constexpr double kMinForSeconds = 1.0;
-inline constexpr double kMaxForSeconds = 3600.0;
-
+// The options of `steptrace trace`. main.cpp checks them against the daemon's grammar and
+// bounds (proto/commands.h) before run_trace(), which passes --last and --for on as typed.
 struct TraceRequest {
   std::vector<int> pids;  // --pid, each > 0
-  std::string last;       // --last SECONDS as typed (checked), empty when not given
-  std::string for_s;      // --for SECONDS as typed (checked), empty when not given
+  std::string last;       // --last SECONDS as typed, empty when not given
+  std::string for_s;      // --for SECONDS as typed, empty when not given
   std::string output;     // -o: empty for the default file name, "-" for standard output
   bool force = false;     // replace an existing FILE (and a stale FILE.partial)
 };
-
-// A number of seconds as the daemon's grammar takes it: decimal digits, optionally a
-// '.' and more digits ("30", "2.5"), at most 20 characters. Its value, or nullopt.
-std::optional<double> parse_seconds(std::string_view text);
 
 // The command sent: "trace [--pid N]... [--last S] [--for S]" (pids deduplicated, in
 // the order given).

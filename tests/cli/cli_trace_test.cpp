@@ -27,9 +27,12 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "cli/trace_command.h"
+#include "daemon/serve/commands.h"
 #include "tests/support/daemon_process.h"
 
 namespace {
@@ -118,16 +121,6 @@ TEST(TraceDocumentScanner, RefusesWhatIsNotOneTraceObject) {
       "\"otherData\":{\"traceEvents\":[{}]}}");
   EXPECT_TRUE(nested.complete());
   EXPECT_EQ(nested.events(), 2u);
-}
-
-TEST(TraceCommand, SecondsAreDecimalNumbers) {
-  EXPECT_EQ(steptrace::cli::parse_seconds("30"), 30.0);
-  EXPECT_EQ(steptrace::cli::parse_seconds("2.5"), 2.5);
-  EXPECT_EQ(steptrace::cli::parse_seconds("0"), 0.0);
-  for (const char* bad :
-       {"", "-1", "+1", ".5", "5.", "1e3", "1.2.3", "abc", " 1", "0x10", "123456789012345678901"}) {
-    EXPECT_FALSE(steptrace::cli::parse_seconds(bad).has_value()) << bad;
-  }
 }
 
 TEST(TraceCommand, CommandLine) {
@@ -225,7 +218,7 @@ TEST(CliTraceUsage, BadFlagsExitTwoBeforeAskingTheDaemon) {
       {"--last", "0"},
       {"--last", "abc"},
       {"--last", "1e3"},
-      {"--for", "0.5"},
+      {"--last", "86401"},
       {"--for", "3601"},
       {"--for", "0"},
       {"--pid", "1", "2"},
@@ -249,6 +242,8 @@ TEST(CliTraceUsage, BadFlagsExitTwoBeforeAskingTheDaemon) {
   EXPECT_THAT(both.err, HasSubstr("--for"));
   const Output range = cli.trace(out.path(), {"--for", "3601"});
   EXPECT_THAT(range.err, HasSubstr("3600"));
+  const Output last = cli.trace(out.path(), {"--last", "86401"});
+  EXPECT_THAT(last.err, HasSubstr("86400"));
 
   std::vector<std::string> too_many;
   for (int pid = 1; pid <= 65; ++pid) {
@@ -258,6 +253,89 @@ TEST(CliTraceUsage, BadFlagsExitTwoBeforeAskingTheDaemon) {
   const Output many = cli.trace(out.path(), too_many);
   EXPECT_EQ(many.status, 2);
   EXPECT_THAT(many.err, HasSubstr("64"));
+}
+
+// The CLI and the daemon take the same option values (proto/commands.h): at each edge of
+// the --pid, --last and --for bounds and grammars, a value is refused by both or by
+// neither. The daemon's side is its command parser, as its command table calls it; the
+// CLI's is the binary, which refuses bad usage with 2 before connecting and otherwise
+// goes on to the (absent) daemon and exits 1.
+TEST(CliAndDaemonAgree, OnEveryEdgeOfTheOptionBounds) {
+  using steptrace::daemon::CommandError;
+  struct Case {
+    std::string command;  // trace, report or reset
+    std::string option;
+    std::string value;
+    bool valid;  // as PROTOCOL.md section 10 says
+  };
+  std::vector<Case> cases;
+  for (const char* command : {"trace", "report", "reset"}) {
+    for (const auto& [value, valid] : std::vector<std::pair<std::string, bool>>{
+             {"0", false},
+             {"1", true},
+             {"1073741825", true},  // past the CLI's old 2^30
+             {"2147483647", true},
+             {"2147483648", false},
+             {"010", true},
+             {"0x10", false},
+             {"+5", false},
+             {"-1", false},
+             {"1.0", false},
+         }) {
+      cases.push_back({command, "--pid", value, valid});
+    }
+  }
+  for (const auto& [value, valid] : std::vector<std::pair<std::string, bool>>{
+           {"0", false},
+           {"0.000", false},
+           {"0.001", true},
+           {"86400", true},  // the CLI had no upper bound
+           {"86400.001", false},
+           {"1e3", false},
+           {".5", false},
+           {"5.", false},
+           {"00000000000000000001", true},    // 20 characters
+           {"000000000000000000001", false},  // 21
+       }) {
+    cases.push_back({"trace", "--last", value, valid});
+  }
+  for (const auto& [value, valid] : std::vector<std::pair<std::string, bool>>{
+           {"0", false},
+           {"0.001", true},
+           {"0.5", true},  // the CLI wanted >= 1
+           {"1", true},
+           {"3600", true},
+           {"3600.001", false},
+           {"1e1", false},
+       }) {
+    cases.push_back({"trace", "--for", value, valid});
+  }
+
+  TempDir out;
+  TempDir logs;
+  const std::string absent = out.file("absent.sock");
+  for (const Case& c : cases) {
+    const std::string what = c.command + " " + c.option + " " + c.value;
+    const std::vector<std::string_view> words = {c.option, c.value};
+    bool daemon_ok = false;
+    if (c.command == "trace") {
+      daemon_ok =
+          !std::holds_alternative<CommandError>(steptrace::daemon::TraceRequest::parse(words));
+    } else if (c.command == "report") {
+      daemon_ok =
+          !std::holds_alternative<CommandError>(steptrace::daemon::ReportRequest::parse(words));
+    } else {
+      daemon_ok =
+          !std::holds_alternative<CommandError>(steptrace::daemon::ResetRequest::parse(words));
+    }
+    const Output r = run_in(logs, out.path(),
+                            {STEPTRACE_CLI_BIN, "--socket", absent, c.command, c.option, c.value});
+    EXPECT_TRUE(r.status == 1 || r.status == 2) << what << ": " << r.status << " " << r.err;
+    const bool cli_ok = r.status == 1 && r.err.find("cannot reach") != std::string::npos;
+    EXPECT_EQ(daemon_ok, c.valid) << what;
+    EXPECT_EQ(cli_ok, c.valid) << what << ": " << r.err;
+  }
+  EXPECT_TRUE(files_in(out.path()).empty());
 }
 
 TEST(CliTraceUsage, AnExistingFileIsKeptWithoutForce) {
@@ -441,6 +519,14 @@ TEST_F(CliTraceScripted, ErrorReplyInTinyPiecesToStdoutWritesNothing) {
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out, "");
   EXPECT_EQ(r.err, "steptrace: steptraced answered: error: busy\n");
+}
+
+// A pid goes to the daemon as it reads it: 010 is pid 10 (CLI11 alone would send 8).
+TEST_F(CliTraceScripted, PidsAreSentInPlainDecimal) {
+  ScriptedDaemon daemon(socket(), {{0, std::string(kDocument)}});
+  const Output r = cli_.trace(out_.path(), {"-o", "t.json", "--pid", "010", "--last", "0.5"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(daemon.line(), "trace --pid 10 --last 0.5");
 }
 
 TEST_F(CliTraceScripted, WritesTheDocumentAndCountsItsEvents) {
