@@ -352,6 +352,8 @@ def connect(socket_path=None, *, check=False):
         if not path or b"\0" in path:
             raise ValueError(f"bad socket path {socket_path!r}")
     else:
+        # The default is libsteptrace's (STEPTRACE_DEFAULT_SOCKET, proto/commands.h's
+        # kDefaultSocketPath): Python keeps no copy of it.
         path = None
     rc = _c_connect(path)
     if check and rc < 0:

@@ -43,6 +43,8 @@ pub mod ledger;
 pub mod trace;
 
 /// The socket the library connects to when neither a path nor `$STEPTRACE_SOCKET` is given.
+// proto/commands.h's kDefaultSocketPath (STEPTRACE_DEFAULT_SOCKET in C), checked by
+// tests/default_socket.rs.
 pub const DEFAULT_SOCKET: &str = "/run/steptrace/steptraced.sock";
 
 // ---- steps ----------------------------------------------------------------------------
