@@ -271,8 +271,10 @@ CLI::Validator seconds_check(double max) {
       [=](const std::string& text) -> std::string {
         if (steptrace::proto::parse_seconds(text, max)) return "";
         if (!steptrace::proto::parse_seconds(text)) {
-          return "'" + text +
-                 "' is not a number of seconds (digits with an optional fraction: 30, 2.5)";
+          return fmt::format(
+              "'{}' is not a number of seconds (digits with an optional fraction, at most {} "
+              "characters: 30, 2.5)",
+              text, steptrace::proto::kMaxSecondsText);
         }
         return fmt::format("{} s: must be more than 0 and at most {:g} s", text, max);
       },
