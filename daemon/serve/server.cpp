@@ -1,10 +1,6 @@
 #include "daemon/serve/server.h"
 
-#include <fcntl.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
@@ -37,50 +33,6 @@ constexpr std::size_t kMaxRejecting = 64;
 // fds never reaches a liveness probe or a snapshot.
 constexpr rlim_t kReservedFds = 128;
 
-enum class Probe { kLive, kStale, kGone, kError };
-
-// Is something listening on `path`? A non-blocking connect, so a busy or stopped
-// daemon (full backlog) still counts as live rather than blocking us.
-Probe probe_socket(const std::string& path, int& error) {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    error = errno;
-    return Probe::kError;
-  }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  const int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  error = rc == 0 ? 0 : errno;
-  ::close(fd);
-  if (rc == 0 || error == EAGAIN || error == EINPROGRESS) return Probe::kLive;
-  if (error == ECONNREFUSED) return Probe::kStale;
-  if (error == ENOENT) return Probe::kGone;
-  return Probe::kError;
-}
-
-// A directory another user may write to lets them replace the socket under the daemon's
-// clients (and its name on the daemon's own unlink). Refused unless it is sticky (like
-// /tmp: only an entry's owner may remove or rename it); owned by the daemon's user or root.
-std::optional<std::string> check_socket_dir(const fs::path& dir) {
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0) {
-    return "cannot stat " + dir.string() + ": " + std::strerror(errno);
-  }
-  const uid_t euid = ::geteuid();
-  if (st.st_uid != euid && st.st_uid != 0) {
-    return dir.string() + " is owned by uid " + std::to_string(st.st_uid) +
-           ", not by the daemon's user (uid " + std::to_string(euid) + ") or root";
-  }
-  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-    return dir.string() + " is writable by its group or others (mode " + mode +
-           ") without the sticky bit: another user could replace the socket";
-  }
-  return std::nullopt;
-}
-
 }  // namespace
 
 Server::Server(const Config& config, Collector& collector)
@@ -88,11 +40,10 @@ Server::Server(const Config& config, Collector& collector)
       collector_(collector),
       signals_(io_, SIGTERM, SIGINT),
       other_signals_(io_, SIGHUP, SIGUSR1, SIGUSR2),
-      acceptor_(io_),
-      accept_retry_timer_(io_),
       liveness_timer_(io_),
       ring_timer_(io_),
       snapshot_timer_(io_),
+      listener_(io_, config, log_),
       renderer_(io_, collector, &counters_),
       shared_{collector,
               counters_,
@@ -115,7 +66,7 @@ Server::~Server() {
     if (auto s = entry.session.lock()) live.push_back(std::move(s));
   }
   for (auto& s : live) s->close();
-  remove_socket_file();
+  listener_.remove_socket_file();
 }
 
 // The open-file limit must cover every connection max_connections allows plus the
@@ -173,106 +124,16 @@ std::optional<std::string> Server::start() {
     restore_snapshot();
   }
   if (auto err = gpu_sampler_.start()) return err;
-  if (auto err = open_socket()) return err;
+  if (auto err = listener_.open()) return err;
   if (config_.metrics_address) {
     http_ = std::make_unique<HttpMetricsServer>(io_, renderer_, &counters_.http);
     if (auto err = http_->listen(*config_.metrics_address)) {
-      boost::system::error_code ec;
-      acceptor_.close(ec);
-      remove_socket_file();
+      listener_.close();
       return err;
     }
     spdlog::info("serving Prometheus metrics on http://{}/metrics", config_.metrics_listen);
   }
   return std::nullopt;
-}
-
-std::optional<std::string> Server::open_socket() {
-  boost::system::error_code ec;
-  if (!config_.socket_from_flag) {
-    const ActivationSocket activation = systemd_activation_socket();
-    if (!activation.error.empty()) return activation.error;
-    if (activation.fd >= 0) {
-      acceptor_.assign(StreamProtocol(), activation.fd, ec);
-      if (ec) return "cannot adopt the socket systemd passed: " + ec.message();
-      socket_adopted_ = true;
-      socket_path_ = acceptor_.local_endpoint(ec).path();
-      spdlog::info("listening on {} (socket passed by systemd)", socket_path_);
-      return std::nullopt;
-    }
-  }
-
-  socket_path_ = config_.socket;
-  const fs::path path(socket_path_);
-  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
-  std::error_code fec;
-  if (!fs::is_directory(dir, fec)) {
-    return "socket directory " + dir.string() +
-           " does not exist (create it, or choose another path with --socket)";
-  }
-  if (auto unsafe = check_socket_dir(dir)) return "socket directory refused: " + *unsafe;
-  struct stat st {};
-  if (::lstat(socket_path_.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return socket_path_ + " exists and is not a socket; not replacing it";
-    }
-    int error = 0;
-    switch (probe_socket(socket_path_, error)) {
-      case Probe::kLive:
-        return "another steptraced is already listening on " + socket_path_ +
-               "; refusing to start a second one";
-      case Probe::kStale:
-        spdlog::info("replacing stale socket {}", socket_path_);
-        if (::unlink(socket_path_.c_str()) != 0 && errno != ENOENT) {
-          return "cannot remove stale socket " + socket_path_ + ": " + std::strerror(errno);
-        }
-        break;
-      case Probe::kGone:
-        break;
-      case Probe::kError:
-        return "cannot check the existing socket " + socket_path_ + ": " + std::strerror(error);
-    }
-  }
-
-  const StreamProtocol::endpoint endpoint(socket_path_);
-  acceptor_.open(endpoint.protocol(), ec);
-  if (!ec) acceptor_.bind(endpoint, ec);
-  if (ec) {
-    acceptor_.close(ec);
-    return "cannot bind " + socket_path_ + ": " + ec.message();
-  }
-  socket_bound_ = true;
-  if (::lstat(socket_path_.c_str(), &st) == 0) {
-    socket_dev_ = st.st_dev;
-    socket_ino_ = st.st_ino;
-  }
-  if (::chmod(socket_path_.c_str(), config_.socket_mode) != 0) {
-    const std::string why = std::strerror(errno);
-    acceptor_.close(ec);
-    remove_socket_file();
-    return "cannot set mode of " + socket_path_ + ": " + why;
-  }
-  acceptor_.listen(boost::asio::socket_base::max_listen_connections, ec);
-  if (ec) {
-    acceptor_.close(ec);
-    remove_socket_file();
-    return "cannot listen on " + socket_path_ + ": " + ec.message();
-  }
-  char mode[8];
-  std::snprintf(mode, sizeof mode, "%04o", config_.socket_mode);
-  spdlog::info("listening on {} (mode {})", socket_path_, mode);
-  return std::nullopt;
-}
-
-void Server::remove_socket_file() {
-  if (!socket_bound_ || socket_adopted_) return;
-  socket_bound_ = false;
-  // Only our own socket: never one another daemon bound after us.
-  struct stat st {};
-  if (::lstat(socket_path_.c_str(), &st) == 0 && st.st_dev == socket_dev_ &&
-      st.st_ino == socket_ino_) {
-    ::unlink(socket_path_.c_str());
-  }
 }
 
 void Server::restore_snapshot() {
@@ -352,39 +213,13 @@ bool Server::run() {
     if (!ec) shutdown(signal_number);
   });
   watch_other_signals();
-  accept();
+  listener_.accept([this](StreamProtocol::socket socket) { admit(std::move(socket)); },
+                   [this](StreamProtocol::socket socket) { take_for_drain(std::move(socket)); });
   schedule_liveness();
   schedule_snapshot();
-  notify_ready("listening on " + socket_path_);
+  notify_ready("listening on " + listener_.path());
   io_.run();
   return final_snapshot_written_;
-}
-
-void Server::accept() {
-  acceptor_.async_accept(
-      [this](const boost::system::error_code& ec, StreamProtocol::socket socket) {
-        on_accept(ec, std::move(socket));
-      });
-}
-
-void Server::on_accept(const boost::system::error_code& ec, StreamProtocol::socket socket) {
-  if (stopping_) {
-    // Accepted before the signal was seen, its handler queued behind it: drained too.
-    if (!ec) take_for_drain(std::move(socket));
-    return;
-  }
-  if (ec == boost::asio::error::operation_aborted) return;
-  if (ec) {
-    // EMFILE and friends: back off briefly instead of spinning on the error.
-    log_.warn("accept", "accept failed: " + ec.message());
-    accept_retry_timer_.expires_after(std::chrono::milliseconds(100));
-    accept_retry_timer_.async_wait([this](const boost::system::error_code& wait_ec) {
-      if (!wait_ec && !stopping_) accept();
-    });
-    return;
-  }
-  admit(std::move(socket));
-  accept();
 }
 
 void Server::admit(StreamProtocol::socket socket) {
@@ -505,7 +340,6 @@ void Server::shutdown(int signal_number) {
   spdlog::info("{} received: draining clients and stopping", strsignal(signal_number));
   drain_backlog();
   if (http_) http_->close();
-  accept_retry_timer_.cancel();
   liveness_timer_.cancel();
   ring_timer_.cancel();
   snapshot_timer_.cancel();
@@ -521,19 +355,7 @@ void Server::shutdown(int signal_number) {
 // refusals allow (the limit is for serving, not for reading what was already sent).
 // What is left is closed unread, counted and logged, never dropped silently.
 void Server::drain_backlog() {
-  // No new client finds the socket from now on (a tenant connecting in a loop must not
-  // keep the backlog from emptying); what is queued already is taken, boundedly.
-  remove_socket_file();
-  boost::system::error_code ec;
-  acceptor_.cancel(ec);
-  acceptor_.non_blocking(true, ec);
-  const std::size_t bound = config_.server_limits.max_connections + kMaxRejecting + 4096;
-  for (std::size_t i = 0; !ec && i < bound; ++i) {
-    StreamProtocol::socket socket(io_);
-    acceptor_.accept(socket, ec);
-    if (!ec) take_for_drain(std::move(socket));
-  }
-  acceptor_.close(ec);
+  listener_.take_backlog(config_.server_limits.max_connections + kMaxRejecting + 4096);
 }
 
 void Server::take_for_drain(StreamProtocol::socket socket) {
@@ -580,7 +402,7 @@ void Server::drain_and_stop(std::vector<std::shared_ptr<Session>>& live) {
   // (encode_snapshot, persist/snapshot_codec.h): after a restart no connection could end them.
   final_snapshot_written_ = save_snapshot_now();
   for (auto& s : live) s->close();
-  remove_socket_file();
+  listener_.remove_socket_file();
   spdlog::info("stopped");
   io_.stop();
 }

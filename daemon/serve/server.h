@@ -29,6 +29,7 @@
 #include "daemon/serve/config.h"
 #include "daemon/serve/gpu_sampler.h"
 #include "daemon/serve/http_metrics.h"
+#include "daemon/serve/listener.h"
 #include "daemon/serve/render_worker.h"
 #include "daemon/serve/session.h"
 #include "daemon/state/collector.h"
@@ -51,14 +52,10 @@ class Server {
 
  private:
   std::optional<std::string> check_fd_limit();
-  std::optional<std::string> open_socket();
   void restore_snapshot();
   bool save_snapshot_now();    // on this thread (shutdown); false when it failed
   void save_snapshot_later();  // on the render thread (the timer)
   void snapshot_written(const std::string& error);
-  void accept();
-  void on_accept(const boost::system::error_code& ec,
-                 boost::asio::local::stream_protocol::socket socket);
   void admit(boost::asio::local::stream_protocol::socket socket);
   void start_session(boost::asio::local::stream_protocol::socket socket, std::optional<ucred> cred,
                      Refusal refusal);
@@ -74,20 +71,18 @@ class Server {
   void watch_other_signals();
   void shutdown(int signal_number);
   void finish_shutdown();
-  void remove_socket_file();
 
   const Config& config_;
   Collector& collector_;
   boost::asio::io_context io_;
   boost::asio::signal_set signals_;        // SIGTERM, SIGINT: stop
   boost::asio::signal_set other_signals_;  // SIGHUP, SIGUSR1, SIGUSR2, SIGALRM: log, go on
-  boost::asio::local::stream_protocol::acceptor acceptor_;
-  boost::asio::steady_timer accept_retry_timer_;
   boost::asio::steady_timer liveness_timer_;
   boost::asio::steady_timer ring_timer_;
   bool ring_timer_armed_ = false;
   boost::asio::steady_timer snapshot_timer_;
   RateLimitedLog log_;
+  Listener listener_;        // the Unix socket, its file and the accept loop
   ServerCounters counters_;  // connections, bytes, frames, protocol errors, commands, snapshots
   RenderWorker renderer_;
   bool snapshot_pending_ = false;  // a snapshot job is queued or writing
@@ -105,11 +100,6 @@ class Server {
   std::unordered_map<std::uint32_t, std::size_t> connections_by_uid_;  // admitted, open
   std::size_t rejecting_ = 0;  // sessions answering "too many connections"
 
-  std::string socket_path_;
-  bool socket_adopted_ = false;
-  bool socket_bound_ = false;
-  dev_t socket_dev_ = 0;
-  ino_t socket_ino_ = 0;
   bool stopping_ = false;
   std::uint64_t taken_for_drain_ = 0;  // connections queued at shutdown, taken to drain
   bool final_snapshot_written_ = true;
