@@ -22,9 +22,7 @@ using StreamProtocol = boost::asio::local::stream_protocol;
 
 // How long shutdown spends applying what clients already sent.
 constexpr std::chrono::seconds kDrainBudget{2};
-// At most this many connections at once are kept to answer "too many connections";
-// beyond it they are closed without a word.
-constexpr std::size_t kMaxRejecting = 64;
+constexpr std::size_t kMaxRejecting = ConnectionRegistry::kMaxRejecting;
 
 // File descriptors kept beside the client connections (max_connections, plus the
 // kMaxRejecting ones answering "too many connections"): the listening sockets, a /proc
@@ -53,6 +51,7 @@ Server::Server(const Config& config, Collector& collector)
               &renderer_,
               Environment::system(),
               static_cast<std::uint32_t>(::geteuid())},
+      connections_(shared_, config.server_limits),
       gpu_sampler_(io_, collector, config.nvml) {
   shared_.rings_active = [this] {
     if (!ring_timer_armed_ && !stopping_) schedule_ring_drain(std::chrono::milliseconds(1));
@@ -60,12 +59,7 @@ Server::Server(const Config& config, Collector& collector)
 }
 
 Server::~Server() {
-  // close() calls back into sessions_, so iterate over a copy.
-  std::vector<std::shared_ptr<Session>> live;
-  for (auto& [ptr, entry] : sessions_) {
-    if (auto s = entry.session.lock()) live.push_back(std::move(s));
-  }
-  for (auto& s : live) s->close();
+  connections_.close_all();
   listener_.remove_socket_file();
 }
 
@@ -213,73 +207,14 @@ bool Server::run() {
     if (!ec) shutdown(signal_number);
   });
   watch_other_signals();
-  listener_.accept([this](StreamProtocol::socket socket) { admit(std::move(socket)); },
-                   [this](StreamProtocol::socket socket) { take_for_drain(std::move(socket)); });
+  listener_.accept(
+      [this](StreamProtocol::socket socket) { connections_.admit(std::move(socket)); },
+      [this](StreamProtocol::socket socket) { connections_.take_for_drain(std::move(socket)); });
   schedule_liveness();
   schedule_snapshot();
   notify_ready("listening on " + listener_.path());
   io_.run();
   return final_snapshot_written_;
-}
-
-void Server::admit(StreamProtocol::socket socket) {
-  ServerCounters& counters = counters_;
-  const ServerLimits& limits = config_.server_limits;
-  ++counters.connections_total;
-  // Read once here, for the quota and for the session. Unreadable: uid nobody (such a
-  // peer is refused by the commands that need a uid anyway).
-  const std::optional<ucred> cred = peer_credentials(socket);
-  const std::uint32_t uid = cred ? cred->uid : 65534;
-  Refusal refusal = Refusal::kNone;
-  if (counters.connections_now >= limits.max_connections) {
-    refusal = Refusal::kMaxConnections;
-    log_.warn("max_connections", "connection rejected: max_connections (" +
-                                     std::to_string(limits.max_connections) + ") reached");
-  } else if (const auto it = connections_by_uid_.find(uid);
-             it != connections_by_uid_.end() && it->second >= limits.max_connections_per_uid) {
-    // One tenant may not take every slot: the others still get in.
-    refusal = Refusal::kMaxConnectionsPerUid;
-    ++counters.connections_rejected_per_uid;
-    log_.warn("max_connections_per_uid",
-              "connection of uid " + std::to_string(uid) + " rejected: max_connections_per_uid (" +
-                  std::to_string(limits.max_connections_per_uid) + ") reached");
-  }
-  if (refusal != Refusal::kNone) {
-    ++counters.connections_rejected;  // a limit hit too (DaemonCounters::add)
-    if (rejecting_ >= kMaxRejecting) {
-      boost::system::error_code close_ec;
-      socket.close(close_ec);
-      return;
-    }
-    ++rejecting_;
-  } else {
-    ++counters.connections_now;
-    ++connections_by_uid_[uid];
-  }
-  start_session(std::move(socket), cred, refusal);
-}
-
-void Server::start_session(StreamProtocol::socket socket, std::optional<ucred> cred,
-                           Refusal refusal) {
-  const std::uint32_t uid = cred ? cred->uid : 65534;
-  auto session = std::make_shared<Session>(
-      std::move(socket), shared_,
-      [this](Session* s) {
-        auto it = sessions_.find(s);
-        if (it == sessions_.end()) return;
-        if (it->second.refusal != Refusal::kNone) {
-          --rejecting_;
-        } else {
-          --counters_.connections_now;
-          const auto by_uid = connections_by_uid_.find(it->second.uid);
-          if (by_uid != connections_by_uid_.end() && --by_uid->second == 0)
-            connections_by_uid_.erase(by_uid);
-        }
-        sessions_.erase(it);
-      },
-      cred, refusal);
-  sessions_.emplace(session.get(), Entry{session, uid, refusal});
-  session->start();
 }
 
 void Server::schedule_liveness() {
@@ -358,37 +293,19 @@ void Server::drain_backlog() {
   listener_.take_backlog(config_.server_limits.max_connections + kMaxRejecting + 4096);
 }
 
-void Server::take_for_drain(StreamProtocol::socket socket) {
-  ++counters_.connections_total;
-  if (sessions_.size() >= config_.server_limits.max_connections + kMaxRejecting) {
-    ++counters_.connections_undrained;
-    boost::system::error_code ec;
-    socket.close(ec);
-    return;
-  }
-  ++taken_for_drain_;
-  ++counters_.connections_now;
-  const std::optional<ucred> cred = peer_credentials(socket);
-  ++connections_by_uid_[cred ? cred->uid : 65534];
-  start_session(std::move(socket), cred, Refusal::kNone);
-}
-
 void Server::finish_shutdown() {
   // Cancel every read in flight; their handlers (queued now, after any read that had
   // already completed) apply what was read; then drain the rest. The sessions are held
   // here in between: for an idle binary client the cancelled read was all that kept its
   // Session alive.
-  std::vector<std::shared_ptr<Session>> live;
-  for (auto& [ptr, entry] : sessions_) {
-    if (auto s = entry.session.lock()) live.push_back(std::move(s));
-  }
+  std::vector<std::shared_ptr<Session>> live = connections_.live();
   for (auto& s : live) s->begin_drain();
   boost::asio::post(io_, [this, live = std::move(live)]() mutable { drain_and_stop(live); });
 }
 
 void Server::drain_and_stop(std::vector<std::shared_ptr<Session>>& live) {
-  if (taken_for_drain_ != 0)
-    spdlog::info("took {} queued connection(s) to drain", taken_for_drain_);
+  if (connections_.taken_for_drain() != 0)
+    spdlog::info("took {} queued connection(s) to drain", connections_.taken_for_drain());
   if (counters_.connections_undrained != 0) {
     spdlog::warn("{} queued connection(s) closed unread at shutdown: no room to drain them",
                  counters_.connections_undrained);

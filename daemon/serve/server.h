@@ -1,7 +1,8 @@
 // steptraced's server: one Boost.Asio event loop that owns everything with a lifetime
-// tied to the process: the io_context, the signal set (SIGTERM/SIGINT), the Unix socket
-// acceptor, the sessions, the liveness and snapshot timers and the optional HTTP
-// metrics listener.
+// tied to the process: the io_context, the signal set (SIGTERM/SIGINT), the listening
+// socket (Listener, listener.h), the connections (ConnectionRegistry, connections.h), the
+// liveness, ring and snapshot timers, the render worker and the optional HTTP metrics
+// listener and GPU sampler.
 //
 // Data flow: start() restores the snapshot into the Collector, binds the socket (or
 // adopts the one systemd passed) and tells systemd READY=1 -> run() accepts connections
@@ -13,12 +14,9 @@
 // copy-on-write view, so that ingest never waits for it.
 #pragma once
 
-#include <sys/types.h>
-
 #include <memory>
 #include <optional>
 #include <string>
-#include <unordered_map>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
@@ -27,6 +25,7 @@
 
 #include "daemon/serve/commands.h"
 #include "daemon/serve/config.h"
+#include "daemon/serve/connections.h"
 #include "daemon/serve/gpu_sampler.h"
 #include "daemon/serve/http_metrics.h"
 #include "daemon/serve/listener.h"
@@ -56,12 +55,8 @@ class Server {
   bool save_snapshot_now();    // on this thread (shutdown); false when it failed
   void save_snapshot_later();  // on the render thread (the timer)
   void snapshot_written(const std::string& error);
-  void admit(boost::asio::local::stream_protocol::socket socket);
-  void start_session(boost::asio::local::stream_protocol::socket socket, std::optional<ucred> cred,
-                     Refusal refusal);
   void drain_backlog();
   void drain_and_stop(std::vector<std::shared_ptr<Session>>& live);
-  void take_for_drain(boost::asio::local::stream_protocol::socket socket);
   void schedule_liveness();
   // The ring timer: drains every connection's shared-memory rings, every 1 ms while they
   // carry events, every 10 ms while they do not (a ring past its high-water mark makes its
@@ -88,20 +83,11 @@ class Server {
   bool snapshot_pending_ = false;  // a snapshot job is queued or writing
   CommandTable commands_;
   SessionShared shared_;
+  ConnectionRegistry connections_;  // the sessions, their counts and limits
   std::unique_ptr<HttpMetricsServer> http_;
   GpuSampler gpu_sampler_;
 
-  struct Entry {
-    std::weak_ptr<Session> session;
-    std::uint32_t uid = 0;  // the peer's (SO_PEERCRED)
-    Refusal refusal = Refusal::kNone;
-  };
-  std::unordered_map<Session*, Entry> sessions_;
-  std::unordered_map<std::uint32_t, std::size_t> connections_by_uid_;  // admitted, open
-  std::size_t rejecting_ = 0;  // sessions answering "too many connections"
-
   bool stopping_ = false;
-  std::uint64_t taken_for_drain_ = 0;  // connections queued at shutdown, taken to drain
   bool final_snapshot_written_ = true;
 };
 
