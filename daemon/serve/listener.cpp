@@ -73,21 +73,32 @@ Listener::Listener(boost::asio::io_context& io, const Config& config, RateLimite
 Listener::~Listener() { remove_socket_file(); }
 
 std::optional<std::string> Listener::open() {
-  boost::system::error_code ec;
   if (!config_.socket_from_flag) {
-    const ActivationSocket activation = systemd_activation_socket();
-    if (!activation.error.empty()) return activation.error;
-    if (activation.fd >= 0) {
-      acceptor_.assign(StreamProtocol(), activation.fd, ec);
-      if (ec) return "cannot adopt the socket systemd passed: " + ec.message();
-      adopted_ = true;
-      path_ = acceptor_.local_endpoint(ec).path();
-      spdlog::info("listening on {} (socket passed by systemd)", path_);
-      return std::nullopt;
-    }
+    if (auto err = adopt_activation_socket()) return err;
+    if (adopted_) return std::nullopt;
   }
-
   path_ = config_.socket;
+  if (auto err = clear_old_socket()) return err;
+  return bind_and_listen();
+}
+
+// The socket systemd passed (socket activation), if any: adopted_ tells.
+std::optional<std::string> Listener::adopt_activation_socket() {
+  const ActivationSocket activation = systemd_activation_socket();
+  if (!activation.error.empty()) return activation.error;
+  if (activation.fd < 0) return std::nullopt;
+  boost::system::error_code ec;
+  acceptor_.assign(StreamProtocol(), activation.fd, ec);
+  if (ec) return "cannot adopt the socket systemd passed: " + ec.message();
+  adopted_ = true;
+  path_ = acceptor_.local_endpoint(ec).path();
+  spdlog::info("listening on {} (socket passed by systemd)", path_);
+  return std::nullopt;
+}
+
+// Checks the socket's directory, and what is at the path: nothing, or a stale socket
+// (removed); never a live daemon's socket or something that is not a socket.
+std::optional<std::string> Listener::clear_old_socket() {
   const fs::path path(path_);
   const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
   std::error_code fec;
@@ -97,28 +108,32 @@ std::optional<std::string> Listener::open() {
   }
   if (auto unsafe = check_socket_dir(dir)) return "socket directory refused: " + *unsafe;
   struct stat st {};
-  if (::lstat(path_.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return path_ + " exists and is not a socket; not replacing it";
-    }
-    int error = 0;
-    switch (probe_socket(path_, error)) {
-      case Probe::kLive:
-        return "another steptraced is already listening on " + path_ +
-               "; refusing to start a second one";
-      case Probe::kStale:
-        spdlog::info("replacing stale socket {}", path_);
-        if (::unlink(path_.c_str()) != 0 && errno != ENOENT) {
-          return "cannot remove stale socket " + path_ + ": " + std::strerror(errno);
-        }
-        break;
-      case Probe::kGone:
-        break;
-      case Probe::kError:
-        return "cannot check the existing socket " + path_ + ": " + std::strerror(error);
-    }
+  if (::lstat(path_.c_str(), &st) != 0) return std::nullopt;
+  if (!S_ISSOCK(st.st_mode)) {
+    return path_ + " exists and is not a socket; not replacing it";
   }
+  int error = 0;
+  switch (probe_socket(path_, error)) {
+    case Probe::kLive:
+      return "another steptraced is already listening on " + path_ +
+             "; refusing to start a second one";
+    case Probe::kStale:
+      spdlog::info("replacing stale socket {}", path_);
+      if (::unlink(path_.c_str()) != 0 && errno != ENOENT) {
+        return "cannot remove stale socket " + path_ + ": " + std::strerror(errno);
+      }
+      break;
+    case Probe::kGone:
+      break;
+    case Probe::kError:
+      return "cannot check the existing socket " + path_ + ": " + std::strerror(error);
+  }
+  return std::nullopt;
+}
 
+// Binds path_, remembers which file that made, sets its mode and listens.
+std::optional<std::string> Listener::bind_and_listen() {
+  boost::system::error_code ec;
   const StreamProtocol::endpoint endpoint(path_);
   acceptor_.open(endpoint.protocol(), ec);
   if (!ec) acceptor_.bind(endpoint, ec);
@@ -127,6 +142,7 @@ std::optional<std::string> Listener::open() {
     return "cannot bind " + path_ + ": " + ec.message();
   }
   bound_ = true;
+  struct stat st {};
   if (::lstat(path_.c_str(), &st) == 0) {
     dev_ = st.st_dev;
     ino_ = st.st_ino;

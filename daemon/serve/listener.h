@@ -58,6 +58,9 @@ class Listener {
   void remove_socket_file();
 
  private:
+  std::optional<std::string> adopt_activation_socket();
+  std::optional<std::string> clear_old_socket();
+  std::optional<std::string> bind_and_listen();
   void accept_next();
   void on_accept(const boost::system::error_code& ec, Socket socket);
 
