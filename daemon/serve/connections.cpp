@@ -1,7 +1,10 @@
 #include "daemon/serve/connections.h"
 
+#include <cassert>
 #include <string>
 #include <utility>
+
+#include "daemon/serve/io_thread.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -12,12 +15,14 @@ std::uint32_t uid_of(const std::optional<ucred>& cred) { return cred ? cred->uid
 
 }  // namespace
 
-ConnectionRegistry::ConnectionRegistry(SessionShared& shared, const ServerLimits& limits)
-    : shared_(shared), limits_(limits) {}
+ConnectionRegistry::ConnectionRegistry(boost::asio::io_context& io, SessionShared& shared,
+                                       const ServerLimits& limits)
+    : io_(io), shared_(shared), limits_(limits) {}
 
 ConnectionRegistry::~ConnectionRegistry() { close_all(); }
 
 void ConnectionRegistry::admit(Socket socket) {
+  assert(on_io_thread(io_));
   ++shared_.counters.connections_total;
   // Read once here, for the quota and for the session.
   const std::optional<ucred> cred = peer_credentials(socket);
@@ -54,6 +59,7 @@ Refusal ConnectionRegistry::check_limits(std::uint32_t uid) {
 }
 
 void ConnectionRegistry::take_for_drain(Socket socket) {
+  assert(on_io_thread(io_));
   ++shared_.counters.connections_total;
   if (sessions_.size() >= limits_.max_connections + kMaxRejecting) {
     ++shared_.counters.connections_undrained;
@@ -81,6 +87,7 @@ void ConnectionRegistry::add(Socket socket, std::optional<ucred> cred, Refusal r
 }
 
 void ConnectionRegistry::remove(Session* session) {
+  assert(on_io_thread(io_));
   auto it = sessions_.find(session);
   if (it == sessions_.end()) return;
   if (it->second.refusal != Refusal::kNone) {
@@ -96,6 +103,7 @@ void ConnectionRegistry::remove(Session* session) {
 }
 
 std::vector<std::shared_ptr<Session>> ConnectionRegistry::live() const {
+  assert(on_io_thread(io_));
   std::vector<std::shared_ptr<Session>> live;
   for (const auto& [ptr, entry] : sessions_) {
     if (auto s = entry.session.lock()) live.push_back(std::move(s));

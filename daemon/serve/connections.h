@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
 
 #include "daemon/serve/client_stream.h"
@@ -38,8 +39,10 @@ class ConnectionRegistry {
   // beyond it they are closed without a word.
   static constexpr std::size_t kMaxRejecting = 64;
 
-  // `shared`: what every Session gets (its counters and log are the server's).
-  ConnectionRegistry(SessionShared& shared, const ServerLimits& limits);
+  // `shared`: what every Session gets (its counters and log are the server's). Every
+  // member runs on `io`'s thread (io_thread.h, asserted in debug builds).
+  ConnectionRegistry(boost::asio::io_context& io, SessionShared& shared,
+                     const ServerLimits& limits);
   ~ConnectionRegistry();  // close_all()
   ConnectionRegistry(const ConnectionRegistry&) = delete;
   ConnectionRegistry& operator=(const ConnectionRegistry&) = delete;
@@ -68,6 +71,7 @@ class ConnectionRegistry {
   void add(Socket socket, std::optional<ucred> cred, Refusal refusal);
   void remove(Session* session);
 
+  boost::asio::io_context& io_;
   SessionShared& shared_;
   const ServerLimits& limits_;
   std::unordered_map<Session*, Entry> sessions_;

@@ -1,12 +1,15 @@
 #include "daemon/serve/render_worker.h"
 
 #include <algorithm>
+#include <cassert>
 #include <chrono>
 #include <exception>
 #include <memory>
 #include <vector>
 
 #include <boost/asio/post.hpp>
+
+#include "daemon/serve/io_thread.h"
 
 namespace steptrace::daemon {
 
@@ -26,12 +29,14 @@ RenderWorker::RenderWorker(boost::asio::io_context& io, Collector& collector,
 RenderWorker::~RenderWorker() { stop(); }
 
 void RenderWorker::submit(RenderJob job, Done done) {
+  assert(on_io_thread(io_));
   if (stopped_) return;
   queue_.push_back({std::move(job), {}, std::move(done)});
   if (!busy_) start_next();
 }
 
 void RenderWorker::submit_task(Task task, Done done) {
+  assert(on_io_thread(io_));
   if (stopped_) return;
   queue_.push_back({{}, std::move(task), std::move(done)});
   if (!busy_) start_next();
@@ -39,6 +44,7 @@ void RenderWorker::submit_task(Task task, Done done) {
 
 void RenderWorker::start_next() {
   if (stopped_ || queue_.empty()) return;
+  assert(on_io_thread(io_));  // freezes the Collector: makes the view
   busy_ = true;
   const std::size_t batch_size = std::min(queue_.size(), kMaxBatch);
   const bool needs_view = std::any_of(queue_.begin(), queue_.begin() + batch_size,
@@ -74,11 +80,13 @@ void RenderWorker::start_next() {
       std::string text = task ? task() : run_render_job(job, *view);
       // Each reply goes back as soon as it is ready (posts run in order).
       boost::asio::post(io_, [this, done = std::move(done), text = std::move(text)]() mutable {
+        assert(on_io_thread(io_));
         if (!stopped_) done(std::move(text));
       });
     }
     // Back on the io thread: the view is released there, after the replies.
     boost::asio::post(io_, [this, view = std::move(view)]() mutable {
+      assert(on_io_thread(io_));  // releases the view: only this thread changes use counts
       view.reset();
       busy_ = false;
       start_next();

@@ -46,8 +46,8 @@ class RenderWorker {
   RenderWorker(const RenderWorker&) = delete;
   RenderWorker& operator=(const RenderWorker&) = delete;
 
-  // io thread. `done` gets the job's text, or "error: internal error: ...\n" when the
-  // job threw; it is never called once stop() has run.
+  // io thread (asserted in debug builds, io_thread.h). `done` gets the job's text, or "error:
+  // internal error: ...\n" when the job threw; it is never called once stop() has run.
   void submit(RenderJob job, Done done);
   // The same for work that needs no view (a piece of a streamed reply, which holds its
   // own capture): run in turn with the jobs, without a freeze or its pacing.

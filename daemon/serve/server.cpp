@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
+#include <cassert>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -12,6 +13,7 @@
 
 #include "daemon/persist/snapshot.h"
 #include "daemon/persist/snapshot_codec.h"
+#include "daemon/serve/io_thread.h"
 #include "daemon/serve/systemd_integration.h"
 
 namespace steptrace::daemon {
@@ -51,7 +53,7 @@ Server::Server(const Config& config, Collector& collector)
               &renderer_,
               Environment::system(),
               static_cast<std::uint32_t>(::geteuid())},
-      connections_(shared_, config.server_limits),
+      connections_(io_, shared_, config.server_limits),
       gpu_sampler_(io_, collector, config.nvml) {
   shared_.rings_active = [this] {
     if (!ring_timer_armed_ && !stopping_) schedule_ring_drain(std::chrono::milliseconds(1));
@@ -131,6 +133,7 @@ std::optional<std::string> Server::start() {
 }
 
 void Server::restore_snapshot() {
+  assert(on_io_thread(io_));  // restores into the Collector (and claims the io thread)
   LoadedSnapshot loaded =
       load_snapshot(config_.state_dir, snapshot_max_array_elements(config_.limits),
                     config_.limits.max_snapshot_bytes);
@@ -186,6 +189,7 @@ void Server::snapshot_written(const std::string& error) {
 
 bool Server::save_snapshot_now() {
   if (config_.state_dir.empty()) return true;
+  assert(on_io_thread(io_));  // makes a CollectorView
   const std::string error = write_snapshot(config_.state_dir, *collector_.freeze(&counters_));
   snapshot_written(error);
   return error.empty();
@@ -221,6 +225,7 @@ void Server::schedule_liveness() {
   liveness_timer_.expires_after(std::chrono::milliseconds(config_.liveness_interval_ms));
   liveness_timer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || stopping_) return;
+    assert(on_io_thread(io_));
     collector_.refresh_liveness();
     schedule_liveness();
   });
@@ -232,6 +237,7 @@ void Server::schedule_ring_drain(std::chrono::milliseconds delay) {
   ring_timer_.async_wait([this](const boost::system::error_code& ec) {
     ring_timer_armed_ = false;
     if (ec || stopping_) return;
+    assert(on_io_thread(io_));
     const std::uint64_t events = drain_all_rings(shared_);
     if (!shared_.ring_streams.empty()) {
       schedule_ring_drain(std::chrono::milliseconds(events > 0 ? 1 : 10));

@@ -3,12 +3,15 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <cassert>
 #include <cerrno>
 #include <cstring>
 #include <span>
 
 #include <spdlog/spdlog.h>
 #include <boost/asio/write.hpp>
+
+#include "daemon/serve/io_thread.h"
 
 namespace steptrace::daemon {
 
@@ -36,6 +39,7 @@ Session::Session(Socket socket, SessionShared& shared, CloseCallback on_close,
 Session::~Session() = default;
 
 void Session::start() {
+  assert(on_io_thread(socket_.get_executor()));
   PeerIdentity peer;
   if (cred_) {
     const ucred& cred = *cred_;
@@ -60,6 +64,7 @@ void Session::start() {
 }
 
 void Session::after_stream() {
+  assert(on_io_thread(socket_.get_executor()));
   if (closed()) return;
   if (stream_->state() == State::kFinishing && !writing_ && write_queue_.empty()) {
     close();
@@ -120,6 +125,7 @@ std::size_t Session::receive(boost::system::error_code& ec) {
 }
 
 void Session::on_readable(const boost::system::error_code& ec) {
+  assert(on_io_thread(socket_.get_executor()));
   reading_ = false;
   if (closed()) return;
   // Shutting down: what the client sent is still in the socket; drain() reads it.
@@ -155,6 +161,7 @@ void Session::send(std::string bytes) {
 }
 
 void Session::render(RenderJob job) {
+  assert(on_io_thread(socket_.get_executor()));
   if (shared_.renderer == nullptr) {
     stream_->rendered(run_render_job(job, *shared_.collector.freeze(&shared_.counters)));
     return;
@@ -259,6 +266,7 @@ void Session::update_timer() {
 }
 
 void Session::on_timeout() {
+  assert(on_io_thread(socket_.get_executor()));
   const auto now = Clock::now();
   if (write_deadline_ && *write_deadline_ <= now) {
     stream_->write_timed_out();
@@ -272,6 +280,7 @@ void Session::on_timeout() {
 // ---- shutdown ----------------------------------------------------------------------
 
 void Session::begin_drain() {
+  assert(on_io_thread(socket_.get_executor()));
   if (closed() || !stream_->begin_drain()) return;
   draining_ = true;
   boost::system::error_code ec;
@@ -281,6 +290,7 @@ void Session::begin_drain() {
 }
 
 void Session::drain(Clock::time_point deadline) {
+  assert(on_io_thread(socket_.get_executor()));
   if (closed() || !draining_ || stream_->state() != State::kDraining) return;
   boost::system::error_code ec;
   socket_.non_blocking(true, ec);
@@ -295,6 +305,7 @@ void Session::drain(Clock::time_point deadline) {
 }
 
 void Session::close() {
+  assert(on_io_thread(socket_.get_executor()));
   if (closed()) return;
   // What it still had queued will never be written: no longer waiting for anyone.
   shared_.pending_output_bytes -= std::min(shared_.pending_output_bytes, pending_write_bytes_);

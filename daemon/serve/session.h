@@ -10,7 +10,8 @@
 // One steady_timer serves the stream's deadlines and this session's write deadline (a
 // reply the peer does not read within frame_s closes the connection). Reading pauses
 // while the stream does not want input (output backed up, a reply rendering), so memory
-// stays bounded.
+// stays bounded. Everything here runs on the io thread (what calls into the stream, and
+// so into the Collector, asserts it in debug builds: io_thread.h).
 #pragma once
 
 #include <chrono>
