@@ -11,7 +11,7 @@ namespace {
 
 // A peer whose credentials are unreadable counts as uid nobody (such a peer is refused
 // by the commands that need a uid anyway).
-std::uint32_t uid_of(const std::optional<ucred>& cred) { return cred ? cred->uid : 65534; }
+std::uint32_t uid_of(const std::optional<ucred>& cred) { return cred ? cred->uid : kNobodyUid; }
 
 }  // namespace
 

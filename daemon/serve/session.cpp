@@ -55,8 +55,8 @@ void Session::start() {
     }
   } else {
     // No credentials: the peer stays pid 0, uid nobody; it may not reset anything.
-    peer.uid = 65534;
-    peer.gid = 65534;
+    peer.uid = kNobodyUid;
+    peer.gid = kNobodyGid;
   }
   stream_.emplace(shared_, static_cast<StreamTransport&>(*this), std::move(peer), refusal_,
                   Clock::now());

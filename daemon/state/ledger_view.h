@@ -39,7 +39,7 @@ struct LedgerActor {
   std::string comm;
   // The peer's uid (SO_PEERCRED); nobody when unknown. Decides what the actor may release
   // or clean up, and which per-uid quotas its records count against.
-  std::uint32_t uid = 65534;
+  std::uint32_t uid = kNobodyUid;
 };
 
 class LedgerView {

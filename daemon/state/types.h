@@ -26,6 +26,10 @@ struct ProcessKey {
 // the holder's uid of a reservation restored from a snapshot written before uids were
 // kept, so that only the holder process itself or root may release it.
 inline constexpr std::uint32_t kUnknownUid = 0xFFFFFFFF;
+// The uid and gid ("nobody") a peer without credentials (SO_PEERCRED failed) is taken
+// for: it holds no one's reservations and may reset nothing.
+inline constexpr std::uint32_t kNobodyUid = 65534;
+inline constexpr std::uint32_t kNobodyGid = 65534;
 
 // What the daemon knows of a peer from the kernel (SO_PEERCRED + /proc).
 struct PeerIdentity {
