@@ -162,51 +162,67 @@ Parsed<Request> no_arguments(std::string_view command, Args args) {
 
 constexpr const char* kTraceUsage = "trace [--pid N]... [--last SECONDS | --for SECONDS]";
 
-// Renders a capture as the trace document, a piece per next(). Each one alive holds its
-// capture's chunks (memory beyond the recorder's budget once they are evicted), so at
-// most kMaxTraceReplies exist at once, kMaxTraceRepliesPerUid of one uid (so one
-// tenant reading slowly cannot hold them all); a client that does not read is closed
-// after timeouts.frame_s, which ends its reply.
-class TraceReply final : public ReplyStream {
+}  // namespace
+
+// The trace replies alive, in all and per uid. Each one holds its capture's chunks
+// (memory beyond the recorder's budget once they are evicted), so at most kMax exist at
+// once, kMaxPerUid of one uid (so one tenant reading slowly cannot hold them all); a
+// client that does not read is closed after timeouts.frame_s, which ends its reply.
+// One per CommandTable; a reply may end on the render thread, hence the lock.
+class TraceSlots {
  public:
-  static constexpr int kMaxTraceReplies = 8;
-  static constexpr int kMaxTraceRepliesPerUid = 2;
-  TraceReply(std::shared_ptr<const TraceCapture> capture, std::uint32_t uid)
-      : export_(std::move(capture)), uid_(uid) {
-    const std::lock_guard<std::mutex> lock(live_mutex);
-    ++live_by_uid[uid_];
-    ++live_count;
-  }
-  ~TraceReply() override {  // on the io or the render thread
-    const std::lock_guard<std::mutex> lock(live_mutex);
-    if (--live_by_uid[uid_] == 0) live_by_uid.erase(uid_);
-    --live_count;
-  }
-  TraceReply(const TraceReply&) = delete;
-  TraceReply& operator=(const TraceReply&) = delete;
-  bool next(std::string& out) override { return export_.next(out); }
+  static constexpr int kMax = 8;
+  static constexpr int kMaxPerUid = 2;
   // Why a new reply for `uid` may not start now, if it may not.
-  static std::optional<std::string> busy(std::uint32_t uid) {
-    const std::lock_guard<std::mutex> lock(live_mutex);
-    if (live_count >= kMaxTraceReplies) {
-      return "error: busy: " + std::to_string(kMaxTraceReplies) +
+  std::optional<std::string> busy(std::uint32_t uid) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (count_ >= kMax) {
+      return "error: busy: " + std::to_string(kMax) +
              " traces are being sent; retry when one is done\n";
     }
-    const auto it = live_by_uid.find(uid);
-    if (it != live_by_uid.end() && it->second >= kMaxTraceRepliesPerUid) {
-      return "error: busy: uid " + std::to_string(uid) + " has " +
-             std::to_string(kMaxTraceRepliesPerUid) +
+    const auto it = by_uid_.find(uid);
+    if (it != by_uid_.end() && it->second >= kMaxPerUid) {
+      return "error: busy: uid " + std::to_string(uid) + " has " + std::to_string(kMaxPerUid) +
              " traces being sent; read them, or retry when one is done\n";
     }
     return std::nullopt;
   }
+  void take(std::uint32_t uid) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    ++by_uid_[uid];
+    ++count_;
+  }
+  void give_back(std::uint32_t uid) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (--by_uid_[uid] == 0) by_uid_.erase(uid);
+    --count_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  int count_ = 0;
+  std::map<std::uint32_t, int> by_uid_;
+};
+
+namespace {
+
+// Renders a capture as the trace document, a piece per next(), holding a TraceSlots slot.
+class TraceReply final : public ReplyStream {
+ public:
+  TraceReply(std::shared_ptr<const TraceCapture> capture, std::shared_ptr<TraceSlots> slots,
+             std::uint32_t uid)
+      : export_(std::move(capture)), slots_(std::move(slots)), uid_(uid) {
+    slots_->take(uid_);
+  }
+  ~TraceReply() override { slots_->give_back(uid_); }  // on the io or the render thread
+  TraceReply(const TraceReply&) = delete;
+  TraceReply& operator=(const TraceReply&) = delete;
+  bool next(std::string& out) override { return export_.next(out); }
 
  private:
   TraceExport export_;
+  std::shared_ptr<TraceSlots> slots_;
   std::uint32_t uid_;
-  static inline std::mutex live_mutex;
-  static inline int live_count = 0;
-  static inline std::map<std::uint32_t, int> live_by_uid;
 };
 
 // Holds a `trace --for` capture open: recording goes on (with the capture budget when
@@ -226,23 +242,25 @@ class CaptureHold {
 
 std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9); }
 
-Reply trace_reply(const TraceRequest& r, Collector& collector, std::uint32_t uid) {
+Reply trace_reply(const TraceRequest& r, Collector& collector,
+                  const std::shared_ptr<TraceSlots>& slots, std::uint32_t uid) {
   const std::uint64_t now = collector.now_ns();
-  if (auto busy = TraceReply::busy(uid)) return *busy;
+  if (auto busy = slots->busy(uid)) return *busy;
   if (!r.for_s) {
     const std::uint64_t since =
         r.last_s && seconds_ns(*r.last_s) < now ? now - seconds_ns(*r.last_s) : 0;
     return std::shared_ptr<ReplyStream>(
-        std::make_shared<TraceReply>(collector.capture_trace(r.pids, since), uid));
+        std::make_shared<TraceReply>(collector.capture_trace(r.pids, since), slots, uid));
   }
   auto hold = std::make_shared<CaptureHold>(collector);
   DeferredReply deferred;
   deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
-  deferred.make = [&collector, pids = r.pids, since = now, hold, uid]() mutable -> Reply {
-    if (auto busy = TraceReply::busy(uid)) return *busy;
+  deferred.make = [&collector, pids = r.pids, since = now, hold, slots, uid]() mutable -> Reply {
+    if (auto busy = slots->busy(uid)) return *busy;
     auto capture = collector.capture_trace(pids, since);
     hold.reset();  // the capture holds its chunks; recording may stop now
-    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(std::move(capture), uid));
+    return std::shared_ptr<ReplyStream>(
+        std::make_shared<TraceReply>(std::move(capture), slots, uid));
   };
   return deferred;
 }
@@ -374,7 +392,7 @@ void CommandTable::add(std::string name, std::string usage, std::string summary,
                    Entry{std::move(usage), std::move(summary), std::move(handler)});
 }
 
-CommandTable::CommandTable() {
+CommandTable::CommandTable() : trace_slots_(std::make_shared<TraceSlots>()) {
   add<PingRequest>("ping", "ping", "answers pong",
                    [](const PingRequest&, const CommandContext&) { return std::string("pong\n"); });
   add<ReportRequest>("report", "report [--json] [--pid N] [--job ID]",
@@ -392,7 +410,7 @@ CommandTable::CommandTable() {
                      "holder's uid, or anyone once it is LEAKED or EXPIRED)",
                      [](const LedgerRequest& r, const CommandContext& c) -> Reply {
                        if (r.cleanup) {
-                         static const PeerIdentity kNobody{{0, 0}, 65534, 65534, ""};
+                         static const PeerIdentity kNobody{{0, 0}, kNobodyUid, kNobodyGid, ""};
                          const PeerIdentity& sender = c.peer ? *c.peer : kNobody;
                          return report::cleanup_reply(
                              c.collector.operator_cleanup(sender, r.cleanup->gpu, r.cleanup->id),
@@ -441,8 +459,8 @@ CommandTable::CommandTable() {
   add<TraceRequest>("trace", kTraceUsage,
                     "the flight recorder's recent events as a Chrome Trace Event document "
                     "(Perfetto UI, chrome://tracing); --for records from now on",
-                    [](const TraceRequest& r, const CommandContext& c) {
-                      return trace_reply(r, c.collector, c.peer_uid);
+                    [slots = trace_slots_](const TraceRequest& r, const CommandContext& c) {
+                      return trace_reply(r, c.collector, slots, c.peer_uid);
                     });
   add<VersionRequest>(
       "version", "version", "daemon version, protocol version and commands, as one JSON line",

@@ -143,6 +143,8 @@ struct VersionResponse {
 // Only root or the daemon's own effective uid may change state.
 bool may_reset(std::uint32_t peer_uid, std::uint32_t daemon_euid);
 
+class TraceSlots;
+
 class CommandTable {
  public:
   CommandTable();  // registers every command
@@ -168,6 +170,8 @@ class CommandTable {
   std::string help_text() const;
 
   std::map<std::string, Entry, std::less<>> entries_;
+  // The trace replies alive (commands.cpp): this table's, not the process's.
+  std::shared_ptr<TraceSlots> trace_slots_;
 };
 
 }  // namespace steptrace::daemon

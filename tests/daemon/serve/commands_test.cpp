@@ -296,7 +296,7 @@ TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
 
 }  // namespace
 // `trace`: its options are checked word by word; a reply streams the recorder's window;
-// at most kMaxTraceReplies (8) replies are alive at once, 2 per uid; the next is told busy.
+// at most TraceSlots::kMax (8) replies are alive at once, 2 per uid; the next is told busy.
 TEST_F(CommandsTest, TraceValidatesItsOptionsAndBoundsRepliesInProgress) {
   for (const char* bad :
        {"trace --last 0", "trace --last abc", "trace --for 5000", "trace --last 1 --for 1",
