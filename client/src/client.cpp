@@ -151,7 +151,7 @@ Client::Client() : thread_key_(on_thread_exit) {
                                         current_clocksource());
   g_use_tsc = s_.clock_source == ClockSource::kTsc;
   if (g_use_tsc) s_.converter.start(take_clock_sample());
-  s_.set_wake_event(UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)));
+  s_.set_wake_event(proto::UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)));
   update_mode_locked();
 }
 
@@ -281,7 +281,7 @@ int Client::connect(const char* socket_path) {
   update_mode_locked();
   if (flusher_ && flusher_->socket_path() == path && s_.connected.load()) return 0;
   stop_flusher_locked(0);
-  UniqueFd fd;
+  proto::UniqueFd fd;
   const int rc = connect_unix_socket(path, fd);
   // On failure the flusher's own first attempt (at once) prints the first-contact
   // notice, from its thread.
@@ -289,7 +289,7 @@ int Client::connect(const char* socket_path) {
   return rc;
 }
 
-void Client::start_flusher_locked(const std::string& path, UniqueFd fd) {
+void Client::start_flusher_locked(const std::string& path, proto::UniqueFd fd) {
   flusher_ = std::make_unique<Flusher>(s_, path, std::move(fd));
   flusher_->start();
   flusher_running_.store(true, std::memory_order_release);
@@ -304,7 +304,7 @@ void Client::auto_connect() noexcept {
     lifecycle_ = Lifecycle::kRunning;
     update_mode_locked();
     // No connect here: the flusher connects in the background, with its backoff.
-    start_flusher_locked(socket_path_for(nullptr), UniqueFd());
+    start_flusher_locked(socket_path_for(nullptr), proto::UniqueFd());
   } catch (...) {
   }
 }
@@ -484,7 +484,7 @@ void Client::restart_after_fork() noexcept {
   try {
     std::lock_guard lock(control_mu_);
     if (!restart_pending_.exchange(false)) return;
-    UniqueFd fd;
+    proto::UniqueFd fd;
     connect_unix_socket(socket_path_, fd);  // else the flusher connects in the background
     flusher_ = std::make_unique<Flusher>(s_, socket_path_, std::move(fd));
     flusher_->start();
@@ -528,7 +528,8 @@ void Client::fork_child() noexcept {
   new (&s_.flush.cv) std::condition_variable();  // the parent's waiters do not exist here
   s_.connected.store(false, std::memory_order_relaxed);
   if (g_use_tsc) s_.converter.start(take_clock_sample());  // the parent may have been mid-update
-  s_.set_wake_event(UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)));  // closes the parent's
+  s_.set_wake_event(
+      proto::UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)));  // closes the parent's
   if (flusher_) {
     flusher_->abandon_after_fork();
     Flusher* old = flusher_.release();

@@ -133,7 +133,7 @@ class Client {
   // Returns whether the daemon was connected at the end of the final flush.
   bool stop_flusher_locked(int flush_timeout_ms);
   void auto_connect() noexcept;
-  void start_flusher_locked(const std::string& path, UniqueFd fd);
+  void start_flusher_locked(const std::string& path, proto::UniqueFd fd);
   int flush_impl(int timeout_ms);
   void restart_after_fork() noexcept;
   // At exit, after the flusher stopped: counts what is still buffered as dropped.

@@ -30,7 +30,7 @@
 #include "client/src/ledger_queue.h"
 #include "client/src/ring_budget.h"
 #include "client/src/step_registry.h"
-#include "client/src/unique_fd.h"
+#include "proto/unique_fd.h"
 
 namespace steptrace::client {
 
@@ -123,7 +123,7 @@ struct ClientState {
   std::atomic<bool> connected{false};
   // The eventfd the flusher polls: wake_event owns it, wake_fd is its number for the
   // producers, read without a lock (-1: none).
-  UniqueFd wake_event;
+  proto::UniqueFd wake_event;
   std::atomic<int> wake_fd{-1};
   // The hello version of the next connection: kProtocolVersion, one less each time a
   // daemon answered a hello with ErrorCode::kUnsupportedVersion, down to 1; it never goes
@@ -143,7 +143,7 @@ struct ClientState {
 
   void wake() noexcept;
   // `fd` is the wake eventfd from now on; the previous one is closed.
-  void set_wake_event(UniqueFd fd) noexcept {
+  void set_wake_event(proto::UniqueFd fd) noexcept {
     wake_fd.store(fd.get(), std::memory_order_relaxed);
     wake_event = std::move(fd);
   }

@@ -63,12 +63,12 @@ std::string first_contact_notice(const std::string& path, int error) {
   return text;
 }
 
-int connect_unix_socket(const std::string& path, UniqueFd& fd) {
+int connect_unix_socket(const std::string& path, proto::UniqueFd& fd) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path) return -ENAMETOOLONG;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  proto::UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!s.valid()) return -errno;
   // A Unix stream connect completes at once or fails (EAGAIN: backlog full).
   if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
@@ -78,7 +78,7 @@ int connect_unix_socket(const std::string& path, UniqueFd& fd) {
   return 0;
 }
 
-Flusher::Flusher(ClientState& state, std::string socket_path, UniqueFd fd)
+Flusher::Flusher(ClientState& state, std::string socket_path, proto::UniqueFd fd)
     : s_(state), path_(std::move(socket_path)) {
   buf_.resize(kBatchBytes);
   marks_.reserve(256);
@@ -106,7 +106,7 @@ void Flusher::stop() {
 
 void Flusher::abandon_after_fork() noexcept { fd_.reset(); }
 
-void Flusher::on_connected(UniqueFd fd) {
+void Flusher::on_connected(proto::UniqueFd fd) {
   fd_ = std::move(fd);
   decoder_.emplace(proto::Side::kClient);
   version_ = s_.protocol_version.load(std::memory_order_relaxed);
@@ -172,7 +172,7 @@ void Flusher::close_connection(bool lost) {
 
 void Flusher::try_connect() {
   assert(thread_owner_.is_caller());
-  UniqueFd fd;
+  proto::UniqueFd fd;
   const int rc = connect_unix_socket(path_, fd);
   if (rc == 0) {
     on_connected(std::move(fd));

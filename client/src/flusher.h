@@ -55,8 +55,8 @@
 
 #include "client/src/client_state.h"
 #include "client/src/thread_owner.h"
-#include "client/src/unique_fd.h"
 #include "proto/codec.h"
+#include "proto/unique_fd.h"
 
 namespace steptrace::client {
 
@@ -66,7 +66,7 @@ inline constexpr std::uint64_t kOwnFlushBit = std::uint64_t{1} << 63;
 
 // Opens a non-blocking, close-on-exec stream socket connected to `path`. 0 and the socket
 // in `fd`, or -errno (`fd` unchanged).
-int connect_unix_socket(const std::string& path, UniqueFd& fd);
+int connect_unix_socket(const std::string& path, proto::UniqueFd& fd);
 
 // The one-line stderr notice (with its newline) the flusher prints, once per process
 // and unless STEPTRACE_QUIET=1, when its first connection attempt fails with `error`.
@@ -75,7 +75,7 @@ std::string first_contact_notice(const std::string& path, int error);
 class Flusher {
  public:
   // `fd` is an already connected socket, or none to connect in the background.
-  Flusher(ClientState& state, std::string socket_path, UniqueFd fd);
+  Flusher(ClientState& state, std::string socket_path, proto::UniqueFd fd);
   ~Flusher();  // stops and joins
   Flusher(const Flusher&) = delete;
   Flusher& operator=(const Flusher&) = delete;
@@ -93,7 +93,7 @@ class Flusher {
 
   void run();
   void try_connect();
-  void on_connected(UniqueFd fd);
+  void on_connected(proto::UniqueFd fd);
   // `lost`: the daemon ended the connection (or it failed); else this side closes it
   // (stop) and the daemon still reads everything written.
   void close_connection(bool lost = true);
@@ -114,7 +114,7 @@ class Flusher {
 
   ClientState& s_;
   const std::string path_;
-  UniqueFd fd_;
+  proto::UniqueFd fd_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
   // The thread running run(): while it runs, the connection state below and

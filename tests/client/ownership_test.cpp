@@ -10,7 +10,7 @@
 
 #include "client/src/thread_key.h"
 #include "client/src/thread_owner.h"
-#include "client/src/unique_fd.h"
+#include "proto/unique_fd.h"
 
 namespace steptrace::client {
 namespace {
@@ -20,13 +20,13 @@ bool is_open(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
 TEST(UniqueFd, ClosesWhatItOwnsOnceAndMovesOwnership) {
   int raw = -1;
   {
-    UniqueFd fd(::eventfd(0, EFD_CLOEXEC));
+    proto::UniqueFd fd(::eventfd(0, EFD_CLOEXEC));
     ASSERT_TRUE(fd.valid());
     raw = fd.get();
-    UniqueFd moved(std::move(fd));
+    proto::UniqueFd moved(std::move(fd));
     EXPECT_FALSE(fd.valid());  // a moved-from owner is empty
     EXPECT_EQ(moved.get(), raw);
-    UniqueFd assigned;
+    proto::UniqueFd assigned;
     assigned = std::move(moved);
     EXPECT_EQ(assigned.get(), raw);
     EXPECT_TRUE(is_open(raw));
@@ -35,7 +35,7 @@ TEST(UniqueFd, ClosesWhatItOwnsOnceAndMovesOwnership) {
 }
 
 TEST(UniqueFd, ResetClosesTheOldAndReleaseGivesUp) {
-  UniqueFd fd(::eventfd(0, EFD_CLOEXEC));
+  proto::UniqueFd fd(::eventfd(0, EFD_CLOEXEC));
   const int first = fd.get();
   fd.reset(::eventfd(0, EFD_CLOEXEC));
   EXPECT_FALSE(is_open(first));
@@ -44,7 +44,7 @@ TEST(UniqueFd, ResetClosesTheOldAndReleaseGivesUp) {
   fd.reset();
   EXPECT_TRUE(is_open(second));  // released: the caller closes it
   ::close(second);
-  EXPECT_FALSE(UniqueFd().valid());
+  EXPECT_FALSE(proto::UniqueFd().valid());
 }
 
 int g_destroyed = 0;

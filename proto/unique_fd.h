@@ -6,7 +6,7 @@
 
 #include <utility>
 
-namespace steptrace::client {
+namespace steptrace::proto {
 
 class UniqueFd {
  public:
@@ -35,4 +35,4 @@ class UniqueFd {
   int fd_ = -1;
 };
 
-}  // namespace steptrace::client
+}  // namespace steptrace::proto
