@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "proto/unique_fd.h"
+
 namespace steptrace::daemon {
 namespace {
 
@@ -31,27 +33,6 @@ std::error_code write_all(int fd, const std::string& data) {
   }
   return {};
 }
-
-// An open file descriptor, closed on scope exit.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  // Closes now, reporting close()'s error (a write error NFS reports late).
-  std::error_code close() {
-    const int fd = fd_;
-    fd_ = -1;
-    return ::close(fd) == 0 ? std::error_code{} : last_error();
-  }
-
- private:
-  int fd_;
-};
 
 std::string octal_mode(mode_t mode) {
   char buf[8];
@@ -77,12 +58,10 @@ std::optional<std::string> check_private(int dir_fd, const std::filesystem::path
 }
 
 std::error_code fsync_dir(const std::filesystem::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return last_error();
-  std::error_code ec;
-  if (::fsync(fd) != 0) ec = last_error();
-  ::close(fd);
-  return ec;
+  const proto::UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd) return last_error();
+  if (::fsync(fd.get()) != 0) return last_error();  // errno read before fd closes
+  return {};
 }
 
 }  // namespace
@@ -99,8 +78,8 @@ std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::
   text.push_back('\n');
   const std::string tmp = std::string(kSnapshotFileName) + ".tmp";
   // Everything below goes through the directory's descriptor: no path is looked up twice.
-  Fd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir_fd.get() < 0) return last_error();
+  const proto::UniqueFd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!dir_fd) return last_error();
   if (check_private(dir_fd.get(), dir)) return std::make_error_code(std::errc::permission_denied);
   // O_EXCL | O_NOFOLLOW: never write through a link or into a file someone else made. A
   // leftover (a crash between create and rename, or a planted link) is removed first:
@@ -111,7 +90,7 @@ std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::
     raw = ::openat(dir_fd.get(), tmp.c_str(), flags, 0600);
   }
   if (raw < 0) return last_error();
-  Fd fd(raw);
+  proto::UniqueFd fd(raw);
   std::error_code ec = write_all(fd.get(), text);
   if (!ec && ::fsync(fd.get()) != 0) ec = last_error();
   if (const auto close_ec = fd.close(); close_ec && !ec) ec = close_ec;
@@ -127,8 +106,8 @@ std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::
 }
 
 std::optional<std::string> check_state_dir(const std::filesystem::path& dir) {
-  Fd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir_fd.get() < 0) return "cannot open " + dir.string() + ": " + last_error().message();
+  const proto::UniqueFd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!dir_fd) return "cannot open " + dir.string() + ": " + last_error().message();
   return check_private(dir_fd.get(), dir);
 }
 
@@ -223,8 +202,8 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_a
     return result;
   }
   // Not through a link: a planted one could make the daemon read any file it may read.
-  Fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
-  if (fd.get() < 0) {
+  const proto::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd) {
     // Unreadable (permissions, a link): do not move it, just report; a fresh start follows.
     result.status = LoadedSnapshot::Status::kCorrupt;
     result.error = "cannot open " + path.string() + ": " + last_error().message();
