@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "daemon/state/proc_probe.h"
+#include "proto/unique_fd.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -24,12 +25,12 @@ std::uint64_t read_monotonic_ns() {
 // this once per process). 0, or the errno that stopped it.
 int read_stat(std::int32_t pid, std::string& out) {
   const std::string path = "/proc/" + std::to_string(pid) + "/stat";
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) return errno;
+  const proto::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd) return errno;
   char buffer[1024];
   int error = 0;
   for (;;) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
     if (n > 0) {
       out.append(buffer, static_cast<std::size_t>(n));
       if (out.size() > 4096) break;  // far beyond any stat line: stop, the parser decides
@@ -39,7 +40,6 @@ int read_stat(std::int32_t pid, std::string& out) {
     if (n < 0) error = errno;
     break;
   }
-  ::close(fd);
   return error;
 }
 
