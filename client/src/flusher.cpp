@@ -461,12 +461,10 @@ bool Flusher::build_batch() {
   std::size_t shared = 0;
   for (const auto& ring : rings) shared += ring->sharing == EventRing::Sharing::kShared ? 1 : 0;
   quiet_ = shared == rings.size() && carried_.empty() && !busy;
-  for (std::size_t i = rings.size(); i-- > 0;) {
-    EventRing& ring = *rings[i];
-    if (ring.sharing == EventRing::Sharing::kOffered) continue;
-    if (ring.orphaned() && ring.fill() == 0 && ring.consumer_gone()) {
-      s_.registry.free_ring_locked(i);
-    } else if (ring.sharing == EventRing::Sharing::kLocal && ring.fill() >= ring.high_water()) {
+  free_orphans_locked();
+  // A ring this side drains is at its high-water mark: the next round comes at once.
+  for (const auto& ring : rings) {
+    if (ring->sharing == EventRing::Sharing::kLocal && ring->fill() >= ring->high_water()) {
       busy = true;
     }
   }
@@ -500,6 +498,27 @@ bool Flusher::build_batch() {
   len_ = enc.size() + tail.size();
   last_round_sent_events_ = events_sent > 0;
   return busy;
+}
+
+void Flusher::free_orphans_locked() {
+  auto& rings = s_.registry.rings;
+  const bool connected = fd_.valid();
+  std::size_t kept = 0;  // exited threads' rings keeping their events, newest first
+  for (std::size_t i = rings.size(); i-- > 0;) {
+    EventRing& ring = *rings[i];
+    if (!ring.orphaned()) continue;
+    if (connected) {
+      // Drained first (by this side or the daemon); a ring offered on this connection
+      // waits for its RingAck.
+      if (ring.sharing == EventRing::Sharing::kOffered || ring.fill() != 0 ||
+          !ring.consumer_gone()) {
+        continue;
+      }
+    } else if (!ring.consumer_gone() || (ring.fill() != 0 && ++kept <= kMaxOrphanRings)) {
+      continue;  // nobody drains it: the newest kMaxOrphanRings keep their events
+    }
+    s_.registry.free_ring_locked(i);
+  }
 }
 
 void Flusher::offer_rings() {
@@ -618,14 +637,7 @@ void Flusher::run() {
       if (!fd_.valid()) {
         // Keep the memory of exited threads bounded while nobody drains them.
         std::lock_guard lock(s_.registry.mu);
-        auto& rings = s_.registry.rings;
-        std::size_t orphans = 0;
-        for (std::size_t i = rings.size(); i-- > 0;) {
-          if (!rings[i]->orphaned() || !rings[i]->consumer_gone()) continue;
-          if (rings[i]->fill() == 0 || ++orphans > kMaxOrphanRings) {
-            s_.registry.free_ring_locked(i);
-          }
-        }
+        free_orphans_locked();
       }
     }
     bool busy = false;

@@ -109,6 +109,12 @@ class Flusher {
   bool shm_connection() const { return version_ >= proto::kShmProtocolVersion && s_.shm_rings; }
   // Builds the next batch into buf_; true when more is waiting right away.
   bool build_batch();
+  // Requires RingRegistry::mu. Frees the rings of exited threads that hold nothing and
+  // that no daemon reads any more. While connected the others wait to be drained (and a
+  // ring offered on this connection for its RingAck); while not, only the newest
+  // kMaxOrphanRings keep their events: older ones are freed, their events counted as
+  // dropped (not_connected), so memory stays bounded while nobody drains.
+  void free_orphans_locked();
   std::uint64_t next_own_flush() { return kOwnFlushBit | ++own_flushes_; }
   int poll_timeout_ms(bool busy) const;
 
