@@ -32,6 +32,7 @@ constexpr std::size_t kFrameBytes = sizeof(proto::FrameHeader);
 constexpr std::size_t kTailReserve =
     kFrameBytes + sizeof(proto::DroppedByCause) + 2 * (kFrameBytes + sizeof(proto::FlushRequest));
 static_assert(sizeof(proto::DroppedByCause) >= sizeof(proto::DroppedReport));
+constexpr std::size_t kLedgerFrame = kFrameBytes + sizeof(proto::LedgerRecord);
 
 bool same_counts(const proto::DroppedByCause& a, const proto::DroppedByCause& b) {
   return std::equal(std::begin(a.count), std::end(a.count), std::begin(b.count));
@@ -259,6 +260,20 @@ void Flusher::send_pending() {
   marks_.clear();
 }
 
+// One build_batch round: the encoder over buf_ (short of kTailReserve) and what went
+// into it so far.
+struct Flusher::Round {
+  proto::Encoder enc;
+  bool tsc = false;                 // stamps are TSC ticks, converted to ns here
+  bool ledger_waits = false;        // many carried over: the ledger queue waits
+  std::size_t ledger_reserved = 0;  // room kept for ledger frames still to go among events
+  std::size_t ledger_sent = 0;
+  std::size_t events_sent = 0;
+  bool leftovers = false;  // the batch is full: the rest waits for the next round
+  bool nudge = false;      // a shared ring is past its high-water mark
+  bool offered = false;    // a ring waits for its RingAck: a flush cannot be answered yet
+};
+
 bool Flusher::build_batch() {
   assert(thread_owner_.is_caller());
   len_ = off_ = 0;
@@ -267,28 +282,17 @@ bool Flusher::build_batch() {
   if (tsc && !s_.converter.ready() && !s_.converter.anchor(take_clock_sample())) {
     return false;  // still calibrating (at most TickConverter::kMinBaselineNs after load)
   }
-  proto::Encoder enc(std::span<std::byte>(buf_.data(), buf_.size() - kTailReserve));
+  Round round{proto::Encoder(std::span<std::byte>(buf_.data(), buf_.size() - kTailReserve)), tsc};
   if (need_hello_) {
-    // The handshake: nothing else until the daemon acknowledges this Flush.
-    enc.hello(STEPTRACE_CLIENT_VERSION, process_name(), version_);
-    if (version_ >= proto::kIdentityProtocolVersion && s_.identity.any()) {
-      const ProcessIdentity& id = s_.identity;
-      enc.identity(id.job, id.rank, id.local_rank, id.world_size);
-    }
-    hello_flush_ = next_own_flush();
-    enc.flush(hello_flush_);
-    need_hello_ = false;
-    len_ = enc.size();
-    last_round_sent_events_ = false;
+    encode_hello(round.enc);
     return false;
   }
   if (!accepted_) return false;
   // A re-anchored conversion goes first: the ledger stamps below were converted with it.
-  if (shm_connection() && clock_dirty_ && tsc && enc.clock_sync(s_.converter.sync())) {
+  if (shm_connection() && clock_dirty_ && tsc && round.enc.clock_sync(s_.converter.sync())) {
     clock_dirty_ = false;
   }
 
-  auto to_ns = [&](std::uint64_t ticks) { return tsc ? s_.converter.to_ns(ticks) : ticks; };
   std::uint64_t flush_seq = 0;
   {
     std::lock_guard lock(s_.flush.mu);
@@ -304,41 +308,54 @@ bool Flusher::build_batch() {
 
   const std::uint32_t steps = s_.steps.count();
   for (; steps_sent_ < steps; ++steps_sent_) {
-    enc.register_step(proto::kFirstCustomStep + steps_sent_, s_.steps.name(steps_sent_));
+    round.enc.register_step(proto::kFirstCustomStep + steps_sent_, s_.steps.name(steps_sent_));
   }
+  take_ledger(round, cutoff);
+  place_ledger_locked(round);
+  drain_rings_locked(round);
 
-  // The ledger records carried over from the last round come first (they are older);
-  // while many are carried the queue waits (it stays bounded and drops when full).
+  bool busy = round.leftovers || round.ledger_waits;
+  std::size_t shared = 0;
+  for (const auto& ring : rings) shared += ring->sharing == EventRing::Sharing::kShared ? 1 : 0;
+  quiet_ = shared == rings.size() && carried_.empty() && !busy;
+  free_orphans_locked();
+  // A ring this side drains is at its high-water mark: the next round comes at once.
+  for (const auto& ring : rings) {
+    if (ring->sharing == EventRing::Sharing::kLocal && ring->fill() >= ring->high_water()) {
+      busy = true;
+    }
+  }
+  encode_tail_locked(round, flush_seq);
+  last_round_sent_events_ = round.events_sent > 0;
+  return busy;
+}
+
+void Flusher::encode_hello(proto::Encoder& enc) {
+  enc.hello(STEPTRACE_CLIENT_VERSION, process_name(), version_);
+  if (version_ >= proto::kIdentityProtocolVersion && s_.identity.any()) {
+    const ProcessIdentity& id = s_.identity;
+    enc.identity(id.job, id.rank, id.local_rank, id.world_size);
+  }
+  hello_flush_ = next_own_flush();
+  enc.flush(hello_flush_);
+  need_hello_ = false;
+  len_ = enc.size();
+  last_round_sent_events_ = false;
+}
+
+void Flusher::take_ledger(Round& round, std::uint64_t cutoff) {
   ledger_.swap(carried_);
   carried_.clear();
-  const bool ledger_waits = ledger_.size() >= kLedgerQueueCapacity;
-  if (!ledger_waits) {
+  round.ledger_waits = ledger_.size() >= kLedgerQueueCapacity;
+  if (!round.ledger_waits) {
     s_.ledger.take_until(cutoff, taken_);
     ledger_.insert(ledger_.end(), taken_.begin(), taken_.end());
   }
-  // Each annotation goes between its own thread's events, in recording order; those of
-  // threads without a ring go first.
+}
+
+void Flusher::place_ledger_locked(Round& round) {
+  const auto& rings = s_.registry.rings;
   ledger_ring_.assign(ledger_.size(), SIZE_MAX);
-  constexpr std::size_t kLedgerFrame = kFrameBytes + sizeof(proto::LedgerRecord);
-  std::size_t ledger_reserved = 0;
-  std::size_t ledger_sent = 0;
-  auto send_ledger = [&](proto::LedgerRecord record) {
-    record.timestamp_ns = to_ns(record.timestamp_ns);
-    // A daemon too old for leases (PROTOCOL.md section 6): the reservation goes without
-    // its lease; a renewal cannot go at all and is counted as refused by the library.
-    if (record.op > static_cast<std::uint8_t>(proto::last_ledger_op(version_))) {
-      if (record.op != static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease)) {
-        s_.count_drops(proto::DropCause::kInvalid);
-        return;
-      }
-      record.op = static_cast<std::uint8_t>(proto::LedgerOp::kReserve);
-      record.total_bytes = 0;
-    }
-    if (enc.ledger(record)) {
-      ++ledger_sent;
-      marks_.push_back({enc.size(), 1});
-    }
-  };
   for (std::size_t k = 0; k < ledger_.size(); ++k) {
     // The live thread's ring; else (the thread exited since) the newest exited one of
     // that thread id.
@@ -356,50 +373,34 @@ bool Flusher::build_batch() {
     }
     if (ledger_ring_[k] == SIZE_MAX) ledger_ring_[k] = orphan;
     if (ledger_ring_[k] == SIZE_MAX) {
-      send_ledger(ledger_[k]);
+      send_ledger(round, ledger_[k]);
     } else {
-      ledger_reserved += kLedgerFrame;
+      round.ledger_reserved += kLedgerFrame;
     }
   }
+}
 
-  bool leftovers = false;
-  std::size_t events_sent = 0;
-  // Encodes ring events [pos, end) while they fit beside the reserved ledger frames.
-  auto send_events = [&](EventRing& ring, std::uint64_t& pos, std::uint64_t end) {
-    const auto runs = ring.range(pos, end);
-    for (const auto run : {runs.first, runs.second}) {
-      std::size_t done = 0;
-      while (done < run.size() && !leftovers) {
-        const std::size_t room = enc.remaining() > ledger_reserved + kFrameBytes
-                                     ? enc.remaining() - ledger_reserved - kFrameBytes
-                                     : 0;
-        const std::size_t fit = std::min(run.size() - done, room / sizeof(proto::EventRecord));
-        const std::size_t start = enc.size() + kFrameBytes;
-        const auto* records = reinterpret_cast<const proto::EventRecord*>(run.data() + done);
-        const std::size_t n = fit == 0 ? 0 : enc.events({records, fit});
-        if (n == 0) {
-          leftovers = true;
-          break;
-        }
-        if (tsc) {
-          for (std::size_t k = 0; k < n; ++k) {
-            std::byte* at = buf_.data() + start + k * sizeof(proto::EventRecord);
-            std::uint64_t ticks;
-            std::memcpy(&ticks, at, sizeof ticks);
-            const std::uint64_t ns = s_.converter.to_ns(ticks);
-            std::memcpy(at, &ns, sizeof ns);
-          }
-        }
-        marks_.push_back({enc.size(), static_cast<std::uint32_t>(n)});
-        done += n;
-        pos += n;
-        events_sent += n;
-      }
+void Flusher::send_ledger(Round& round, proto::LedgerRecord record) {
+  if (round.tsc) record.timestamp_ns = s_.converter.to_ns(record.timestamp_ns);
+  // A daemon too old for leases (PROTOCOL.md section 6): the reservation goes without
+  // its lease; a renewal cannot go at all and is counted as refused by the library.
+  if (record.op > static_cast<std::uint8_t>(proto::last_ledger_op(version_))) {
+    if (record.op != static_cast<std::uint8_t>(proto::LedgerOp::kReserveLease)) {
+      s_.count_drops(proto::DropCause::kInvalid);
+      return;
     }
-  };
+    record.op = static_cast<std::uint8_t>(proto::LedgerOp::kReserve);
+    record.total_bytes = 0;
+  }
+  if (round.enc.ledger(record)) {
+    ++round.ledger_sent;
+    marks_.push_back({round.enc.size(), 1});
+  }
+}
+
+void Flusher::drain_rings_locked(Round& round) {
+  auto& rings = s_.registry.rings;
   // Round robin: start with the ring after the one the last round could not finish.
-  bool nudge = false;    // a shared ring is past its high-water mark
-  bool offered = false;  // a ring waits for its RingAck: a flush cannot be answered yet
   const std::size_t count = rings.size();
   const std::size_t first = count == 0 ? 0 : next_ring_ % count;
   std::size_t unfinished = SIZE_MAX;
@@ -408,68 +409,97 @@ bool Flusher::build_batch() {
     EventRing& ring = *rings[i];
     if (ring.sharing != EventRing::Sharing::kLocal) {
       // The daemon reads it; a ring past its high-water mark asks it to now (a Flush of
-      // the flusher's own, below), rather than at its next poll.
+      // the flusher's own, in the tail), rather than at its next poll.
       if (ring.sharing == EventRing::Sharing::kShared && ring.fill() >= ring.high_water()) {
-        nudge = true;
+        round.nudge = true;
       }
-      if (ring.sharing == EventRing::Sharing::kOffered) offered = true;
+      if (ring.sharing == EventRing::Sharing::kOffered) round.offered = true;
       continue;
     }
     if (!ring.consumer_gone()) {
       // A daemon that mapped it on an earlier connection has not let it go yet: its
       // annotations wait with its events.
-      offered = true;
+      round.offered = true;
       for (std::size_t k = 0; k < ledger_.size(); ++k) {
         if (ledger_ring_[k] != i) continue;
-        ledger_reserved -= kLedgerFrame;
+        round.ledger_reserved -= kLedgerFrame;
         carried_.push_back(ledger_[k]);
       }
       continue;
     }
-    std::uint64_t pos = ring.consumed();
-    for (std::size_t k = 0; k < ledger_.size(); ++k) {
-      if (ledger_ring_[k] != i) continue;
-      const std::uint64_t stamp = ledger_[k].timestamp_ns;
-      if (leftovers) {
-        ledger_reserved -= kLedgerFrame;
-        // The batch is full: the record goes now only if none of its thread's earlier
-        // events is still waiting, else it waits with them.
-        if (pos < heads_[i] && ring.at(pos).ticks <= stamp) {
-          carried_.push_back(ledger_[k]);
-        } else {
-          send_ledger(ledger_[k]);  // fits: its room was reserved
-        }
-        continue;
-      }
-      std::uint64_t until = pos;
-      while (until < heads_[i] && ring.at(until).ticks <= stamp) ++until;
-      send_events(ring, pos, until);
-      ledger_reserved -= kLedgerFrame;
-      if (pos == until) {
-        send_ledger(ledger_[k]);
-      } else {
-        carried_.push_back(ledger_[k]);
-      }
-    }
-    if (!leftovers) send_events(ring, pos, heads_[i]);
-    if (leftovers && unfinished == SIZE_MAX) unfinished = i;
-    ring.release(pos);
+    drain_ring_locked(round, i);
+    if (round.leftovers && unfinished == SIZE_MAX) unfinished = i;
   }
   next_ring_ = unfinished == SIZE_MAX ? 0 : unfinished + 1;
+}
 
-  bool busy = leftovers || ledger_waits;
-  std::size_t shared = 0;
-  for (const auto& ring : rings) shared += ring->sharing == EventRing::Sharing::kShared ? 1 : 0;
-  quiet_ = shared == rings.size() && carried_.empty() && !busy;
-  free_orphans_locked();
-  // A ring this side drains is at its high-water mark: the next round comes at once.
-  for (const auto& ring : rings) {
-    if (ring->sharing == EventRing::Sharing::kLocal && ring->fill() >= ring->high_water()) {
-      busy = true;
+void Flusher::drain_ring_locked(Round& round, std::size_t i) {
+  EventRing& ring = *s_.registry.rings[i];
+  std::uint64_t pos = ring.consumed();
+  for (std::size_t k = 0; k < ledger_.size(); ++k) {
+    if (ledger_ring_[k] != i) continue;
+    const std::uint64_t stamp = ledger_[k].timestamp_ns;
+    if (round.leftovers) {
+      round.ledger_reserved -= kLedgerFrame;
+      // The batch is full: the record goes now only if none of its thread's earlier
+      // events is still waiting, else it waits with them.
+      if (pos < heads_[i] && ring.at(pos).ticks <= stamp) {
+        carried_.push_back(ledger_[k]);
+      } else {
+        send_ledger(round, ledger_[k]);  // fits: its room was reserved
+      }
+      continue;
+    }
+    std::uint64_t until = pos;
+    while (until < heads_[i] && ring.at(until).ticks <= stamp) ++until;
+    send_events(round, ring, pos, until);
+    round.ledger_reserved -= kLedgerFrame;
+    if (pos == until) {
+      send_ledger(round, ledger_[k]);
+    } else {
+      carried_.push_back(ledger_[k]);
     }
   }
+  if (!round.leftovers) send_events(round, ring, pos, heads_[i]);
+  ring.release(pos);
+}
 
-  proto::Encoder tail(std::span<std::byte>(buf_.data() + enc.size(), buf_.size() - enc.size()));
+void Flusher::send_events(Round& round, EventRing& ring, std::uint64_t& pos, std::uint64_t end) {
+  proto::Encoder& enc = round.enc;
+  const auto runs = ring.range(pos, end);
+  for (const auto run : {runs.first, runs.second}) {
+    std::size_t done = 0;
+    while (done < run.size() && !round.leftovers) {
+      const std::size_t reserved = round.ledger_reserved + kFrameBytes;
+      const std::size_t room = enc.remaining() > reserved ? enc.remaining() - reserved : 0;
+      const std::size_t fit = std::min(run.size() - done, room / sizeof(proto::EventRecord));
+      const std::size_t start = enc.size() + kFrameBytes;
+      const auto* records = reinterpret_cast<const proto::EventRecord*>(run.data() + done);
+      const std::size_t n = fit == 0 ? 0 : enc.events({records, fit});
+      if (n == 0) {
+        round.leftovers = true;
+        break;
+      }
+      if (round.tsc) {
+        for (std::size_t k = 0; k < n; ++k) {
+          std::byte* at = buf_.data() + start + k * sizeof(proto::EventRecord);
+          std::uint64_t ticks;
+          std::memcpy(&ticks, at, sizeof ticks);
+          const std::uint64_t ns = s_.converter.to_ns(ticks);
+          std::memcpy(at, &ns, sizeof ns);
+        }
+      }
+      marks_.push_back({enc.size(), static_cast<std::uint32_t>(n)});
+      done += n;
+      pos += n;
+      round.events_sent += n;
+    }
+  }
+}
+
+void Flusher::encode_tail_locked(Round& round, std::uint64_t flush_seq) {
+  const std::size_t used = round.enc.size();
+  proto::Encoder tail(std::span<std::byte>(buf_.data() + used, buf_.size() - used));
   const proto::DroppedByCause dropped =
       shm_connection() ? s_.dropped_for_daemon_locked() : s_.dropped_locked();
   std::uint64_t total = 0;
@@ -481,10 +511,10 @@ bool Flusher::build_batch() {
       resend_dropped_ = false;
     }
   }
-  batch_records_ = events_sent + ledger_sent;
+  batch_records_ = round.events_sent + round.ledger_sent;
   // One nudge at a time: a daemon busy draining must not get a Flush per wake-up, or one
   // connection's Flushes keep its io thread from every other ring.
-  nudge = nudge && nudge_flush_ == 0;
+  const bool nudge = round.nudge && nudge_flush_ == 0;
   if (batch_records_ > 0 || nudge) {
     batch_flush_ = next_own_flush();
     tail.flush(batch_flush_);  // fits: kTailReserve
@@ -492,12 +522,11 @@ bool Flusher::build_batch() {
   }
   // Everything recorded before the flush call was taken (the heads were read after it);
   // the daemon drains the rings it maps before it answers.
-  if (!leftovers && !ledger_waits && !offered && flush_seq > flush_sent_ && tail.flush(flush_seq)) {
+  if (!round.leftovers && !round.ledger_waits && !round.offered && flush_seq > flush_sent_ &&
+      tail.flush(flush_seq)) {
     flush_sent_ = flush_seq;
   }
-  len_ = enc.size() + tail.size();
-  last_round_sent_events_ = events_sent > 0;
-  return busy;
+  len_ = used + tail.size();
 }
 
 void Flusher::free_orphans_locked() {

@@ -109,6 +109,30 @@ class Flusher {
   bool shm_connection() const { return version_ >= proto::kShmProtocolVersion && s_.shm_rings; }
   // Builds the next batch into buf_; true when more is waiting right away.
   bool build_batch();
+  // build_batch's steps, over one round (flusher.cpp). The _locked ones require
+  // RingRegistry::mu and use heads_, the rings' published heads read under it.
+  struct Round;
+  // The handshake: hello, identity, and the Flush nothing else goes before the ack of.
+  void encode_hello(proto::Encoder& enc);
+  // ledger_: the records carried over from the last round first (they are older), then
+  // the queue's stamped before `cutoff`; while many are carried the queue waits (it
+  // stays bounded and drops when full).
+  void take_ledger(Round& round, std::uint64_t cutoff);
+  // Each annotation goes between its own thread's events, in recording order: ledger_ring_
+  // says whose ring; those of threads without a ring (or one the daemon maps) go first.
+  void place_ledger_locked(Round& round);
+  void send_ledger(Round& round, proto::LedgerRecord record);
+  // Round robin over the rings, from the one after the ring the last round could not
+  // finish: notes the shared ones, drains this side's.
+  void drain_rings_locked(Round& round);
+  // Ring `i` (this side consumes it): its events up to its head, each of its ledger
+  // records among them, as far as they fit; frees what was taken.
+  void drain_ring_locked(Round& round, std::size_t i);
+  // Encodes ring events [pos, end) while they fit beside the reserved ledger frames.
+  void send_events(Round& round, EventRing& ring, std::uint64_t& pos, std::uint64_t end);
+  // After the events: the drop counts when they changed, the own Flush that acknowledges
+  // the batch (or nudges the daemon), a caller's Flush when everything was taken.
+  void encode_tail_locked(Round& round, std::uint64_t flush_seq);
   // Requires RingRegistry::mu. Frees the rings of exited threads that hold nothing and
   // that no daemon reads any more. While connected the others wait to be drained (and a
   // ring offered on this connection for its RingAck); while not, only the newest
