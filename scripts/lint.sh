@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Style checks CI runs: clang-format (no diff allowed) and clang-tidy's naming rules
-# from .clang-tidy, over our own sources. Usage: scripts/lint.sh [BUILD_DIR]
+# Style checks CI runs: the include rules of docs/ARCHITECTURE.md's Folders table
+# (scripts/check-includes.py, and its self-test), clang-format (no diff allowed) and
+# clang-tidy's naming rules from .clang-tidy, over our own sources.
+# Usage: scripts/lint.sh [BUILD_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${1:-build}
+
+# Which folder may include which: the "may include" column of docs/ARCHITECTURE.md.
+echo "lint: include rules (docs/ARCHITECTURE.md, Folders)"
+python3 scripts/check-includes.py
+python3 scripts/check-includes.py --self-test
 
 mapfile -t files < <(git ls-files '*.h' '*.hpp' '*.cpp' '*.c' | grep -v '^tests/fuzz/corpus/')
 echo "lint: clang-format on ${#files[@]} files"
