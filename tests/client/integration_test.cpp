@@ -250,12 +250,16 @@ TEST_P(ClientIntegration, DaemonAbsentAtStartThenStarted) {
   std::cerr << "daemon absent: phase 1 took " << phase1.at("phase1_ms") << " ms; connect "
             << phase1.at("connect_unqueued_ns") << " ns, longest other call "
             << phase1.at("max_call_ns") << " ns (" << phase1.at("max_call_unqueued_ns")
-            << " ns not waiting for a CPU)\n";
+            << " ns not waiting for a CPU), " << phase1.at("phase1_voluntary_switches")
+            << " voluntary context switches\n";
   // No call waited for the daemon (its reconnect backoff, a connect timeout, a full
-  // ring). As in StoppedDaemonDefaultModeDropsAndNeverBlocks, each call's time minus
-  // its thread's wait for a CPU: preemption alone takes tens of ms on a loaded machine.
-  EXPECT_LT(phase1.at("connect_unqueued_ns"), 50'000'000);
-  EXPECT_LT(phase1.at("max_call_unqueued_ns"), 50'000'000);
+  // ring): waiting is sleeping or blocking, a voluntary context switch of the recording
+  // thread, as in StoppedDaemonDefaultModeDropsAndNeverBlocks. Not a bound on call times:
+  // on a shared machine preemption alone stalls a call for 100 ms now and then (the
+  // figures above are printed, not judged). A few switches come from starting the
+  // flusher thread and first-touch faults, not from any wait on the daemon.
+  ASSERT_GE(phase1.at("phase1_voluntary_switches"), 0) << "/proc/thread-self/status unreadable";
+  EXPECT_LT(phase1.at("phase1_voluntary_switches"), 20);
   daemon_ = std::make_unique<DaemonProcess>(socket());
   ASSERT_TRUE(daemon_->start()) << daemon_->log();
   ASSERT_EQ(wait_process(pid, 60000), 0);

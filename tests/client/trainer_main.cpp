@@ -289,6 +289,7 @@ int main(int argc, char** argv) {
     const int before = arg(4, 10000);
     const int after = arg(5, 1000);
     const auto t0 = Clock::now();
+    const long long switches0 = voluntary_switches();
     int rc = 0;
     // Every call is timed on its own: none may wait for the absent daemon.
     const long long connect_ns = unqueued_call_ns([&] { rc = steptrace_connect(socket.c_str()); });
@@ -296,6 +297,11 @@ int main(int argc, char** argv) {
     const CallTimes spans = timed_spans(STEPTRACE_FORWARD, before);
     const long long ledger_ns =
         unqueued_call_ns([] { steptrace_ledger_reserve("GPU-late", 1, 4096, "late-task"); });
+    const long long switches1 = voluntary_switches();
+    // Sleeping, or blocking on a lock or the socket, is a voluntary context switch of this
+    // thread; being preempted is not.
+    out.set("phase1_voluntary_switches",
+            switches0 < 0 || switches1 < 0 ? -1 : switches1 - switches0);
     out.set("phase1_ms",
             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
     out.set("connect_unqueued_ns", connect_ns);
