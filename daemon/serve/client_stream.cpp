@@ -612,7 +612,8 @@ std::error_code ClientStream::attach_ring(const proto::RingAttach& attach) {
   RingCounters& counters = shared_.counters.rings;
   if (status == proto::RingStatus::kMapped) {
     ++counters.attached;
-    if (shared_.ring_streams.insert(this).second && shared_.rings_active) shared_.rings_active();
+    shared_.ring_streams.insert(this);
+    if (shared_.rings_active) shared_.rings_active();  // read it soon
   } else {
     ++counters.refused;
     if (limit) shared_.collector.count_limit(*limit);

@@ -111,6 +111,7 @@ struct SessionShared {
   std::size_t pending_fds = 0;                                // <= kMaxPendingRingFds
   std::map<std::uint32_t, std::size_t> pending_fds_by_uid{};  // each <= kMaxPendingRingFdsPerUid
   std::set<ClientStream*> ring_streams{};
+  // A ring was mapped: the server reads the rings within 1 ms (Server::schedule_ring_drain).
   std::function<void()> rings_active{};
 };
 

@@ -55,8 +55,15 @@ Server::Server(const Config& config, Collector& collector)
               static_cast<std::uint32_t>(::geteuid())},
       connections_(io_, shared_, config.server_limits),
       gpu_sampler_(io_, collector, config.nvml) {
+  // A ring just mapped is read within 1 ms, even while the timer idles at 10 ms for the
+  // others: its thread may be recording fast already (a 4 MiB ring fills in ~10 ms at
+  // 26 M events/s), and until this pass nobody reads it.
   shared_.rings_active = [this] {
-    if (!ring_timer_armed_ && !stopping_) schedule_ring_drain(std::chrono::milliseconds(1));
+    if (stopping_) return;
+    constexpr auto kSoon = std::chrono::milliseconds(1);
+    if (!ring_timer_armed_ || ring_timer_.expiry() > std::chrono::steady_clock::now() + kSoon) {
+      schedule_ring_drain(kSoon);
+    }
   };
 }
 
@@ -235,6 +242,7 @@ void Server::schedule_ring_drain(std::chrono::milliseconds delay) {
   ring_timer_armed_ = true;
   ring_timer_.expires_after(delay);
   ring_timer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec == boost::asio::error::operation_aborted) return;  // re-armed sooner, or stopping
     ring_timer_armed_ = false;
     if (ec || stopping_) return;
     assert(on_io_thread(io_));
