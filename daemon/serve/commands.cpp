@@ -26,11 +26,8 @@ using nlohmann::json;
 using proto::parse_pid;
 using proto::parse_seconds;
 
-// The option bounds are proto/commands.h's, shared with the CLI; commands.h spells
-// TraceRequest's for its users.
-static_assert(TraceRequest::kMaxPids == proto::kMaxTracePids);
-static_assert(TraceRequest::kMaxLastS == proto::kMaxTraceLastSeconds);
-static_assert(TraceRequest::kMaxForS == proto::kMaxTraceForSeconds);
+// The option bounds are proto/commands.h's, shared with the CLI (TraceRequest's are
+// aliases of them).
 
 // "--pid needs a process id in 1..2147483647"
 std::string pid_range() {

@@ -26,6 +26,7 @@
 
 #include "daemon/serve/render_job.h"
 #include "daemon/state/collector.h"
+#include "proto/commands.h"
 
 namespace steptrace::daemon {
 
@@ -117,9 +118,10 @@ struct ResetRequest {
 // `trace [--pid N]... [--last SECONDS | --for SECONDS]`: the flight recorder's window as
 // a Chrome Trace Event document (daemon/report/trace_export.h).
 struct TraceRequest {
-  static constexpr std::size_t kMaxPids = 64;
-  static constexpr double kMaxLastS = 86400;
-  static constexpr double kMaxForS = 3600;
+  // The bounds the CLI checks too (proto/commands.h).
+  static constexpr std::size_t kMaxPids = proto::kMaxTracePids;
+  static constexpr double kMaxLastS = proto::kMaxTraceLastSeconds;
+  static constexpr double kMaxForS = proto::kMaxTraceForSeconds;
   std::set<std::int32_t> pids;
   std::optional<double> last_s;
   std::optional<double> for_s;
