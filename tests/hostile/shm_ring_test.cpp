@@ -51,6 +51,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -411,6 +412,18 @@ class RawClient {
   std::uint64_t sequence_ = 0;
   bool eof_ = false;
 };
+
+// `n` rings of threads first_thread, first_thread + 1, ...; check all_made() before use.
+std::vector<std::unique_ptr<CraftedRing>> crafted_rings(std::uint32_t n,
+                                                        std::uint32_t first_thread) {
+  std::vector<std::unique_ptr<CraftedRing>> out;
+  for (std::uint32_t i = 0; i < n; ++i)
+    out.push_back(std::make_unique<CraftedRing>(first_thread + i));
+  return out;
+}
+bool all_made(const std::vector<std::unique_ptr<CraftedRing>>& rings) {
+  return std::all_of(rings.begin(), rings.end(), [](const auto& r) { return r->ok(); });
+}
 
 std::size_t open_fds(pid_t pid) {
   std::size_t n = 0;
@@ -923,11 +936,10 @@ TEST_F(HostileShmRingTest, AFloodOfStrayDescriptorsLeaksNoneInTheDaemon) {
 
   RawClient good(socket());
   ASSERT_TRUE(good.handshake());
-  std::vector<std::unique_ptr<CraftedRing>> rings_made;
+  const auto rings_made = crafted_rings(40, 100);
+  ASSERT_TRUE(all_made(rings_made));
   for (std::uint32_t i = 0; i < 40; ++i) {
-    rings_made.push_back(std::make_unique<CraftedRing>(100 + i));
-    ASSERT_TRUE(rings_made.back()->ok());
-    EXPECT_EQ(good.attach(i, *rings_made.back()), RingStatus::kMapped) << "ring " << i;
+    EXPECT_EQ(good.attach(i, *rings_made[i]), RingStatus::kMapped) << "ring " << i;
   }
   EXPECT_EQ(rings()["mapped"], 40);
   EXPECT_EQ(hostile_mappings(daemon_pid()), 40u);
@@ -1347,11 +1359,10 @@ TEST_F(HostileShmRingTest,
   RawClient hostile(socket());
   ASSERT_TRUE(hostile.handshake());
   const std::size_t fds_before = settled_fds();
-  std::vector<std::unique_ptr<CraftedRing>> made;
+  const auto made = crafted_rings(4, 50);
+  ASSERT_TRUE(all_made(made));
   for (std::uint32_t i = 0; i < 4; ++i) {
-    made.push_back(std::make_unique<CraftedRing>(50 + i));
-    ASSERT_TRUE(made.back()->ok());
-    EXPECT_EQ(hostile.attach(i, *made.back()), RingStatus::kMapped);
+    EXPECT_EQ(hostile.attach(i, *made[i]), RingStatus::kMapped);
   }
   CraftedRing fifth(60);
   ASSERT_TRUE(fifth.ok());
@@ -1432,11 +1443,8 @@ TEST_F(HostileShmRingTest, MaxRingBytesPerUidRefusesASecondConnectionOfTheUidUnt
   RawClient second(socket());
   ASSERT_TRUE(first.handshake());
   ASSERT_TRUE(second.handshake());
-  std::vector<std::unique_ptr<CraftedRing>> made;
-  for (std::uint32_t i = 0; i < 4; ++i) {
-    made.push_back(std::make_unique<CraftedRing>(70 + i));
-    ASSERT_TRUE(made.back()->ok());
-  }
+  const auto made = crafted_rings(4, 70);
+  ASSERT_TRUE(all_made(made));
   for (std::uint32_t i = 0; i < 3; ++i) EXPECT_EQ(first.attach(i, *made[i]), RingStatus::kMapped);
   EXPECT_EQ(second.attach(3, *made[3]), RingStatus::kRefusedLimit);
   EXPECT_EQ(limits_hit("max_ring_bytes_per_uid"), 1u);
@@ -1466,11 +1474,8 @@ TEST_F(HostileShmRingTest, MaxRingsPerUidRefusesTheRingPastItOverAllConnectionsO
   RawClient second(socket());
   ASSERT_TRUE(first.handshake());
   ASSERT_TRUE(second.handshake());
-  std::vector<std::unique_ptr<CraftedRing>> made;
-  for (std::uint32_t i = 0; i < 4; ++i) {
-    made.push_back(std::make_unique<CraftedRing>(80 + i));
-    ASSERT_TRUE(made.back()->ok());
-  }
+  const auto made = crafted_rings(4, 80);
+  ASSERT_TRUE(all_made(made));
   EXPECT_EQ(first.attach(0, *made[0]), RingStatus::kMapped);
   EXPECT_EQ(first.attach(1, *made[1]), RingStatus::kMapped);
   EXPECT_EQ(second.attach(2, *made[2]), RingStatus::kMapped);
