@@ -1,7 +1,9 @@
-// Helpers for the daemon's unit tests: a fake Environment (clock and /proc), a
-// recording transport, and a Connection that encodes messages with proto::Encoder and
-// feeds them to the daemon's real ClientStream (daemon/serve/client_stream.h) over a
-// real Collector: the bytes take the path they take in steptraced, minus the socket.
+// Helpers for the daemon's unit tests that need serve/: a recording transport, and a
+// Connection that encodes messages with proto::Encoder and feeds them to the daemon's
+// real ClientStream (daemon/serve/client_stream.h) over a real Collector: the bytes take
+// the path they take in steptraced, minus the socket. The fake Environment (FakeWorld)
+// and the event and record builders are state's (tests/daemon/state/collector_driver.h);
+// a test of state alone feeds the Collector with that header's DirectClient instead.
 #pragma once
 
 #include <algorithm>
@@ -24,55 +26,9 @@
 #include "daemon/serve/render_worker.h"
 #include "daemon/state/collector.h"
 #include "proto/codec.h"
+#include "tests/daemon/state/collector_driver.h"
 
 namespace steptrace::daemon::test {
-
-// A controllable clock and process table. Outlives the Collector that uses env().
-struct FakeWorld {
-  std::uint64_t now_ns = 1'000'000'000'000;
-  std::map<std::int32_t, ProcessProbe> procs;  // pid -> what /proc says; absent: gone
-  std::uint64_t probes = 0;                    // how many times /proc was asked
-  int probe_error = 0;                         // non-zero: every probe fails with it
-
-  Environment env() {
-    Environment e;
-    e.monotonic_now_ns = [this] { return now_ns; };
-    e.probe = [this](std::int32_t pid) -> std::optional<ProcessProbe> {
-      ++probes;
-      if (probe_error != 0) {
-        ProcessProbe failed;
-        failed.error = probe_error;
-        return failed;
-      }
-      const auto it = procs.find(pid);
-      if (it == procs.end()) return std::nullopt;
-      return it->second;
-    };
-    return e;
-  }
-  // Registers a running process and returns its identity.
-  PeerIdentity spawn(std::int32_t pid, std::uint64_t start_time, std::string comm,
-                     std::uint32_t uid = 1000) {
-    procs[pid] = ProcessProbe{start_time, false, comm};
-    PeerIdentity peer;
-    peer.key = {pid, start_time};
-    peer.uid = uid;
-    peer.gid = uid;
-    peer.comm = std::move(comm);
-    return peer;
-  }
-  void kill(std::int32_t pid) { procs.erase(pid); }
-  void zombify(std::int32_t pid) { procs.at(pid).zombie = true; }
-};
-
-inline proto::EventRecord start(std::uint32_t tid, std::uint32_t step, std::uint64_t ts) {
-  return {ts, tid, static_cast<std::uint16_t>(step),
-          static_cast<std::uint8_t>(proto::EventKind::kStart), 0};
-}
-inline proto::EventRecord end(std::uint32_t tid, std::uint32_t step, std::uint64_t ts) {
-  return {ts, tid, static_cast<std::uint16_t>(step),
-          static_cast<std::uint8_t>(proto::EventKind::kEnd), 0};
-}
 
 // The transport side of a ClientStream, in memory: what the stream sends is kept in
 // order, render jobs run at once on a fresh view of the collector (as Session does
@@ -231,19 +187,5 @@ class Connection {
   ClientStream stream_;
   std::error_code attach_error_;
 };
-
-inline proto::LedgerRecord reserve_record(std::string_view gpu, std::uint64_t id,
-                                          std::uint64_t bytes, std::string_view task,
-                                          std::uint32_t tid, std::uint64_t ts) {
-  proto::LedgerRecord r{};
-  r.timestamp_ns = ts;
-  r.reservation_id = id;
-  r.bytes = bytes;
-  r.thread_id = tid;
-  r.op = static_cast<std::uint8_t>(proto::LedgerOp::kReserve);
-  proto::set_field(r.gpu_uuid, gpu);
-  proto::set_field(r.task, task);
-  return r;
-}
 
 }  // namespace steptrace::daemon::test
