@@ -17,14 +17,15 @@
 #include <vector>
 
 #include "daemon/state/collector.h"
-#include "tests/daemon/daemon_test_util.h"
+#include "tests/daemon/state/collector_driver.h"
 
 namespace steptrace::daemon {
 namespace {
 
-using test::Connection;
+using test::DirectClient;
 using test::end;
 using test::FakeWorld;
+using test::span_of;
 using test::start;
 
 constexpr std::uint64_t kSecond = 1'000'000'000;
@@ -49,10 +50,6 @@ std::vector<proto::EventRecord> numbered(std::uint64_t first, std::size_t n,
     out.push_back(i % 2 == 0 ? start(tid, 0, first + i) : end(tid, 0, first + i));
   }
   return out;
-}
-
-proto::EventSpan span_of(const std::vector<proto::EventRecord>& events) {
-  return {reinterpret_cast<const std::byte*>(events.data()), events.size()};
 }
 
 void put(FlightRecorder& r, std::uint32_t handle, const std::vector<proto::EventRecord>& events,
@@ -763,8 +760,8 @@ TEST_F(FlightRecorderCollectorTest, RecordsEventsStepsLedgerAndDrops) {
   Collector collector(limits_, world_.env());
   const PeerIdentity a_peer = world_.spawn(100, 5, "trainer");
   const PeerIdentity b_peer = world_.spawn(200, 6, "eval");
-  Connection a(collector, a_peer);
-  auto b = std::make_unique<Connection>(collector, b_peer);
+  DirectClient a(collector, a_peer);
+  auto b = std::make_unique<DirectClient>(collector, b_peer);
   ASSERT_FALSE(a.attach_error());
   ASSERT_FALSE(b->attach_error());
 
@@ -774,14 +771,14 @@ TEST_F(FlightRecorderCollectorTest, RecordsEventsStepsLedgerAndDrops) {
   ASSERT_FALSE(b->events({start(2, kBackward, 2000), end(2, kBackward, 2500)}));
 
   world_.now_ns += kSecond;
-  ASSERT_FALSE(a.ledger(test::reserve_record("GPU-x", 1, 4096, "qlora", 1, 3000)));
-  ASSERT_FALSE(a.ledger(release_record("GPU-x", 1, 3100)));
-  ASSERT_FALSE(a.ledger(release_record("GPU-x", 99, 3200)));  // unknown: refused
+  a.ledger(test::reserve_record("GPU-x", 1, 4096, "qlora", 1, 3000));
+  a.ledger(release_record("GPU-x", 1, 3100));
+  a.ledger(release_record("GPU-x", 99, 3200));  // unknown: refused
 
   world_.now_ns += kSecond;
   const std::uint64_t drop_at = world_.now_ns;
-  ASSERT_FALSE(b->dropped_by_cause({{5, 0, 0, 0}}));
-  ASSERT_FALSE(b->dropped_by_cause({{5, 0, 0, 0}}));  // the same cumulative report again
+  b->dropped_by_cause({{5, 0, 0, 0}});
+  b->dropped_by_cause({{5, 0, 0, 0}});  // the same cumulative report again
 
   auto c = collector.capture_trace({}, 0);
   ASSERT_EQ(c->processes.size(), 2u);
@@ -830,7 +827,7 @@ TEST_F(FlightRecorderCollectorTest, RecordsEventsStepsLedgerAndDrops) {
   EXPECT_EQ(c->counters.events_recorded, 6u);
 
   // Raised again: only the difference.
-  ASSERT_FALSE(b->dropped_by_cause({{7, 1, 0, 0}}));
+  b->dropped_by_cause({{7, 1, 0, 0}});
   c = collector.capture_trace({}, 0);
   ASSERT_EQ(c->marks.size(), 6u);
   EXPECT_EQ(c->marks[4].cause, 0u);
@@ -866,9 +863,9 @@ TEST_F(FlightRecorderCollectorTest, RecordsEventsStepsLedgerAndDrops) {
 
 TEST_F(FlightRecorderCollectorTest, AVersionOneDropReportIsAMarkWithoutCause) {
   Collector collector(limits_, world_.env());
-  Connection a(collector, world_.spawn(100, 5, "trainer"));
-  ASSERT_FALSE(a.dropped(4));
-  ASSERT_FALSE(a.dropped(4));
+  DirectClient a(collector, world_.spawn(100, 5, "trainer"));
+  a.dropped(4);
+  a.dropped(4);
   const auto c = collector.capture_trace({}, 0);
   ASSERT_EQ(c->marks.size(), 1u);
   EXPECT_EQ(c->marks[0].kind, TraceMark::Kind::kDropped);
@@ -884,7 +881,7 @@ TEST_F(FlightRecorderCollectorTest, TheDaemonsOwnDropsAreMarkedAtTheFirstLostEve
   limits.max_open_depth = 2;
   limits.max_threads_per_process = 1;
   Collector collector(limits, world_.env());
-  Connection a(collector, world_.spawn(100, 5, "trainer"));
+  DirectClient a(collector, world_.spawn(100, 5, "trainer"));
   const auto start = [](std::uint64_t ts, std::uint32_t tid) {
     return proto::EventRecord{ts, tid, 0, static_cast<std::uint8_t>(proto::EventKind::kStart), 0};
   };
@@ -907,12 +904,12 @@ TEST_F(FlightRecorderCollectorTest, TheDaemonsOwnDropsAreMarkedAtTheFirstLostEve
 // The ledger mark says what the view did even while a frozen view shares its state.
 TEST_F(FlightRecorderCollectorTest, LedgerMarksAreRightWhileAViewIsHeld) {
   Collector collector(limits_, world_.env());
-  Connection a(collector, world_.spawn(100, 5, "trainer"));
-  ASSERT_FALSE(a.ledger(test::reserve_record("GPU-x", 1, 4096, "qlora", 1, 3000)));
+  DirectClient a(collector, world_.spawn(100, 5, "trainer"));
+  a.ledger(test::reserve_record("GPU-x", 1, 4096, "qlora", 1, 3000));
   const auto view = collector.freeze();  // shares the ledger's state (copy on write)
-  ASSERT_FALSE(a.ledger(test::reserve_record("GPU-x", 2, 1024, "qlora", 1, 3100)));
+  a.ledger(test::reserve_record("GPU-x", 2, 1024, "qlora", 1, 3100));
   const auto view2 = collector.freeze();
-  ASSERT_FALSE(a.ledger(release_record("GPU-x", 1, 3200)));
+  a.ledger(release_record("GPU-x", 1, 3200));
   const auto c = collector.capture_trace({}, 0);
   ASSERT_EQ(c->marks.size(), 3u);
   EXPECT_TRUE(c->marks[0].applied);
@@ -925,7 +922,7 @@ TEST_F(FlightRecorderCollectorTest, LedgerMarksAreRightWhileAViewIsHeld) {
 
 TEST_F(FlightRecorderCollectorTest, EventsAfterABadOneAreNotRecorded) {
   Collector collector(limits_, world_.env());
-  Connection a(collector, world_.spawn(100, 5, "trainer"));
+  DirectClient a(collector, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(a.events({start(1, kForward, 10)}));
   const std::error_code ec = a.events({end(1, kForward, 20), start(1, kForward, 30),
                                        start(1, kCustom + 5, 40),  // never registered
@@ -950,11 +947,11 @@ TEST_F(FlightRecorderCollectorTest, EventsAfterABadOneAreNotRecordedDirectCall) 
 TEST_F(FlightRecorderCollectorTest, BudgetZeroRecordsNothing) {
   Collector collector(limits_, world_.env(), FlightRecorderConfig{0, 300 * kSecond});
   EXPECT_FALSE(collector.recorder().on());
-  Connection a(collector, world_.spawn(100, 5, "trainer"));
+  DirectClient a(collector, world_.spawn(100, 5, "trainer"));
   ASSERT_FALSE(a.register_step(kCustom, "fetch"));
   ASSERT_FALSE(a.events({start(1, kForward, 1000), end(1, kForward, 1500)}));
-  ASSERT_FALSE(a.ledger(test::reserve_record("GPU-x", 1, 4096, "qlora", 1, 3000)));
-  ASSERT_FALSE(a.dropped_by_cause({{5, 0, 0, 0}}));
+  a.ledger(test::reserve_record("GPU-x", 1, 4096, "qlora", 1, 3000));
+  a.dropped_by_cause({{5, 0, 0, 0}});
   collector.refresh_liveness();
   const auto c = collector.capture_trace({}, 0);
   EXPECT_TRUE(c->processes.empty());
