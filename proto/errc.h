@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <system_error>
 
 namespace steptrace {
@@ -83,6 +84,14 @@ constexpr bool errc_table_dense() {
 }
 }  // namespace detail
 static_assert(detail::errc_table_dense(), "errc values must be 1..n in table order");
+
+// The other protocol_errors kinds, counted by a daemon session rather than named by a
+// code: a command line over limits.max_line_bytes, and a client that did not read its
+// replies in time. `metrics` exports them from the start too.
+inline constexpr const char* kLineTooLongKind = "line_too_long";
+inline constexpr const char* kWriteTimeoutKind = "write_timeout";
+inline constexpr std::array<std::string_view, 2> kSessionErrorKinds = {kLineTooLongKind,
+                                                                       kWriteTimeoutKind};
 
 const std::error_category& steptrace_category() noexcept;
 

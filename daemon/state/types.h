@@ -122,13 +122,6 @@ constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
 
-// The protocol_errors kinds a session counts that are not errcs: a command line over
-// limits.max_line_bytes, and a client that did not read its replies in time.
-inline constexpr const char* kLineTooLongKind = "line_too_long";
-inline constexpr const char* kWriteTimeoutKind = "write_timeout";
-inline constexpr std::array<std::string_view, 2> kSessionErrorKinds = {kLineTooLongKind,
-                                                                       kWriteTimeoutKind};
-
 // What the server and its sessions count (daemon/serve/): they own these, the collector
 // never touches them. A CollectorView adds them to the collector's own (Collector::freeze).
 // What the Prometheus HTTP listener counted (daemon/serve/http_metrics.h).
