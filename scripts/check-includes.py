@@ -17,6 +17,9 @@ How the table is read (section "## Folders", the first table in it):
     so `persist/` may include `proto/` too.
   - Below the table, lines "- `FOLDER` may include `PATH`: why" are known exceptions:
     tolerated and listed on every run, and an error once nothing uses them any more.
+  - Below the table, lines "- `HEADER` is private to `FOLDER`: why" make a header one
+    that only FOLDER's files may include: every other file of the tree, tests too, is a
+    violation. FOLDER is written like a "may include" path (`state/`).
 An #include is a project header when it names a file in the tree, looked up (quotes) next
 to the including file, then (both forms) from the root and from client/include/, the
 include paths the build uses. Anything else (the standard library, Boost, the generated
@@ -43,6 +46,7 @@ INCLUDE_ROOTS = ("", "client/include/")  # -I paths every target has, from the r
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
 TICKED_RE = re.compile(r"`([^`]+)`")
 EXCEPTION_RE = re.compile(r"^\s*[-*]\s+`([^`]+)`\s+may\s+(?:also\s+)?include\s+`([^`]+)`")
+PRIVATE_RE = re.compile(r"^\s*[-*]\s+`([^`]+)`\s+is\s+private\s+to\s+`([^`]+)`")
 
 
 class TableError(Exception):
@@ -55,8 +59,9 @@ def split_row(line):
 
 
 def read_rules(doc_path):
-    """Returns (rows, exceptions): rows maps a folder or file to its may-include entry
-    (a list of raw tokens, or None for "anything"); exceptions is [(folder, path, line)]."""
+    """Returns (rows, exceptions, private): rows maps a folder or file to its may-include
+    entry (a list of raw tokens, or None for "anything"); exceptions is
+    [(folder, path, line)]; private is [(header, folder, line)]."""
     try:
         with open(doc_path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -104,12 +109,17 @@ def read_rules(doc_path):
                 raise TableError(f"{doc_path}:{n}: `{subject}` has two rows")
             rows[subject] = (allowed, n)
     table_end = table[-1][0]
-    exceptions = []
+    exceptions, private = [], []
     for n, line in section:
+        if n <= table_end:
+            continue
         m = EXCEPTION_RE.match(line)
-        if m and n > table_end:
+        if m:
             exceptions.append((m.group(1), m.group(2), n))
-    return rows, exceptions
+        m = PRIVATE_RE.match(line)
+        if m:
+            private.append((m.group(1), m.group(2), n))
+    return rows, exceptions, private
 
 
 def row_of(path, rows):
@@ -194,9 +204,13 @@ def resolve_include(root, including, kind, name):
 def check(root, quiet=False, use_git=True):
     doc_path = os.path.join(root, DOC)
     try:
-        rows, exceptions = read_rules(doc_path)
+        rows, exceptions, private = read_rules(doc_path)
         direct, closed = allowed_prefixes(rows, doc_path)
         exceptions = [(resolve_token(f, rows, doc_path, n), p, n) for f, p, n in exceptions]
+        private = {h: (resolve_token(f, rows, doc_path, n), n) for h, f, n in private}
+        for header, (_, n) in private.items():
+            if not os.path.isfile(os.path.join(root, header)):
+                raise TableError(f"{doc_path}:{n}: the private header `{header}` does not exist")
     except TableError as e:
         print(f"check-includes: {e}", file=sys.stderr)
         return 2
@@ -204,9 +218,10 @@ def check(root, quiet=False, use_git=True):
     checked = 0
     for path in source_files(root, use_git):
         subject = row_of(path, rows)
-        if subject is None or closed[subject] is None:
+        unchecked = subject is None or closed[subject] is None
+        if unchecked and not private:
             continue
-        checked += 1
+        checked += 0 if unchecked else 1
         try:
             with open(os.path.join(root, path), encoding="utf-8", errors="replace") as f:
                 text = f.read().splitlines()
@@ -217,11 +232,17 @@ def check(root, quiet=False, use_git=True):
             if not m:
                 continue
             target = resolve_include(root, path, m.group(1), m.group(2))
+            close = ">" if m.group(1) == "<" else '"'
+            where = f"{path}:{number}: #include {m.group(1)}{m.group(2)}{close}"
+            if target in private and not path.startswith(private[target][0]):
+                violations.append(f"{where}: `{target}` is private to `{private[target][0]}` "
+                                  f"({DOC}:{private[target][1]})")
+                continue
+            if unchecked:
+                continue
             if target is None or any(target == p or (p.endswith("/") and target.startswith(p))
                                      for p in closed[subject]):
                 continue
-            close = ">" if m.group(1) == "<" else '"'
-            where = f"{path}:{number}: #include {m.group(1)}{m.group(2)}{close}"
             excused = [e for e in exceptions
                        if e[0] == subject and (target == e[1] or
                                                (e[1].endswith("/") and target.startswith(e[1])))]
@@ -255,7 +276,7 @@ def self_test(root):
     fail, named by file:line."""
     failures = []
     with tempfile.TemporaryDirectory(prefix="check-includes.") as tmp:
-        rows, _ = read_rules(os.path.join(root, DOC))
+        rows, _, _ = read_rules(os.path.join(root, DOC))
         for path in source_files(root):
             if row_of(path, rows) is None or path.startswith("tests/"):
                 continue  # only what is checked: no tests, no build trees
@@ -321,6 +342,22 @@ def self_test(root):
         expect("a used exception", 0, "tolerated: daemon/gpu/planted_excused.cpp:1:")
         unplant("daemon/gpu/planted_excused.cpp")
         expect("an unused exception", 1, "is no longer used")
+        # A private header: its folder may include it, no one else may, tests neither.
+        with open(os.path.join(tmp, DOC), "w", encoding="utf-8") as f:
+            f.write(doc[:threads] + "\n- `daemon/state/planted_private.h` is private to "
+                    "`state/`: a test.\n" + doc[threads:])
+        plant("daemon/state/planted_private.h", "#pragma once\n")
+        plant("daemon/state/planted_ok.cpp", '#include "daemon/state/planted_private.h"\n')
+        expect("state/ includes its private header", 0)
+        plant("daemon/report/planted_bad.cpp", '#include "daemon/state/planted_private.h"\n')
+        expect("report/ includes state/'s private header", 1,
+               "daemon/report/planted_bad.cpp:1:")
+        unplant("daemon/report/planted_bad.cpp")
+        plant("tests/planted_bad.cpp", '\n#include "daemon/state/planted_private.h"\n')
+        expect("a test includes state/'s private header", 1, "tests/planted_bad.cpp:2:")
+        unplant("tests/planted_bad.cpp")
+        unplant("daemon/state/planted_private.h")
+        expect("a private header that does not exist", 2, "does not exist")
         # A broken table is an error of its own (status 2), not a silent pass.
         with open(os.path.join(tmp, DOC), "w", encoding="utf-8") as f:
             f.write(doc.replace("| may include |", "| may use |", 1))
