@@ -108,6 +108,8 @@ namespace {
 
 using proto::kBuiltinStepCount;
 
+}  // namespace
+
 // Every probe of the collector goes through here: a failed one is counted.
 Liveness probe_liveness(const Environment& env, const ProcessKey& key, DaemonCounters& counters) {
   const Liveness liveness = liveness_of(env.probe(key.pid), key.start_time);
@@ -132,6 +134,8 @@ void mark_alive(CollectorState& state, ProcessRecord& rec) {
   --state.exited;
   state.holders_stale = true;
 }
+
+namespace {
 
 // Spans still open when the process's last connection closed will never end.
 void abandon_open_spans(CollectorState& state, ProcessRecord& rec) {
@@ -247,6 +251,8 @@ void evict(CollectorState& state, ProcessHandle handle) {
   enforce_job_limits(state, uid);
 }
 
+}  // namespace
+
 // Evicts the exited process that exited first. False when none is exited.
 bool evict_oldest_exited(CollectorState& state) {
   ProcessHandle oldest = 0;
@@ -298,6 +304,8 @@ void check_ledger_holders(CollectorState& state, const Environment& env, DaemonC
   }
   state.holders_stale = false;
 }
+
+namespace {
 
 std::size_t live_processes_of(const CollectorState& state, std::uint32_t uid) {
   std::size_t n = 0;

@@ -240,6 +240,18 @@ bool charge(CollectorState& state, ProcessRecord& rec, std::size_t bytes, const 
             DaemonCounters& counters);
 void uncharge(CollectorState& state, ProcessRecord& rec, std::size_t bytes);
 
+// Liveness and eviction, shared by the Collector's ingest, liveness and ledger code.
+// Every /proc probe of the Collector: a failed one is counted.
+Liveness probe_liveness(const Environment& env, const ProcessKey& key, DaemonCounters& counters);
+void mark_exited(CollectorState& state, ProcessRecord& rec, std::uint64_t now);
+void mark_alive(CollectorState& state, ProcessRecord& rec);
+// Evicts the exited process that exited first. False when none is exited.
+bool evict_oldest_exited(CollectorState& state);
+// Evicts exited processes past max_exited_processes, oldest first, each a limit hit.
+void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCounters& counters);
+// Re-flags the ledger's reservations from the table (and a probe of the untracked ones).
+void check_ledger_holders(CollectorState& state, const Environment& env, DaemonCounters& counters);
+
 struct Collector::State : CollectorState {
   using CollectorState::CollectorState;
 };
