@@ -12,6 +12,11 @@
 // A process is identified by (pid, start_time) from SO_PEERCRED and /proc, never by a
 // pid the client claims; a recycled pid is a new process. Several connections of one
 // process (reconnects, a library reopened) share one process record.
+//
+// The Collector's code, by role: collector.cpp (the table: attach, hello, identity,
+// reset, views, adopt), collector_ingest.cpp (events, step registration, drop reports,
+// the state budget), collector_liveness.cpp (detach, the liveness tick, exits,
+// eviction), collector_ledger.cpp (ledger records, cleanup, device truth).
 #pragma once
 
 #include <array>

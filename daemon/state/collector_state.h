@@ -1,5 +1,7 @@
 // The Collector's private state (daemon/state/collector.h), shared by the files that
-// implement it: collector.cpp (ingest, liveness, limits, adopt), report_json.cpp,
+// implement it: collector.cpp (the table, views, adopt), collector_ingest.cpp (ingest,
+// the state budget), collector_liveness.cpp (liveness, limits, eviction),
+// collector_ledger.cpp (the ledger, device truth), report_json.cpp,
 // report_text.cpp and metrics_text.cpp (reports), and the snapshot codec
 // (daemon/persist/snapshot_codec.cpp), which writes it from a CollectorView and reads a
 // document back into a RestoredState. Not for use outside those.
@@ -12,7 +14,7 @@
 // timestamps; the thread is found through a one-entry cache of the last thread, else a
 // hash map. Nothing on that path allocates once a (thread, step) stack has grown.
 //
-// Copy-on-write, so reports render on another thread (daemon/collector_view.h): process
+// Copy-on-write, so reports render on another thread (CollectorView, collector.h): process
 // records, the ledger view's state and the retired histograms are held by shared_ptr.
 // Collector::freeze() copies the pointers (not the data) into a CollectorView; every
 // mutation goes through CollectorState::write() / write_retired() (and LedgerView's own

@@ -1,0 +1,274 @@
+// Collector ingest: events (the hot path, layout in collector_state.h), custom step
+// registration, the clients' drop reports, and the state budget (charge / uncharge).
+#include "daemon/state/collector.h"
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "daemon/state/collector_state.h"
+
+namespace steptrace::daemon {
+
+// ---- the state budget (collector_state.h) -----------------------------------------------
+
+bool charge(CollectorState& state, ProcessRecord& rec, std::size_t bytes, const Limits& limits,
+            DaemonCounters& counters) {
+  if (rec.charged + bytes > limits.max_process_state_bytes) {
+    counters.hit(LimitKind::kMaxProcessStateBytes);
+    return false;
+  }
+  if (state.charged + bytes > limits.max_state_bytes) {
+    counters.hit(LimitKind::kMaxStateBytes);
+    return false;
+  }
+  rec.charged += bytes;
+  state.charged += bytes;
+  return true;
+}
+
+void uncharge(CollectorState& state, ProcessRecord& rec, std::size_t bytes) {
+  bytes = std::min({bytes, rec.charged, state.charged});
+  rec.charged -= bytes;
+  state.charged -= bytes;
+}
+
+namespace {
+
+using proto::kBuiltinStepCount;
+
+ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_t tid,
+                         const Limits& limits, DaemonCounters& counters) {
+  if (const auto it = rec.thread_index.find(tid); it != rec.thread_index.end()) {
+    rec.last_tid = tid;
+    rec.last_thread = rec.threads[it->second].get();
+    return rec.last_thread;
+  }
+  if (rec.threads.size() >= limits.max_threads_per_process) {
+    // Threads with nothing open hold no state worth keeping: drop them first.
+    std::erase_if(rec.threads, [&](const auto& t) {
+      if (t->open != 0) return false;
+      uncharge(state, rec, t->charged);
+      return true;
+    });
+    rec.thread_index.clear();
+    for (std::uint32_t i = 0; i < rec.threads.size(); ++i)
+      rec.thread_index[rec.threads[i]->tid] = i;
+    rec.last_thread = nullptr;
+    rec.last_tid = 0;
+    if (rec.threads.size() >= limits.max_threads_per_process) {
+      counters.hit(LimitKind::kMaxThreadsPerProcess);
+      return nullptr;
+    }
+  }
+  // Its record, and room for max_open_depth timestamps in its stacks (their capacity).
+  const std::size_t cost = kThreadCharge + 2 * limits.max_open_depth * sizeof(std::uint64_t);
+  if (!charge(state, rec, cost, limits, counters)) return nullptr;
+  auto thread = std::make_unique<ThreadSpans>();
+  thread->tid = tid;
+  thread->charged = cost;
+  rec.thread_index.emplace(tid, static_cast<std::uint32_t>(rec.threads.size()));
+  rec.threads.push_back(std::move(thread));
+  rec.last_tid = tid;
+  rec.last_thread = rec.threads.back().get();
+  return rec.last_thread;
+}
+
+}  // namespace
+
+// ---- Collector: ingest ------------------------------------------------------------------
+
+bool Collector::step_known(ProcessHandle process, std::uint32_t step) const {
+  if (step < kBuiltinStepCount) return proto::is_builtin_step(step);
+  if (!proto::is_custom_step(step) || process >= state_->slots.size()) return false;
+  const ProcessRecord* rec = state_->slots[process].get();
+  return rec != nullptr && rec->custom_slot &&
+         (*rec->custom_slot)[step - proto::kFirstCustomStep] != 0;
+}
+
+std::error_code Collector::events(ProcessHandle process, proto::EventSpan events) {
+  if (process >= state_->slots.size() || !state_->slots[process]) {
+    return std::make_error_code(std::errc::invalid_argument);
+  }
+  ProcessRecord* rec = &state_->write(process);
+  counters_.events_received += events.size();
+
+  const std::size_t max_depth = limits_.max_open_depth;
+  const std::size_t n = events.size();
+  std::uint64_t depth_hits = 0;
+  std::uint64_t state_lost = 0;  // events of threads/slots refused by the limits
+  std::uint64_t first_depth_ts = 0;
+  std::uint64_t first_state_ts = 0;
+  std::error_code result;
+  std::size_t applied = n;  // events before a bad one are kept
+  for (std::size_t i = 0; i < n; ++i) {
+    const proto::EventRecord e = events[i];
+    std::uint32_t slot = e.step;
+    if (slot >= kBuiltinStepCount) [[unlikely]] {
+      const std::uint32_t index = slot - proto::kFirstCustomStep;
+      if (index >= proto::kMaxCustomSteps) {
+        result = make_error_code(errc::bad_step_id);
+        applied = i;
+        break;
+      }
+      slot = rec->custom_slot ? (*rec->custom_slot)[index] : 0;
+      if (slot == 0) {
+        result = make_error_code(errc::unregistered_step);
+        applied = i;
+        break;
+      }
+    }
+    ThreadSpans* thread = rec->last_thread;
+    if (e.thread_id != rec->last_tid || thread == nullptr) [[unlikely]] {
+      thread = find_thread(*state_, *rec, e.thread_id, limits_, counters_);
+      if (thread == nullptr) {
+        if (state_lost++ == 0) first_state_ts = e.timestamp_ns;
+        continue;
+      }
+    }
+    if (slot >= thread->stacks.size()) [[unlikely]] {
+      // A thread's stacks reach only as far as the highest step slot it used.
+      const std::size_t cost = (slot + 1 - thread->stacks.size()) * kStackSlotCharge;
+      if (!charge(*state_, *rec, cost, limits_, counters_)) {
+        if (state_lost++ == 0) first_state_ts = e.timestamp_ns;
+        continue;
+      }
+      thread->charged += cost;
+      thread->stacks.resize(slot + 1);
+    }
+    std::vector<std::uint64_t>& stack = thread->stacks[slot];
+    if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
+      // Bounded per thread over all its steps, so a thread's open spans cost at most
+      // max_open_depth timestamps however many steps it nests.
+      if (thread->open >= max_depth) [[unlikely]] {
+        ++rec->steps[slot].depth_dropped;
+        if (depth_hits++ == 0) first_depth_ts = e.timestamp_ns;
+        continue;
+      }
+      stack.push_back(e.timestamp_ns);
+      if (thread->child_ns.size() <= thread->open) [[unlikely]] {
+        thread->child_ns.resize(thread->open + 1);  // at most max_open_depth entries
+      }
+      thread->child_ns[thread->open] = 0;
+      ++thread->open;
+    } else if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) {
+      if (stack.empty()) [[unlikely]] {
+        ++rec->steps[slot].unmatched_ends;
+        continue;
+      }
+      const std::uint64_t start = stack.back();
+      stack.pop_back();
+      --thread->open;
+      // One monotonic clock on the client; a backwards pair can only be a broken
+      // client, and counts as zero rather than wrapping.
+      const std::uint64_t duration = e.timestamp_ns > start ? e.timestamp_ns - start : 0;
+      StepAgg& agg = rec->steps[slot];
+      agg.hist.record(duration);
+      // Self time: its duration less what ended one level deeper while it was open (the
+      // depth is the thread's, so it is exact when the thread's spans nest).
+      const std::uint32_t depth = thread->open;
+      agg.self_ns += duration - std::min(duration, thread->child_ns[depth]);
+      if (depth > 0) thread->child_ns[depth - 1] += duration;
+      if (proto::is_ledger_step(slot)) [[unlikely]] {
+        state_->ledger.attribute_span(rec->key(), e.thread_id, slot, start, e.timestamp_ns);
+      }
+    } else {
+      result = make_error_code(errc::bad_event_kind);
+      applied = i;
+      break;
+    }
+  }
+  if (depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, depth_hits);
+  if (recorder_.on()) [[likely]] {
+    const std::uint64_t now = env_.monotonic_now_ns();
+    recorder_.record(process, events.first(applied), now);
+    // What the daemon could not fold shows where it happened (the events themselves are
+    // in the window: the aggregates, not the timeline, miss them).
+    if (depth_hits != 0) mark_drop(rec->key(), kDaemonDropOpenDepth, depth_hits, first_depth_ts);
+    if (state_lost != 0) mark_drop(rec->key(), kDaemonDropStateLimit, state_lost, first_state_ts);
+  }
+  return result;
+}
+
+std::error_code Collector::register_step(ProcessHandle process, const proto::RegisterStep& step) {
+  if (process >= state_->slots.size() || !state_->slots[process]) {
+    return std::make_error_code(std::errc::invalid_argument);
+  }
+  ProcessRecord& rec = state_->write(process);
+  if (!proto::is_custom_step(step.step)) return make_error_code(errc::bad_step_id);
+  if (!proto::valid_field(step.name, false)) return make_error_code(errc::bad_string);
+  const std::string_view name = proto::field_view(step.name);
+  const std::uint32_t index = step.step - proto::kFirstCustomStep;
+  if (rec.custom_slot && (*rec.custom_slot)[index] != 0) {
+    return rec.step_name((*rec.custom_slot)[index]) == name ? std::error_code{}
+                                                            : make_error_code(errc::bad_string);
+  }
+  if (rec.custom_ids.size() >= limits_.max_custom_steps) {
+    counters_.hit(LimitKind::kMaxCustomSteps);
+    return make_error_code(errc::limit_reached);
+  }
+  const std::size_t cost = kCustomStepCharge + (rec.custom_slot ? 0 : sizeof(*rec.custom_slot));
+  if (!charge(*state_, rec, cost, limits_, counters_)) return make_error_code(errc::limit_reached);
+  if (!rec.custom_slot) {
+    rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
+    rec.custom_slot->fill(0);
+  }
+  (*rec.custom_slot)[index] = static_cast<std::uint16_t>(rec.steps.size());
+  rec.steps.emplace_back();
+  rec.custom_ids.push_back(step.step);
+  rec.custom_names.emplace_back(name);
+  recorder_.register_step(process, step.step, std::string(name));
+  return {};
+}
+
+void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  // A version-1 report: no cause.
+  const std::uint64_t more = raise_dropped(rec, total_dropped);
+  if (more != 0) mark_drop(rec.key(), proto::kDropCauseCount, more);
+}
+
+std::uint64_t Collector::raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped) {
+  // Reports are cumulative and may arrive out of order across reconnects: keep the max.
+  if (total_dropped <= rec.dropped) return 0;
+  const std::uint64_t more = total_dropped - rec.dropped;
+  // Saturating: one process's huge report must not wrap the daemon's total (which would
+  // make its Prometheus counter go down).
+  counters_.events_dropped_by_clients = saturating_add(counters_.events_dropped_by_clients, more);
+  rec.dropped = total_dropped;
+  return more;
+}
+
+void Collector::mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more,
+                          std::optional<std::uint64_t> ts_ns) {
+  if (!recorder_.on()) return;
+  TraceMark mark;
+  mark.kind = TraceMark::Kind::kDropped;
+  mark.arrived_ns = env_.monotonic_now_ns();
+  mark.ts_ns = ts_ns.value_or(mark.arrived_ns);
+  mark.sender = sender;
+  mark.cause = cause;
+  mark.dropped = more;
+  recorder_.mark(mark);
+}
+
+void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCause& causes) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+    if (causes.count[i] > rec.dropped_by_cause[i]) {
+      const std::uint64_t more = causes.count[i] - rec.dropped_by_cause[i];
+      counters_.events_dropped_by_cause[i] =
+          saturating_add(counters_.events_dropped_by_cause[i], more);
+      rec.dropped_by_cause[i] = causes.count[i];
+      mark_drop(rec.key(), static_cast<std::uint8_t>(i), more);
+    }
+    // Saturating: a hostile client's counts must not wrap the total.
+    total = saturating_add(total, rec.dropped_by_cause[i]);
+  }
+  raise_dropped(rec, total);
+}
+
+}  // namespace steptrace::daemon
