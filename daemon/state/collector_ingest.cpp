@@ -74,6 +74,102 @@ ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_
   return rec.last_thread;
 }
 
+// ---- the pieces of Collector::events ---------------------------------------------------
+// The hot path: each piece is forced inline so the loop compiles as one function (no
+// call, no spill of the batch's locals), as it did written out in one body.
+
+// What one batch could not fold: starts dropped past max_open_depth and events whose
+// thread or stack slot the limits refused, each with the first one's timestamp (for the
+// flight recorder's drop marks).
+struct BatchLosses {
+  std::uint64_t depth_hits = 0;
+  std::uint64_t state_lost = 0;
+  std::uint64_t first_depth_ts = 0;
+  std::uint64_t first_state_ts = 0;
+
+  [[gnu::always_inline]] void lose_state(std::uint64_t ts) {
+    if (state_lost++ == 0) first_state_ts = ts;
+  }
+  [[gnu::always_inline]] void hit_depth(std::uint64_t ts) {
+    if (depth_hits++ == 0) first_depth_ts = ts;
+  }
+};
+
+// The slot of custom step `step`; 0, with `error` set, when its id is out of range or the
+// process never registered it.
+[[gnu::always_inline]] inline std::uint32_t custom_slot_of(const ProcessRecord& rec,
+                                                           std::uint32_t step,
+                                                           std::error_code& error) {
+  const std::uint32_t index = step - proto::kFirstCustomStep;
+  if (index >= proto::kMaxCustomSteps) {
+    error = make_error_code(errc::bad_step_id);
+    return 0;
+  }
+  const std::uint32_t slot = rec.custom_slot ? (*rec.custom_slot)[index] : 0;
+  if (slot == 0) error = make_error_code(errc::unregistered_step);
+  return slot;
+}
+
+// A thread's stacks reach only as far as the highest step slot it used: room up to
+// `slot`, charged to the state budget (false: refused by it).
+[[gnu::always_inline]] inline bool grow_stacks(CollectorState& state, ProcessRecord& rec,
+                                               ThreadSpans& thread, std::uint32_t slot,
+                                               const Limits& limits, DaemonCounters& counters) {
+  const std::size_t cost = (slot + 1 - thread.stacks.size()) * kStackSlotCharge;
+  if (!charge(state, rec, cost, limits, counters)) return false;
+  thread.charged += cost;
+  thread.stacks.resize(slot + 1);
+  return true;
+}
+
+// A start: pushes its timestamp on `stack`, the thread's stack for `slot`.
+[[gnu::always_inline]] inline void open_span(ProcessRecord& rec, ThreadSpans& thread,
+                                             std::vector<std::uint64_t>& stack, std::uint32_t slot,
+                                             std::uint64_t ts, std::size_t max_depth,
+                                             BatchLosses& losses) {
+  // Bounded per thread over all its steps, so a thread's open spans cost at most
+  // max_open_depth timestamps however many steps it nests.
+  if (thread.open >= max_depth) [[unlikely]] {
+    ++rec.steps[slot].depth_dropped;
+    losses.hit_depth(ts);
+    return;
+  }
+  stack.push_back(ts);
+  if (thread.child_ns.size() <= thread.open) [[unlikely]] {
+    thread.child_ns.resize(thread.open + 1);  // at most max_open_depth entries
+  }
+  thread.child_ns[thread.open] = 0;
+  ++thread.open;
+}
+
+// An end: pops the innermost open span of `stack`, the thread's stack for `slot`, into
+// the step's aggregate (and a ledger step's into the ledger view).
+[[gnu::always_inline]] inline void close_span(LedgerView& ledger, ProcessRecord& rec,
+                                              ThreadSpans& thread,
+                                              std::vector<std::uint64_t>& stack, std::uint32_t slot,
+                                              const proto::EventRecord& e) {
+  if (stack.empty()) [[unlikely]] {
+    ++rec.steps[slot].unmatched_ends;
+    return;
+  }
+  const std::uint64_t start = stack.back();
+  stack.pop_back();
+  --thread.open;
+  // One monotonic clock on the client; a backwards pair can only be a broken
+  // client, and counts as zero rather than wrapping.
+  const std::uint64_t duration = e.timestamp_ns > start ? e.timestamp_ns - start : 0;
+  StepAgg& agg = rec.steps[slot];
+  agg.hist.record(duration);
+  // Self time: its duration less what ended one level deeper while it was open (the
+  // depth is the thread's, so it is exact when the thread's spans nest).
+  const std::uint32_t depth = thread.open;
+  agg.self_ns += duration - std::min(duration, thread.child_ns[depth]);
+  if (depth > 0) thread.child_ns[depth - 1] += duration;
+  if (proto::is_ledger_step(slot)) [[unlikely]] {
+    ledger.attribute_span(rec.key(), e.thread_id, slot, start, e.timestamp_ns);
+  }
+}
+
 }  // namespace
 
 // ---- Collector: ingest ------------------------------------------------------------------
@@ -94,26 +190,17 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
   counters_.events_received += events.size();
 
   const std::size_t max_depth = limits_.max_open_depth;
+  LedgerView& ledger = state_->ledger;  // loaded once, not at every end event
   const std::size_t n = events.size();
-  std::uint64_t depth_hits = 0;
-  std::uint64_t state_lost = 0;  // events of threads/slots refused by the limits
-  std::uint64_t first_depth_ts = 0;
-  std::uint64_t first_state_ts = 0;
+  BatchLosses losses;
   std::error_code result;
   std::size_t applied = n;  // events before a bad one are kept
   for (std::size_t i = 0; i < n; ++i) {
     const proto::EventRecord e = events[i];
     std::uint32_t slot = e.step;
     if (slot >= kBuiltinStepCount) [[unlikely]] {
-      const std::uint32_t index = slot - proto::kFirstCustomStep;
-      if (index >= proto::kMaxCustomSteps) {
-        result = make_error_code(errc::bad_step_id);
-        applied = i;
-        break;
-      }
-      slot = rec->custom_slot ? (*rec->custom_slot)[index] : 0;
+      slot = custom_slot_of(*rec, slot, result);
       if (slot == 0) {
-        result = make_error_code(errc::unregistered_step);
         applied = i;
         break;
       }
@@ -122,70 +209,39 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     if (e.thread_id != rec->last_tid || thread == nullptr) [[unlikely]] {
       thread = find_thread(*state_, *rec, e.thread_id, limits_, counters_);
       if (thread == nullptr) {
-        if (state_lost++ == 0) first_state_ts = e.timestamp_ns;
+        losses.lose_state(e.timestamp_ns);
         continue;
       }
     }
     if (slot >= thread->stacks.size()) [[unlikely]] {
-      // A thread's stacks reach only as far as the highest step slot it used.
-      const std::size_t cost = (slot + 1 - thread->stacks.size()) * kStackSlotCharge;
-      if (!charge(*state_, *rec, cost, limits_, counters_)) {
-        if (state_lost++ == 0) first_state_ts = e.timestamp_ns;
+      if (!grow_stacks(*state_, *rec, *thread, slot, limits_, counters_)) {
+        losses.lose_state(e.timestamp_ns);
         continue;
       }
-      thread->charged += cost;
-      thread->stacks.resize(slot + 1);
     }
     std::vector<std::uint64_t>& stack = thread->stacks[slot];
     if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
-      // Bounded per thread over all its steps, so a thread's open spans cost at most
-      // max_open_depth timestamps however many steps it nests.
-      if (thread->open >= max_depth) [[unlikely]] {
-        ++rec->steps[slot].depth_dropped;
-        if (depth_hits++ == 0) first_depth_ts = e.timestamp_ns;
-        continue;
-      }
-      stack.push_back(e.timestamp_ns);
-      if (thread->child_ns.size() <= thread->open) [[unlikely]] {
-        thread->child_ns.resize(thread->open + 1);  // at most max_open_depth entries
-      }
-      thread->child_ns[thread->open] = 0;
-      ++thread->open;
+      open_span(*rec, *thread, stack, slot, e.timestamp_ns, max_depth, losses);
     } else if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) {
-      if (stack.empty()) [[unlikely]] {
-        ++rec->steps[slot].unmatched_ends;
-        continue;
-      }
-      const std::uint64_t start = stack.back();
-      stack.pop_back();
-      --thread->open;
-      // One monotonic clock on the client; a backwards pair can only be a broken
-      // client, and counts as zero rather than wrapping.
-      const std::uint64_t duration = e.timestamp_ns > start ? e.timestamp_ns - start : 0;
-      StepAgg& agg = rec->steps[slot];
-      agg.hist.record(duration);
-      // Self time: its duration less what ended one level deeper while it was open (the
-      // depth is the thread's, so it is exact when the thread's spans nest).
-      const std::uint32_t depth = thread->open;
-      agg.self_ns += duration - std::min(duration, thread->child_ns[depth]);
-      if (depth > 0) thread->child_ns[depth - 1] += duration;
-      if (proto::is_ledger_step(slot)) [[unlikely]] {
-        state_->ledger.attribute_span(rec->key(), e.thread_id, slot, start, e.timestamp_ns);
-      }
+      close_span(ledger, *rec, *thread, stack, slot, e);
     } else {
       result = make_error_code(errc::bad_event_kind);
       applied = i;
       break;
     }
   }
-  if (depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, depth_hits);
+  if (losses.depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, losses.depth_hits);
   if (recorder_.on()) [[likely]] {
     const std::uint64_t now = env_.monotonic_now_ns();
     recorder_.record(process, events.first(applied), now);
     // What the daemon could not fold shows where it happened (the events themselves are
     // in the window: the aggregates, not the timeline, miss them).
-    if (depth_hits != 0) mark_drop(rec->key(), kDaemonDropOpenDepth, depth_hits, first_depth_ts);
-    if (state_lost != 0) mark_drop(rec->key(), kDaemonDropStateLimit, state_lost, first_state_ts);
+    if (losses.depth_hits != 0) {
+      mark_drop(rec->key(), kDaemonDropOpenDepth, losses.depth_hits, losses.first_depth_ts);
+    }
+    if (losses.state_lost != 0) {
+      mark_drop(rec->key(), kDaemonDropStateLimit, losses.state_lost, losses.first_state_ts);
+    }
   }
   return result;
 }
