@@ -1,9 +1,12 @@
+// The snapshot codec (snapshot_codec.h): the whole "steptrace.snapshot/v1" document,
+// its processes, retired histograms and jobs and its counters, to and from a StateImage
+// (daemon/state/state_image.h). The ledger and histogram sections are in
+// snapshot_sections.cpp.
 #include "daemon/persist/snapshot_codec.h"
 
+#include <algorithm>
 #include <array>
-#include <limits>
 #include <map>
-#include <memory>
 #include <set>
 #include <utility>
 
@@ -14,10 +17,9 @@
 #include "daemon/persist/snapshot.h"
 #include "daemon/persist/snapshot_sections.h"
 #include "daemon/state/collector.h"
-#include "daemon/state/collector_state.h"
 #include "daemon/state/counter_table.h"
 #include "daemon/state/ledger_state.h"
-#include "daemon/state/ledger_view.h"
+#include "daemon/state/state_image.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -49,6 +51,7 @@ constexpr StringRule kJobRule{0, proto::kMaxNameLength};  // a job id (may be ""
 // (version 1 wrote these).
 constexpr std::array<std::string_view, proto::kDropCauseCount> kDropCauseKeys = {
     "buffer_full", "not_connected", "in_flight", "invalid"};
+using DropCounts = std::array<std::uint64_t, proto::kDropCauseCount>;
 
 // ---- encode ------------------------------------------------------------------------------
 
@@ -59,12 +62,14 @@ json drop_causes_json(const DropCounts& counts) {
   return j;
 }
 
-json step_agg_json(const StepAgg& agg) {
-  return {{"unmatched_ends", agg.unmatched_ends},
-          {"abandoned", agg.abandoned},
-          {"depth_dropped", agg.depth_dropped},
-          {"self_ns", agg.self_ns},
-          {"histogram", encode_histogram(agg.hist)}};
+json step_json(const StepImage& step) {
+  return {{"id", step.id},
+          {"name", step.name},  // for a human reading the file; not read back
+          {"unmatched_ends", step.unmatched_ends},
+          {"abandoned", step.abandoned},
+          {"depth_dropped", step.depth_dropped},
+          {"self_ns", step.self_ns},
+          {"histogram", encode_histogram(step.hist)}};
 }
 
 json counters_json(const DaemonCounters& c) {
@@ -77,55 +82,45 @@ json counters_json(const DaemonCounters& c) {
   return out;
 }
 
-json process_json(const ProcessRecord& rec) {
+json process_json(const ProcessImage& p) {
   json custom = json::array();
-  for (std::size_t i = 0; i < rec.custom_ids.size(); ++i) {
-    custom.push_back({{"id", rec.custom_ids[i]}, {"name", rec.custom_names[i]}});
+  for (const CustomStepImage& step : p.custom_steps) {
+    custom.push_back({{"id", step.id}, {"name", step.name}});
   }
-  // Open spans cannot survive: whoever restores this has no connection to end them.
-  const auto open = rec.open_per_slot();
   json steps = json::array();
-  for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
-    StepAgg agg = rec.steps[slot];
-    agg.abandoned += open[slot];
-    if (!agg.has_data()) continue;
-    json s = step_agg_json(agg);
-    s["id"] = rec.step_id(slot);
-    s["name"] = rec.step_name(slot);  // for a human reading the file; not read back
-    steps.push_back(std::move(s));
-  }
-  json out = {{"pid", rec.key().pid},
-              {"start_time", rec.key().start_time},
-              {"uid", rec.peer.uid},
-              {"gid", rec.peer.gid},
-              {"comm", rec.peer.comm},
-              {"client", rec.client_name},
-              {"library_version", rec.library_version},
-              {"alive", rec.alive},
-              {"exited_at_ns", rec.exited_at_ns},
-              {"exit_order", rec.exit_order},
-              {"dropped", rec.dropped},
-              {"dropped_by_cause", drop_causes_json(rec.dropped_by_cause)},
+  for (const StepImage& step : p.steps) steps.push_back(step_json(step));
+  json out = {{"pid", p.peer.key.pid},
+              {"start_time", p.peer.key.start_time},
+              {"uid", p.peer.uid},
+              {"gid", p.peer.gid},
+              {"comm", p.peer.comm},
+              {"client", p.client},
+              {"library_version", p.library_version},
+              {"alive", p.alive},
+              {"exited_at_ns", p.exited_at_ns},
+              {"exit_order", p.exit_order},
+              {"dropped", p.dropped},
+              {"dropped_by_cause", drop_causes_json(p.dropped_by_cause)},
               {"custom_steps", std::move(custom)},
               {"steps", std::move(steps)}};
   // The Identity's fields, when the process sent them (absent: not known).
-  if (!rec.job.empty()) out["job"] = rec.job;
-  if (rec.rank != proto::kNoRank) out["rank"] = rec.rank;
-  if (rec.local_rank != proto::kNoRank) out["local_rank"] = rec.local_rank;
-  if (rec.world_size != 0) out["world_size"] = rec.world_size;
+  if (!p.job.empty()) out["job"] = p.job;
+  if (p.rank != proto::kNoRank) out["rank"] = p.rank;
+  if (p.local_rank != proto::kNoRank) out["local_rank"] = p.local_rank;
+  if (p.world_size != 0) out["world_size"] = p.world_size;
   return out;
 }
 
-json retired_jobs_json(const RetiredJobs& jobs) {
+json retired_jobs_json(const std::vector<RetiredJobImage>& jobs) {
   json out = json::array();
-  for (const auto& [key, job] : jobs) {
+  for (const RetiredJobImage& job : jobs) {
     json steps = json::array();
     for (const auto& [name, t] : job.steps) {
       steps.push_back(
           {{"step", name}, {"count", t.count}, {"total_ns", t.total_ns}, {"self_ns", t.self_ns}});
     }
-    out.push_back({{"uid", key.uid},
-                   {"job", key.job},
+    out.push_back({{"uid", job.uid},
+                   {"job", job.job},
                    {"processes", job.processes},
                    {"dropped", job.dropped},
                    {"retired_order", job.retired_order},
@@ -146,80 +141,81 @@ bool read_drop_causes(std::optional<JsonObject> causes, DropCounts& out) {
   return causes->finish();
 }
 
-bool read_step(JsonObject s, ProcessRecord& rec, std::vector<bool>& seen) {
-  std::uint32_t id = 0;
-  if (!s.get_unsigned("id", id)) return false;
-  std::size_t slot = 0;
-  if (proto::is_builtin_step(id)) {
-    slot = id;
-  } else if (proto::is_custom_step(id) && rec.custom_slot &&
-             (*rec.custom_slot)[id - proto::kFirstCustomStep] != 0) {
-    slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
+// A process's custom steps, by id: the names it registered.
+using Registered = std::map<std::uint32_t, std::string>;
+
+bool read_step(JsonObject s, const Registered& registered, std::set<std::uint32_t>& seen,
+               StepImage& out) {
+  if (!s.get_unsigned("id", out.id)) return false;
+  if (proto::is_builtin_step(out.id)) {
+    out.name = proto::kBuiltinStepNames[out.id];
+  } else if (const auto it = registered.find(out.id); it != registered.end()) {
+    out.name = it->second;
   } else {
-    return s.fail_at("id", "step " + std::to_string(id) + " is neither built-in nor registered");
+    return s.fail_at("id",
+                     "step " + std::to_string(out.id) + " is neither built-in nor registered");
   }
-  if (seen[slot]) return s.fail_at("id", "step " + std::to_string(id) + " appears twice");
-  seen[slot] = true;
+  if (!seen.insert(out.id).second) {
+    return s.fail_at("id", "step " + std::to_string(out.id) + " appears twice");
+  }
   s.ignore("name");  // written for a human; the id says which step it is
-  StepAgg& agg = rec.steps[slot];
-  s.get_unsigned("unmatched_ends", agg.unmatched_ends);
-  s.get_unsigned("abandoned", agg.abandoned);
-  s.get_unsigned("depth_dropped", agg.depth_dropped);
-  s.optional_unsigned("self_ns", agg.self_ns);  // written since protocol version 4
-  if (!read_histogram(s.object("histogram"), agg.hist)) return false;
-  if (agg.self_ns > agg.hist.sum()) return s.fail_at("self_ns", "more than the step's total");
+  s.get_unsigned("unmatched_ends", out.unmatched_ends);
+  s.get_unsigned("abandoned", out.abandoned);
+  s.get_unsigned("depth_dropped", out.depth_dropped);
+  s.optional_unsigned("self_ns", out.self_ns);  // written since protocol version 4
+  if (!read_histogram(s.object("histogram"), out.hist)) return false;
+  if (out.self_ns > out.hist.sum()) return s.fail_at("self_ns", "more than the step's total");
   return s.finish();
 }
 
-bool read_process(JsonObject p, ProcessRecord& rec) {
-  read_process_key(p, rec.peer.key);
-  p.get_unsigned("uid", rec.peer.uid);
-  p.get_unsigned("gid", rec.peer.gid);
-  p.get_string("comm", rec.peer.comm, kCommRule);
-  p.get_string("client", rec.client_name, kClientRule);
-  p.get_string("library_version", rec.library_version, kLibraryVersionRule);
-  p.get_bool("alive", rec.alive);
-  p.get_unsigned("exited_at_ns", rec.exited_at_ns);
-  p.get_unsigned("exit_order", rec.exit_order);
-  p.get_unsigned("dropped", rec.dropped);
-  if (!read_drop_causes(p.optional_object("dropped_by_cause"), rec.dropped_by_cause)) return false;
-  p.optional_string("job", rec.job, kJobRule);
-  p.optional_unsigned("world_size", rec.world_size, 1, proto::kNoRank - 1);
-  const std::uint64_t max_rank = rec.world_size != 0 ? rec.world_size - 1 : proto::kNoRank - 1;
-  p.optional_unsigned("rank", rec.rank, 0, max_rank);
-  p.optional_unsigned("local_rank", rec.local_rank, 0, max_rank);
-  if (!p.ok()) return false;
-  if (!rec.alive && rec.exit_order == 0) {
-    return p.fail_at("exit_order", "an exited process needs one (nonzero)");
-  }
-
+// "custom_steps" and then "steps" of a process (its steps name registered ids only).
+bool read_process_steps(JsonObject& p, ProcessImage& out) {
   JsonArray custom = p.array("custom_steps", proto::kMaxCustomSteps);
+  Registered registered;
   for (std::size_t i = 0; i < custom.size(); ++i) {
     JsonObject c = custom.object(i);
-    std::uint32_t id = 0;
-    std::string name;
-    if (!c.get_unsigned("id", id, proto::kFirstCustomStep,
+    CustomStepImage step;
+    if (!c.get_unsigned("id", step.id, proto::kFirstCustomStep,
                         proto::kFirstCustomStep + proto::kMaxCustomSteps - 1) ||
-        !c.get_string("name", name, kNameRule) || !c.finish()) {
+        !c.get_string("name", step.name, kNameRule) || !c.finish()) {
       return false;
     }
-    if (!rec.custom_slot) {
-      rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
-      rec.custom_slot->fill(0);
+    if (!registered.emplace(step.id, step.name).second) {
+      return c.fail_at("id", "step " + std::to_string(step.id) + " registered twice");
     }
-    auto& slot = (*rec.custom_slot)[id - proto::kFirstCustomStep];
-    if (slot != 0) return c.fail_at("id", "step " + std::to_string(id) + " registered twice");
-    slot = static_cast<std::uint16_t>(rec.steps.size());
-    rec.steps.emplace_back();
-    rec.custom_ids.push_back(id);
-    rec.custom_names.push_back(std::move(name));
+    out.custom_steps.push_back(std::move(step));
   }
-  JsonArray steps = p.array("steps", rec.steps.size());
-  std::vector<bool> seen(rec.steps.size(), false);
+  JsonArray steps = p.array("steps", proto::kBuiltinStepCount + out.custom_steps.size());
+  std::set<std::uint32_t> seen;
   for (std::size_t i = 0; i < steps.size(); ++i) {
-    if (!read_step(steps.object(i), rec, seen)) return false;
+    out.steps.emplace_back();
+    if (!read_step(steps.object(i), registered, seen, out.steps.back())) return false;
   }
-  return p.finish();
+  return steps.ok();
+}
+
+bool read_process(JsonObject p, ProcessImage& out) {
+  read_process_key(p, out.peer.key);
+  p.get_unsigned("uid", out.peer.uid);
+  p.get_unsigned("gid", out.peer.gid);
+  p.get_string("comm", out.peer.comm, kCommRule);
+  p.get_string("client", out.client, kClientRule);
+  p.get_string("library_version", out.library_version, kLibraryVersionRule);
+  p.get_bool("alive", out.alive);
+  p.get_unsigned("exited_at_ns", out.exited_at_ns);
+  p.get_unsigned("exit_order", out.exit_order);
+  p.get_unsigned("dropped", out.dropped);
+  if (!read_drop_causes(p.optional_object("dropped_by_cause"), out.dropped_by_cause)) return false;
+  p.optional_string("job", out.job, kJobRule);
+  p.optional_unsigned("world_size", out.world_size, 1, proto::kNoRank - 1);
+  const std::uint64_t max_rank = out.world_size != 0 ? out.world_size - 1 : proto::kNoRank - 1;
+  p.optional_unsigned("rank", out.rank, 0, max_rank);
+  p.optional_unsigned("local_rank", out.local_rank, 0, max_rank);
+  if (!p.ok()) return false;
+  if (!out.alive && out.exit_order == 0) {
+    return p.fail_at("exit_order", "an exited process needs one (nonzero)");
+  }
+  return read_process_steps(p, out) && p.finish();
 }
 
 bool read_counter_map(JsonObject m, std::map<std::string, std::uint64_t>& out) {
@@ -257,43 +253,85 @@ bool read_counters(JsonObject c, DaemonCounters& out) {
 
 // ---- the whole document ----------------------------------------------------------------
 
+bool read_processes(JsonObject& top, std::vector<ProcessImage>& out) {
+  JsonArray processes = top.array("processes", kMaxProcesses);
+  std::set<ProcessKey> keys;
+  for (std::size_t i = 0; i < processes.size(); ++i) {
+    ProcessImage p;
+    if (!read_process(processes.object(i), p)) return false;
+    const ProcessKey& key = p.peer.key;
+    if (!keys.insert(key).second) {
+      return processes.fail_at(i, "process " + std::to_string(key.pid) + " (start_time " +
+                                      std::to_string(key.start_time) + ") appears twice");
+    }
+    out.push_back(std::move(p));
+  }
+  return processes.ok();
+}
+
+// Optional, as it has always been to the reader.
+bool read_retired(JsonObject& top, const ImageBounds& bounds,
+                  std::map<std::string, Histogram, std::less<>>& out) {
+  if (!top.has("retired")) return true;
+  JsonArray retired = top.array("retired", bounds.retired_names);
+  for (std::size_t i = 0; i < retired.size(); ++i) {
+    JsonObject entry = retired.object(i);
+    std::string name;
+    Histogram histogram;
+    if (!entry.get_string("step", name, kNameRule) ||
+        !read_histogram(entry.object("histogram"), histogram) || !entry.finish()) {
+      return false;
+    }
+    if (!out.try_emplace(name, std::move(histogram)).second) {
+      return entry.fail_at("step", "\"" + name + "\" appears twice");
+    }
+  }
+  return true;
+}
+
+bool read_retired_job(JsonObject j, const ImageBounds& bounds, RetiredJobImage& out) {
+  j.get_unsigned("uid", out.uid);
+  j.get_string("job", out.job, kJobRule);
+  j.get_unsigned("processes", out.processes, 1);
+  j.get_unsigned("dropped", out.dropped);
+  j.get_unsigned("retired_order", out.retired_order, 1);
+  JsonArray steps = j.array("steps", bounds.job_steps);
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    JsonObject st = steps.object(k);
+    std::string name;
+    JobStepImage t;
+    if (!st.get_string("step", name, kNameRule) || !st.get_unsigned("count", t.count) ||
+        !st.get_unsigned("total_ns", t.total_ns) || !st.get_unsigned("self_ns", t.self_ns) ||
+        !st.finish()) {
+      return false;
+    }
+    if (t.self_ns > t.total_ns) return st.fail_at("self_ns", "more than total_ns");
+    if (!out.steps.try_emplace(name, t).second) {
+      return st.fail_at("step", "\"" + name + "\" appears twice");
+    }
+  }
+  return steps.ok() && j.finish();
+}
+
 // What evicted processes left to their jobs (optional: written since protocol version 4).
-bool read_retired_jobs(JsonObject& top, const Limits& limits, RetiredJobs& out) {
-  JsonArray jobs = top.array("retired_jobs", max_retired_jobs(limits));
+bool read_retired_jobs(JsonObject& top, const ImageBounds& bounds,
+                       std::vector<RetiredJobImage>& out) {
+  if (!top.has("retired_jobs")) return true;
+  JsonArray jobs = top.array("retired_jobs", bounds.retired_jobs);
+  std::set<std::pair<std::uint32_t, std::string>> keys;
   for (std::size_t i = 0; i < jobs.size(); ++i) {
-    JsonObject j = jobs.object(i);
-    JobKey key;
-    RetiredJob job;
-    j.get_unsigned("uid", key.uid);
-    j.get_string("job", key.job, kJobRule);
-    j.get_unsigned("processes", job.processes, 1);
-    j.get_unsigned("dropped", job.dropped);
-    j.get_unsigned("retired_order", job.retired_order, 1);
-    JsonArray steps = j.array("steps", RetiredJob::kMaxJobSteps + 1);
-    for (std::size_t k = 0; k < steps.size(); ++k) {
-      JsonObject st = steps.object(k);
-      std::string name;
-      JobStepTotals t;
-      if (!st.get_string("step", name, kNameRule) || !st.get_unsigned("count", t.count) ||
-          !st.get_unsigned("total_ns", t.total_ns) || !st.get_unsigned("self_ns", t.self_ns) ||
-          !st.finish()) {
-        return false;
-      }
-      if (t.self_ns > t.total_ns) return st.fail_at("self_ns", "more than total_ns");
-      if (!job.steps.try_emplace(name, t).second) {
-        return st.fail_at("step", "\"" + name + "\" appears twice");
-      }
-    }
-    if (!steps.ok() || !j.finish()) return false;
-    if (!out.try_emplace(key, std::move(job)).second) {
+    RetiredJobImage job;
+    if (!read_retired_job(jobs.object(i), bounds, job)) return false;
+    if (!keys.emplace(job.uid, job.job).second) {
       return jobs.fail_at(
-          i, "job \"" + key.job + "\" of uid " + std::to_string(key.uid) + " appears twice");
+          i, "job \"" + job.job + "\" of uid " + std::to_string(job.uid) + " appears twice");
     }
+    out.push_back(std::move(job));
   }
   return jobs.ok();
 }
 
-bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, RestoredState& out) {
+bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, StateImage& out) {
   if (!has_snapshot_schema(doc)) {
     return reader.fail("", std::string("not a ") + kSnapshotSchema + " document");
   }
@@ -306,38 +344,10 @@ bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, Re
     return top.fail_at(
         "version", "snapshot version " + std::to_string(version) + " is not one this build reads");
   }
-
-  JsonArray processes = top.array("processes", kMaxProcesses);
-  std::set<ProcessKey> keys;
-  for (std::size_t i = 0; i < processes.size(); ++i) {
-    auto rec = std::make_shared<ProcessRecord>();
-    if (!read_process(processes.object(i), *rec)) return false;
-    if (!keys.insert(rec->key()).second) {
-      return processes.fail_at(i, "process " + std::to_string(rec->key().pid) + " (start_time " +
-                                      std::to_string(rec->key().start_time) + ") appears twice");
-    }
-    out.processes.push_back(std::move(rec));
-  }
-  if (!processes.ok()) return false;
-
-  // Optional, as it has always been to the reader.
-  if (top.has("retired")) {
-    JsonArray retired = top.array("retired", CollectorState::kMaxRetiredNames + 1);
-    for (std::size_t i = 0; i < retired.size(); ++i) {
-      JsonObject entry = retired.object(i);
-      std::string name;
-      Histogram histogram;
-      if (!entry.get_string("step", name, kNameRule) ||
-          !read_histogram(entry.object("histogram"), histogram) || !entry.finish()) {
-        return false;
-      }
-      if (!out.retired.try_emplace(name, std::move(histogram)).second) {
-        return entry.fail_at("step", "\"" + name + "\" appears twice");
-      }
-    }
-  }
-  if (top.has("retired_jobs") && !read_retired_jobs(top, limits, out.retired_jobs)) return false;
-  if (!read_counters(top.object("counters"), out.counters) ||
+  const ImageBounds bounds = image_bounds(limits);
+  if (!read_processes(top, out.processes) || !read_retired(top, bounds, out.retired) ||
+      !read_retired_jobs(top, bounds, out.retired_jobs) ||
+      !read_counters(top.object("counters"), out.counters) ||
       !read_ledger(top.object("ledger"), limits, out.ledger)) {
     return false;
   }
@@ -346,29 +356,29 @@ bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, Re
 
 }  // namespace
 
-json encode_snapshot(const CollectorView& view) {
-  const CollectorState& state = view.state();
+json encode_snapshot(const StateImage& image) {
   json processes = json::array();
-  for (const auto& [key, handle] : state.by_key)
-    processes.push_back(process_json(*state.slots[handle]));
+  for (const ProcessImage& p : image.processes) processes.push_back(process_json(p));
   json retired = json::array();
-  for (const auto& [name, hist] : *state.retired) {
+  for (const auto& [name, hist] : image.retired) {
     retired.push_back({{"step", name}, {"histogram", encode_histogram(hist)}});
   }
   return {{"schema", kSnapshotSchema},
           {"version", kSnapshotVersion},
-          {"written_at_ns", view.now_ns()},
+          {"written_at_ns", image.taken_at_ns},
           {"processes", std::move(processes)},
           {"retired", std::move(retired)},
-          {"retired_jobs", retired_jobs_json(*state.retired_jobs)},
-          {"counters", counters_json(view.counters())},
-          {"ledger", ledger_json(state.ledger.state())}};
+          {"retired_jobs", retired_jobs_json(image.retired_jobs)},
+          {"counters", counters_json(image.counters)},
+          {"ledger", ledger_json(image.ledger)}};
 }
 
-std::optional<RestoredState> decode_snapshot(const json& doc, const Limits& limits,
-                                             std::string& error) {
+json encode_snapshot(const CollectorView& view) { return encode_snapshot(view.image()); }
+
+std::optional<StateImage> decode_snapshot(const json& doc, const Limits& limits,
+                                          std::string& error) {
   JsonReader reader;
-  RestoredState out;
+  StateImage out;
   if (!read_snapshot(reader, doc, limits, out)) {
     error = error_text(reader);
     return std::nullopt;
@@ -378,20 +388,21 @@ std::optional<RestoredState> decode_snapshot(const json& doc, const Limits& limi
 
 std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
   std::string error;
-  auto restored = decode_snapshot(doc, collector.limits(), error);
-  if (!restored) {
+  auto image = decode_snapshot(doc, collector.limits(), error);
+  if (!image) {
     // The caller gets the code; the reason goes to the log.
     spdlog::warn("snapshot rejected: {}", error);
     return make_error_code(errc::bad_snapshot);
   }
-  return collector.adopt(std::move(*restored));
+  return collector.adopt(std::move(*image));
 }
 
 std::size_t snapshot_max_array_elements(const Limits& limits) {
-  return std::max<std::size_t>(
-      {limits.max_processes, limits.max_reservations_per_gpu, limits.max_gpus,
-       CollectorState::kMaxRetiredNames + 1, max_retired_jobs(limits), RetiredJob::kMaxJobSteps + 1,
-       Histogram::kBuckets, proto::kMaxCustomSteps + proto::kBuiltinStepCount});
+  const ImageBounds bounds = image_bounds(limits);
+  return std::max<std::size_t>({limits.max_processes, limits.max_reservations_per_gpu,
+                                limits.max_gpus, bounds.retired_names, bounds.retired_jobs,
+                                bounds.job_steps, Histogram::kBuckets,
+                                proto::kMaxCustomSteps + proto::kBuiltinStepCount});
 }
 
 }  // namespace steptrace::daemon

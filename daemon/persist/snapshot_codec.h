@@ -2,13 +2,16 @@
 // back, for the snapshot file (daemon/persist/snapshot.h).
 //
 // Data flow: the server renders encode_snapshot(view) from a CollectorView (on the render
-// thread, or at shutdown) and saves it; at start it loads the file and calls
-// restore_from_snapshot(collector, doc), which decodes the document with the strict
-// reader (daemon/persist/json_reader.h) into a RestoredState and hands that to
-// Collector::adopt(). The state classes only hand their state over (CollectorView::state,
-// LedgerView::state, Histogram::parts) and adopt a decoded one (Collector::adopt,
+// thread, or at shutdown), which writes the view's StateImage (daemon/state/state_image.h:
+// what a snapshot keeps, as plain values), and saves it; at start it loads the file and
+// calls restore_from_snapshot(collector, doc), which decodes the document with the strict
+// reader (daemon/persist/json_reader.h) into a StateImage and hands that to
+// Collector::adopt(). The state classes only hand their state over (CollectorView::image,
+// LedgerView::state, Histogram::parts) and take a decoded one (Collector::adopt,
 // LedgerView::adopt, Histogram::from_parts); the document's layout lives here, all of it
-// (its keys are its own: a report's field or a wire name renamed changes no snapshot).
+// (its keys are its own: a report's field or a wire name renamed changes no snapshot):
+// the whole document in snapshot_codec.cpp, the ledger and histogram sections in
+// snapshot_sections.cpp.
 //
 // The format is fixed: files earlier builds wrote restore, and encoding what was decoded
 // gives the same bytes (tests/daemon/persist/snapshot_v1.json is such a file). A document
@@ -24,6 +27,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "daemon/state/histogram.h"
+#include "daemon/state/state_image.h"
 #include "daemon/state/types.h"
 #include "proto/errc.h"
 
@@ -32,20 +36,19 @@ namespace steptrace::daemon {
 class Collector;
 class CollectorView;
 class LedgerView;
-struct RestoredState;
-namespace ledger {
-struct State;
-}  // namespace ledger
 
 // ---- the whole snapshot ----------------------------------------------------------------
-// Spans open in `view` are written as abandoned: whoever restores the snapshot has no
-// connection to end them.
+// The document of `image` ("written_at_ns": its taken_at_ns).
+nlohmann::json encode_snapshot(const StateImage& image);
+// encode_snapshot(view.image()): spans open in `view` are written as abandoned, whoever
+// restores the snapshot has no connection to end them.
 nlohmann::json encode_snapshot(const CollectorView& view);
-// The state `doc` holds (RestoredState, daemon/state/collector_state.h), checked against
-// `limits` (the ledger's tables); nullopt with `error` set to "path: reason" when `doc` is
-// not a snapshot this build reads.
-std::optional<RestoredState> decode_snapshot(const nlohmann::json& doc, const Limits& limits,
-                                             std::string& error);
+// The state `doc` holds, checked against `limits` (the ledger's tables, the bounds of
+// image_bounds()) and against the image's own rules (state_image.h: each key and step id
+// once, step ids built-in or registered); nullopt with `error` set to "path: reason" when
+// `doc` is not a snapshot this build reads.
+std::optional<StateImage> decode_snapshot(const nlohmann::json& doc, const Limits& limits,
+                                          std::string& error);
 // decode_snapshot() under collector.limits(), then collector.adopt(). Fails (state
 // unchanged) with errc::bad_snapshot when the document is rejected (the reason goes to
 // the log), or as Collector::adopt() does while connections are attached.

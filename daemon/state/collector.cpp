@@ -320,7 +320,7 @@ std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>&
 
 // ---- adopt (a snapshot's state, from daemon/persist/snapshot_codec.cpp) -----------------
 
-std::error_code Collector::adopt(RestoredState restored) {
+std::error_code Collector::adopt_restored(RestoredState restored) {
   for (const auto& slot : state_->slots) {
     // Live sessions hold handles into the table that this would invalidate.
     if (slot && slot->connections > 0)

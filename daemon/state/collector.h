@@ -6,8 +6,8 @@
 // ProcessHandle it got from attach(). Everything runs on the one io_context thread, so
 // the Collector takes no locks. Reports, metrics and snapshots read the same state.
 // Snapshots are not made here: the snapshot codec (daemon/persist/snapshot_codec.h)
-// encodes a CollectorView's state() and decodes a document into a RestoredState, which
-// Collector::adopt() installs.
+// encodes a CollectorView's image() (daemon/state/state_image.h) and decodes a document
+// into a StateImage, which Collector::adopt() installs.
 //
 // A process is identified by (pid, start_time) from SO_PEERCRED and /proc, never by a
 // pid the client claims; a recycled pid is a new process. Several connections of one
@@ -45,6 +45,7 @@ namespace steptrace::daemon {
 struct CollectorState;
 struct ProcessRecord;
 struct RestoredState;
+struct StateImage;
 class CollectorView;
 
 // The collector's state at one instant, for rendering: cheap to make (process records,
@@ -72,9 +73,12 @@ class CollectorView {
   std::vector<JobFigures> jobs(std::span<const ProcessFigures> processes) const;
   TableFigures table() const;
   const ledger::State& ledger() const;
+  // What a snapshot keeps of it, as plain values (state_image.h; state_image.cpp). Spans
+  // open now are counted as abandoned: whoever installs the image cannot end them.
+  StateImage image() const;
 
-  // What the renderers not yet on the read model (metrics_text.cpp) and the snapshot
-  // codec read: the ingest layout itself (collector_state.h).
+  // What the renderers not yet on the read model (metrics_text.cpp) read: the ingest
+  // layout itself (collector_state.h).
   const CollectorState& state() const { return *state_; }
   const DaemonCounters& counters() const { return counters_; }
   std::chrono::steady_clock::duration uptime() const { return uptime_; }
@@ -179,13 +183,15 @@ class Collector {
   void set_device_rules(const ledger::DeviceRules& rules);
 
   // ---- persistence -------------------------------------------------------------------
-  // Replaces the state with one the snapshot codec decoded (restore_from_snapshot,
+  // Replaces the state with `image` (one the snapshot codec decoded: restore_from_snapshot,
   // daemon/persist/snapshot_codec.h) and adds its counters to the daemon's. Restored
   // processes have no connection, so their liveness is checked against /proc at once,
   // and exited ones beyond the limits are evicted. Fails (state unchanged) with
   // std::errc::device_or_resource_busy while a connection is attached: its session holds
-  // a handle into the table this replaces.
-  std::error_code adopt(RestoredState restored);
+  // a handle into the table this replaces; with std::errc::invalid_argument when the
+  // image breaks its own rules (state_image.h: a key or a step id twice, a step id
+  // neither built-in nor registered), which the codec refuses with a reason first.
+  std::error_code adopt(StateImage image);
 
   // Ingest's own counts and limit hits, plus what a snapshot restored of the server's.
   const DaemonCounters& counters() const { return counters_; }
@@ -193,6 +199,8 @@ class Collector {
 
  private:
   struct State;
+  // adopt(), once the image is the table's records (state_image.cpp).
+  std::error_code adopt_restored(RestoredState restored);
   Limits limits_;
   Environment env_;
   DaemonCounters counters_;

@@ -1,10 +1,10 @@
 // The Collector's private state (daemon/state/collector.h), shared by the files that
 // implement it: collector.cpp (the table, views, adopt), collector_ingest.cpp (ingest,
 // the state budget), collector_liveness.cpp (liveness, limits, eviction),
-// collector_ledger.cpp (the ledger, device truth), report_json.cpp,
-// report_text.cpp and metrics_text.cpp (reports), and the snapshot codec
-// (daemon/persist/snapshot_codec.cpp), which writes it from a CollectorView and reads a
-// document back into a RestoredState. Not for use outside those.
+// collector_ledger.cpp (the ledger, device truth), read_model.cpp (the plain values the
+// reports read, read_model.h) and state_image.cpp, which describes it as a StateImage for
+// the snapshot codec (daemon/persist/) and builds a RestoredState of an image it decoded.
+// Private to daemon/state/ (docs/ARCHITECTURE.md, checked by scripts/check-includes.py).
 //
 // Layout for the ingest hot path (Collector::events): the process table is a vector of
 // slots indexed by ProcessHandle. A process keeps its per-step aggregates in one dense
@@ -258,7 +258,7 @@ struct Collector::State : CollectorState {
   using CollectorState::CollectorState;
 };
 
-// A snapshot's state, decoded and validated by the snapshot codec, for Collector::adopt.
+// A StateImage as the table's records (state_image.cpp), for Collector::adopt_restored.
 struct RestoredState {
   std::vector<std::shared_ptr<ProcessRecord>> processes;  // distinct keys, no connections
   RetiredHistograms retired;

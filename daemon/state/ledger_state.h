@@ -1,7 +1,7 @@
 // The VRAM ledger view's state (daemon/state/ledger_view.h), shared by the files that
 // read or write it whole: ledger_view.cpp (apply, attribution, reports) and the snapshot
-// codec (daemon/persist/snapshot_codec.cpp: LedgerView::state() out, LedgerView::adopt()
-// in). Not for use outside those.
+// codec (daemon/persist/snapshot_sections.cpp: LedgerView::state() out, LedgerView::adopt()
+// in, also as a StateImage's ledger). Not for use outside those.
 //
 // One Gpu per UUID (reservations by id, reserved total and high-water, last VRAM sample,
 // operation counts, per-actor rows of ledger operations and ledger-step time, the uid

@@ -17,7 +17,6 @@
 
 #include "daemon/report/ledger_report.h"
 #include "daemon/state/collector.h"
-#include "daemon/state/collector_state.h"
 #include "daemon/state/counter_table.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/ledger_view.h"
@@ -194,7 +193,7 @@ TEST(SnapshotCodecTest, AFileTheOldBuildWroteRestoresAndEncodesToTheSameBytes) {
   // the holder process or root may release, and which counts against no uid's quota.
   expect_fields_since_v1(encoded, kUnknownUid);
   EXPECT_TRUE(report::ledger_json(*c.freeze())["gpus"][0]["reservations"][0]["uid"].is_null());
-  EXPECT_TRUE(c.freeze()->state().ledger.state().uids.empty());
+  EXPECT_TRUE(c.freeze()->ledger().uids.empty());
   EXPECT_EQ(c.counters().events_received, 20u);
   EXPECT_EQ(c.counters().protocol_errors.at("bad_magic"), 2u);
   // And what this build writes of it restores to the same bytes, new fields included.

@@ -17,7 +17,7 @@
 
 #include "daemon/persist/snapshot_codec.h"
 #include "daemon/state/collector.h"
-#include "daemon/state/collector_state.h"
+#include "daemon/state/state_image.h"
 #include "tests/daemon/daemon_test_util.h"
 #include "tests/support/daemon_process.h"
 
@@ -208,6 +208,60 @@ TEST(SnapshotTest, RestoreRefusesWhileConnectionsAreAttached) {
   EXPECT_EQ(report::report_json(*c.freeze(), std::nullopt)["processes"].size(), 1u);
 }
 
+// Collector::adopt takes an image from anyone, not only the codec (which refuses these
+// documents with a path first): one that breaks its own rules changes nothing.
+TEST(SnapshotTest, AdoptRefusesAnImageThatBreaksItsRules) {
+  FakeWorld world;
+  Collector source(Limits{}, world.env());
+  populate(source, world);
+  const StateImage good = source.freeze()->image();
+  ASSERT_EQ(good.processes.size(), 2u);
+  ASSERT_FALSE(good.processes[0].custom_steps.empty());
+
+  Collector target(Limits{}, world.env());
+  {
+    Connection c(target, world.spawn(77, 1, "keep"));
+    ASSERT_FALSE(c.events({start(1, 0, 0), end(1, 0, 5)}));
+  }
+  const json before = comparable(report::report_json(*target.freeze(), std::nullopt));
+  using Mutation = std::function<void(StateImage&)>;
+  const std::vector<std::pair<std::string, Mutation>> broken = {
+      {"a process twice", [](StateImage& i) { i.processes.push_back(i.processes[0]); }},
+      {"a step id twice",
+       [](StateImage& i) { i.processes[0].steps.push_back(i.processes[0].steps[0]); }},
+      {"a step neither built-in nor registered",
+       [](StateImage& i) { i.processes[0].steps[0].id = 900; }},
+      {"a built-in id registered as custom",
+       [](StateImage& i) { i.processes[0].custom_steps[0].id = 3; }},
+      {"a custom step registered twice",
+       [](StateImage& i) {
+         i.processes[0].custom_steps.push_back(i.processes[0].custom_steps[0]);
+       }},
+      {"a retired job twice",
+       [](StateImage& i) {
+         RetiredJobImage job;
+         job.uid = 1;
+         job.job = "j";
+         i.retired_jobs.assign(2, job);
+       }},
+  };
+  for (const auto& [what, mutate] : broken) {
+    SCOPED_TRACE(what);
+    StateImage image = good;
+    mutate(image);
+    EXPECT_EQ(target.adopt(std::move(image)), std::make_error_code(std::errc::invalid_argument));
+    EXPECT_EQ(comparable(report::report_json(*target.freeze(), std::nullopt)), before);
+  }
+  // The image itself installs, and describes the same state (the counters are added to
+  // the target's own).
+  ASSERT_FALSE(target.adopt(good));
+  json installed = snapshot_of(target);
+  json expected = snapshot_of(source);
+  installed.erase("counters");
+  expected.erase("counters");
+  EXPECT_EQ(installed, expected);
+}
+
 // ---- files ---------------------------------------------------------------------------
 
 std::string read(const std::filesystem::path& p) {
@@ -224,8 +278,8 @@ TEST(SnapshotFileTest, AnArrayLongerThanTheLimitsAllowStopsTheParse) {
   steptrace::testing::TempDir dir;
   const std::size_t bound = snapshot_max_array_elements(Limits{});
   // The longest with the defaults: retired jobs, max_jobs + max_processes (4352).
-  EXPECT_EQ(bound, max_retired_jobs(Limits{}));
-  EXPECT_GT(bound, CollectorState::kMaxRetiredNames + 1);
+  EXPECT_EQ(bound, image_bounds(Limits{}).retired_jobs);
+  EXPECT_GT(bound, image_bounds(Limits{}).retired_names);
   FakeWorld world;
   Collector c(Limits{}, world.env());
   populate(c, world);
