@@ -318,7 +318,7 @@ std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>&
   return out;
 }
 
-// ---- adopt (a snapshot's state, from daemon/persist/snapshot_codec.cpp) -----------------
+// ---- adopt (a snapshot's state: Collector::adopt(StateImage), state_image.cpp) ---------
 
 std::error_code Collector::adopt_restored(RestoredState restored) {
   for (const auto& slot : state_->slots) {

@@ -380,7 +380,7 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
 }
 
 // A job that still has a process in the table keeps its retired totals past max_jobs
-// (collector.cpp, enforce_job_limits): a snapshot holding more retired jobs than that
+// (collector_liveness.cpp, enforce_job_limits): a snapshot holding more retired jobs than that
 // limit is the daemon's own and restores.
 TEST(SnapshotCodecTest, RetiredJobsOfLiveJobsBeyondMaxJobsRestore) {
   FakeWorld world;
