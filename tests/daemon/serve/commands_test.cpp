@@ -153,6 +153,109 @@ TEST_F(CommandsTest, BadArgumentsAreNamed) {
             "ID])\n");
 }
 
+// The exact text of `help` and of every kind of argument error: the usage each names is
+// the one help shows (for `ledger`, of the form it was parsing), whatever the command.
+TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
+  EXPECT_EQ(run("help"),
+            "steptraced commands (one per line):\n"
+            "  help                        this list\n"
+            "  ledger [--json] | ledger cleanup GPU ID the VRAM ledger view per GPU; cleanup: "
+            "remove a reservation (root, the holder's uid, or anyone once it is LEAKED or "
+            "EXPIRED)\n"
+            "  metrics                     Prometheus text exposition (format 0.0.4)\n"
+            "  ping                        answers pong\n"
+            "  report [--json] [--pid N] [--job ID] per-step timing for all processes (or one "
+            "pid, or one job's), by job, then the VRAM ledger\n"
+            "  reset [--pid N | --ledger | --gpu UUID] clear the aggregates (all, or one pid's), "
+            "or the VRAM ledger (all GPUs, or one); root or the daemon's uid only\n"
+            "  stats [--json]              the daemon's own counters\n"
+            "  trace [--pid N]... [--last SECONDS | --for SECONDS] the flight recorder's recent "
+            "events as a Chrome Trace Event document (Perfetto UI, chrome://tracing); --for "
+            "records from now on\n"
+            "  version                     daemon version, protocol version and commands, as "
+            "one JSON line\n");
+  const std::string trace_usage = " (usage: trace [--pid N]... [--last SECONDS | --for SECONDS])\n";
+  const std::pair<std::string, std::string> cases[] = {
+      {"ping now", "error: ping: unexpected argument 'now' (usage: ping)\n"},
+      {"help me", "error: help: unexpected argument 'me' (usage: help)\n"},
+      {"version --json", "error: version: unexpected argument '--json' (usage: version)\n"},
+      {"metrics --json", "error: metrics: unexpected argument '--json' (usage: metrics)\n"},
+      {"stats extra", "error: stats: unexpected argument 'extra' (usage: stats [--json])\n"},
+      {"stats --json=1", "error: stats: unexpected argument '--json=1' (usage: stats [--json])\n"},
+      {"stats --json --json", "error: stats: --json given twice\n"},
+      {"ledger --pid 3", "error: ledger: unexpected argument '--pid' (usage: ledger [--json])\n"},
+      {"ledger --json cleanup",
+       "error: ledger: unexpected argument 'cleanup' (usage: ledger [--json])\n"},
+      {"ledger cleanup GPU-A",
+       "error: ledger cleanup: needs a GPU UUID and a reservation id (usage: ledger cleanup GPU "
+       "ID)\n"},
+      {"ledger cleanup GPU-A 1 2",
+       "error: ledger cleanup: needs a GPU UUID and a reservation id (usage: ledger cleanup GPU "
+       "ID)\n"},
+      {"ledger cleanup " + std::string(64, 'g') + " 1",
+       "error: ledger cleanup: a GPU UUID is 1..63 printable characters\n"},
+      {"ledger cleanup GPU-A x",
+       "error: ledger cleanup: the reservation id must be an integer in "
+       "0..18446744073709551615, got 'x'\n"},
+      {"report --pid", "error: report: --pid needs a process id\n"},
+      {"report --pid=abc", "error: report: --pid needs a process id in 1..2147483647, got 'abc'\n"},
+      {"report --pid abc --pid 4",
+       "error: report: --pid needs a process id in 1..2147483647, got 'abc'\n"},
+      {"report --pid 3 --pid 4", "error: report: --pid given twice\n"},
+      {"report --job", "error: report: --job needs a job id of 1..63 printable characters\n"},
+      {"report --job=", "error: report: --job needs a job id of 1..63 printable characters\n"},
+      {"report --job a --job b", "error: report: --job given twice\n"},
+      {"report --json --json", "error: report: --json given twice\n"},
+      {"report --pidx 3",
+       "error: report: unexpected argument '--pidx' (usage: report [--json] [--pid N] [--job "
+       "ID])\n"},
+      {"reset --json",
+       "error: reset: unexpected argument '--json' (usage: reset [--pid N | --ledger | --gpu "
+       "UUID])\n"},
+      {"reset --ledger --ledger", "error: reset: --ledger given twice\n"},
+      {"reset --gpu A --gpu B", "error: reset: --gpu given twice\n"},
+      {"reset --gpu=", "error: reset: --gpu needs a GPU UUID of 1..63 characters\n"},
+      {"reset --pid 3 --gpu A --ledger",
+       "error: reset: --pid, --ledger and --gpu exclude each other (usage: reset [--pid N | "
+       "--ledger | --gpu UUID])\n"},
+      {"reset --ledger --gpu A --bogus",
+       "error: reset: unexpected argument '--bogus' (usage: reset [--pid N | --ledger | --gpu "
+       "UUID])\n"},
+      {"trace --json", "error: trace: unexpected argument '--json'" + trace_usage},
+      {"trace --pid", "error: trace: --pid needs a process id" + trace_usage},
+      {"trace --pid \x1b",
+       "error: trace: --pid needs a process id in 1..2147483647, got '?'" + trace_usage},
+      {"trace --last",
+       "error: trace: --last needs a number of seconds in (0, 86400]" + trace_usage},
+      {"trace --last 0",
+       "error: trace: --last needs a number of seconds in (0, 86400], got '0'" + trace_usage},
+      {"trace --for=3601",
+       "error: trace: --for needs a number of seconds in (0, 3600], got '3601'" + trace_usage},
+      {"trace --for 1 --for 2", "error: trace: --for given twice" + trace_usage},
+      {"trace --last 1 --for 1", "error: trace: --last and --for exclude each other" + trace_usage},
+  };
+  for (const auto& [line, reply] : cases) EXPECT_EQ(run(line), reply) << line;
+  std::string many = "trace";
+  for (int pid = 1; pid <= 64; ++pid) many += " --pid " + std::to_string(pid);
+  EXPECT_EQ(run(many + " --pid 65"), "error: trace: at most 64 --pid options" + trace_usage);
+  EXPECT_FALSE(run(many + " --pid 64").starts_with("error: ")) << "a pid again is no more";
+}
+
+// Who may run a command is checked once its words parsed: a bad line is told so whoever
+// sends it; a good one from another uid is refused before anything runs.
+TEST_F(CommandsTest, PermissionIsCheckedAfterTheWordsParsed) {
+  EXPECT_EQ(run("reset --bogus", /*uid=*/2000),
+            "error: reset: unexpected argument '--bogus' (usage: reset [--pid N | --ledger | "
+            "--gpu UUID])\n");
+  EXPECT_EQ(run("reset --pid 777", /*uid=*/2000), "error: permission denied\n");
+  EXPECT_EQ(run("reset --pid 777", /*uid=*/0), "error: no process with pid 777\n");
+  // Every other command is anyone's.
+  for (const char* line :
+       {"ping", "report", "ledger", "stats", "metrics", "version", "help", "trace --last 1"}) {
+    EXPECT_NE(run(line, /*uid=*/2000).rfind("error: ", 0), 0u) << line;
+  }
+}
+
 TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {
   const std::vector<std::string_view> words = {"--json", "--pid", "42"};
   auto parsed = ReportRequest::parse(words);
