@@ -2,15 +2,12 @@
 #include "daemon/report/report.h"
 
 #include <steptrace/version.h>
-#include <algorithm>
-#include <atomic>
 #include <charconv>
 #include <exception>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <tuple>
 
 #include "daemon/report/ledger_report.h"
 #include "daemon/report/trace_export.h"
@@ -20,146 +17,6 @@
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
-namespace {
-
-using nlohmann::json;
-using proto::parse_pid;
-using proto::parse_seconds;
-
-// The option bounds are proto/commands.h's, shared with the CLI (TraceRequest's are
-// aliases of them).
-
-// "--pid needs a process id in 1..2147483647"
-std::string pid_range() {
-  return std::to_string(proto::kMinPid) + ".." + std::to_string(proto::kMaxPid);
-}
-
-// What options a command accepts, and what the words said.
-struct OptionSpec {
-  bool json = false;
-  bool pid = false;
-  bool job = false;     // report: --job ID
-  bool ledger = false;  // reset: --ledger, --gpu UUID
-};
-struct Options {
-  bool json = false;
-  std::optional<std::int32_t> pid;
-  std::optional<std::string> job;
-  bool ledger = false;
-  std::optional<std::string> gpu;
-};
-
-std::string usage_of(std::string_view command, OptionSpec spec) {
-  std::string usage(command);
-  if (spec.json) usage += " [--json]";
-  if (spec.ledger) return usage + " [--pid N | --ledger | --gpu UUID]";
-  if (spec.pid) usage += " [--pid N]";
-  if (spec.job) usage += " [--job ID]";
-  return usage;
-}
-
-// The value of an option that takes one word ("--name V" or "--name=V"), advancing `i`
-// past it; nullopt when the value is missing.
-std::optional<std::string_view> option_value(std::string_view name, Args args, std::size_t& i) {
-  const std::string_view word = args[i];
-  if (word.size() > name.size()) return word.substr(name.size() + 1);  // "--name=V"
-  if (i + 1 >= args.size()) return std::nullopt;
-  return args[++i];
-}
-
-bool is_option(std::string_view word, std::string_view name) {
-  return word == name ||
-         (word.starts_with(name) && word.size() > name.size() && word[name.size()] == '=');
-}
-
-Parsed<Options> parse_options(std::string_view command, OptionSpec spec, Args args) {
-  Options options;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string_view word = args[i];
-    if (spec.json && word == "--json") {
-      if (options.json) return CommandError{std::string(command) + ": --json given twice"};
-      options.json = true;
-      continue;
-    }
-    if (spec.ledger && word == "--ledger") {
-      if (options.ledger) return CommandError{std::string(command) + ": --ledger given twice"};
-      options.ledger = true;
-      continue;
-    }
-    if (spec.ledger && is_option(word, "--gpu")) {
-      if (options.gpu) return CommandError{std::string(command) + ": --gpu given twice"};
-      const auto value = option_value("--gpu", args, i);
-      if (!value) return CommandError{std::string(command) + ": --gpu needs a GPU UUID"};
-      if (value->empty() || value->size() > proto::kMaxNameLength) {
-        return CommandError{std::string(command) + ": --gpu needs a GPU UUID of 1.." +
-                            std::to_string(proto::kMaxNameLength) + " characters"};
-      }
-      options.gpu = std::string(*value);
-      continue;
-    }
-    if (spec.job && is_option(word, "--job")) {
-      if (options.job) return CommandError{std::string(command) + ": --job given twice"};
-      const auto value = option_value("--job", args, i);
-      // A job id as the wire carries it (PROTOCOL.md 4.7b).
-      if (!value || value->empty() || value->size() > proto::kMaxNameLength ||
-          !std::all_of(value->begin(), value->end(), proto::is_printable)) {
-        return CommandError{std::string(command) + ": --job needs a job id of 1.." +
-                            std::to_string(proto::kMaxNameLength) + " printable characters"};
-      }
-      options.job = std::string(*value);
-      continue;
-    }
-    if (spec.pid && is_option(word, "--pid")) {
-      if (options.pid) return CommandError{std::string(command) + ": --pid given twice"};
-      const auto given = option_value("--pid", args, i);
-      if (!given) return CommandError{std::string(command) + ": --pid needs a process id"};
-      const std::string_view value = *given;
-      auto pid = parse_pid(value);
-      if (!pid) {
-        return CommandError{std::string(command) + ": --pid needs a process id in " + pid_range() +
-                            ", got '" + std::string(value) + "'"};
-      }
-      options.pid = pid;
-      continue;
-    }
-    return CommandError{std::string(command) + ": unexpected argument '" +
-                        proto::printable(word, 64) + "' (usage: " + usage_of(command, spec) + ")"};
-  }
-  return options;
-}
-
-std::string json_line(const json& doc) {
-  // Replace (not throw on) invalid UTF-8, e.g. from a process's comm.
-  return doc.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
-}
-
-std::string text_reply(std::string text) {
-  if (text.empty() || text.back() != '\n') text += '\n';
-  return text;
-}
-
-std::vector<std::string_view> split_words(std::string_view line) {
-  std::vector<std::string_view> words;
-  std::size_t i = 0;
-  while (i < line.size()) {
-    while (i < line.size() && (line[i] == ' ' || line[i] == '\t' || line[i] == '\r')) ++i;
-    const std::size_t start = i;
-    while (i < line.size() && line[i] != ' ' && line[i] != '\t' && line[i] != '\r') ++i;
-    if (i > start) words.push_back(line.substr(start, i - start));
-  }
-  return words;
-}
-
-template <typename Request>
-Parsed<Request> no_arguments(std::string_view command, Args args) {
-  auto parsed = parse_options(command, {}, args);
-  if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
-  return Request{};
-}
-
-constexpr const char* kTraceUsage = "trace [--pid N]... [--last SECONDS | --for SECONDS]";
-
-}  // namespace
 
 // The trace replies alive, in all and per uid. Each one holds its capture's chunks
 // (memory beyond the recorder's budget once they are evicted), so at most kMax exist at
@@ -203,6 +60,294 @@ class TraceSlots {
 
 namespace {
 
+using nlohmann::json;
+using proto::parse_pid;
+using proto::parse_seconds;
+using syntax::Option;
+using syntax::Problem;
+using syntax::Syntax;
+
+// Who may run a command: the table checks it once the words parsed, before the handler.
+enum class Permission {
+  kAnyone,
+  kRootOrDaemonUid,  // may_reset(): commands that change state
+};
+
+// What a handler has besides its request.
+struct Call {
+  const CommandContext& context;
+  const CommandTable& table;                       // version, help
+  const std::shared_ptr<TraceSlots>& trace_slots;  // trace
+};
+
+// A command, declared once: its name, the words it takes (what the parser accepts and
+// what its usage says), its line in `help`, who may run it and its handler.
+template <typename Request>
+struct Command {
+  std::string_view name{};
+  Syntax<Request> syntax{};
+  std::string_view summary{};
+  Permission permission = Permission::kAnyone;
+  Reply (*run)(const Request&, const Call&) = nullptr;
+};
+
+template <typename Request>
+Parsed<Request> parse_as(const Command<Request>& command, Args args) {
+  return syntax::Parser<Request>(command.syntax, command.name).parse(args);
+}
+
+std::string json_line(const json& doc) {
+  // Replace (not throw on) invalid UTF-8, e.g. from a process's comm.
+  return doc.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+std::string text_reply(std::string text) {
+  if (text.empty() || text.back() != '\n') text += '\n';
+  return text;
+}
+
+std::vector<std::string_view> split_words(std::string_view line) {
+  std::vector<std::string_view> words;
+  std::size_t i = 0;
+  while (i < line.size()) {
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t' || line[i] == '\r')) ++i;
+    const std::size_t start = i;
+    while (i < line.size() && line[i] != ' ' && line[i] != '\t' && line[i] != '\r') ++i;
+    if (i > start) words.push_back(line.substr(start, i - start));
+  }
+  return words;
+}
+
+// ---- options several commands take (their bounds are proto/commands.h's, the CLI's too)
+
+// "1..2147483647"
+std::string pid_range() {
+  return std::to_string(proto::kMinPid) + ".." + std::to_string(proto::kMaxPid);
+}
+
+template <typename Request>
+Option<Request> flag(std::string_view name, bool Request::*field) {
+  return {name, "", [field](Request& r, std::optional<std::string_view>) -> Problem {
+            r.*field = true;
+            return std::nullopt;
+          }};
+}
+
+// `--pid N` of report and reset (trace's may be repeated: trace_pid_option()).
+template <typename Request>
+Option<Request> pid_option(std::optional<std::int32_t> Request::*field) {
+  return {"--pid", "N", [field](Request& r, std::optional<std::string_view> value) -> Problem {
+            if (!value) return "--pid needs a process id";
+            const auto pid = parse_pid(*value);
+            if (!pid) {
+              return "--pid needs a process id in " + pid_range() + ", got '" +
+                     std::string(*value) + "'";
+            }
+            r.*field = pid;
+            return std::nullopt;
+          }};
+}
+
+// ---- ping -------------------------------------------------------------------------
+
+Reply run_ping(const PingRequest&, const Call&) { return std::string("pong\n"); }
+
+const Command<PingRequest>& ping_command() {
+  static const Command<PingRequest> kCommand{
+      .name = "ping", .summary = "answers pong", .run = run_ping};
+  return kCommand;
+}
+
+// ---- report [--json] [--pid N] [--job ID] -------------------------------------------
+
+// A job id as the wire carries it (PROTOCOL.md 4.7b).
+Problem take_job(ReportRequest& r, std::optional<std::string_view> value) {
+  if (!value || value->empty() || value->size() > proto::kMaxNameLength ||
+      !proto::all_printable(*value)) {
+    return "--job needs a job id of 1.." + std::to_string(proto::kMaxNameLength) +
+           " printable characters";
+  }
+  r.job = std::string(*value);
+  return std::nullopt;
+}
+
+Reply run_report(const ReportRequest& r, const Call&) {
+  return RenderJob([r](const CollectorView& v) {
+    const report::ReportFilter filter{r.pid, r.job};
+    return r.json ? json_line(report::report_json(v, filter))
+                  : text_reply(report::report_text(v, filter));
+  });
+}
+
+const Command<ReportRequest>& report_command() {
+  static const Command<ReportRequest> kCommand{
+      .name = "report",
+      .syntax = {.groups = {{flag("--json", &ReportRequest::json)},
+                            {pid_option(&ReportRequest::pid)},
+                            {{"--job", "ID", take_job}}}},
+      .summary =
+          "per-step timing for all processes (or one pid, or one job's), by job, then "
+          "the VRAM ledger",
+      .run = run_report,
+  };
+  return kCommand;
+}
+
+// ---- ledger [--json] | ledger cleanup GPU ID -----------------------------------------
+
+Problem take_cleanup_gpu(LedgerRequest& r, std::string_view gpu) {
+  if (gpu.size() > proto::kMaxNameLength || !proto::all_printable(gpu)) {
+    return "a GPU UUID is 1.." + std::to_string(proto::kMaxNameLength) + " printable characters";
+  }
+  if (!r.cleanup) r.cleanup = LedgerRequest::Cleanup{};
+  r.cleanup->gpu = std::string(gpu);
+  return std::nullopt;
+}
+
+Problem take_cleanup_id(LedgerRequest& r, std::string_view text) {
+  std::uint64_t id = 0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), id);
+  if (ec != std::errc{} || ptr != text.data() + text.size()) {
+    return "the reservation id must be an integer in 0..18446744073709551615, got '" +
+           proto::printable(text, 64) + "'";
+  }
+  if (!r.cleanup) r.cleanup = LedgerRequest::Cleanup{};
+  r.cleanup->id = id;
+  return std::nullopt;
+}
+
+Reply run_ledger(const LedgerRequest& r, const Call& call) {
+  if (r.cleanup) {
+    static const PeerIdentity kNobody{{0, 0}, kNobodyUid, kNobodyGid, ""};
+    const PeerIdentity& sender = call.context.peer ? *call.context.peer : kNobody;
+    return report::cleanup_reply(
+        call.context.collector.operator_cleanup(sender, r.cleanup->gpu, r.cleanup->id),
+        r.cleanup->gpu, r.cleanup->id, sender.key.pid);
+  }
+  return RenderJob([r](const CollectorView& v) {
+    return r.json ? json_line(report::ledger_json(v)) : text_reply(report::ledger_text(v));
+  });
+}
+
+const Command<LedgerRequest>& ledger_command() {
+  static const Command<LedgerRequest> kCommand{
+      .name = "ledger",
+      .syntax = {.groups = {{flag("--json", &LedgerRequest::json)}},
+                 .forms = {{.word = "cleanup",
+                            .words = {{"GPU", take_cleanup_gpu}, {"ID", take_cleanup_id}},
+                            .wrong_count = "needs a GPU UUID and a reservation id"}}},
+      .summary =
+          "the VRAM ledger view per GPU; cleanup: remove a reservation (root, the "
+          "holder's uid, or anyone once it is LEAKED or EXPIRED)",
+      .run = run_ledger,
+  };
+  return kCommand;
+}
+
+// ---- stats [--json] ------------------------------------------------------------------
+
+Reply run_stats(const StatsRequest& r, const Call&) {
+  return RenderJob([r](const CollectorView& v) {
+    return r.json ? json_line(report::stats_json(v)) : text_reply(report::stats_text(v));
+  });
+}
+
+const Command<StatsRequest>& stats_command() {
+  static const Command<StatsRequest> kCommand{
+      .name = "stats",
+      .syntax = {.groups = {{flag("--json", &StatsRequest::json)}}},
+      .summary = "the daemon's own counters",
+      .run = run_stats,
+  };
+  return kCommand;
+}
+
+// ---- metrics -------------------------------------------------------------------------
+
+Reply run_metrics(const MetricsRequest&, const Call&) {
+  return RenderJob([](const CollectorView& v) { return text_reply(report::metrics_text(v)); });
+}
+
+const Command<MetricsRequest>& metrics_command() {
+  static const Command<MetricsRequest> kCommand{
+      .name = "metrics",
+      .summary = "Prometheus text exposition (format 0.0.4)",
+      .run = run_metrics,
+  };
+  return kCommand;
+}
+
+// ---- reset [--pid N | --ledger | --gpu UUID] -----------------------------------------
+
+Problem take_gpu(ResetRequest& r, std::optional<std::string_view> value) {
+  if (!value) return "--gpu needs a GPU UUID";
+  if (value->empty() || value->size() > proto::kMaxNameLength) {
+    return "--gpu needs a GPU UUID of 1.." + std::to_string(proto::kMaxNameLength) + " characters";
+  }
+  r.gpu = std::string(*value);
+  return std::nullopt;
+}
+
+Reply run_reset(const ResetRequest& r, const Call& call) {
+  Collector& collector = call.context.collector;
+  if (r.ledger || r.gpu) {
+    const std::size_t n =
+        collector.reset_ledger(r.gpu ? std::optional<std::string_view>(*r.gpu) : std::nullopt);
+    if (r.gpu && n == 0) return "error: no GPU '" + proto::printable(*r.gpu) + "' in the ledger\n";
+    return "ok: " + std::to_string(n) + (n == 1 ? " GPU" : " GPUs") + " cleared from the ledger\n";
+  }
+  if (collector.reset(r.pid) == 0 && r.pid) {
+    return "error: no process with pid " + std::to_string(*r.pid) + "\n";
+  }
+  return std::string("ok\n");
+}
+
+const Command<ResetRequest>& reset_command() {
+  static const Command<ResetRequest> kCommand{
+      .name = "reset",
+      .syntax = {.groups = {{pid_option(&ResetRequest::pid),
+                             flag("--ledger", &ResetRequest::ledger),
+                             {"--gpu", "UUID", take_gpu}}}},
+      .summary =
+          "clear the aggregates (all, or one pid's), or the VRAM ledger (all GPUs, or "
+          "one); root or the daemon's uid only",
+      .permission = Permission::kRootOrDaemonUid,
+      .run = run_reset,
+  };
+  return kCommand;
+}
+
+// ---- trace [--pid N]... [--last SECONDS | --for SECONDS] -----------------------------
+
+Problem take_trace_pid(TraceRequest& r, std::optional<std::string_view> value) {
+  if (!value) return "--pid needs a process id";
+  const auto pid = parse_pid(*value);
+  if (!pid) {
+    return "--pid needs a process id in " + pid_range() + ", got '" + proto::printable(*value, 64) +
+           "'";
+  }
+  if (r.pids.size() >= proto::kMaxTracePids && !r.pids.contains(*pid)) {
+    return "at most " + std::to_string(proto::kMaxTracePids) + " --pid options";
+  }
+  r.pids.insert(*pid);
+  return std::nullopt;
+}
+
+Option<TraceRequest> seconds_option(std::string_view name, double max,
+                                    std::optional<double> TraceRequest::*field) {
+  return {name, "SECONDS",
+          [name, max, field](TraceRequest& r, std::optional<std::string_view> value) -> Problem {
+            const auto seconds = value ? parse_seconds(*value, max) : std::nullopt;
+            if (!seconds) {
+              return std::string(name) + " needs a number of seconds in (0, " +
+                     std::to_string(static_cast<int>(max)) + "]" +
+                     (value ? ", got '" + proto::printable(*value, 64) + "'" : std::string());
+            }
+            r.*field = seconds;
+            return std::nullopt;
+          }};
+}
+
 // Renders a capture as the trace document, a piece per next(), holding a TraceSlots slot.
 class TraceReply final : public ReplyStream {
  public:
@@ -239,8 +384,10 @@ class CaptureHold {
 
 std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9); }
 
-Reply trace_reply(const TraceRequest& r, Collector& collector,
-                  const std::shared_ptr<TraceSlots>& slots, std::uint32_t uid) {
+Reply run_trace(const TraceRequest& r, const Call& call) {
+  Collector& collector = call.context.collector;
+  const std::shared_ptr<TraceSlots>& slots = call.trace_slots;
+  const std::uint32_t uid = call.context.peer_uid;
   const std::uint64_t now = collector.now_ns();
   if (auto busy = slots->busy(uid)) return *busy;
   if (!r.for_s) {
@@ -262,113 +409,61 @@ Reply trace_reply(const TraceRequest& r, Collector& collector,
   return deferred;
 }
 
+const Command<TraceRequest>& trace_command() {
+  static const Command<TraceRequest> kCommand{
+      .name = "trace",
+      .syntax =
+          {.groups = {{{"--pid", "N", take_trace_pid, /*repeatable=*/true}},
+                      {seconds_option("--last", proto::kMaxTraceLastSeconds, &TraceRequest::last_s),
+                       seconds_option("--for", proto::kMaxTraceForSeconds, &TraceRequest::for_s)}},
+           .usage_in_every_error = true},
+      .summary =
+          "the flight recorder's recent events as a Chrome Trace Event document "
+          "(Perfetto UI, chrome://tracing); --for records from now on",
+      .run = run_trace,
+  };
+  return kCommand;
+}
+
+// ---- version, help -------------------------------------------------------------------
+
+Reply run_version(const VersionRequest&, const Call& call) {
+  return VersionResponse{STEPTRACE_VERSION_STRING, proto::kProtocolVersion, call.table.names()}
+      .to_json_line();
+}
+
+const Command<VersionRequest>& version_command() {
+  static const Command<VersionRequest> kCommand{
+      .name = "version",
+      .summary = "daemon version, protocol version and commands, as one JSON line",
+      .run = run_version,
+  };
+  return kCommand;
+}
+
+Reply run_help(const HelpRequest&, const Call& call) { return call.table.help_text(); }
+
+const Command<HelpRequest>& help_command() {
+  static const Command<HelpRequest> kCommand{
+      .name = "help", .summary = "this list", .run = run_help};
+  return kCommand;
+}
+
 }  // namespace
 
-Parsed<TraceRequest> TraceRequest::parse(Args args) {
-  TraceRequest r;
-  const auto bad = [](const std::string& what) {
-    return CommandError{"trace: " + what + " (usage: " + kTraceUsage + ")"};
-  };
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string_view word = args[i];
-    if (is_option(word, "--pid")) {
-      const auto value = option_value("--pid", args, i);
-      if (!value) return bad("--pid needs a process id");
-      const auto pid = parse_pid(*value);
-      if (!pid) {
-        return bad("--pid needs a process id in " + pid_range() + ", got '" +
-                   proto::printable(*value, 64) + "'");
-      }
-      if (r.pids.size() >= proto::kMaxTracePids && !r.pids.contains(*pid)) {
-        return bad("at most " + std::to_string(proto::kMaxTracePids) + " --pid options");
-      }
-      r.pids.insert(*pid);
-      continue;
-    }
-    for (const auto& [name, max, out] :
-         {std::tuple{"--last", proto::kMaxTraceLastSeconds, &r.last_s},
-          std::tuple{"--for", proto::kMaxTraceForSeconds, &r.for_s}}) {
-      if (!is_option(word, name)) continue;
-      if (out->has_value()) return bad(std::string(name) + " given twice");
-      const auto value = option_value(name, args, i);
-      const auto seconds = value ? parse_seconds(*value, max) : std::nullopt;
-      if (!seconds) {
-        return bad(std::string(name) + " needs a number of seconds in (0, " +
-                   std::to_string(static_cast<int>(max)) + "]" +
-                   (value ? ", got '" + proto::printable(*value, 64) + "'" : std::string()));
-      }
-      *out = seconds;
-      break;
-    }
-    if (is_option(word, "--last") || is_option(word, "--for")) continue;
-    return bad("unexpected argument '" + proto::printable(word, 64) + "'");
-  }
-  if (r.last_s && r.for_s) return bad("--last and --for exclude each other");
-  return r;
-}
-
-Parsed<PingRequest> PingRequest::parse(Args args) {
-  return no_arguments<PingRequest>("ping", args);
-}
+Parsed<PingRequest> PingRequest::parse(Args args) { return parse_as(ping_command(), args); }
+Parsed<ReportRequest> ReportRequest::parse(Args args) { return parse_as(report_command(), args); }
+Parsed<LedgerRequest> LedgerRequest::parse(Args args) { return parse_as(ledger_command(), args); }
+Parsed<StatsRequest> StatsRequest::parse(Args args) { return parse_as(stats_command(), args); }
 Parsed<MetricsRequest> MetricsRequest::parse(Args args) {
-  return no_arguments<MetricsRequest>("metrics", args);
+  return parse_as(metrics_command(), args);
 }
+Parsed<ResetRequest> ResetRequest::parse(Args args) { return parse_as(reset_command(), args); }
+Parsed<TraceRequest> TraceRequest::parse(Args args) { return parse_as(trace_command(), args); }
 Parsed<VersionRequest> VersionRequest::parse(Args args) {
-  return no_arguments<VersionRequest>("version", args);
+  return parse_as(version_command(), args);
 }
-Parsed<HelpRequest> HelpRequest::parse(Args args) {
-  return no_arguments<HelpRequest>("help", args);
-}
-
-Parsed<ReportRequest> ReportRequest::parse(Args args) {
-  auto parsed = parse_options("report", {.json = true, .pid = true, .job = true}, args);
-  if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
-  const auto& o = std::get<Options>(parsed);
-  return ReportRequest{o.json, o.pid, o.job};
-}
-Parsed<LedgerRequest> LedgerRequest::parse(Args args) {
-  if (!args.empty() && args[0] == "cleanup") {
-    constexpr std::string_view kUsage = " (usage: ledger cleanup GPU ID)";
-    if (args.size() != 3) {
-      return CommandError{"ledger cleanup: needs a GPU UUID and a reservation id" +
-                          std::string(kUsage)};
-    }
-    const std::string_view gpu = args[1];
-    if (gpu.size() > proto::kMaxNameLength || !proto::all_printable(gpu)) {
-      return CommandError{"ledger cleanup: a GPU UUID is 1.." +
-                          std::to_string(proto::kMaxNameLength) + " printable characters"};
-    }
-    std::uint64_t id = 0;
-    const std::string_view text = args[2];
-    const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), id);
-    if (ec != std::errc{} || ptr != text.data() + text.size()) {
-      return CommandError{
-          "ledger cleanup: the reservation id must be an integer in "
-          "0..18446744073709551615, got '" +
-          proto::printable(text, 64) + "'"};
-    }
-    return LedgerRequest{false, LedgerRequest::Cleanup{std::string(gpu), id}};
-  }
-  auto parsed = parse_options("ledger", {.json = true}, args);
-  if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
-  return LedgerRequest{std::get<Options>(parsed).json, std::nullopt};
-}
-Parsed<StatsRequest> StatsRequest::parse(Args args) {
-  auto parsed = parse_options("stats", {.json = true}, args);
-  if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
-  return StatsRequest{std::get<Options>(parsed).json};
-}
-Parsed<ResetRequest> ResetRequest::parse(Args args) {
-  constexpr OptionSpec kSpec{.pid = true, .ledger = true};
-  auto parsed = parse_options("reset", kSpec, args);
-  if (auto* err = std::get_if<CommandError>(&parsed)) return *err;
-  auto& o = std::get<Options>(parsed);
-  if (int{o.pid.has_value()} + int{o.ledger} + int{o.gpu.has_value()} > 1) {
-    return CommandError{"reset: --pid, --ledger and --gpu exclude each other (usage: " +
-                        usage_of("reset", kSpec) + ")"};
-  }
-  return ResetRequest{o.pid, o.ledger, std::move(o.gpu)};
-}
+Parsed<HelpRequest> HelpRequest::parse(Args args) { return parse_as(help_command(), args); }
 
 std::string VersionResponse::to_json_line() const {
   return json_line(json{{"version", version}, {"protocol", protocol}, {"commands", commands}});
@@ -378,95 +473,33 @@ bool may_reset(std::uint32_t peer_uid, std::uint32_t daemon_euid) {
   return peer_uid == 0 || peer_uid == daemon_euid;
 }
 
-template <typename Request, typename Run>
-void CommandTable::add(std::string name, std::string usage, std::string summary, Run run) {
-  Handler handler = [run = std::move(run)](Args args, const CommandContext& context) -> Reply {
-    Parsed<Request> parsed = Request::parse(args);
+template <typename Spec>
+void CommandTable::add(const Spec& command) {
+  // `command` is a function's static: it outlives the table.
+  Handler handler = [this, &command](Args args, const CommandContext& context) -> Reply {
+    auto parsed = parse_as(command, args);
     if (auto* err = std::get_if<CommandError>(&parsed)) return "error: " + err->message + "\n";
-    return run(std::get<Request>(parsed), context);
+    if (command.permission == Permission::kRootOrDaemonUid &&
+        !may_reset(context.peer_uid, context.daemon_euid)) {
+      return std::string("error: permission denied\n");
+    }
+    return command.run(std::get<0>(parsed), Call{context, *this, trace_slots_});
   };
-  entries_.emplace(std::move(name),
-                   Entry{std::move(usage), std::move(summary), std::move(handler)});
+  entries_.emplace(std::string(command.name),
+                   Entry{syntax::full_usage(command.syntax, command.name),
+                         std::string(command.summary), std::move(handler)});
 }
 
 CommandTable::CommandTable() : trace_slots_(std::make_shared<TraceSlots>()) {
-  add<PingRequest>("ping", "ping", "answers pong",
-                   [](const PingRequest&, const CommandContext&) { return std::string("pong\n"); });
-  add<ReportRequest>("report", "report [--json] [--pid N] [--job ID]",
-                     "per-step timing for all processes (or one pid, or one job's), by job, "
-                     "then the VRAM ledger",
-                     [](const ReportRequest& r, const CommandContext&) -> Reply {
-                       return RenderJob([r](const CollectorView& v) {
-                         const report::ReportFilter filter{r.pid, r.job};
-                         return r.json ? json_line(report::report_json(v, filter))
-                                       : text_reply(report::report_text(v, filter));
-                       });
-                     });
-  add<LedgerRequest>("ledger", "ledger [--json] | ledger cleanup GPU ID",
-                     "the VRAM ledger view per GPU; cleanup: remove a reservation (root, the "
-                     "holder's uid, or anyone once it is LEAKED or EXPIRED)",
-                     [](const LedgerRequest& r, const CommandContext& c) -> Reply {
-                       if (r.cleanup) {
-                         static const PeerIdentity kNobody{{0, 0}, kNobodyUid, kNobodyGid, ""};
-                         const PeerIdentity& sender = c.peer ? *c.peer : kNobody;
-                         return report::cleanup_reply(
-                             c.collector.operator_cleanup(sender, r.cleanup->gpu, r.cleanup->id),
-                             r.cleanup->gpu, r.cleanup->id, sender.key.pid);
-                       }
-                       return RenderJob([r](const CollectorView& v) {
-                         return r.json ? json_line(report::ledger_json(v))
-                                       : text_reply(report::ledger_text(v));
-                       });
-                     });
-  add<StatsRequest>("stats", "stats [--json]", "the daemon's own counters",
-                    [](const StatsRequest& r, const CommandContext&) -> Reply {
-                      return RenderJob([r](const CollectorView& v) {
-                        return r.json ? json_line(report::stats_json(v))
-                                      : text_reply(report::stats_text(v));
-                      });
-                    });
-  add<MetricsRequest>("metrics", "metrics", "Prometheus text exposition (format 0.0.4)",
-                      [](const MetricsRequest&, const CommandContext&) -> Reply {
-                        return RenderJob([](const CollectorView& v) {
-                          return text_reply(report::metrics_text(v));
-                        });
-                      });
-  add<ResetRequest>(
-      "reset", "reset [--pid N | --ledger | --gpu UUID]",
-      "clear the aggregates (all, or one pid's), or the VRAM ledger (all GPUs, or one); root or "
-      "the daemon's uid only",
-      [](const ResetRequest& r, const CommandContext& c) {
-        if (!may_reset(c.peer_uid, c.daemon_euid)) {
-          return std::string("error: permission denied\n");
-        }
-        if (r.ledger || r.gpu) {
-          const std::size_t n = c.collector.reset_ledger(
-              r.gpu ? std::optional<std::string_view>(*r.gpu) : std::nullopt);
-          if (r.gpu && n == 0) {
-            return "error: no GPU '" + proto::printable(*r.gpu) + "' in the ledger\n";
-          }
-          return "ok: " + std::to_string(n) + (n == 1 ? " GPU" : " GPUs") +
-                 " cleared from the ledger\n";
-        }
-        if (c.collector.reset(r.pid) == 0 && r.pid) {
-          return "error: no process with pid " + std::to_string(*r.pid) + "\n";
-        }
-        return std::string("ok\n");
-      });
-  add<TraceRequest>("trace", kTraceUsage,
-                    "the flight recorder's recent events as a Chrome Trace Event document "
-                    "(Perfetto UI, chrome://tracing); --for records from now on",
-                    [slots = trace_slots_](const TraceRequest& r, const CommandContext& c) {
-                      return trace_reply(r, c.collector, slots, c.peer_uid);
-                    });
-  add<VersionRequest>(
-      "version", "version", "daemon version, protocol version and commands, as one JSON line",
-      [this](const VersionRequest&, const CommandContext&) {
-        return VersionResponse{STEPTRACE_VERSION_STRING, proto::kProtocolVersion, names()}
-            .to_json_line();
-      });
-  add<HelpRequest>("help", "help", "this list",
-                   [this](const HelpRequest&, const CommandContext&) { return help_text(); });
+  add(ping_command());
+  add(report_command());
+  add(ledger_command());
+  add(stats_command());
+  add(metrics_command());
+  add(reset_command());
+  add(trace_command());
+  add(version_command());
+  add(help_command());
 }
 
 std::vector<std::string> CommandTable::names() const {

@@ -1,12 +1,15 @@
 // The text commands steptraced answers on its socket (one per line, each answered in
 // order; see proto/PROTOCOL.md section 10).
 //
-// Data flow: Session reads a line -> CommandTable::execute(line, context) splits it into
-// words, looks the first word up in a table of handlers registered by name, the handler
-// parses the remaining words into its typed request struct (validated; a bad word is an
-// `error: ...` reply naming it), runs it against the Collector and returns the reply:
-// text at once, or (reports, ledger, stats, metrics) a RenderJob that the session hands
-// to the RenderWorker (daemon/serve/render_worker.h), so rendering never holds the io thread.
+// Data flow: Session reads a line -> CommandTable::dispatch(line, context) splits it into
+// words and looks the first word up in the table. Each command is declared once
+// (commands.cpp): its name, the words it takes (command_syntax.h: what the parser accepts
+// and the usage `help` and every "(usage: ...)" error show), its summary, who may run it
+// and its handler. The table parses the remaining words into the command's typed request
+// struct (a bad word is an `error: ...` reply naming it), checks who asks, then runs the
+// handler against the Collector, which returns the reply: text at once, or (reports,
+// ledger, stats, metrics) a RenderJob that the session hands to the RenderWorker
+// (daemon/serve/render_worker.h), so rendering never holds the io thread.
 // Every reply is text ending in '\n'; JSON replies are one line. A bad command never
 // closes the connection.
 #pragma once
@@ -24,6 +27,7 @@
 #include <variant>
 #include <vector>
 
+#include "daemon/serve/command_syntax.h"
 #include "daemon/serve/render_job.h"
 #include "daemon/state/collector.h"
 #include "proto/commands.h"
@@ -38,14 +42,6 @@ struct CommandContext {
   // The peer process (pid 0 when unknown): `ledger cleanup` credits it.
   const PeerIdentity* peer = nullptr;
 };
-
-// A rejected command line; the reply is "error: " + message.
-struct CommandError {
-  std::string message;
-};
-
-template <typename Request>
-using Parsed = std::variant<Request, CommandError>;
 
 // A reply too big to be one string (`trace`): rendered a piece at a time on the render
 // thread; the session asks for the next piece once the client has read the last one,
@@ -77,8 +73,6 @@ struct Reply {
   std::shared_ptr<ReplyStream> stream;
   std::optional<DeferredReply> deferred;
 };
-
-using Args = std::span<const std::string_view>;
 
 // ---- typed requests, one per command --------------------------------------------
 struct PingRequest {
@@ -142,7 +136,8 @@ struct VersionResponse {
   std::string to_json_line() const;
 };
 
-// Only root or the daemon's own effective uid may change state.
+// Only root or the daemon's own effective uid may change state (`reset`: the table checks
+// it before the handler runs).
 bool may_reset(std::uint32_t peer_uid, std::uint32_t daemon_euid);
 
 class TraceSlots;
@@ -150,6 +145,9 @@ class TraceSlots;
 class CommandTable {
  public:
   CommandTable();  // registers every command
+  // Its handlers hold `this` (version, help).
+  CommandTable(const CommandTable&) = delete;
+  CommandTable& operator=(const CommandTable&) = delete;
 
   // Answers one line (without its '\n'); the reply (text, or the text its job renders)
   // ends with '\n'. Counts commands_served.
@@ -158,18 +156,19 @@ class CommandTable {
   // stream's pieces joined and a deferred reply made at once (tests).
   std::string execute(std::string_view line, const CommandContext& context) const;
   std::vector<std::string> names() const;
+  // The reply of `help`: every command's usage and summary, one per line.
+  std::string help_text() const;
 
  private:
   using Handler = std::function<Reply(Args, const CommandContext&)>;
   struct Entry {
     std::string usage;
     std::string summary;
-    Handler handler;
+    Handler handler;  // parse the words, check who asks, run the command
   };
-  // Registers `name`: parse the words with Request::parse, then run(request, context).
-  template <typename Request, typename Run>
-  void add(std::string name, std::string usage, std::string summary, Run run);
-  std::string help_text() const;
+  // Registers a command declared in commands.cpp (a static, so it outlives the table).
+  template <typename Command>
+  void add(const Command& command);
 
   std::map<std::string, Entry, std::less<>> entries_;
   // The trace replies alive (commands.cpp): this table's, not the process's.
