@@ -2,7 +2,9 @@
 // mean and what goes back. Session (session.h) is the transport around it: it reads
 // into read_buffer(), writes what the stream sends, arms one timer at next_deadline(),
 // and closes the socket when the stream says so. Unit tests drive a ClientStream
-// directly with a recording transport.
+// directly with a recording transport. client_stream.cpp reads and answers the bytes;
+// client_stream_rings.cpp holds the shared-memory rings (passed descriptors,
+// RingAttach, drains).
 //
 // The first byte decides the mode:
 //   0xF7 (proto::kMagic[0]) -> binary: bytes go straight into a proto::Decoder; each
