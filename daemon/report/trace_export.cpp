@@ -1,15 +1,13 @@
-// The Chrome Trace Event document of a TraceCapture. Event lines are written by hand
-// (std::to_chars, no iostreams, no nlohmann): a capture can hold millions of events.
-// Every event goes through write_event(), so all of them have one shape.
+// The Chrome Trace Event document of a TraceCapture: which events, in what order. Every
+// event is written by trace_export_json.h's write_event(), so all of them have one shape.
 #include "daemon/report/trace_export.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cstring>
-#include <optional>
 #include <string_view>
 #include <utility>
 
+#include "daemon/report/trace_export_json.h"
 #include "daemon/state/ledger_state.h"
 #include "proto/steps.h"
 #include "proto/wire_format.h"
@@ -17,94 +15,19 @@
 namespace steptrace::daemon {
 namespace {
 
+using trace_json::append_int;
+using trace_json::append_json_string;
+using trace_json::append_uint;
+using trace_json::append_us;
+using trace_json::EventArgs;
+using trace_json::TraceEvent;
+using trace_json::write_event;
+
 constexpr std::uint8_t kFlagOpen = 1;               // no end in the capture: ends at now_ns
 constexpr std::uint8_t kFlagClipped = 2;            // started before since_ns
 constexpr std::uint8_t kFlagStartBeforeWindow = 4;  // no start in the capture
 // Held spans written early when there are this many (a client sending only ends).
 constexpr std::size_t kMaxHeld = 4096;
-
-void append_uint(std::string& out, std::uint64_t value) {
-  char buf[24];
-  const auto result = std::to_chars(buf, buf + sizeof buf, value);
-  out.append(buf, result.ptr);
-}
-
-void append_int(std::string& out, std::int64_t value) {
-  char buf[24];
-  const auto result = std::to_chars(buf, buf + sizeof buf, value);
-  out.append(buf, result.ptr);
-}
-
-// Nanoseconds as microseconds with three decimals: 1234567 -> "1234.567". At most
-// kUsChars characters from `p`; returns their end.
-constexpr std::size_t kUsChars = 24;
-char* write_us(char* p, std::uint64_t ns) {
-  p = std::to_chars(p, p + kUsChars - 4, ns / 1000).ptr;
-  const auto frac = static_cast<unsigned>(ns % 1000);
-  *p++ = '.';
-  *p++ = static_cast<char>('0' + frac / 100);
-  *p++ = static_cast<char>('0' + frac / 10 % 10);
-  *p++ = static_cast<char>('0' + frac % 10);
-  return p;
-}
-
-void append_us(std::string& out, std::uint64_t ns) {
-  char buf[kUsChars];
-  out.append(buf, write_us(buf, ns));
-}
-
-// Length of the valid UTF-8 sequence of two or more bytes at s[i] (RFC 3629: no
-// overlong forms, no surrogates, nothing past U+10FFFF); 0 when there is none.
-std::size_t utf8_sequence(std::string_view s, std::size_t i) {
-  const auto byte = [&](std::size_t k) { return static_cast<unsigned char>(s[i + k]); };
-  const auto cont = [&](std::size_t k, unsigned lo, unsigned hi) {
-    return i + k < s.size() && byte(k) >= lo && byte(k) <= hi;
-  };
-  const unsigned c = byte(0);
-  if (c >= 0xC2 && c <= 0xDF) return cont(1, 0x80, 0xBF) ? 2 : 0;
-  if (c >= 0xE0 && c <= 0xEF) {
-    const unsigned lo = c == 0xE0 ? 0xA0 : 0x80;
-    const unsigned hi = c == 0xED ? 0x9F : 0xBF;
-    return cont(1, lo, hi) && cont(2, 0x80, 0xBF) ? 3 : 0;
-  }
-  if (c >= 0xF0 && c <= 0xF4) {
-    const unsigned lo = c == 0xF0 ? 0x90 : 0x80;
-    const unsigned hi = c == 0xF4 ? 0x8F : 0xBF;
-    return cont(1, lo, hi) && cont(2, 0x80, 0xBF) && cont(3, 0x80, 0xBF) ? 4 : 0;
-  }
-  return 0;
-}
-
-// A JSON string of client-controlled bytes: quotes, backslashes and control characters
-// escaped, valid UTF-8 kept, every other byte '?'.
-void append_json_string(std::string& out, std::string_view s) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  out.push_back('"');
-  std::size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out.push_back('\\');
-      out.push_back(static_cast<char>(c));
-      ++i;
-    } else if (c < 0x20 || c == 0x7F) {
-      out.append("\\u00");
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 0xF]);
-      ++i;
-    } else if (c < 0x80) {
-      out.push_back(static_cast<char>(c));
-      ++i;
-    } else if (const std::size_t n = utf8_sequence(s, i); n != 0) {
-      out.append(s.substr(i, n));
-      i += n;
-    } else {
-      out.push_back('?');
-      ++i;
-    }
-  }
-  out.push_back('"');
-}
 
 // A NUL-padded wire field: up to its first NUL.
 std::string_view field(const char (&chars)[proto::kNameField]) {
@@ -127,156 +50,6 @@ std::string_view ledger_op_name(std::uint8_t op) {
       return "LedgerRenew";
   }
   return "LedgerOp";
-}
-
-// ---- one event ---------------------------------------------------------------------
-// The fields of one Trace Event. write_event() writes them on one line, in this order,
-// leaving out "s", "cat", "ts", "dur" and "args" when they are not set:
-//   {"ph":"X","s":"p","cat":"step","name":"Forward","pid":7,"tid":8,"ts":1.000,"dur":2.000,
-//    "args":{...}}
-struct TraceEvent {
-  char ph = 'X';                 // 'X' complete, 'i' instant, 'C' counter, 'M' metadata
-  char scope = 0;                // "s" of an instant: 'p' (process) or 't' (thread); 0 none
-  std::string_view cat{};        // "" when none
-  std::string_view name{};       // escaped when written
-  std::string_view name_json{};  // or the name already a JSON string (step_name_json())
-  std::int64_t pid = 0;
-  std::int64_t tid = 0;
-  std::optional<std::uint64_t> ts_ns{};   // written as microseconds, append_us()
-  std::optional<std::uint64_t> dur_ns{};  // likewise
-};
-
-// The members of an event's "args" object, in the order they are added.
-class EventArgs {
- public:
-  explicit EventArgs(std::string& out) : out_(out) {}
-  EventArgs& add_uint(std::string_view key, std::uint64_t value) {
-    add_key(key);
-    append_uint(out_, value);
-    return *this;
-  }
-  EventArgs& add_string(std::string_view key, std::string_view value) {
-    add_key(key);
-    append_json_string(out_, value);
-    return *this;
-  }
-  EventArgs& add_bool(std::string_view key, bool value) {
-    add_key(key);
-    out_.append(value ? "true" : "false");
-    return *this;
-  }
-
- private:
-  void add_key(std::string_view key) {
-    if (!first_) out_.push_back(',');
-    first_ = false;
-    append_json_string(out_, key);
-    out_.push_back(':');
-  }
-  std::string& out_;
-  bool first_ = true;
-};
-
-// Text composed on the stack and appended to a string in a few pieces: an event is a
-// handful of appends, not one per field (a capture's spans are millions of events).
-class LineBuffer {
- public:
-  explicit LineBuffer(std::string& out) : out_(out) {}
-  LineBuffer(const LineBuffer&) = delete;
-  LineBuffer& operator=(const LineBuffer&) = delete;
-  ~LineBuffer() { flush(); }
-
-  // A literal: a copy of known size, inlined.
-  template <std::size_t N>
-  void put(const char (&text)[N]) {
-    room(N - 1);
-    std::memcpy(p_, text, N - 1);
-    p_ += N - 1;
-  }
-  void put(std::string_view text) {
-    if (!room(text.size())) {
-      out_.append(text);
-      return;
-    }
-    std::memcpy(p_, text.data(), text.size());
-    p_ += text.size();
-  }
-  void put_char(char c) {
-    room(1);
-    *p_++ = c;
-  }
-  void put_int(std::int64_t value) {
-    room(kIntChars);
-    p_ = std::to_chars(p_, p_ + kIntChars, value).ptr;
-  }
-  void put_us(std::uint64_t ns) {
-    room(kUsChars);
-    p_ = write_us(p_, ns);
-  }
-  // Appends what is composed; `out` may then be written directly.
-  std::string& flush() {
-    out_.append(buf_, p_);
-    p_ = buf_;
-    return out_;
-  }
-
- private:
-  static constexpr std::size_t kIntChars = 24;
-  // Flushes unless `n` more characters fit; false when they would not fit even then.
-  bool room(std::size_t n) {
-    if (n <= static_cast<std::size_t>(buf_ + sizeof buf_ - p_)) return true;
-    flush();
-    return n <= sizeof buf_;
-  }
-  std::string& out_;
-  char buf_[256];
-  char* p_ = buf_;
-};
-
-// The event up to "args": then `tail` ("}" or the start of "args").
-void write_event_fields(std::string& out, const TraceEvent& e, std::string_view tail) {
-  LineBuffer line(out);
-  line.put(R"({"ph":")");
-  line.put_char(e.ph);
-  if (e.scope != 0) {
-    line.put(R"(","s":")");
-    line.put_char(e.scope);
-  }
-  if (!e.cat.empty()) {
-    line.put(R"(","cat":")");
-    line.put(e.cat);
-  }
-  line.put(R"(","name":)");
-  if (e.name_json.empty()) {
-    append_json_string(line.flush(), e.name);
-  } else {
-    line.put(e.name_json);
-  }
-  line.put(R"(,"pid":)");
-  line.put_int(e.pid);
-  line.put(R"(,"tid":)");
-  line.put_int(e.tid);
-  if (e.ts_ns) {
-    line.put(R"(,"ts":)");
-    line.put_us(*e.ts_ns);
-  }
-  if (e.dur_ns) {
-    line.put(R"(,"dur":)");
-    line.put_us(*e.dur_ns);
-  }
-  line.put(tail);
-}
-
-// An event without args.
-void write_event(std::string& out, const TraceEvent& e) { write_event_fields(out, e, "}"); }
-
-// An event whose args `add_args(EventArgs&)` adds.
-template <class AddArgs>
-void write_event(std::string& out, const TraceEvent& e, AddArgs&& add_args) {
-  write_event_fields(out, e, R"(,"args":{)");
-  EventArgs args(out);
-  add_args(args);
-  out.append("}}");
 }
 
 // A counter ("C") on the daemon's "steptraced: GPU memory" pseudo process.

@@ -1,0 +1,159 @@
+// The one writer of Trace Event JSON for the `trace` document (trace_export.cpp):
+// every event goes through write_event(), so all of them have one shape. Written by hand
+// (std::to_chars, no iostreams, no nlohmann): a capture can hold millions of events.
+// Internal to daemon/report/.
+#pragma once
+
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace steptrace::daemon::trace_json {
+
+void append_uint(std::string& out, std::uint64_t value);
+void append_int(std::string& out, std::int64_t value);
+
+// Nanoseconds as microseconds with three decimals: 1234567 -> "1234.567". At most
+// kUsChars characters from `p`; returns their end.
+constexpr std::size_t kUsChars = 24;
+inline char* write_us(char* p, std::uint64_t ns) {
+  p = std::to_chars(p, p + kUsChars - 4, ns / 1000).ptr;
+  const auto frac = static_cast<unsigned>(ns % 1000);
+  *p++ = '.';
+  *p++ = static_cast<char>('0' + frac / 100);
+  *p++ = static_cast<char>('0' + frac / 10 % 10);
+  *p++ = static_cast<char>('0' + frac % 10);
+  return p;
+}
+
+// Nanoseconds as microseconds with three decimals (write_us()).
+void append_us(std::string& out, std::uint64_t ns);
+
+// A JSON string of client-controlled bytes: quotes, backslashes and control characters
+// escaped, valid UTF-8 kept, every other byte '?'.
+void append_json_string(std::string& out, std::string_view s);
+
+// ---- one event ---------------------------------------------------------------------
+// The fields of one Trace Event. write_event() writes them on one line, in this order,
+// leaving out "s", "cat", "ts", "dur" and "args" when they are not set:
+//   {"ph":"X","s":"p","cat":"step","name":"Forward","pid":7,"tid":8,"ts":1.000,"dur":2.000,
+//    "args":{...}}
+struct TraceEvent {
+  char ph = 'X';                 // 'X' complete, 'i' instant, 'C' counter, 'M' metadata
+  char scope = 0;                // "s" of an instant: 'p' (process) or 't' (thread); 0 none
+  std::string_view cat{};        // "" when none
+  std::string_view name{};       // escaped when written
+  std::string_view name_json{};  // or the name already a JSON string (step_name_json())
+  std::int64_t pid = 0;
+  std::int64_t tid = 0;
+  std::optional<std::uint64_t> ts_ns{};   // written as microseconds, append_us()
+  std::optional<std::uint64_t> dur_ns{};  // likewise
+};
+
+// The members of an event's "args" object, in the order they are added.
+class EventArgs {
+ public:
+  explicit EventArgs(std::string& out) : out_(out) {}
+  EventArgs& add_uint(std::string_view key, std::uint64_t value) {
+    add_key(key);
+    append_uint(out_, value);
+    return *this;
+  }
+  EventArgs& add_string(std::string_view key, std::string_view value) {
+    add_key(key);
+    append_json_string(out_, value);
+    return *this;
+  }
+  EventArgs& add_bool(std::string_view key, bool value) {
+    add_key(key);
+    out_.append(value ? "true" : "false");
+    return *this;
+  }
+
+ private:
+  void add_key(std::string_view key) {
+    if (!first_) out_.push_back(',');
+    first_ = false;
+    append_json_string(out_, key);
+    out_.push_back(':');
+  }
+  std::string& out_;
+  bool first_ = true;
+};
+
+// Text composed on the stack and appended to a string in a few pieces: an event is a
+// handful of appends, not one per field (a capture's spans are millions of events).
+class LineBuffer {
+ public:
+  explicit LineBuffer(std::string& out) : out_(out) {}
+  LineBuffer(const LineBuffer&) = delete;
+  LineBuffer& operator=(const LineBuffer&) = delete;
+  ~LineBuffer() { flush(); }
+
+  // A literal: a copy of known size, inlined.
+  template <std::size_t N>
+  void put(const char (&text)[N]) {
+    room(N - 1);
+    std::memcpy(p_, text, N - 1);
+    p_ += N - 1;
+  }
+  void put(std::string_view text) {
+    if (!room(text.size())) {
+      out_.append(text);
+      return;
+    }
+    std::memcpy(p_, text.data(), text.size());
+    p_ += text.size();
+  }
+  void put_char(char c) {
+    room(1);
+    *p_++ = c;
+  }
+  void put_int(std::int64_t value) {
+    room(kIntChars);
+    p_ = std::to_chars(p_, p_ + kIntChars, value).ptr;
+  }
+  void put_us(std::uint64_t ns) {
+    room(kUsChars);
+    p_ = write_us(p_, ns);
+  }
+  // Appends what is composed; `out` may then be written directly.
+  std::string& flush() {
+    out_.append(buf_, p_);
+    p_ = buf_;
+    return out_;
+  }
+
+ private:
+  static constexpr std::size_t kIntChars = 24;
+  // Flushes unless `n` more characters fit; false when they would not fit even then.
+  bool room(std::size_t n) {
+    if (n <= static_cast<std::size_t>(buf_ + sizeof buf_ - p_)) return true;
+    flush();
+    return n <= sizeof buf_;
+  }
+  std::string& out_;
+  char buf_[256];
+  char* p_ = buf_;
+};
+
+// The event up to "args": then `tail` ("}" or the start of "args").
+void write_event_fields(std::string& out, const TraceEvent& e, std::string_view tail);
+
+// An event without args.
+void write_event(std::string& out, const TraceEvent& e);
+
+// An event whose args `add_args(EventArgs&)` adds.
+template <class AddArgs>
+void write_event(std::string& out, const TraceEvent& e, AddArgs&& add_args) {
+  write_event_fields(out, e, R"(,"args":{)");
+  EventArgs args(out);
+  add_args(args);
+  out.append("}}");
+}
+
+}  // namespace steptrace::daemon::trace_json
