@@ -2,6 +2,8 @@
 // metrics (Prometheus exposition), stats; and the shared formatting helpers.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -546,6 +548,156 @@ TEST_F(ReportTest, EveryCounterOfTheTableShowsInStatsAndMetricsWithItsValue) {
     }
   }
   EXPECT_EQ(view->counters().events_received, 2u);
+}
+
+// ---- the whole metrics exposition and ledger text of one table, pinned ------------------
+
+// What the metrics of a table with live, exited and evicted processes, jobs and a ledger
+// with a device are, byte for byte. A refactor of the renderers or of what they read
+// must leave this unchanged; a change on purpose regenerates the file
+// (STEPTRACE_UPDATE_GOLDEN=1 ./report_test --gtest_filter='*Pinned*') and shows in review.
+class PinnedOutputTest : public ::testing::Test {
+ protected:
+  static constexpr std::uint64_t kGiB = 1ULL << 30;
+  static constexpr std::uint32_t kAttention = 3, kLedgerReserve = 7;
+
+  PinnedOutputTest() {
+    limits_.max_exited_processes = 1;  // the second exit evicts the first
+    collector_ = std::make_unique<Collector>(limits_, world_.env());
+  }
+
+  // pid 4242 (job llama, rank 0) stays live: a custom step, an open span, an unmatched
+  // end, drops by cause and a reservation whose LedgerReserve span the GPU is credited
+  // with. pid 17 (llama, rank 2) and pid 99 (uid 1001, no job) exit and are evicted in
+  // turn; pid 4243 (llama, rank 1) exits last and stays, its open span abandoned and its
+  // reservation leaked.
+  void fill() {
+    Connection c(*collector_, world_.spawn(17, 5, "loader"));
+    ASSERT_FALSE(c.identity("llama", 2, 0, 4));
+    ASSERT_FALSE(c.register_step(256, "Load"));
+    ASSERT_FALSE(c.events(
+        {start(1, 256, 0), end(1, 256, 3000), start(2, kForward, 0), end(2, kForward, 1'000'000)}));
+    ASSERT_FALSE(c.dropped(5));
+    world_.kill(17);
+    c.close();
+    Connection d(*collector_, world_.spawn(99, 6, "eval", 1001));
+    ASSERT_FALSE(d.register_step(300, "Score"));
+    ASSERT_FALSE(d.events({start(1, kAttention, 0), end(1, kAttention, 5'000'000), start(1, 300, 0),
+                           end(1, 300, 700'000)}));
+    ASSERT_FALSE(d.dropped_by_cause({{1, 2, 0, 0}}));
+    world_.kill(99);
+    d.close();
+
+    a_ = std::make_unique<Connection>(*collector_, world_.spawn(4242, 1, "trainer"));
+    ASSERT_FALSE(a_->identity("llama", 0, 0, 2));
+    ASSERT_FALSE(a_->register_step(256, "Tokenize"));
+    ASSERT_FALSE(
+        a_->events({start(1, kForward, 0), end(1, kForward, 500), start(1, kForward, 0),
+                    end(1, kForward, 2'000'000), start(1, 256, 0), end(1, 256, 1000),
+                    start(1, kMatmul, 0), end(2, kBackward, 10), start(3, kLedgerReserve, 100)}));
+    ASSERT_FALSE(a_->ledger(test::reserve_record("GPU-A", 1, 2 * kGiB, "weights", 3, 150)));
+    ASSERT_FALSE(a_->events({end(3, kLedgerReserve, 400)}));
+    proto::LedgerRecord sample{};
+    sample.timestamp_ns = 500;
+    sample.bytes = 6 * kGiB;
+    sample.total_bytes = 8 * kGiB;
+    sample.thread_id = 3;
+    sample.op = static_cast<std::uint8_t>(proto::LedgerOp::kVramSample);
+    proto::set_field(sample.gpu_uuid, "GPU-B");
+    ASSERT_FALSE(a_->ledger(sample));
+    ASSERT_FALSE(a_->dropped_by_cause({{3, 0, 1, 0}}));
+
+    Connection b(*collector_, world_.spawn(4243, 2, "trainer"));
+    ASSERT_FALSE(b.identity("llama", 1, 1, 2));
+    ASSERT_FALSE(b.events(
+        {start(1, kForward, 0), end(1, kForward, 20'000'000'000), start(1, kTranspose, 0)}));
+    ASSERT_FALSE(b.ledger(test::reserve_record("GPU-B", 2, 1 * kGiB, "kv", 1, 600)));
+    world_.kill(4243);
+    b.close();
+
+    collector_->refresh_liveness();  // the tick that finds pid 4243's reservation leaked
+    ledger::Device device;
+    device.name = "Fake";
+    device.total_bytes = 80 * kGiB;
+    device.used_bytes = 10 * kGiB;
+    device.free_bytes = 70 * kGiB;
+    device.at_ns = world_.now_ns;
+    device.processes_known = true;
+    device.processes = {{4242, 3 * kGiB, true}, {555, 1 * kGiB, false}};
+    std::map<std::string, ledger::Device, std::less<>> devices;
+    devices["GPU-A"] = device;
+    collector_->apply_devices(devices, "", world_.now_ns, 2);
+    world_.now_ns += 1'500'000'000;
+  }
+
+  // The exposition less what differs from run to run: the daemon's own process_*
+  // families, its uptime and its build (the version).
+  static std::string deterministic(const std::string& text) {
+    std::istringstream in(text);
+    std::string line, out;
+    while (std::getline(in, line)) {
+      std::string name = line;
+      if (name.starts_with("# HELP ") || name.starts_with("# TYPE ")) name = name.substr(7);
+      if (name.starts_with("process_") || name.starts_with("steptrace_uptime_seconds") ||
+          name.starts_with("steptrace_build_info"))
+        continue;
+      out += line + '\n';
+    }
+    return out;
+  }
+
+  FakeWorld world_;
+  Limits limits_;
+  std::unique_ptr<Collector> collector_;
+  std::unique_ptr<Connection> a_;
+};
+
+TEST_F(PinnedOutputTest, MetricsOfLiveExitedAndEvictedProcessesAndJobsArePinned) {
+  fill();
+  ServerCounters server;
+  server.protocol_errors["bad_magic"] = 2;
+  server.connections_total = 6;
+  server.http.accepted = 3;
+  server.http.responses = 2;
+  const auto view = collector_->freeze(&server);
+  // The table is what the file describes: one live, one exited, two evicted.
+  ASSERT_EQ(view->processes().size(), 2u);
+  ASSERT_EQ(view->table().exited, 1u);
+  const std::string text = deterministic(report::metrics_text(*view));
+  if (std::getenv("STEPTRACE_UPDATE_GOLDEN") != nullptr) {
+    std::ofstream(STEPTRACE_METRICS_GOLDEN, std::ios::binary) << text;
+    GTEST_SKIP() << "wrote " << STEPTRACE_METRICS_GOLDEN;
+  }
+  std::ifstream in(STEPTRACE_METRICS_GOLDEN, std::ios::binary);
+  ASSERT_TRUE(in) << STEPTRACE_METRICS_GOLDEN;
+  std::stringstream golden;
+  golden << in.rdbuf();
+  EXPECT_EQ(text, golden.str());
+}
+
+TEST_F(PinnedOutputTest, LedgerTextWithADeviceAndAClientSampleIsPinned) {
+  fill();
+  EXPECT_EQ(report::ledger_text(*collector_->freeze()), R"(GPU GPU-A
+  device Fake: used 10.00 GiB of 80.00 GiB   free 70.00 GiB (NVML, sampled 1.50s ago)
+  OVER: pid 4242 uses 3.00 GiB, reserved 2.00 GiB
+  GHOST: pid 555 uses 1.00 GiB but is not visible here (exited, or in another container)
+  total 80.00 GiB   free 70.00 GiB (NVML, sampled 1.50s ago)   reserved 2.00 GiB (high-water 2.00 GiB)   available 78.00 GiB
+  Reservations: 1
+    ID | PID  | Process | Task    | Size     | Age     | Lease | Holder
+    1  | 4242 | trainer | weights | 2.00 GiB | 16m 41s | -     | alive
+  Ledger activity per process:
+    PID  | Process | Reserves | Releases | Cleanups | Refused | Step          | Count | Time
+    4242 | trainer | 1        | 0        | 0        | 0       | LedgerReserve | 1     | 300.00ns
+
+GPU GPU-B
+  total 8.00 GiB   free 6.00 GiB (sampled 16m 41s ago)   reserved 1.00 GiB (high-water 1.00 GiB)   available 7.00 GiB
+  Reservations: 1 (1 leaked)
+    ID | PID  | Process | Task | Size     | Age     | Lease | Holder
+    2  | 4243 | trainer | kv   | 1.00 GiB | 16m 41s | -     | LEAKED
+  Ledger activity per process:
+    PID  | Process | Reserves | Releases | Cleanups | Refused | Step | Count | Time
+    4243 | trainer | 1        | 0        | 0        | 0       | -
+)");
 }
 }  // namespace
 }  // namespace steptrace::daemon
