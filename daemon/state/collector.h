@@ -71,6 +71,17 @@ class CollectorView {
   std::vector<StepFigures> totals(std::span<const ProcessFigures* const> processes) const;
   // Grouped by (uid, job id), in that order; each group's processes in the given order.
   std::vector<JobFigures> jobs(std::span<const ProcessFigures> processes) const;
+  // The same, each job with what its evicted processes left (JobFigures::retired), and
+  // the jobs that only those have included: the per-job counters (metrics pass every
+  // process).
+  std::vector<JobFigures> jobs_and_retired(std::span<const ProcessFigures> processes) const;
+  // Per step name, the histogram over every process in the table and every one evicted
+  // from it, so that it never goes backwards. Names in the order first met: the table's
+  // processes in the order it holds them (each process's steps in registration order,
+  // built-ins first), then names only evicted processes had, alphabetically. A step of
+  // the table's without an ended span is left out. (The order decides which names a
+  // renderer that bounds its series keeps.)
+  std::vector<StepHistogram> step_histograms() const;
   TableFigures table() const;
   const ledger::State& ledger() const;
   // What a snapshot keeps of it, as plain values (state_image.h; state_image.cpp). Spans

@@ -3,12 +3,17 @@
 #include "daemon/state/read_model.h"
 
 #include <algorithm>
+#include <map>
+#include <string_view>
+#include <tuple>
 
 #include "daemon/state/collector.h"
 #include "daemon/state/collector_state.h"
 
 namespace steptrace::daemon {
 namespace {
+
+static_assert(RetiredJobFigures::kMaxSteps == RetiredJob::kMaxJobSteps);
 
 // Per thread, the innermost open span (the latest start still open) and the depth.
 std::vector<OpenSpanNow> open_spans_now(const ProcessRecord& rec, std::uint64_t now) {
@@ -132,6 +137,55 @@ std::vector<JobFigures> CollectorView::jobs(std::span<const ProcessFigures> proc
     group.ranks.erase(std::unique(group.ranks.begin(), group.ranks.end()), group.ranks.end());
     out.push_back(std::move(group));
   }
+  return out;
+}
+
+std::vector<JobFigures> CollectorView::jobs_and_retired(
+    std::span<const ProcessFigures> processes) const {
+  std::vector<JobFigures> in_table = jobs(processes);
+  std::vector<JobFigures> out;
+  out.reserve(in_table.size() + state_->retired_jobs->size());
+  // Both are in (uid, job id) order: merged as they come.
+  auto next = in_table.begin();
+  const auto key_of = [](const JobFigures& j) { return std::tie(j.uid, j.job); };
+  for (const auto& [key, retired] : *state_->retired_jobs) {
+    const auto retired_key = std::tie(key.uid, key.job);
+    while (next != in_table.end() && key_of(*next) < retired_key) out.push_back(std::move(*next++));
+    if (next == in_table.end() || key_of(*next) != retired_key) {
+      JobFigures& only = out.emplace_back();
+      only.uid = key.uid;
+      only.job = key.job;
+    } else {
+      out.push_back(std::move(*next++));
+    }
+    RetiredJobFigures& r = out.back().retired.emplace();
+    r.processes = retired.processes;
+    r.dropped = retired.dropped;
+    r.steps.reserve(retired.steps.size());
+    for (const auto& [name, t] : retired.steps)
+      r.steps.push_back({name, t.count, t.total_ns, t.self_ns});
+  }
+  for (; next != in_table.end(); ++next) out.push_back(std::move(*next));
+  return out;
+}
+
+std::vector<StepHistogram> CollectorView::step_histograms() const {
+  std::vector<StepHistogram> out;
+  // Name -> index in out; the names point into the view, which outlives this call.
+  std::map<std::string_view, std::size_t, std::less<>> index;
+  const auto merge = [&](std::string_view name, const Histogram& hist) {
+    const auto [it, fresh] = index.try_emplace(name, out.size());
+    if (fresh) out.push_back({std::string(name), Histogram{}});
+    out[it->second].hist.merge(hist);
+  };
+  for (const auto& slot : state_->slots) {
+    if (!slot) continue;
+    for (std::size_t s = 0; s < slot->steps.size(); ++s) {
+      const Histogram& hist = slot->steps[s].hist;
+      if (hist.count() != 0) merge(slot->step_name(s), hist);
+    }
+  }
+  for (const auto& [name, hist] : *state_->retired) merge(name, hist);
   return out;
 }
 

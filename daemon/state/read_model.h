@@ -6,6 +6,9 @@
 // Data flow: the render thread holds a view -> CollectorView::processes() selects and
 // describes the processes -> totals() merges their steps by name, jobs() groups them by
 // (uid, job id) -> the renderers write text, JSON or Prometheus from these rows.
+// Counters that must never go backwards (Prometheus) also need what processes evicted
+// from the table left behind: step_histograms() adds it to the node's per-step
+// histograms, jobs_and_retired() to each job (RetiredJobFigures).
 #pragma once
 
 #include <cstdint>
@@ -77,6 +80,25 @@ struct ProcessFigures {
   const ProcessRecord* record_ = nullptr;
 };
 
+// One step's totals that a job's evicted processes left.
+struct RetiredStepTotals {
+  std::string name;
+  std::uint64_t count = 0;  // ended spans
+  std::uint64_t total_ns = 0;
+  std::uint64_t self_ns = 0;
+};
+
+// What the processes of a job that left the table (evicted) had, kept so that per-job
+// counters keep counting after them. The state bounds these jobs (Limits::max_jobs,
+// max_jobs_per_uid, for jobs with no process left in the table) and their step names.
+struct RetiredJobFigures {
+  std::vector<RetiredStepTotals> steps;  // by name
+  std::uint64_t processes = 0;           // evicted
+  std::uint64_t dropped = 0;             // events they could not deliver
+  // Step names kept per job; beyond, merged into "(other)".
+  static constexpr std::size_t kMaxSteps = 256;
+};
+
 // A uid's processes that sent one job id (the ones without one are the uid's job "").
 struct JobFigures {
   std::uint32_t uid = 0;
@@ -85,6 +107,14 @@ struct JobFigures {
   std::size_t live = 0;
   std::uint32_t world_size = 0;      // the largest sent (0: none)
   std::vector<std::uint32_t> ranks;  // sent, each once, ascending
+  // jobs_and_retired() only: what its evicted processes left (none: none left the table).
+  std::optional<RetiredJobFigures> retired;
+};
+
+// One step name's histogram summed over processes (CollectorView::step_histograms).
+struct StepHistogram {
+  std::string name;
+  Histogram hist;
 };
 
 // The process table as a whole (stats).
