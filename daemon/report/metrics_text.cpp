@@ -3,12 +3,15 @@
 // end in _total, every family has # HELP and # TYPE, label values are escaped.
 //
 // steptrace_step_duration_seconds sums every process the daemon knows plus the ones it
-// already evicted (CollectorState::retired), with no pid label, so a cluster-wide
-// Prometheus can sum it across nodes and it never goes backwards unless reset.
-// Per-process series exist only for live processes, so exited pids do not pile up as
-// stale series.
+// already evicted (CollectorView::step_histograms), with no pid label, so a
+// cluster-wide Prometheus can sum it across nodes and it never goes backwards unless
+// reset. Per-process series exist only for live processes, so exited pids do not pile
+// up as stale series. Everything is read from the view's read model (state/read_model.h).
 #include <array>
 #include <map>
+#include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -17,7 +20,6 @@
 #include "daemon/report/report.h"
 #include "daemon/report/report_format.h"
 #include "daemon/state/collector.h"
-#include "daemon/state/collector_state.h"
 #include "daemon/state/counter_table.h"
 #include "proto/errc.h"
 
@@ -48,49 +50,62 @@ double seconds(std::uint64_t ns) { return static_cast<double>(ns) / 1e9; }
 constexpr std::size_t kMaxStepSeries = 4096;
 constexpr std::string_view kOtherStep = "(other)";
 
-// Per job (uid, job id), the totals of its processes in the table plus what its evicted
-// ones left (CollectorState::retired_jobs), so the counters keep counting after a short
-// job's processes exit and leave. Jobs are bounded by max_jobs (retired) and by the
-// process table (live); their custom step names by RetiredJob::kMaxJobSteps.
-void append_job_metrics(const CollectorState& state, std::string& out) {
-  struct JobSeries {
-    std::string job;
-    std::string uid;
-    std::map<std::string, JobStepTotals, std::less<>> steps;
-    std::uint64_t live = 0, exited = 0, dropped = 0;
+// A job's series: per step, what its processes in the table and its evicted ones ended.
+struct JobSeries {
+  struct Step {
+    std::uint64_t count = 0;
+    std::uint64_t total_ns = 0;
+    std::uint64_t self_ns = 0;
   };
-  std::vector<JobSeries> jobs;
-  for (const JobGroup& group : group_by_job(state, select_processes(state, std::nullopt), true)) {
-    JobSeries j{group.key.job, std::to_string(group.key.uid), {}, 0, 0, 0};
-    const auto add = [&j](std::string_view name, std::uint64_t count, std::uint64_t total,
-                          std::uint64_t self) {
-      auto it = j.steps.find(name);
-      if (it == j.steps.end()) {
-        it = j.steps
-                 .try_emplace(
-                     std::string(j.steps.size() < RetiredJob::kMaxJobSteps ? name : kOtherStep))
-                 .first;
-      }
-      it->second.count += count;
-      it->second.total_ns = saturating_add(it->second.total_ns, total);
-      it->second.self_ns = saturating_add(it->second.self_ns, self);
-    };
-    if (group.retired != nullptr) {
-      for (const auto& [name, t] : group.retired->steps) add(name, t.count, t.total_ns, t.self_ns);
-      j.exited += group.retired->processes;
-      j.dropped += group.retired->dropped;
+  std::string job;
+  std::string uid;
+  std::map<std::string, Step, std::less<>> steps;
+  std::uint64_t live = 0, exited = 0, dropped = 0;
+
+  // Past the names the state keeps for evicted processes, the rest of a job's steps
+  // share the "(other)" series.
+  void add(std::string_view name, std::uint64_t count, std::uint64_t total, std::uint64_t self) {
+    auto it = steps.find(name);
+    if (it == steps.end()) {
+      it = steps
+               .try_emplace(
+                   std::string(steps.size() < RetiredJobFigures::kMaxSteps ? name : kOtherStep))
+               .first;
     }
-    for (const ProcessRecord* rec : group.processes) {
-      (rec->alive ? j.live : j.exited) += 1;
-      j.dropped += rec->dropped;
-      for (std::size_t s = 0; s < rec->steps.size(); ++s) {
-        const StepAgg& agg = rec->steps[s];
-        if (agg.hist.count() != 0)
-          add(rec->step_name(s), agg.hist.count(), agg.hist.sum(), agg.self_ns);
-      }
-    }
-    jobs.push_back(std::move(j));
+    it->second.count += count;
+    it->second.total_ns = saturating_add(it->second.total_ns, total);
+    it->second.self_ns = saturating_add(it->second.self_ns, self);
   }
+};
+
+// What its evicted processes left first, then its processes in the table.
+JobSeries job_series(const JobFigures& group) {
+  JobSeries j{group.job, std::to_string(group.uid), {}, 0, 0, 0};
+  if (group.retired) {
+    for (const RetiredStepTotals& t : group.retired->steps)
+      j.add(t.name, t.count, t.total_ns, t.self_ns);
+    j.exited += group.retired->processes;
+    j.dropped += group.retired->dropped;
+  }
+  for (const ProcessFigures* p : group.processes) {
+    (p->alive ? j.live : j.exited) += 1;
+    j.dropped += p->dropped;
+    for (const StepFigures& step : p->steps) {
+      const Histogram& h = step.hist();
+      if (h.count() != 0) j.add(step.name, h.count(), h.sum(), step.self_ns);
+    }
+  }
+  return j;
+}
+
+// Per job (uid, job id), the totals of its processes in the table plus what its evicted
+// ones left (JobFigures::retired), so the counters keep counting after a short job's
+// processes exit and leave. Jobs are bounded by max_jobs (retired) and by the process
+// table (live); their step names by RetiredJobFigures::kMaxSteps.
+void append_job_metrics(const CollectorView& view, std::span<const ProcessFigures> all,
+                        std::string& out) {
+  std::vector<JobSeries> jobs;
+  for (const JobFigures& group : view.jobs_and_retired(all)) jobs.push_back(job_series(group));
   const auto per_step = [&](std::string_view name, std::string_view help, auto&& value) {
     MetricFamily f(out, name, "counter", help);
     for (const JobSeries& j : jobs) {
@@ -98,15 +113,16 @@ void append_job_metrics(const CollectorState& state, std::string& out) {
         f.sample({{"job_id", j.job}, {"uid", j.uid}, {"step", step}}, value(t));
     }
   };
+  using Step = JobSeries::Step;
   per_step("steptrace_job_step_seconds_total",
            "Total time of ended spans per job and step, exited processes included.",
-           [](const JobStepTotals& t) { return seconds(t.total_ns); });
+           [](const Step& t) { return seconds(t.total_ns); });
   per_step("steptrace_job_step_self_seconds_total",
            "Self time (nested spans left out) per job and step, exited processes included.",
-           [](const JobStepTotals& t) { return seconds(t.self_ns); });
+           [](const Step& t) { return seconds(t.self_ns); });
   per_step("steptrace_job_step_spans_total",
            "Ended spans per job and step, exited processes included.",
-           [](const JobStepTotals& t) { return t.count; });
+           [](const Step& t) { return t.count; });
   MetricFamily f_procs(out, "steptrace_job_processes", "gauge",
                        "Processes of a job, live and exited (evicted ones included).");
   for (const JobSeries& j : jobs) {
@@ -120,29 +136,22 @@ void append_job_metrics(const CollectorState& state, std::string& out) {
 
 // steptrace_step_duration_seconds: per step, every process of this node, the evicted ones
 // included.
-void append_step_histograms(const CollectorState& state, std::string& out) {
+void append_step_histograms(const CollectorView& view, std::string& out) {
   std::map<std::string, Histogram, std::less<>> by_step;
   for (const proto::BuiltinStep& step : proto::kBuiltinSteps) {
     by_step.try_emplace(std::string(step.name));
   }
   // Custom step names are chosen by clients: past kMaxStepSeries names, the rest are
   // merged into "(other)", so the family's cardinality stays bounded whatever they send.
-  auto merge_into = [&by_step](std::string_view name, const Histogram& h) {
-    auto it = by_step.find(name);
+  for (const StepHistogram& step : view.step_histograms()) {
+    auto it = by_step.find(step.name);
     if (it == by_step.end()) {
-      it = by_step.try_emplace(std::string(by_step.size() < kMaxStepSeries ? name : kOtherStep))
-               .first;
+      it =
+          by_step.try_emplace(by_step.size() < kMaxStepSeries ? step.name : std::string(kOtherStep))
+              .first;
     }
-    it->second.merge(h);
-  };
-  for (const auto& slot : state.slots) {
-    if (!slot) continue;
-    for (std::size_t s = 0; s < slot->steps.size(); ++s) {
-      const Histogram& h = slot->steps[s].hist;
-      if (h.count() != 0) merge_into(slot->step_name(s), h);
-    }
+    it->second.merge(step.hist);
   }
-  for (const auto& [name, h] : *state.retired) merge_into(name, h);
   MetricFamily f(out, "steptrace_step_duration_seconds", "histogram",
                  "Duration of ended spans per step, summed over all processes of this node.");
   for (const auto& [name, h] : by_step) {
@@ -161,63 +170,56 @@ void append_step_histograms(const CollectorState& state, std::string& out) {
 // with thousands of (process, step) pairs the text runs to megabytes, and building it in
 // pieces and concatenating them cost more than the formatting (a scrape holds the io
 // thread while it renders).
-void append_live_process_metrics(const CollectorState& state, std::string& out) {
+void append_live_process_metrics(std::span<const ProcessFigures> all, std::string& out) {
   struct Live {
-    const ProcessRecord* rec;
+    const ProcessFigures* p;
     std::string pid;
     std::string rank;  // "" when not known: the label is left out
-    std::vector<std::uint64_t> open;
   };
   std::vector<Live> live;
   std::size_t pairs = 0;
-  for (const ProcessRecord* rec : select_processes(state, std::nullopt)) {
-    if (!rec->alive) continue;
-    live.push_back({rec, std::to_string(rec->key().pid),
-                    rec->rank == proto::kNoRank ? std::string() : std::to_string(rec->rank),
-                    rec->open_per_slot()});
-    pairs += rec->steps.size();
+  for (const ProcessFigures& p : all) {
+    if (!p.alive) continue;
+    live.push_back({&p, std::to_string(p.key.pid),
+                    p.rank == proto::kNoRank ? std::string() : std::to_string(p.rank)});
+    pairs += p.steps.size();
   }
   // About 120 bytes a sample, five families per (process, step).
   out.reserve(out.size() + pairs * 5 * 120 + live.size() * 120 + 64 * 1024);
-  // `value(agg, open)` gives the sample; its type (counts or seconds) picks the format.
+  // `value(step)` gives the sample; its type (counts or seconds) picks the format.
   auto per_step = [&](std::string_view name, std::string_view type, std::string_view help,
                       auto&& value) {
     MetricFamily f(out, name, type, help);
     for (const Live& l : live) {
-      const ProcessRecord& rec = *l.rec;
-      for (std::size_t s = 0; s < rec.steps.size(); ++s) {
-        const StepAgg& agg = rec.steps[s];
-        if (!agg.has_data() && l.open[s] == 0) continue;
+      for (const StepFigures& step : l.p->steps) {
         f.sample({{"pid", l.pid},
-                  {"comm", rec.peer.comm},
-                  {"job_id", rec.job},
+                  {"comm", l.p->comm},
+                  {"job_id", l.p->job},
                   {"rank", l.rank},
-                  {"step", rec.step_name(s)}},
-                 value(agg, l.open[s]));
+                  {"step", step.name}},
+                 value(step));
       }
     }
   };
-  using Open = std::uint64_t;
   per_step("steptrace_process_step_seconds_total", "counter",
            "Total time of ended spans per live process and step.",
-           [](const StepAgg& a, Open) { return seconds(a.hist.sum()); });
+           [](const StepFigures& s) { return seconds(s.hist().sum()); });
   per_step("steptrace_process_step_spans_total", "counter",
            "Ended spans per live process and step.",
-           [](const StepAgg& a, Open) { return a.hist.count(); });
+           [](const StepFigures& s) { return s.hist().count(); });
   per_step("steptrace_process_open_spans", "gauge", "Spans open now per live process and step.",
-           [](const StepAgg&, Open open) { return open; });
+           [](const StepFigures& s) { return s.open; });
   per_step("steptrace_process_unmatched_ends_total", "counter",
            "Span ends without a start per live process and step.",
-           [](const StepAgg& a, Open) { return a.unmatched_ends; });
+           [](const StepFigures& s) { return s.unmatched_ends; });
   per_step("steptrace_process_abandoned_spans_total", "counter",
            "Spans left open when the process's connections closed.",
-           [](const StepAgg& a, Open) { return a.abandoned; });
+           [](const StepFigures& s) { return s.abandoned; });
   MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
                          "Events a live process reported it could not deliver.");
   for (const Live& l : live) {
-    f_dropped.sample(
-        {{"pid", l.pid}, {"comm", l.rec->peer.comm}, {"job_id", l.rec->job}, {"rank", l.rank}},
-        l.rec->dropped);
+    f_dropped.sample({{"pid", l.pid}, {"comm", l.p->comm}, {"job_id", l.p->job}, {"rank", l.rank}},
+                     l.p->dropped);
   }
   MetricFamily f_cause(out, "steptrace_process_dropped_events_by_cause_total", "counter",
                        "Events a live process could not deliver, by cause (clients of "
@@ -225,11 +227,11 @@ void append_live_process_metrics(const CollectorState& state, std::string& out) 
   for (const Live& l : live) {
     for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
       f_cause.sample({{"pid", l.pid},
-                      {"comm", l.rec->peer.comm},
-                      {"job_id", l.rec->job},
+                      {"comm", l.p->comm},
+                      {"job_id", l.p->job},
                       {"rank", l.rank},
                       {"cause", proto::kDropCauseNames[i]}},
-                     l.rec->dropped_by_cause[i]);
+                     l.p->dropped_by_cause[i]);
     }
   }
 }
@@ -335,14 +337,12 @@ void append_recorder_and_nvml_metrics(const DaemonCounters& c, std::string& out)
 
 // The process table, the limits hit, the snapshots, and the uptime.
 void append_state_metrics(const CollectorView& view, std::string& out) {
-  const CollectorState& state = view.state();
   const DaemonCounters& c = view.counters();
   {
-    std::uint64_t live = 0;
-    for (const auto& slot : state.slots) live += (slot && slot->alive) ? 1 : 0;
+    const TableFigures table = view.table();
     MetricFamily f(out, "steptrace_processes", "gauge", "Processes tracked, by state.");
-    f.sample({{"state", "live"}}, live);
-    f.sample({{"state", "exited"}}, static_cast<std::uint64_t>(state.exited));
+    f.sample({{"state", "live"}}, table.live);
+    f.sample({{"state", "exited"}}, table.exited);
   }
   {
     // Every limit (state/types.h), at zero until hit.
@@ -359,20 +359,20 @@ void append_state_metrics(const CollectorView& view, std::string& out) {
 }  // namespace
 
 std::string report::metrics_text(const CollectorView& view) {
-  const CollectorState& state = view.state();
   const DaemonCounters& c = view.counters();
+  const std::vector<ProcessFigures> processes = view.processes();
   std::string out;
   out.reserve(16 * 1024);
-  append_step_histograms(state, out);
-  append_live_process_metrics(state, out);
-  append_job_metrics(state, out);
+  append_step_histograms(view, out);
+  append_live_process_metrics(processes, out);
+  append_job_metrics(view, processes, out);
   append_ingest_metrics(c, out);
   append_http_metrics(c.http, out);
   append_connection_metrics(c, out);
   append_ring_metrics(c.rings, out);
   append_recorder_and_nvml_metrics(c, out);
   append_state_metrics(view, out);
-  report::append_ledger_metrics(state.ledger.state(), out);
+  report::append_ledger_metrics(view.ledger(), out);
   report::append_process_metrics(view, out);
   return out;
 }
