@@ -106,7 +106,7 @@ std::vector<StepFigures> CollectorView::totals(
     s.depth_dropped = t.agg.depth_dropped;
     s.self_ns = t.agg.self_ns;
     s.processes = t.processes;
-    s.merged_ = std::move(t.agg.hist);
+    s.merged_ = std::make_shared<const Histogram>(std::move(t.agg.hist));
     out.push_back(std::move(s));
   }
   return out;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -40,7 +41,9 @@ struct StepFigures {
  private:
   friend class CollectorView;
   const Histogram* in_view_ = nullptr;  // a process's own: the view's
-  std::optional<Histogram> merged_;     // merged over processes: its own
+  // Merged over processes: its own, on the heap so that a process's row (metrics make
+  // one per (process, step)) stays small.
+  std::shared_ptr<const Histogram> merged_;
 };
 
 // A thread's innermost open span now (what `steptrace top` shows, e.g. a trainer stuck
