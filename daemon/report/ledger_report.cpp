@@ -240,6 +240,124 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
   return out;
 }
 
+namespace {
+
+// One line of a finding under its GPU's device line, e.g. "  OVER: pid 12 uses ...".
+std::string finding_text(const ledger::Finding& f) {
+  std::string line =
+      "  " + std::string(ledger::kFindingNames[f.kind]) + ": pid " + std::to_string(f.pid) + " ";
+  switch (f.kind) {
+    case ledger::Finding::kUndeclared:
+      line += "uses " + format_bytes(f.used_bytes) + " with no reservation on this GPU";
+      break;
+    case ledger::Finding::kOver:
+      line += "uses " + format_bytes(f.used_bytes) + ", reserved " + format_bytes(f.reserved_bytes);
+      break;
+    case ledger::Finding::kIdle:
+      line += "holds reservation " + std::to_string(f.reservation_id) + " (" +
+              format_bytes(f.reserved_bytes) + ") and uses no memory on it";
+      break;
+    default:
+      line += "uses " + format_bytes(f.used_bytes) +
+              " but is not visible here (exited, or in another container)";
+      break;
+  }
+  return line + "\n";
+}
+
+// What NVML says of the GPU, and where the declarations disagree with it.
+void append_device_text(std::string& out, const ledger::State& state, std::string_view uuid,
+                        const ledger::Device& dev, std::uint64_t now_ns) {
+  out += "  device " + proto::printable(dev.name) + ": used " + format_bytes(dev.used_bytes) +
+         " of " + format_bytes(dev.total_bytes) + "   free " + format_bytes(dev.free_bytes) +
+         " (NVML, sampled " + format_age(dev.at_ns, now_ns) + " ago)\n";
+  for (const ledger::Finding& f : ledger::device_findings(state, uuid, now_ns)) {
+    out += finding_text(f);
+  }
+}
+
+// "  total ... free ... reserved ... available ...", and the OVERCOMMITTED line.
+void append_capacity_text(std::string& out, const ledger::State& state, std::string_view uuid,
+                          const ledger::Gpu& gpu, std::uint64_t now_ns) {
+  std::string line = "  total ";
+  const auto cap = capacity(state, uuid, gpu);
+  if (cap) {
+    line += format_bytes(cap->total) + "   free " + format_bytes(cap->free) + " (" +
+            (std::string_view(cap->source) == "device" ? "NVML, " : "") + "sampled " +
+            format_age(cap->at_ns, now_ns) + " ago)";
+  } else {
+    line += "unknown   free unknown (no VRAM sample)";
+  }
+  line += "   reserved " + format_bytes(gpu.reserved_bytes) + " (high-water " +
+          format_bytes(gpu.high_water_bytes) + ")   available ";
+  if (!cap) {
+    line += "unknown";
+  } else if (gpu.reserved_bytes > cap->total) {
+    line += "none (-" + format_bytes(gpu.reserved_bytes - cap->total) + ")";
+  } else {
+    line += format_bytes(cap->total - gpu.reserved_bytes);
+  }
+  out += line + "\n";
+  if (gpu.overcommitted && cap) {
+    out += "  OVERCOMMITTED: " + format_bytes(gpu.reserved_bytes) + " reserved exceeds " +
+           format_bytes(cap->total) + " total\n";
+  }
+}
+
+// "  Reservations: n (k leaked, m expired)" and their table.
+void append_reservations_text(std::string& out, const ledger::Gpu& gpu, std::uint64_t now_ns) {
+  const std::size_t leaked = gpu.leaked();
+  const std::size_t expired = gpu.expired();
+  out += "  Reservations: " + std::to_string(gpu.reservations.size());
+  if (leaked != 0 && expired != 0) {
+    out += " (" + std::to_string(leaked) + " leaked, " + std::to_string(expired) + " expired)";
+  } else if (leaked != 0 || expired != 0) {
+    out += " (" + std::to_string(leaked + expired) + (leaked != 0 ? " leaked)" : " expired)");
+  }
+  out += "\n";
+  if (gpu.reservations.empty()) return;
+  std::vector<std::vector<std::string>> rows = {
+      {"ID", "PID", "Process", "Task", "Size", "Age", "Lease", "Holder"}};
+  for (const auto& [id, r] : gpu.reservations) {
+    rows.push_back({std::to_string(id), std::to_string(r.holder.pid), proto::printable(r.comm),
+                    r.task.empty() ? "-" : proto::printable(r.task), format_bytes(r.bytes),
+                    format_age(r.reserved_ns, now_ns), lease_text(r, now_ns),
+                    reservation_state(r)});
+  }
+  append_table(out, "    ", rows);
+}
+
+// "  Ledger activity per process:": each process's operations, then one row per ledger
+// step it spent time in.
+void append_activity_text(std::string& out, const ledger::Gpu& gpu) {
+  if (gpu.processes.empty()) return;
+  out += "  Ledger activity per process:\n";
+  std::vector<std::vector<std::string>> rows = {
+      {"PID", "Process", "Reserves", "Releases", "Cleanups", "Refused", "Step", "Count", "Time"}};
+  for (const auto& [key, row] : gpu.processes) {
+    std::vector<std::string> head = {std::to_string(key.pid),      proto::printable(row.comm),
+                                     std::to_string(row.reserves), std::to_string(row.releases),
+                                     std::to_string(row.cleanups), std::to_string(row.refused)};
+    if (row.steps.empty()) {
+      head.push_back("-");
+      rows.push_back(std::move(head));
+      continue;
+    }
+    bool first = true;
+    for (const auto& [step, time] : row.steps) {
+      std::vector<std::string> cells =
+          first ? head : std::vector<std::string>{"", "", "", "", "", ""};
+      cells.insert(cells.end(), {std::string(proto::kBuiltinStepNames[step]),
+                                 std::to_string(time.count), format_duration(time.total_ns)});
+      rows.push_back(std::move(cells));
+      first = false;
+    }
+  }
+  append_table(out, "    ", rows);
+}
+
+}  // namespace
+
 std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
   const auto gpus = all_gpus(state);
   if (gpus.empty()) {
@@ -256,104 +374,11 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
     // report sanitises every client-chosen string itself rather than rely on that.
     out += "GPU " + proto::printable(uuid) + "\n";
     if (const auto d = state.devices.find(uuid); d != state.devices.end()) {
-      const ledger::Device& dev = d->second;
-      out += "  device " + proto::printable(dev.name) + ": used " + format_bytes(dev.used_bytes) +
-             " of " + format_bytes(dev.total_bytes) + "   free " + format_bytes(dev.free_bytes) +
-             " (NVML, sampled " + format_age(dev.at_ns, now_ns) + " ago)\n";
-      for (const ledger::Finding& f : ledger::device_findings(state, uuid, now_ns)) {
-        std::string line = "  " + std::string(ledger::kFindingNames[f.kind]) + ": pid " +
-                           std::to_string(f.pid) + " ";
-        switch (f.kind) {
-          case ledger::Finding::kUndeclared:
-            line += "uses " + format_bytes(f.used_bytes) + " with no reservation on this GPU";
-            break;
-          case ledger::Finding::kOver:
-            line += "uses " + format_bytes(f.used_bytes) + ", reserved " +
-                    format_bytes(f.reserved_bytes);
-            break;
-          case ledger::Finding::kIdle:
-            line += "holds reservation " + std::to_string(f.reservation_id) + " (" +
-                    format_bytes(f.reserved_bytes) + ") and uses no memory on it";
-            break;
-          default:
-            line += "uses " + format_bytes(f.used_bytes) +
-                    " but is not visible here (exited, or in another container)";
-            break;
-        }
-        out += line + "\n";
-      }
+      append_device_text(out, state, uuid, d->second, now_ns);
     }
-    std::string line = "  total ";
-    const auto cap = capacity(state, uuid, gpu);
-    if (cap) {
-      line += format_bytes(cap->total) + "   free " + format_bytes(cap->free) + " (" +
-              (std::string_view(cap->source) == "device" ? "NVML, " : "") + "sampled " +
-              format_age(cap->at_ns, now_ns) + " ago)";
-    } else {
-      line += "unknown   free unknown (no VRAM sample)";
-    }
-    line += "   reserved " + format_bytes(gpu.reserved_bytes) + " (high-water " +
-            format_bytes(gpu.high_water_bytes) + ")   available ";
-    if (!cap) {
-      line += "unknown";
-    } else if (gpu.reserved_bytes > cap->total) {
-      line += "none (-" + format_bytes(gpu.reserved_bytes - cap->total) + ")";
-    } else {
-      line += format_bytes(cap->total - gpu.reserved_bytes);
-    }
-    out += line + "\n";
-    if (gpu.overcommitted && cap) {
-      out += "  OVERCOMMITTED: " + format_bytes(gpu.reserved_bytes) + " reserved exceeds " +
-             format_bytes(cap->total) + " total\n";
-    }
-
-    const std::size_t leaked = gpu.leaked();
-    const std::size_t expired = gpu.expired();
-    out += "  Reservations: " + std::to_string(gpu.reservations.size());
-    if (leaked != 0 && expired != 0) {
-      out += " (" + std::to_string(leaked) + " leaked, " + std::to_string(expired) + " expired)";
-    } else if (leaked != 0 || expired != 0) {
-      out += " (" + std::to_string(leaked + expired) + (leaked != 0 ? " leaked)" : " expired)");
-    }
-    out += "\n";
-    if (!gpu.reservations.empty()) {
-      std::vector<std::vector<std::string>> rows = {
-          {"ID", "PID", "Process", "Task", "Size", "Age", "Lease", "Holder"}};
-      for (const auto& [id, r] : gpu.reservations) {
-        rows.push_back({std::to_string(id), std::to_string(r.holder.pid), proto::printable(r.comm),
-                        r.task.empty() ? "-" : proto::printable(r.task), format_bytes(r.bytes),
-                        format_age(r.reserved_ns, now_ns), lease_text(r, now_ns),
-                        reservation_state(r)});
-      }
-      append_table(out, "    ", rows);
-    }
-
-    if (!gpu.processes.empty()) {
-      out += "  Ledger activity per process:\n";
-      std::vector<std::vector<std::string>> rows = {{"PID", "Process", "Reserves", "Releases",
-                                                     "Cleanups", "Refused", "Step", "Count",
-                                                     "Time"}};
-      for (const auto& [key, row] : gpu.processes) {
-        std::vector<std::string> head = {std::to_string(key.pid),      proto::printable(row.comm),
-                                         std::to_string(row.reserves), std::to_string(row.releases),
-                                         std::to_string(row.cleanups), std::to_string(row.refused)};
-        if (row.steps.empty()) {
-          head.push_back("-");
-          rows.push_back(std::move(head));
-          continue;
-        }
-        bool first = true;
-        for (const auto& [step, time] : row.steps) {
-          std::vector<std::string> cells =
-              first ? head : std::vector<std::string>{"", "", "", "", "", ""};
-          cells.insert(cells.end(), {std::string(proto::kBuiltinStepNames[step]),
-                                     std::to_string(time.count), format_duration(time.total_ns)});
-          rows.push_back(std::move(cells));
-          first = false;
-        }
-      }
-      append_table(out, "    ", rows);
-    }
+    append_capacity_text(out, state, uuid, gpu, now_ns);
+    append_reservations_text(out, gpu, now_ns);
+    append_activity_text(out, gpu);
   }
   return out;
 }
