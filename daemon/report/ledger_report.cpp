@@ -383,8 +383,11 @@ std::string ledger_text(const ledger::State& state, std::uint64_t now_ns) {
   return out;
 }
 
-void append_ledger_metrics(const ledger::State& state, std::string& out) {
-  const auto& gpus = state.gpus;
+namespace {
+
+// Per GPU of the ledger: reserved bytes and their high water, the last client sample,
+// the reservations and the over-commit flag.
+void append_gpu_gauges(const ledger::State& state, std::string& out) {
   struct Gauge {
     std::string_view name;
     std::string_view help;
@@ -419,10 +422,16 @@ void append_ledger_metrics(const ledger::State& state, std::string& out) {
   };
   for (const Gauge& gauge : kGauges) {
     MetricFamily family(out, gauge.name, "gauge", gauge.help);
-    for (const auto& [uuid, gpu] : gpus) {
+    for (const auto& [uuid, gpu] : state.gpus) {
       if (const auto value = gauge.value(gpu)) family.sample({{"gpu", uuid}}, *value);
     }
   }
+}
+
+// Per GPU: the ledger operations applied, and the time and spans of the ledger steps
+// attributed to it.
+void append_ledger_activity_metrics(const ledger::State& state, std::string& out) {
+  const auto& gpus = state.gpus;
   {
     MetricFamily family(out, "steptrace_ledger_operations_total", "counter",
                         "VRAM ledger operations applied, by GPU and op.");
@@ -442,52 +451,59 @@ void append_ledger_metrics(const ledger::State& state, std::string& out) {
       }
     }
   }
-  {
-    MetricFamily spans(out, "steptrace_ledger_step_spans_total", "counter",
-                       "Ledger-step spans attributed to the GPU, by step.");
-    for (const auto& [uuid, gpu] : gpus) {
-      for (const auto& [step, time] : gpu.steps) {
-        spans.sample({{"gpu", uuid}, {"step", proto::kBuiltinStepNames[step]}}, time.count);
-      }
+  MetricFamily spans(out, "steptrace_ledger_step_spans_total", "counter",
+                     "Ledger-step spans attributed to the GPU, by step.");
+  for (const auto& [uuid, gpu] : gpus) {
+    for (const auto& [step, time] : gpu.steps) {
+      spans.sample({{"gpu", uuid}, {"step", proto::kBuiltinStepNames[step]}}, time.count);
     }
   }
-  // What NVML reports, labelled gpu_uuid like DCGM exporter's UUID label (a join is
-  // `... * on(gpu_uuid) group_left label_replace(DCGM_FI_DEV_FB_USED, "gpu_uuid", "$1",
-  // "UUID", "(.*)")`); absent without NVML.
-  {
-    struct DeviceGauge {
-      std::string_view name;
-      std::string_view help;
-      std::uint64_t ledger::Device::*field;
-    };
-    static constexpr DeviceGauge kDeviceGauges[] = {
-        {"steptrace_gpu_device_total_bytes", "Total VRAM as NVML reports it.",
-         &ledger::Device::total_bytes},
-        {"steptrace_gpu_device_used_bytes", "Used VRAM as NVML reports it.",
-         &ledger::Device::used_bytes},
-        {"steptrace_gpu_device_free_bytes", "Free VRAM as NVML reports it.",
-         &ledger::Device::free_bytes},
-    };
-    for (const DeviceGauge& gauge : kDeviceGauges) {
-      MetricFamily family(out, gauge.name, "gauge", gauge.help);
-      for (const auto& [uuid, device] : state.devices) {
-        family.sample({{"gpu_uuid", uuid}}, device.*gauge.field);
-      }
-    }
-    MetricFamily findings(out, "steptrace_gpu_findings", "gauge",
-                          "Declared versus actual VRAM disagreements now, by GPU and kind: "
-                          "UNDECLARED, OVER, IDLE, GHOST (0 for each kind of every sampled GPU).");
+}
+
+// What NVML reports, labelled gpu_uuid like DCGM exporter's UUID label (a join is
+// `... * on(gpu_uuid) group_left label_replace(DCGM_FI_DEV_FB_USED, "gpu_uuid", "$1",
+// "UUID", "(.*)")`), and the findings against it; absent without NVML.
+void append_device_metrics(const ledger::State& state, std::string& out) {
+  struct DeviceGauge {
+    std::string_view name;
+    std::string_view help;
+    std::uint64_t ledger::Device::*field;
+  };
+  static constexpr DeviceGauge kDeviceGauges[] = {
+      {"steptrace_gpu_device_total_bytes", "Total VRAM as NVML reports it.",
+       &ledger::Device::total_bytes},
+      {"steptrace_gpu_device_used_bytes", "Used VRAM as NVML reports it.",
+       &ledger::Device::used_bytes},
+      {"steptrace_gpu_device_free_bytes", "Free VRAM as NVML reports it.",
+       &ledger::Device::free_bytes},
+  };
+  for (const DeviceGauge& gauge : kDeviceGauges) {
+    MetricFamily family(out, gauge.name, "gauge", gauge.help);
     for (const auto& [uuid, device] : state.devices) {
-      std::array<std::uint64_t, ledger::Finding::kKindCount> counts{};
-      // The metrics render has no clock of its own: IDLE is judged at the sample's time.
-      for (const ledger::Finding& f : ledger::device_findings(state, uuid, device.at_ns)) {
-        ++counts[f.kind];
-      }
-      for (std::size_t k = 0; k < counts.size(); ++k) {
-        findings.sample({{"gpu_uuid", uuid}, {"kind", ledger::kFindingNames[k]}}, counts[k]);
-      }
+      family.sample({{"gpu_uuid", uuid}}, device.*gauge.field);
     }
   }
+  MetricFamily findings(out, "steptrace_gpu_findings", "gauge",
+                        "Declared versus actual VRAM disagreements now, by GPU and kind: "
+                        "UNDECLARED, OVER, IDLE, GHOST (0 for each kind of every sampled GPU).");
+  for (const auto& [uuid, device] : state.devices) {
+    std::array<std::uint64_t, ledger::Finding::kKindCount> counts{};
+    // The metrics render has no clock of its own: IDLE is judged at the sample's time.
+    for (const ledger::Finding& f : ledger::device_findings(state, uuid, device.at_ns)) {
+      ++counts[f.kind];
+    }
+    for (std::size_t k = 0; k < counts.size(); ++k) {
+      findings.sample({{"gpu_uuid", uuid}, {"kind", ledger::kFindingNames[k]}}, counts[k]);
+    }
+  }
+}
+
+}  // namespace
+
+void append_ledger_metrics(const ledger::State& state, std::string& out) {
+  append_gpu_gauges(state, out);
+  append_ledger_activity_metrics(state, out);
+  append_device_metrics(state, out);
   MetricFamily anomalies(out, "steptrace_ledger_anomalies_total", "counter",
                          "VRAM ledger anomalies, by kind.");
   for (std::size_t kind = 0; kind < kAnomalyCount; ++kind) {
