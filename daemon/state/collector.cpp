@@ -1,8 +1,9 @@
 // Collector: the process table (attach, hello, identity), reset, views (freeze, the
-// trace capture), the selections the reports share, and adopting a restored snapshot.
-// Ingest is collector_ingest.cpp, liveness and eviction collector_liveness.cpp, the
-// ledger and device truth collector_ledger.cpp. Reports are rendered by daemon/report/
-// from a CollectorView; the snapshot codec is in daemon/persist/snapshot_codec.cpp.
+// trace capture) and adopting a restored snapshot. Ingest is collector_ingest.cpp,
+// liveness and eviction collector_liveness.cpp, the ledger and device truth
+// collector_ledger.cpp; what a view answers read_model.cpp, and what a snapshot keeps
+// state_image.cpp. Reports are rendered by daemon/report/ from a CollectorView's read
+// model; the snapshot codec is in daemon/persist/snapshot_codec.cpp.
 #include "daemon/state/collector.h"
 
 #include <algorithm>
@@ -238,84 +239,6 @@ std::shared_ptr<const TraceCapture> Collector::capture_trace(const std::set<std:
     }
   }
   return capture;
-}
-
-// ---- selection shared by the reports ----------------------------------------------------
-
-std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
-                                                   std::optional<std::int32_t> pid,
-                                                   const std::optional<std::string>& job) {
-  std::vector<const ProcessRecord*> out;
-  for (const auto& [key, handle] : state.by_key) {
-    if (pid && key.pid != *pid) continue;
-    const ProcessRecord* rec = state.slots[handle].get();
-    if (job && rec->job != *job) continue;
-    out.push_back(rec);
-  }
-  return out;
-}
-
-std::vector<JobGroup> group_by_job(const CollectorState& state,
-                                   const std::vector<const ProcessRecord*>& processes,
-                                   bool with_retired) {
-  std::map<JobKey, JobGroup> groups;
-  const auto group_of = [&](const JobKey& key) -> JobGroup& {
-    JobGroup& group = groups[key];
-    group.key = key;
-    return group;
-  };
-  for (const ProcessRecord* rec : processes) {
-    group_of(JobKey{rec->peer.uid, rec->job}).processes.push_back(rec);
-  }
-  if (with_retired) {
-    for (const auto& [key, retired] : *state.retired_jobs) group_of(key).retired = &retired;
-  }
-  std::vector<JobGroup> out;
-  out.reserve(groups.size());
-  for (auto& [key, group] : groups) {
-    for (const ProcessRecord* rec : group.processes) {
-      group.live += rec->alive ? 1 : 0;
-      group.world_size = std::max(group.world_size, rec->world_size);
-      if (rec->rank != proto::kNoRank) group.ranks.push_back(rec->rank);
-    }
-    std::sort(group.ranks.begin(), group.ranks.end());
-    group.ranks.erase(std::unique(group.ranks.begin(), group.ranks.end()), group.ranks.end());
-    out.push_back(std::move(group));
-  }
-  return out;
-}
-
-std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>& processes) {
-  // A custom step that took a built-in's name merges into that built-in's row.
-  std::vector<NamedTotals> builtin(kBuiltinStepCount);
-  std::map<std::string, NamedTotals, std::less<>> custom;
-  const auto entry = [&](std::string_view name) -> NamedTotals& {
-    for (std::uint32_t i = 0; i < kBuiltinStepCount; ++i) {
-      if (proto::kBuiltinStepNames[i] == name) return builtin[i];
-    }
-    auto it = custom.find(name);
-    if (it == custom.end()) it = custom.try_emplace(std::string(name)).first;
-    return it->second;
-  };
-  for (const ProcessRecord* rec : processes) {
-    const auto open = rec->open_per_slot();
-    for (std::size_t slot = 0; slot < rec->steps.size(); ++slot) {
-      const StepAgg& agg = rec->steps[slot];
-      if (!agg.has_data() && open[slot] == 0) continue;
-      NamedTotals& t = slot < kBuiltinStepCount ? builtin[slot] : entry(rec->step_name(slot));
-      t.name = rec->step_name(slot);
-      t.agg.merge(agg);
-      t.open += open[slot];
-      if (t.last_process != rec) ++t.processes;
-      t.last_process = rec;
-    }
-  }
-  std::vector<NamedTotals> out;
-  for (auto& t : builtin) {
-    if (t.processes != 0) out.push_back(std::move(t));
-  }
-  for (auto& [name, t] : custom) out.push_back(std::move(t));
-  return out;
 }
 
 // ---- adopt (a snapshot's state: Collector::adopt(StateImage), state_image.cpp) ---------

@@ -88,9 +88,6 @@ class CollectorView {
   // open now are counted as abandoned: whoever installs the image cannot end them.
   StateImage image() const;
 
-  // The ingest layout itself (collector_state.h). No one reads it any more: the
-  // renderers read the read model above, the snapshot codec image(); to be removed.
-  const CollectorState& state() const { return *state_; }
   const DaemonCounters& counters() const { return counters_; }
   std::chrono::steady_clock::duration uptime() const { return uptime_; }
 

@@ -137,15 +137,6 @@ struct ProcessRecord {
   std::size_t memory_bytes() const;
 };
 
-// Aggregates of one step name over several processes (totals, text report, metrics).
-struct NamedTotals {
-  std::string name;
-  StepAgg agg;
-  std::uint64_t open = 0;
-  std::uint64_t processes = 0;                  // processes with this step
-  const ProcessRecord* last_process = nullptr;  // so a process counts once
-};
-
 using RetiredHistograms = std::map<std::string, Histogram, std::less<>>;
 
 // A job is a uid's processes that sent one job id: keyed by both, so a tenant who
@@ -266,31 +257,5 @@ struct RestoredState {
   ledger::State ledger;
   DaemonCounters counters;  // added to the daemon's
 };
-
-// Processes to report, in (pid, start_time) order; all of them, one pid's, or one job
-// id's (of any uid).
-std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
-                                                   std::optional<std::int32_t> pid,
-                                                   const std::optional<std::string>& job = {});
-
-// A job's processes in the table and what its evicted ones left (retired_jobs), for the
-// reports and per-job metrics: jobs in (uid, job) order, processes in select order.
-struct JobGroup {
-  JobKey key;
-  std::vector<const ProcessRecord*> processes;
-  const RetiredJob* retired = nullptr;  // null: none of its processes left the table
-  // Of `processes`: how many are alive, the largest world size sent (0: none), and the
-  // ranks sent, each once, ascending (a forked child shares its parent's environment,
-  // so its rank).
-  std::size_t live = 0;
-  std::uint32_t world_size = 0;
-  std::vector<std::uint32_t> ranks;
-};
-std::vector<JobGroup> group_by_job(const CollectorState& state,
-                                   const std::vector<const ProcessRecord*>& processes,
-                                   bool with_retired);
-// Per-step aggregates merged by step name over `processes`, built-ins first in enum
-// order then custom names alphabetically. Steps without data are left out.
-std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>& processes);
 
 }  // namespace steptrace::daemon

@@ -13,7 +13,68 @@
 namespace steptrace::daemon {
 namespace {
 
+using proto::kBuiltinStepCount;
+
 static_assert(RetiredJobFigures::kMaxSteps == RetiredJob::kMaxJobSteps);
+
+// Aggregates of one step name over several processes.
+struct NamedTotals {
+  std::string name;
+  StepAgg agg;
+  std::uint64_t open = 0;
+  std::uint64_t processes = 0;                  // processes with this step
+  const ProcessRecord* last_process = nullptr;  // so a process counts once
+};
+
+// Processes in (pid, start_time) order; all of them, one pid's, or one job id's (of any
+// uid).
+std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
+                                                   std::optional<std::int32_t> pid,
+                                                   const std::optional<std::string>& job) {
+  std::vector<const ProcessRecord*> out;
+  for (const auto& [key, handle] : state.by_key) {
+    if (pid && key.pid != *pid) continue;
+    const ProcessRecord* rec = state.slots[handle].get();
+    if (job && rec->job != *job) continue;
+    out.push_back(rec);
+  }
+  return out;
+}
+
+// Per-step aggregates merged by step name over `processes`, built-ins first in enum
+// order then custom names alphabetically. Steps without data are left out.
+std::vector<NamedTotals> totals_by_name(const std::vector<const ProcessRecord*>& processes) {
+  // A custom step that took a built-in's name merges into that built-in's row.
+  std::vector<NamedTotals> builtin(kBuiltinStepCount);
+  std::map<std::string, NamedTotals, std::less<>> custom;
+  const auto entry = [&](std::string_view name) -> NamedTotals& {
+    for (std::uint32_t i = 0; i < kBuiltinStepCount; ++i) {
+      if (proto::kBuiltinStepNames[i] == name) return builtin[i];
+    }
+    auto it = custom.find(name);
+    if (it == custom.end()) it = custom.try_emplace(std::string(name)).first;
+    return it->second;
+  };
+  for (const ProcessRecord* rec : processes) {
+    const auto open = rec->open_per_slot();
+    for (std::size_t slot = 0; slot < rec->steps.size(); ++slot) {
+      const StepAgg& agg = rec->steps[slot];
+      if (!agg.has_data() && open[slot] == 0) continue;
+      NamedTotals& t = slot < kBuiltinStepCount ? builtin[slot] : entry(rec->step_name(slot));
+      t.name = rec->step_name(slot);
+      t.agg.merge(agg);
+      t.open += open[slot];
+      if (t.last_process != rec) ++t.processes;
+      t.last_process = rec;
+    }
+  }
+  std::vector<NamedTotals> out;
+  for (auto& t : builtin) {
+    if (t.processes != 0) out.push_back(std::move(t));
+  }
+  for (auto& [name, t] : custom) out.push_back(std::move(t));
+  return out;
+}
 
 // Per thread, the innermost open span (the latest start still open) and the depth.
 std::vector<OpenSpanNow> open_spans_now(const ProcessRecord& rec, std::uint64_t now) {
