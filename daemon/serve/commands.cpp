@@ -134,8 +134,7 @@ Option<Request> flag(std::string_view name, bool Request::*field) {
 }
 
 // `--pid N` of report and reset (trace's may be repeated: take_trace_pid()). A bad value
-// is echoed as sent, unlike trace's, though PROTOCOL.md 10.2 wants every echoed word
-// printable: kept as it was while the table was restructured (issue 24).
+// is echoed printable and cut, as every echoed word (PROTOCOL.md 10.2).
 template <typename Request>
 Option<Request> pid_option(std::optional<std::int32_t> Request::*field) {
   return {"--pid", "N", [field](Request& r, std::optional<std::string_view> value) -> Problem {
@@ -143,7 +142,7 @@ Option<Request> pid_option(std::optional<std::int32_t> Request::*field) {
             const auto pid = parse_pid(*value);
             if (!pid) {
               return "--pid needs a process id in " + pid_range() + ", got '" +
-                     std::string(*value) + "'";
+                     proto::printable(*value, 64) + "'";
             }
             r.*field = pid;
             return std::nullopt;

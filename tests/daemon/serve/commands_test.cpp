@@ -151,6 +151,10 @@ TEST_F(CommandsTest, BadArgumentsAreNamed) {
   EXPECT_EQ(run("report --x\x1b[2J"),
             "error: report: unexpected argument '--x?[2J' (usage: report [--json] [--pid N] [--job "
             "ID])\n");
+  EXPECT_EQ(run("report --pid 1\x1b[2J"),
+            "error: report: --pid needs a process id in 1..2147483647, got '1?[2J'\n");
+  EXPECT_EQ(run("reset --pid \x1b]0;x\x07"),
+            "error: reset: --pid needs a process id in 1..2147483647, got '?]0;x?'\n");
 }
 
 // The exact text of `help` and of every kind of argument error: the usage each names is
