@@ -6,7 +6,7 @@
 // done) on the io thread -> jobs run in order: when the worker is idle the io thread
 // takes every job waiting (up to kMaxBatch), re-checks liveness and freezes the
 // Collector once for all of them (a CollectorView: pointers
-// copied, records shared copy-on-write, see collector_state.h) and posts the job with
+// copied, records shared copy-on-write, see CollectorView in collector.h) and posts the job with
 // its view to the worker thread -> the worker runs each job(view) and posts each result
 // back to the io thread, which calls done(result); then the io thread releases the view
 // (so only the io thread ever touches the records' use counts) and starts the next, at
