@@ -42,14 +42,7 @@ json step_of(const json& report, std::int32_t pid, std::string_view name) {
   return nullptr;
 }
 
-class CollectorReportTest : public ::testing::Test {
- protected:
-  FakeWorld world_;
-  Limits limits_;
-  std::unique_ptr<Collector> collector_;
-  void SetUp() override { make(); }
-  void make() { collector_ = std::make_unique<Collector>(limits_, world_.env()); }
-};
+using CollectorReportTest = test::CollectorFixture;
 
 TEST_F(CollectorReportTest, TextShowsSelfTimeAndSaysWhatDurationIncludes) {
   DirectClient a(*collector_, world_.spawn(1, 1, "a", 7));

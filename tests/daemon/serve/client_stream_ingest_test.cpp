@@ -41,12 +41,7 @@ std::uint64_t count_of(const ProcessFigures& p, std::string_view step) {
   return 0;
 }
 
-class ClientStreamIngestTest : public ::testing::Test {
- protected:
-  FakeWorld world_;
-  Limits limits_;
-  std::unique_ptr<Collector> collector_ = std::make_unique<Collector>(limits_, world_.env());
-};
+using ClientStreamIngestTest = test::CollectorFixture;
 
 TEST_F(ClientStreamIngestTest, EveryMessageKindReachesTheCollector) {
   Connection a(*collector_, world_.spawn(100, 5, "trainer"));

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -89,6 +90,17 @@ inline proto::LedgerRecord reserve_record(std::string_view gpu, std::uint64_t id
   proto::set_field(r.task, task);
   return r;
 }
+
+// A test's Collector over a FakeWorld, with the default limits; a test changes limits_
+// and calls make() for a new Collector under them.
+class CollectorFixture : public ::testing::Test {
+ protected:
+  FakeWorld world_;
+  Limits limits_;
+  std::unique_ptr<Collector> collector_;
+  void SetUp() override { make(); }
+  void make() { collector_ = std::make_unique<Collector>(limits_, world_.env()); }
+};
 
 // One client connection as the Collector sees it: attach and hello when made, detach
 // when closed (or destroyed). Each call is the Collector's for one decoded message and

@@ -189,14 +189,7 @@ std::string read_model_of(const CollectorView& view) {
   return out.str();
 }
 
-class CollectorTest : public ::testing::Test {
- protected:
-  FakeWorld world_;
-  Limits limits_;
-  std::unique_ptr<Collector> collector_;
-  void SetUp() override { make(); }
-  void make() { collector_ = std::make_unique<Collector>(limits_, world_.env()); }
-};
+using CollectorTest = test::CollectorFixture;
 
 TEST_F(CollectorTest, CountsTotalsMinMaxAreExact) {
   DirectClient c(*collector_, world_.spawn(100, 5, "trainer"));
