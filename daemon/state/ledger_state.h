@@ -1,7 +1,8 @@
-// The VRAM ledger view's state (daemon/state/ledger_view.h), shared by the files that
-// read or write it whole: ledger_view.cpp (apply, attribution, reports) and the snapshot
-// codec (daemon/persist/snapshot_sections.cpp: LedgerView::state() out, LedgerView::adopt()
-// in, also as a StateImage's ledger). Not for use outside those.
+// The VRAM ledger view's state (daemon/state/ledger_view.h) as plain values: written by
+// ledger_view.cpp (apply, attribution), read whole by the renderers (a CollectorView's
+// ledger(), daemon/report/ledger_report.h) and by the snapshot codec
+// (daemon/persist/snapshot_sections.cpp: LedgerView::state() out, LedgerView::adopt() in,
+// also as a StateImage's ledger). Only LedgerView changes it.
 //
 // One Gpu per UUID (reservations by id, reserved total and high-water, last VRAM sample,
 // operation counts, per-actor rows of ledger operations and ledger-step time, the uid
