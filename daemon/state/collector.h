@@ -75,6 +75,10 @@ class CollectorView {
   // the jobs that only those have included: the per-job counters (metrics pass every
   // process).
   std::vector<JobFigures> jobs_and_retired(std::span<const ProcessFigures> processes) const;
+  // A job points into the processes it was given: a temporary would leave it dangling
+  // (`view.jobs(view.processes())`), so that does not compile.
+  std::vector<JobFigures> jobs(std::vector<ProcessFigures>&&) const = delete;
+  std::vector<JobFigures> jobs_and_retired(std::vector<ProcessFigures>&&) const = delete;
   // Per step name, the histogram over every process in the table and every one evicted
   // from it, so that it never goes backwards. Names in the order first met: the table's
   // processes in the order it holds them (each process's steps in registration order,
