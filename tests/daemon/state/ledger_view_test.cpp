@@ -1,7 +1,7 @@
 // Unit tests of the daemon's VRAM ledger view (daemon/state/ledger_view.h): per-GPU sums and
-// holders, leaks, anomalies, over-commitment, limits, ledger-step attribution and the
-// three report forms. Its snapshot form is tested with the codec
-// (tests/daemon/persist/snapshot_codec_test.cpp).
+// holders, leaks, anomalies, over-commitment, limits and ledger-step attribution. Its
+// report forms are tested in tests/daemon/report/ledger_report_test.cpp, its snapshot form
+// with the codec (tests/daemon/persist/snapshot_codec_test.cpp).
 #include "daemon/state/ledger_view.h"
 #include "daemon/report/ledger_report.h"
 
@@ -158,12 +158,6 @@ TEST_F(LedgerViewTest, DeadHolderIsFlaggedLeakedUntilACleanup) {
   EXPECT_EQ((*find_reservation(gpu, 1))["holder_alive"], false);
   EXPECT_EQ((*find_reservation(gpu, 2))["holder_alive"], true);
   EXPECT_EQ(gpu["leaked_reservations"], 1);
-  const std::string text = report::ledger_text(view_.state(), kNow);
-  EXPECT_THAT(text, HasSubstr("LEAKED"));
-  EXPECT_THAT(text, HasSubstr("1 leaked"));
-  std::string metrics;
-  report::append_ledger_metrics(view_.state(), metrics);
-  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_leaked_reservations{gpu=\"GPU-A\"} 1\n"));
 
   // A later check does not resurrect it on its own, and the entry stays until cleaned.
   view_.check_holders([&](const ProcessKey& key) { return key != a_.key; });
@@ -174,21 +168,6 @@ TEST_F(LedgerViewTest, DeadHolderIsFlaggedLeakedUntilACleanup) {
   EXPECT_EQ(find_reservation(gpu, 1), nullptr);
   EXPECT_EQ(gpu["leaked_reservations"], 0);
   EXPECT_EQ(gpu["reserved_bytes"], kGiB);
-  EXPECT_THAT(report::ledger_text(view_.state(), kNow), Not(HasSubstr("LEAKED")));
-}
-
-TEST_F(LedgerViewTest, AnomaliesJsonListsEveryKindStartingAtZero) {
-  const json a = report::ledger_anomalies_json(view_.state());
-  for (const char* kind :
-       {"unknown_release", "unknown_cleanup", "duplicate_reservation", "zero_byte_reserve",
-        "gpu_uuid_truncated", "task_truncated", "cleanup_holder_mismatch", "max_gpus",
-        "max_reservations_per_gpu", "overcommitted", "release_refused", "cleanup_refused",
-        "max_gpus_per_uid", "max_reservations_per_uid", "unknown_renew", "renew_refused",
-        "bad_lease", "lease_expired"}) {
-    ASSERT_TRUE(a.contains(kind)) << kind;
-    EXPECT_EQ(a[kind], 0) << kind;
-  }
-  for (const auto& [kind, value] : a.items()) EXPECT_EQ(value, 0) << kind;
 }
 
 // A record that breaks a rule is counted under its kind and changes nothing else.
@@ -272,10 +251,6 @@ TEST_F(LedgerViewTest, OvercommitmentIsFlaggedAndCountedOncePerTransition) {
   EXPECT_EQ(gpu["overcommitted"], true);
   EXPECT_EQ(gpu["available_bytes"], -static_cast<std::int64_t>(2 * kGiB));
   EXPECT_EQ(anomaly("overcommitted"), 1u);
-  EXPECT_THAT(report::ledger_text(view_.state(), kNow), HasSubstr("OVERCOMMITTED"));
-  std::string metrics;
-  report::append_ledger_metrics(view_.state(), metrics);
-  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_overcommitted{gpu=\"GPU-A\"} 1\n"));
 
   // Staying over-committed is not a new transition.
   view_.apply(b_, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
@@ -286,7 +261,6 @@ TEST_F(LedgerViewTest, OvercommitmentIsFlaggedAndCountedOncePerTransition) {
   view_.apply(b_, release("GPU-A", 3, 3 * kSecond), kNow);
   gpu = *find_gpu(ledger(), "GPU-A");
   EXPECT_EQ(gpu["overcommitted"], false);
-  EXPECT_THAT(report::ledger_text(view_.state(), kNow), Not(HasSubstr("OVERCOMMITTED")));
 
   view_.apply(b_, reserve("GPU-A", 4, 5 * kGiB, "t", 4 * kSecond), kNow);
   EXPECT_EQ(anomaly("overcommitted"), 2u);
@@ -378,103 +352,6 @@ TEST_F(LedgerViewTest, AnnotationDroppedByALimitIsNotUsedForAttribution) {
   EXPECT_EQ((*find_process(*find_gpu(j, "GPU-A"), a_.key.pid))["steps"].size(), 0u);
 }
 
-TEST_F(LedgerViewTest, TextReportShowsTotalsReservationsAndStepTime) {
-  EXPECT_THAT(report::ledger_text(view_.state(), kNow), HasSubstr("empty"));
-
-  view_.apply(a_, sample("GPU-A", 10 * kGiB, 24 * kGiB, 95 * kSecond), kNow);
-  view_.apply(a_, reserve("GPU-A", 42, 8 * kGiB, "qlora-7b", 40 * kSecond, 3), kNow);
-  view_.attribute_span(a_.key, 3, kLedgerReserve, 40 * kSecond - 1'500'000, 40 * kSecond);
-  view_.apply(b_, reserve("GPU-B", 7, 512 * kMiB, "", 90 * kSecond), kNow);
-  const std::string text = report::ledger_text(view_.state(), kNow);
-
-  EXPECT_THAT(text, HasSubstr("GPU GPU-A\n"));
-  EXPECT_THAT(text, HasSubstr("total 24.00 GiB"));
-  EXPECT_THAT(text, HasSubstr("free 10.00 GiB (sampled 5.00s ago)"));
-  EXPECT_THAT(text, HasSubstr("reserved 8.00 GiB (high-water 8.00 GiB)"));
-  EXPECT_THAT(text, HasSubstr("available 16.00 GiB"));
-  // The reservation line: id, pid, process, task, size, age, state.
-  std::istringstream lines(text);
-  std::string line;
-  bool found = false;
-  while (std::getline(lines, line)) {
-    if (line.find("qlora-7b") == std::string::npos) continue;
-    found = true;
-    EXPECT_THAT(line, HasSubstr("42"));
-    EXPECT_THAT(line, HasSubstr("1001"));
-    EXPECT_THAT(line, HasSubstr("trainer-a"));
-    EXPECT_THAT(line, HasSubstr("8.00 GiB"));
-    EXPECT_THAT(line, HasSubstr("1m 00s"));
-    EXPECT_THAT(line, HasSubstr("alive"));
-  }
-  EXPECT_TRUE(found) << text;
-  EXPECT_THAT(text, HasSubstr("LedgerReserve"));
-  EXPECT_THAT(text, HasSubstr("1.50ms"));
-
-  // GPU-B has no sample: sizes it cannot know say so.
-  const std::string gpu_b = text.substr(text.find("GPU GPU-B"));
-  EXPECT_THAT(gpu_b, HasSubstr("total unknown"));
-  EXPECT_THAT(gpu_b, HasSubstr("available unknown"));
-  EXPECT_THAT(gpu_b, HasSubstr("512.00 MiB"));
-}
-
-TEST_F(LedgerViewTest, MetricsHaveHelpAndTypeForEveryFamilyAndEscapeLabels) {
-  populate(view_, a_, b_);
-  view_.apply(a_, reserve("GPU-\"q\\", 1, 5, "t", kSecond), kNow);
-  std::string metrics;
-  report::append_ledger_metrics(view_.state(), metrics);
-
-  std::set<std::string> helped, typed;
-  std::istringstream lines(metrics);
-  std::string line;
-  std::size_t samples = 0;
-  while (std::getline(lines, line)) {
-    ASSERT_FALSE(line.empty());
-    if (line.rfind("# HELP ", 0) == 0) {
-      helped.insert(line.substr(7, line.find(' ', 7) - 7));
-    } else if (line.rfind("# TYPE ", 0) == 0) {
-      const std::string family = line.substr(7, line.find(' ', 7) - 7);
-      const std::string type = line.substr(line.rfind(' ') + 1);
-      EXPECT_TRUE(type == "gauge" || type == "counter") << line;
-      EXPECT_TRUE(helped.contains(family)) << "TYPE before HELP: " << line;
-      typed.insert(family);
-    } else {
-      const std::string family = line.substr(0, line.find('{'));
-      EXPECT_TRUE(helped.contains(family)) << line;
-      EXPECT_TRUE(typed.contains(family)) << line;
-      ++samples;
-    }
-  }
-  EXPECT_GT(samples, 0u);
-  for (const char* family :
-       {"steptrace_gpu_reserved_bytes", "steptrace_gpu_free_bytes", "steptrace_gpu_total_bytes",
-        "steptrace_gpu_reservations", "steptrace_gpu_leaked_reservations",
-        "steptrace_gpu_overcommitted", "steptrace_ledger_operations_total",
-        "steptrace_ledger_anomalies_total"}) {
-    EXPECT_TRUE(typed.contains(family)) << family;
-  }
-  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_reserved_bytes{gpu=\"GPU-A\"} " +
-                                 std::to_string(5 * kGiB) + "\n"));
-  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_total_bytes{gpu=\"GPU-A\"} " +
-                                 std::to_string(4 * kGiB) + "\n"));
-  // GPU-B has no sample: no free/total sample for it.
-  EXPECT_THAT(metrics, Not(HasSubstr("steptrace_gpu_free_bytes{gpu=\"GPU-B\"}")));
-  EXPECT_THAT(metrics, Not(HasSubstr("steptrace_gpu_total_bytes{gpu=\"GPU-B\"}")));
-  EXPECT_THAT(metrics,
-              HasSubstr("steptrace_ledger_operations_total{gpu=\"GPU-B\",op=\"release\"} 1\n"));
-  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"unknown_release\"} 1\n"));
-  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"max_gpus\"} 0\n"));
-  for (const char* kind :
-       {"release_refused", "cleanup_refused", "max_gpus_per_uid", "max_reservations_per_uid"}) {
-    EXPECT_THAT(metrics, HasSubstr(std::string("steptrace_ledger_anomalies_total{kind=\"") + kind +
-                                   "\"} 0\n"));
-  }
-  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_reserved_bytes{gpu=\"GPU-\\\"q\\\\\"} 5\n"));
-  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_step_seconds_total{gpu=\"GPU-A\","
-                                 "step=\"LedgerReserve\"} 2\n"));
-  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_step_spans_total{gpu=\"GPU-A\","
-                                 "step=\"WaitPoll\"} 1\n"));
-}
-
 // ---- permissions and per-uid quotas (issue 15, item 7 and part of 3) -------------------
 
 // Actors of three uids: two processes of uid 1000, one of 1001, one of root.
@@ -542,9 +419,6 @@ TEST_F(LedgerPermissionTest, ReleaseByAnotherUidIsRefusedCountedAndCreditedToThe
              rows.end());
   EXPECT_EQ(after, before);
   EXPECT_TRUE(counters_.limits_hit.empty());
-  // The text view shows the refusal with the actor.
-  const std::string text = report::ledger_text(view_.state(), kNow);
-  EXPECT_THAT(text, HasSubstr("Refused"));
 
   // Not even once the holder is dead: a release is the holder side's; others clean up.
   view_.check_holders([&](const ProcessKey& key) { return key != alice_.key; });
@@ -728,26 +602,6 @@ TEST_F(LedgerViewTest, GpuUuidsAndTasksThatNeedSanitisingAreRefused) {
   EXPECT_EQ(ledger(), before);
 }
 
-// The view never stores such strings, but its text renders sanitise what they print
-// anyway (a state restored or built otherwise).
-TEST_F(LedgerViewTest, TextSanitisesEveryClientString) {
-  ledger::State state;
-  ledger::Gpu gpu;
-  gpu.reservations.emplace(
-      1, ledger::Reservation{a_.key, 1000, "\x1b[31mred\n", kGiB, "ta\x1bsk", kSecond, true});
-  gpu.reserved_bytes = gpu.high_water_bytes = kGiB;
-  gpu.processes.emplace(a_.key, ledger::ProcessRow{"row\r\x1b[2K", 1, 0, 0, 0, 0, {}});
-  state.gpus.emplace("GPU-\x1b[2J\n", std::move(gpu));
-  view_.adopt(std::move(state), kNow);
-  const std::string text = report::ledger_text(view_.state(), kNow);
-  EXPECT_EQ(text.find('\x1b'), std::string::npos) << text;
-  EXPECT_EQ(text.find('\r'), std::string::npos) << text;
-  EXPECT_THAT(text, HasSubstr("GPU GPU-?[2J?\n"));
-  EXPECT_THAT(text, HasSubstr("?[31mred?"));
-  EXPECT_THAT(text, HasSubstr("ta?sk"));
-  EXPECT_THAT(text, HasSubstr("row??[2K"));
-}
-
 }  // namespace
 // NVML's view joined with the declarations (issue 13): each finding kind, the device's
 // total/free replacing a client's sample, and a device-only GPU.
@@ -807,11 +661,6 @@ TEST_F(LedgerViewTest, DeviceSamplesAreJoinedWithReservationsByUuidAndPid) {
   EXPECT_EQ(it->pid, static_cast<std::uint32_t>(b_.key.pid));
   EXPECT_EQ(it->reservation_id, 2u);
   EXPECT_EQ(it->reserved_bytes, 2 * kGiB);
-
-  const std::string text = report::ledger_text(view_.state(), kNow);
-  EXPECT_THAT(text, HasSubstr("device Fake: used 10.00 GiB of 80.00 GiB"));
-  EXPECT_THAT(text, HasSubstr("UNDECLARED: pid 4242 uses 3.00 GiB with no reservation"));
-  EXPECT_THAT(text, HasSubstr("(NVML, sampled"));
 
   // Without the device, the client's sample is back.
   view_.apply_devices({}, "nvmlDeviceGetCount_v2 failed: Unknown Error (999)", kNow);
@@ -873,14 +722,6 @@ TEST_F(LedgerLeaseTest, ALeasePassedUnrenewedIsExpiredCountedAndShownEverywhere)
   EXPECT_EQ((*reservation("GPU-A", 2))["state"], "alive");
   EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["expired_reservations"], 1);
   EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["leaked_reservations"], 0);
-  const std::string text = report::ledger_text(view_.state(), kNow);
-  EXPECT_THAT(text, HasSubstr("Reservations: 2 (1 expired)"));
-  EXPECT_THAT(text, HasSubstr("EXPIRED"));
-  EXPECT_THAT(text, HasSubstr("passed (2.00s)"));
-  std::string metrics;
-  report::append_ledger_metrics(view_.state(), metrics);
-  EXPECT_THAT(metrics, HasSubstr("steptrace_gpu_expired_reservations{gpu=\"GPU-A\"} 1\n"));
-  EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_anomalies_total{kind=\"lease_expired\"} 1\n"));
 }
 
 TEST_F(LedgerLeaseTest, ARenewalPushesTheDeadlineAndRevivesAnExpiredLease) {
