@@ -3,20 +3,17 @@
 // report forms are tested in tests/daemon/report/ledger_report_test.cpp, its snapshot form
 // with the codec (tests/daemon/persist/snapshot_codec_test.cpp).
 #include "daemon/state/ledger_view.h"
-#include "daemon/report/ledger_report.h"
 
-#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
 #include <functional>
-#include <set>
+#include <iterator>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "daemon/state/ledger_state.h"
 #include "proto/codec.h"
@@ -25,30 +22,35 @@
 namespace steptrace::daemon {
 namespace {
 
-using nlohmann::json;
-using ::testing::HasSubstr;
-using ::testing::Not;
 using namespace ledger_test;
 
-const json* find_gpu(const json& ledger, std::string_view uuid) {
-  for (const auto& g : ledger.at("gpus")) {
-    if (g.at("gpu") == uuid) return &g;
+// What a test compares before and after a refused record: every GPU with its sums,
+// reservations, rows and step time, and the per-uid charges (the anomaly counts apart).
+std::string dump(const ledger::State& state) {
+  std::ostringstream out;
+  for (const auto& [uuid, g] : state.gpus) {
+    out << uuid << " reserved " << g.reserved_bytes << " hw " << g.high_water_bytes << " over "
+        << g.overcommitted << " events " << g.overcommit_events << " creator " << g.creator_uid;
+    if (g.sample) out << " sample " << g.sample->free_bytes << '/' << g.sample->total_bytes;
+    for (std::uint64_t n : g.operations) out << " op " << n;
+    for (const auto& [id, r] : g.reservations) {
+      out << "\n r " << id << ' ' << r.holder.pid << ' ' << r.holder.start_time << ' ' << r.uid
+          << ' ' << r.comm << ' ' << r.bytes << ' ' << r.task << ' ' << r.reserved_ns << ' '
+          << r.holder_alive << ' ' << r.lease_ms << ' ' << r.expired;
+    }
+    for (const auto& [key, row] : g.processes) {
+      out << "\n p " << key.pid << ' ' << row.comm << ' ' << row.reserves << ' ' << row.releases
+          << ' ' << row.cleanups << ' ' << row.renews << ' ' << row.refused;
+      for (const auto& [step, t] : row.steps)
+        out << " s" << step << ' ' << t.count << ' ' << t.total_ns;
+    }
+    for (const auto& [step, t] : g.steps)
+      out << "\n s" << step << ' ' << t.count << ' ' << t.total_ns;
+    out << '\n';
   }
-  return nullptr;
-}
-
-const json* find_reservation(const json& gpu, std::uint64_t id) {
-  for (const auto& r : gpu.at("reservations")) {
-    if (r.at("id") == id) return &r;
-  }
-  return nullptr;
-}
-
-const json* find_process(const json& gpu, std::int32_t pid) {
-  for (const auto& p : gpu.at("processes")) {
-    if (p.at("pid") == pid) return &p;
-  }
-  return nullptr;
+  for (const auto& [uid, u] : state.uids)
+    out << "uid " << uid << ' ' << u.gpus << ' ' << u.reservations << '\n';
+  return out.str();
 }
 
 class LedgerViewTest : public ::testing::Test {
@@ -60,9 +62,29 @@ class LedgerViewTest : public ::testing::Test {
   const LedgerActor b_{{1002, 5002}, "trainer-b"};
   const LedgerActor c_{{1003, 5003}, "janitor"};
 
-  json ledger() const { return report::ledger_json(view_.state(), kNow); }
-  std::uint64_t anomaly(const char* kind) const {
-    return report::ledger_anomalies_json(view_.state()).at(kind).get<std::uint64_t>();
+  const ledger::State& state() const { return view_.state(); }
+  std::string ledger() const { return dump(view_.state()); }
+  const ledger::Gpu* gpu(std::string_view uuid) const {
+    const auto it = state().gpus.find(uuid);
+    return it == state().gpus.end() ? nullptr : &it->second;
+  }
+  const ledger::Reservation* reservation(std::string_view uuid, std::uint64_t id) const {
+    const ledger::Gpu* g = gpu(uuid);
+    if (g == nullptr) return nullptr;
+    const auto it = g->reservations.find(id);
+    return it == g->reservations.end() ? nullptr : &it->second;
+  }
+  const ledger::ProcessRow* row(std::string_view uuid, const LedgerActor& actor) const {
+    const ledger::Gpu* g = gpu(uuid);
+    if (g == nullptr) return nullptr;
+    const auto it = g->processes.find(actor.key);
+    return it == g->processes.end() ? nullptr : &it->second;
+  }
+  std::uint64_t anomaly(std::string_view kind) const {
+    const auto it = std::find(ledger::kAnomalyNames.begin(), ledger::kAnomalyNames.end(), kind);
+    EXPECT_NE(it, ledger::kAnomalyNames.end()) << kind;
+    if (it == ledger::kAnomalyNames.end()) return 0;
+    return state().anomalies[static_cast<std::size_t>(it - ledger::kAnomalyNames.begin())];
   }
 };
 
@@ -75,77 +97,76 @@ TEST_F(LedgerViewTest, SumsPerGpuAreExactAcrossActorsAndGpus) {
   claimed.holder_pid = 4242;
   view_.apply(c_, claimed, kNow);
 
-  const json j = ledger();
-  ASSERT_EQ(j.at("gpus").size(), 2u);
-  EXPECT_EQ(j["gpus"][0]["gpu"], "GPU-A");  // sorted by UUID
-  EXPECT_EQ(j["gpus"][1]["gpu"], "GPU-B");
+  ASSERT_EQ(state().gpus.size(), 2u);
+  EXPECT_EQ(state().gpus.begin()->first, "GPU-A");  // sorted by UUID
+  EXPECT_EQ(std::next(state().gpus.begin())->first, "GPU-B");
 
-  const json& gpu_a = j["gpus"][0];
-  EXPECT_EQ(gpu_a["reserved_bytes"], 512 * kMiB + 7);
-  ASSERT_EQ(gpu_a["reservations"].size(), 2u);
-  EXPECT_EQ(gpu_a["reservations"][0]["id"], 1);  // sorted by id
-  EXPECT_EQ(gpu_a["reservations"][0]["pid"], a_.key.pid);
-  EXPECT_EQ(gpu_a["reservations"][0]["start_time"], a_.key.start_time);
-  EXPECT_EQ(gpu_a["reservations"][0]["bytes"], 7);
-  EXPECT_EQ(gpu_a["reservations"][0]["task"], "tiny");
-  EXPECT_EQ(gpu_a["reservations"][0]["comm"], "trainer-a");
-  EXPECT_EQ(gpu_a["reservations"][0]["holder_alive"], true);
-  EXPECT_DOUBLE_EQ(gpu_a["reservations"][0]["age_s"].get<double>(), 97.0);
-  EXPECT_EQ(gpu_a["reservations"][1]["id"], 2);
-  EXPECT_EQ(gpu_a["reservations"][1]["pid"], b_.key.pid);
-  EXPECT_EQ(gpu_a["reservations"][1]["bytes"], 512 * kMiB);
+  const ledger::Gpu& gpu_a = *gpu("GPU-A");
+  EXPECT_EQ(gpu_a.reserved_bytes, 512 * kMiB + 7);
+  ASSERT_EQ(gpu_a.reservations.size(), 2u);
+  const ledger::Reservation& tiny = gpu_a.reservations.begin()->second;
+  EXPECT_EQ(gpu_a.reservations.begin()->first, 1u);  // sorted by id
+  EXPECT_EQ(tiny.holder.pid, a_.key.pid);
+  EXPECT_EQ(tiny.holder.start_time, a_.key.start_time);
+  EXPECT_EQ(tiny.bytes, 7u);
+  EXPECT_EQ(tiny.task, "tiny");
+  EXPECT_EQ(tiny.comm, "trainer-a");
+  EXPECT_EQ(tiny.holder_alive, true);
+  EXPECT_EQ(tiny.reserved_ns, 3 * kSecond);  // 97 s old at kNow
+  const ledger::Reservation& lora = std::next(gpu_a.reservations.begin())->second;
+  EXPECT_EQ(std::next(gpu_a.reservations.begin())->first, 2u);
+  EXPECT_EQ(lora.holder.pid, b_.key.pid);
+  EXPECT_EQ(lora.bytes, 512 * kMiB);
 
-  const json& gpu_b = j["gpus"][1];
-  EXPECT_EQ(gpu_b["reserved_bytes"], 4 * kGiB);
-  EXPECT_EQ(gpu_b["high_water_bytes"], 4 * kGiB);
-  const json* held = find_reservation(gpu_b, 9);
+  const ledger::Gpu& gpu_b = *gpu("GPU-B");
+  EXPECT_EQ(gpu_b.reserved_bytes, 4 * kGiB);
+  EXPECT_EQ(gpu_b.high_water_bytes, 4 * kGiB);
+  const ledger::Reservation* held = reservation("GPU-B", 9);
   ASSERT_NE(held, nullptr);
-  EXPECT_EQ((*held)["pid"], c_.key.pid);
-  EXPECT_EQ((*held)["comm"], "janitor");
+  EXPECT_EQ(held->holder.pid, c_.key.pid);
+  EXPECT_EQ(held->comm, "janitor");
 
   // Operations are per actor per GPU.
-  const json* a_on_b = find_process(gpu_b, a_.key.pid);
+  const ledger::ProcessRow* a_on_b = row("GPU-B", a_);
   ASSERT_NE(a_on_b, nullptr);
-  EXPECT_EQ((*a_on_b)["reserves"], 1);
-  const json* a_on_a = find_process(gpu_a, a_.key.pid);
+  EXPECT_EQ(a_on_b->reserves, 1u);
+  const ledger::ProcessRow* a_on_a = row("GPU-A", a_);
   ASSERT_NE(a_on_a, nullptr);
-  EXPECT_EQ((*a_on_a)["reserves"], 1);
-  EXPECT_EQ(gpu_a["operations"]["reserve"], 2);
-  // No sample yet: sizes the view cannot know are null, not zero.
-  EXPECT_TRUE(gpu_a["total_bytes"].is_null());
-  EXPECT_TRUE(gpu_a["free_bytes"].is_null());
-  EXPECT_TRUE(gpu_a["sample_age_s"].is_null());
-  EXPECT_EQ(gpu_a["overcommitted"], false);
+  EXPECT_EQ(a_on_a->reserves, 1u);
+  EXPECT_EQ(gpu_a.operations[ledger::kOpReserve], 2u);
+  // No sample yet: the sizes are not known.
+  EXPECT_FALSE(gpu_a.sample.has_value());
+  EXPECT_FALSE(gpu_a.device_total.has_value());
+  EXPECT_FALSE(state().devices.contains("GPU-A"));
+  EXPECT_EQ(gpu_a.overcommitted, false);
 }
 
 TEST_F(LedgerViewTest, ReleaseClearsTheReservationAndKeepsHighWater) {
   view_.apply(a_, reserve("GPU-A", 1, 2 * kGiB, "t", kSecond), kNow);
   view_.apply(a_, reserve("GPU-A", 2, 1 * kGiB, "t", kSecond), kNow);
   view_.apply(a_, release("GPU-A", 1, 2 * kSecond), kNow);
-  const json j = ledger();
-  const json* gpu = find_gpu(j, "GPU-A");
-  ASSERT_NE(gpu, nullptr);
-  EXPECT_EQ((*gpu)["reserved_bytes"], kGiB);
-  EXPECT_EQ((*gpu)["high_water_bytes"], 3 * kGiB);
-  EXPECT_EQ(find_reservation(*gpu, 1), nullptr);
-  EXPECT_NE(find_reservation(*gpu, 2), nullptr);
-  EXPECT_EQ((*find_process(*gpu, a_.key.pid))["releases"], 1);
-  EXPECT_EQ((*gpu)["operations"]["release"], 1);
+  const ledger::Gpu* g = gpu("GPU-A");
+  ASSERT_NE(g, nullptr);
+  EXPECT_EQ(g->reserved_bytes, kGiB);
+  EXPECT_EQ(g->high_water_bytes, 3 * kGiB);
+  EXPECT_EQ(reservation("GPU-A", 1), nullptr);
+  EXPECT_NE(reservation("GPU-A", 2), nullptr);
+  EXPECT_EQ(row("GPU-A", a_)->releases, 1u);
+  EXPECT_EQ(g->operations[ledger::kOpRelease], 1u);
 }
 
 TEST_F(LedgerViewTest, CleanupByAnotherProcessRemovesEntryAndCreditsTheCleaner) {
   view_.apply(a_, reserve("GPU-A", 5, kGiB, "t", kSecond), kNow);
   view_.apply(c_, cleanup("GPU-A", 5, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond), kNow);
-  const json j = ledger();
-  const json* gpu = find_gpu(j, "GPU-A");
-  ASSERT_NE(gpu, nullptr);
-  EXPECT_EQ((*gpu)["reservations"].size(), 0u);
-  EXPECT_EQ((*gpu)["reserved_bytes"], 0);
-  const json* cleaner = find_process(*gpu, c_.key.pid);
+  const ledger::Gpu* g = gpu("GPU-A");
+  ASSERT_NE(g, nullptr);
+  EXPECT_EQ(g->reservations.size(), 0u);
+  EXPECT_EQ(g->reserved_bytes, 0u);
+  const ledger::ProcessRow* cleaner = row("GPU-A", c_);
   ASSERT_NE(cleaner, nullptr);
-  EXPECT_EQ((*cleaner)["cleanups"], 1);
-  EXPECT_EQ((*cleaner)["comm"], "janitor");
-  EXPECT_EQ((*find_process(*gpu, a_.key.pid))["cleanups"], 0);
+  EXPECT_EQ(cleaner->cleanups, 1u);
+  EXPECT_EQ(cleaner->comm, "janitor");
+  EXPECT_EQ(row("GPU-A", a_)->cleanups, 0u);
   EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 0u);
 }
 
@@ -154,20 +175,18 @@ TEST_F(LedgerViewTest, DeadHolderIsFlaggedLeakedUntilACleanup) {
   view_.apply(b_, reserve("GPU-A", 2, kGiB, "lives", kSecond), kNow);
   view_.check_holders([&](const ProcessKey& key) { return key != a_.key; });
 
-  json gpu = *find_gpu(ledger(), "GPU-A");
-  EXPECT_EQ((*find_reservation(gpu, 1))["holder_alive"], false);
-  EXPECT_EQ((*find_reservation(gpu, 2))["holder_alive"], true);
-  EXPECT_EQ(gpu["leaked_reservations"], 1);
+  EXPECT_EQ(reservation("GPU-A", 1)->holder_alive, false);
+  EXPECT_EQ(reservation("GPU-A", 2)->holder_alive, true);
+  EXPECT_EQ(gpu("GPU-A")->leaked(), 1u);
 
   // A later check does not resurrect it on its own, and the entry stays until cleaned.
   view_.check_holders([&](const ProcessKey& key) { return key != a_.key; });
-  EXPECT_EQ((*find_reservation(*find_gpu(ledger(), "GPU-A"), 1))["holder_alive"], false);
+  EXPECT_EQ(reservation("GPU-A", 1)->holder_alive, false);
 
   view_.apply(c_, cleanup("GPU-A", 1, static_cast<std::uint32_t>(a_.key.pid), 2 * kSecond), kNow);
-  gpu = *find_gpu(ledger(), "GPU-A");
-  EXPECT_EQ(find_reservation(gpu, 1), nullptr);
-  EXPECT_EQ(gpu["leaked_reservations"], 0);
-  EXPECT_EQ(gpu["reserved_bytes"], kGiB);
+  EXPECT_EQ(reservation("GPU-A", 1), nullptr);
+  EXPECT_EQ(gpu("GPU-A")->leaked(), 0u);
+  EXPECT_EQ(gpu("GPU-A")->reserved_bytes, kGiB);
 }
 
 // A record that breaks a rule is counted under its kind and changes nothing else.
@@ -193,25 +212,27 @@ TEST_F(LedgerViewTest, EveryRejectedAnomalyIsCountedAndChangesNothingElse) {
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.kind);
-    const json before = ledger();
-    json expected = report::ledger_anomalies_json(view_.state());
-    expected[c.kind] = expected[c.kind].get<std::uint64_t>() + 1;
+    const std::string before = ledger();
+    auto expected = state().anomalies;
+    const auto kind = std::find(ledger::kAnomalyNames.begin(), ledger::kAnomalyNames.end(),
+                                std::string_view(c.kind));
+    ASSERT_NE(kind, ledger::kAnomalyNames.end());
+    ++expected[static_cast<std::size_t>(kind - ledger::kAnomalyNames.begin())];
     view_.apply(b_, c.record(), kNow);
     EXPECT_EQ(ledger(), before);
-    EXPECT_EQ(report::ledger_anomalies_json(view_.state()), expected);
+    EXPECT_EQ(state().anomalies, expected);
   }
   // The existing entry of a duplicate id stays as it was.
-  const json final_state = ledger();
-  const json* kept = find_reservation(*find_gpu(final_state, "GPU-A"), 1);
+  const ledger::Reservation* kept = reservation("GPU-A", 1);
   ASSERT_NE(kept, nullptr);
-  EXPECT_EQ((*kept)["pid"], a_.key.pid);
-  EXPECT_EQ((*kept)["bytes"], kGiB);
+  EXPECT_EQ(kept->holder.pid, a_.key.pid);
+  EXPECT_EQ(kept->bytes, kGiB);
   EXPECT_TRUE(counters_.limits_hit.empty());
 }
 
 TEST_F(LedgerViewTest, TruncatedStringsAreCountedAndRefused) {
   view_.apply(a_, reserve("GPU-cut", 1, kGiB, "whole", kSecond), kNow);
-  const json before = ledger();
+  const std::string before = ledger();
 
   auto r = reserve("GPU-cut", 2, kGiB, "task-cut", kSecond);
   r.flags = proto::kLedgerTaskTruncated;
@@ -235,21 +256,20 @@ TEST_F(LedgerViewTest, CleanupNamingAnotherHolderIsCountedAndStillRemoves) {
   view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
   view_.apply(c_, cleanup("GPU-A", 1, 7777, 2 * kSecond), kNow);
   EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 1u);
-  const json j = ledger();
-  const json* gpu = find_gpu(j, "GPU-A");
-  EXPECT_EQ((*gpu)["reservations"].size(), 0u);
-  EXPECT_EQ((*gpu)["reserved_bytes"], 0);
-  EXPECT_EQ((*find_process(*gpu, c_.key.pid))["cleanups"], 1);
+  EXPECT_EQ(gpu("GPU-A")->reservations.size(), 0u);
+  EXPECT_EQ(gpu("GPU-A")->reserved_bytes, 0u);
+  EXPECT_EQ(row("GPU-A", c_)->cleanups, 1u);
 }
 
 TEST_F(LedgerViewTest, OvercommitmentIsFlaggedAndCountedOncePerTransition) {
   view_.apply(a_, sample("GPU-A", 10 * kGiB, 10 * kGiB, kSecond), kNow);
   view_.apply(a_, reserve("GPU-A", 1, 6 * kGiB, "t", kSecond), kNow);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommitted"], false);
+  EXPECT_EQ(gpu("GPU-A")->overcommitted, false);
   view_.apply(b_, reserve("GPU-A", 2, 6 * kGiB, "t", kSecond), kNow);
-  json gpu = *find_gpu(ledger(), "GPU-A");
-  EXPECT_EQ(gpu["overcommitted"], true);
-  EXPECT_EQ(gpu["available_bytes"], -static_cast<std::int64_t>(2 * kGiB));
+  EXPECT_EQ(gpu("GPU-A")->overcommitted, true);
+  // 2 GiB more reserved than the sample's total.
+  EXPECT_EQ(gpu("GPU-A")->reserved_bytes, 12 * kGiB);
+  EXPECT_EQ(gpu("GPU-A")->sample->total_bytes, 10 * kGiB);
   EXPECT_EQ(anomaly("overcommitted"), 1u);
 
   // Staying over-committed is not a new transition.
@@ -259,15 +279,14 @@ TEST_F(LedgerViewTest, OvercommitmentIsFlaggedAndCountedOncePerTransition) {
 
   view_.apply(b_, release("GPU-A", 2, 3 * kSecond), kNow);
   view_.apply(b_, release("GPU-A", 3, 3 * kSecond), kNow);
-  gpu = *find_gpu(ledger(), "GPU-A");
-  EXPECT_EQ(gpu["overcommitted"], false);
+  EXPECT_EQ(gpu("GPU-A")->overcommitted, false);
 
   view_.apply(b_, reserve("GPU-A", 4, 5 * kGiB, "t", 4 * kSecond), kNow);
   EXPECT_EQ(anomaly("overcommitted"), 2u);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommit_events"], 2);
+  EXPECT_EQ(gpu("GPU-A")->overcommit_events, 2u);
   // A sample showing a bigger total ends it.
   view_.apply(a_, sample("GPU-A", 40 * kGiB, 80 * kGiB, 5 * kSecond), kNow);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommitted"], false);
+  EXPECT_EQ(gpu("GPU-A")->overcommitted, false);
 }
 
 TEST_F(LedgerViewTest, LimitsDropTheRecordAndAreCountedTwice) {
@@ -275,7 +294,7 @@ TEST_F(LedgerViewTest, LimitsDropTheRecordAndAreCountedTwice) {
   limits_.max_reservations_per_gpu = 2;
   view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
   view_.apply(a_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
-  const json before = ledger();
+  const std::string before = ledger();
 
   view_.apply(a_, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
   EXPECT_EQ(anomaly("max_reservations_per_gpu"), 1u);
@@ -289,7 +308,7 @@ TEST_F(LedgerViewTest, LimitsDropTheRecordAndAreCountedTwice) {
   // Room again after a release.
   view_.apply(a_, release("GPU-A", 1, 2 * kSecond), kNow);
   view_.apply(a_, reserve("GPU-A", 3, kGiB, "t", 2 * kSecond), kNow);
-  EXPECT_NE(find_reservation(*find_gpu(ledger(), "GPU-A"), 3), nullptr);
+  EXPECT_NE(reservation("GPU-A", 3), nullptr);
 }
 
 TEST_F(LedgerViewTest, LedgerStepTimeGoesToTheGpuAnnotatedInsideTheSpan) {
@@ -310,36 +329,34 @@ TEST_F(LedgerViewTest, LedgerStepTimeGoesToTheGpuAnnotatedInsideTheSpan) {
   view_.attribute_span(b_.key, kThread, kLedgerReserve, 100, 900);
   view_.attribute_span(a_.key, kThread, 0 /* Forward */, 100, 900);
 
-  const json j = ledger();
-  const json* on_a = find_process(*find_gpu(j, "GPU-A"), a_.key.pid);
+  const ledger::ProcessRow* on_a = row("GPU-A", a_);
   ASSERT_NE(on_a, nullptr);
-  ASSERT_EQ((*on_a)["steps"].size(), 1u);
-  EXPECT_EQ((*on_a)["steps"][0]["step"], "LedgerReserve");
-  EXPECT_EQ((*on_a)["steps"][0]["count"], 1);
-  EXPECT_EQ((*on_a)["steps"][0]["total_ns"], 200);
+  ASSERT_EQ(on_a->steps.size(), 1u);
+  EXPECT_EQ(on_a->steps.begin()->first, kLedgerReserve);
+  EXPECT_EQ(on_a->steps.begin()->second.count, 1u);
+  EXPECT_EQ(on_a->steps.begin()->second.total_ns, 200u);
 
-  const json* on_b = find_process(*find_gpu(j, "GPU-B"), a_.key.pid);
+  const ledger::ProcessRow* on_b = row("GPU-B", a_);
   ASSERT_NE(on_b, nullptr);
-  ASSERT_EQ((*on_b)["steps"].size(), 1u);
-  EXPECT_EQ((*on_b)["steps"][0]["step"], "WaitPoll");
-  EXPECT_EQ((*on_b)["steps"][0]["count"], 2);
-  EXPECT_EQ((*on_b)["steps"][0]["total_ns"], 150 + 410);
-  EXPECT_EQ(find_process(*find_gpu(j, "GPU-A"), b_.key.pid), nullptr);
-  EXPECT_EQ(find_process(*find_gpu(j, "GPU-B"), b_.key.pid), nullptr);
+  ASSERT_EQ(on_b->steps.size(), 1u);
+  EXPECT_EQ(on_b->steps.begin()->first, kWaitPoll);
+  EXPECT_EQ(on_b->steps.begin()->second.count, 2u);
+  EXPECT_EQ(on_b->steps.begin()->second.total_ns, 150u + 410);
+  EXPECT_EQ(row("GPU-A", b_), nullptr);
+  EXPECT_EQ(row("GPU-B", b_), nullptr);
 
   // Once the process is forgotten nothing more is attributed, and its rows go; the
   // reservation it holds stays.
   view_.forget_process(a_.key);
   view_.attribute_span(a_.key, kThread, kWaitPoll, 550, 700);
-  const json after = ledger();
-  EXPECT_EQ(find_process(*find_gpu(after, "GPU-B"), a_.key.pid), nullptr);
-  EXPECT_NE(find_reservation(*find_gpu(after, "GPU-A"), 1), nullptr);
+  EXPECT_EQ(row("GPU-B", a_), nullptr);
+  EXPECT_NE(reservation("GPU-A", 1), nullptr);
   // The GPU's own step totals keep what was attributed (a counter never goes down).
-  const json& gpu_b_steps = (*find_gpu(after, "GPU-B"))["steps"];
+  const auto& gpu_b_steps = gpu("GPU-B")->steps;
   ASSERT_EQ(gpu_b_steps.size(), 1u);
-  EXPECT_EQ(gpu_b_steps[0]["step"], "WaitPoll");
-  EXPECT_EQ(gpu_b_steps[0]["count"], 2);
-  EXPECT_EQ(gpu_b_steps[0]["total_ns"], 150 + 410);
+  EXPECT_EQ(gpu_b_steps.begin()->first, kWaitPoll);
+  EXPECT_EQ(gpu_b_steps.begin()->second.count, 2u);
+  EXPECT_EQ(gpu_b_steps.begin()->second.total_ns, 150u + 410);
 }
 
 TEST_F(LedgerViewTest, AnnotationDroppedByALimitIsNotUsedForAttribution) {
@@ -347,9 +364,8 @@ TEST_F(LedgerViewTest, AnnotationDroppedByALimitIsNotUsedForAttribution) {
   view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", 100), kNow);
   view_.apply(a_, reserve("GPU-B", 1, kGiB, "t", 200), kNow);  // dropped: max_gpus
   view_.attribute_span(a_.key, 1, kLedgerReserve, 150, 250);
-  const json j = ledger();
-  EXPECT_EQ(j["gpus"].size(), 1u);
-  EXPECT_EQ((*find_process(*find_gpu(j, "GPU-A"), a_.key.pid))["steps"].size(), 0u);
+  EXPECT_EQ(state().gpus.size(), 1u);
+  EXPECT_EQ(row("GPU-A", a_)->steps.size(), 0u);
 }
 
 // ---- permissions and per-uid quotas (issue 15, item 7 and part of 3) -------------------
@@ -362,25 +378,17 @@ class LedgerPermissionTest : public LedgerViewTest {
   const LedgerActor bob_{{3001, 8001}, "bob", 1001};
   const LedgerActor root_{{1, 1}, "systemd", 0};
 
-  const json* reservation(std::string_view gpu, std::uint64_t id) {
-    last_ = ledger();
-    const json* g = find_gpu(last_, gpu);
-    return g == nullptr ? nullptr : find_reservation(*g, id);
+  std::uint64_t refused(std::string_view gpu, const LedgerActor& actor) const {
+    const ledger::ProcessRow* r = row(gpu, actor);
+    return r == nullptr ? 0 : r->refused;
   }
-  std::uint64_t refused(std::string_view gpu, const LedgerActor& actor) {
-    last_ = ledger();
-    const json* g = find_gpu(last_, gpu);
-    const json* row = g == nullptr ? nullptr : find_process(*g, actor.key.pid);
-    return row == nullptr ? 0 : (*row)["refused"].get<std::uint64_t>();
-  }
-  json last_;
 };
 
 TEST_F(LedgerPermissionTest, ReservationsKeepTheHolderUid) {
   view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
   ASSERT_NE(reservation("GPU-A", 1), nullptr);
-  EXPECT_EQ((*reservation("GPU-A", 1))["uid"], 1000);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["creator_uid"], 1000);
+  EXPECT_EQ(reservation("GPU-A", 1)->uid, 1000u);
+  EXPECT_EQ(gpu("GPU-A")->creator_uid, 1000u);
   EXPECT_EQ(view_.state().gpus.at("GPU-A").reservations.at(1).uid, 1000u);
 }
 
@@ -391,33 +399,28 @@ TEST_F(LedgerPermissionTest, ReleaseByTheHolderItsUidOrRootIsApplied) {
   view_.apply(alice_, release("GPU-A", 1, 2 * kSecond), kNow);   // the holder
   view_.apply(alice2_, release("GPU-A", 2, 2 * kSecond), kNow);  // another process, same uid
   view_.apply(root_, release("GPU-A", 3, 2 * kSecond), kNow);    // root
-  const json gpu = *find_gpu(ledger(), "GPU-A");
-  EXPECT_EQ(gpu["reservations"].size(), 0u);
-  EXPECT_EQ(gpu["operations"]["release"], 3);
+  EXPECT_EQ(gpu("GPU-A")->reservations.size(), 0u);
+  EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpRelease], 3u);
   EXPECT_EQ(anomaly("release_refused"), 0u);
-  EXPECT_EQ((*find_process(gpu, alice2_.key.pid))["releases"], 1);
-  EXPECT_EQ((*find_process(gpu, root_.key.pid))["releases"], 1);
+  EXPECT_EQ(row("GPU-A", alice2_)->releases, 1u);
+  EXPECT_EQ(row("GPU-A", root_)->releases, 1u);
 }
 
 TEST_F(LedgerPermissionTest, ReleaseByAnotherUidIsRefusedCountedAndCreditedToTheActor) {
   view_.apply(alice_, reserve("GPU-A", 1, 2 * kGiB, "alice-job", kSecond), kNow);
-  const json before = ledger();
+  const std::string before = ledger();
   view_.apply(bob_, release("GPU-A", 1, 2 * kSecond), kNow);
   EXPECT_EQ(anomaly("release_refused"), 1u);
   EXPECT_EQ(refused("GPU-A", bob_), 1u);
   // Nothing else changed: the same reservation, sums and operation counts; bob's row is
   // the only addition.
-  json after = ledger();
-  json& gpu = after["gpus"][0];
-  const json* bob_row = find_process(gpu, bob_.key.pid);
+  const ledger::ProcessRow* bob_row = row("GPU-A", bob_);
   ASSERT_NE(bob_row, nullptr);
-  EXPECT_EQ((*bob_row)["releases"], 0);
-  EXPECT_EQ((*bob_row)["comm"], "bob");
-  auto& rows = gpu["processes"];
-  rows.erase(std::remove_if(rows.begin(), rows.end(),
-                            [&](const json& r) { return r["pid"] == bob_.key.pid; }),
-             rows.end());
-  EXPECT_EQ(after, before);
+  EXPECT_EQ(bob_row->releases, 0u);
+  EXPECT_EQ(bob_row->comm, "bob");
+  ledger::State after = state();
+  after.gpus.at("GPU-A").processes.erase(bob_.key);
+  EXPECT_EQ(dump(after), before);
   EXPECT_TRUE(counters_.limits_hit.empty());
 
   // Not even once the holder is dead: a release is the holder side's; others clean up.
@@ -439,7 +442,7 @@ TEST_F(LedgerPermissionTest, CleanupOfALiveHolderOnlyByItsUidOrRoot) {
   EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 0u);  // refused before it is looked at
   EXPECT_EQ(refused("GPU-A", bob_), 1u);
   EXPECT_NE(reservation("GPU-A", 1), nullptr);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["operations"]["cleanup"], 0);
+  EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpCleanup], 0u);
 
   view_.apply(alice2_, cleanup("GPU-A", 1, holder, 2 * kSecond), kNow);  // same uid
   view_.apply(root_, cleanup("GPU-A", 2, holder, 2 * kSecond), kNow);    // root
@@ -452,38 +455,36 @@ TEST_F(LedgerPermissionTest, CleanupOfALiveHolderOnlyByItsUidOrRoot) {
   view_.apply(bob_, cleanup("GPU-A", 3, holder, 3 * kSecond), kNow);
   EXPECT_EQ(reservation("GPU-A", 3), nullptr);
   EXPECT_EQ(anomaly("cleanup_refused"), 1u);
-  const json gpu = *find_gpu(ledger(), "GPU-A");
-  EXPECT_EQ((*find_process(gpu, bob_.key.pid))["cleanups"], 1);
-  EXPECT_EQ((*find_process(gpu, bob_.key.pid))["refused"], 1);
-  EXPECT_EQ(gpu["operations"]["cleanup"], 3);
-  EXPECT_EQ(gpu["reserved_bytes"], 0);
+  EXPECT_EQ(row("GPU-A", bob_)->cleanups, 1u);
+  EXPECT_EQ(row("GPU-A", bob_)->refused, 1u);
+  EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpCleanup], 3u);
+  EXPECT_EQ(gpu("GPU-A")->reserved_bytes, 0u);
 }
 
 TEST_F(LedgerPermissionTest, ARefusedRecordIsNotUsedForAttribution) {
   view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", 100), kNow);
   view_.apply(bob_, release("GPU-A", 1, 200), kNow);
   view_.attribute_span(bob_.key, 1, kLedgerReserve, 150, 250);
-  const json j = ledger();
-  const json* row = find_process(*find_gpu(j, "GPU-A"), bob_.key.pid);
-  ASSERT_NE(row, nullptr);
-  EXPECT_EQ((*row)["steps"].size(), 0u);
+  const ledger::ProcessRow* bob_row = row("GPU-A", bob_);
+  ASSERT_NE(bob_row, nullptr);
+  EXPECT_EQ(bob_row->steps.size(), 0u);
 }
 
 // A reservation restored from a snapshot that did not keep uids: its holder process and
 // root may release it, no one else (and anyone may clean it up once the holder is dead).
 TEST_F(LedgerPermissionTest, AnUnknownUidIsReleasedOnlyByTheHolderProcessOrRoot) {
-  ledger::State state;
-  ledger::Gpu gpu;
+  ledger::State restored;
+  ledger::Gpu old;
   for (std::uint64_t id : {1, 2, 3}) {
-    gpu.reservations.emplace(
+    old.reservations.emplace(
         id, ledger::Reservation{alice_.key, kUnknownUid, "old", kGiB, "t", kSecond, true});
-    gpu.reserved_bytes += kGiB;
+    old.reserved_bytes += kGiB;
   }
-  gpu.high_water_bytes = gpu.reserved_bytes;
-  state.gpus.emplace("GPU-A", std::move(gpu));
-  view_.adopt(std::move(state), kNow);
-  EXPECT_TRUE((*reservation("GPU-A", 1))["uid"].is_null());
-  EXPECT_TRUE((*find_gpu(ledger(), "GPU-A"))["creator_uid"].is_null());
+  old.high_water_bytes = old.reserved_bytes;
+  restored.gpus.emplace("GPU-A", std::move(old));
+  view_.adopt(std::move(restored), kNow);
+  EXPECT_EQ(reservation("GPU-A", 1)->uid, kUnknownUid);
+  EXPECT_EQ(gpu("GPU-A")->creator_uid, kUnknownUid);
   // Charged to no uid: the restored entries do not use up anyone's quota.
   EXPECT_TRUE(view_.state().uids.empty());
 
@@ -506,7 +507,7 @@ TEST_F(LedgerPermissionTest, ReservationsPerUidAreCappedAcrossGpus) {
   limits_.max_reservations_per_uid = 2;
   view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
   view_.apply(alice2_, reserve("GPU-B", 1, kGiB, "t", kSecond), kNow);
-  const json before = ledger();
+  const std::string before = ledger();
   view_.apply(alice_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);   // refused
   view_.apply(alice2_, reserve("GPU-B", 2, kGiB, "t", kSecond), kNow);  // same uid: refused
   EXPECT_EQ(ledger(), before);
@@ -529,7 +530,7 @@ TEST_F(LedgerPermissionTest, GpusAUidCreatedAreCappedOthersStillCreate) {
   limits_.max_gpus_per_uid = 2;
   view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
   view_.apply(alice2_, sample("GPU-B", kGiB, 2 * kGiB, kSecond), kNow);  // a sample creates too
-  const json before = ledger();
+  const std::string before = ledger();
   view_.apply(alice_, reserve("GPU-junk-1", 1, kGiB, "t", kSecond), kNow);
   view_.apply(alice2_, sample("GPU-junk-2", kGiB, 2 * kGiB, kSecond), kNow);
   EXPECT_EQ(ledger(), before);
@@ -541,7 +542,7 @@ TEST_F(LedgerPermissionTest, GpusAUidCreatedAreCappedOthersStillCreate) {
   view_.apply(bob_, reserve("GPU-C", 1, kGiB, "t", kSecond), kNow);
   view_.apply(alice_, reserve("GPU-C", 2, kGiB, "t", kSecond), kNow);
   EXPECT_NE(reservation("GPU-C", 2), nullptr);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-C"))["creator_uid"], 1001);
+  EXPECT_EQ(gpu("GPU-C")->creator_uid, 1001u);
   EXPECT_EQ(view_.state().usage(1000).gpus, 2u);
   EXPECT_EQ(view_.state().usage(1001).gpus, 1u);
 
@@ -556,25 +557,25 @@ TEST_F(LedgerPermissionTest, ResetDropsGpusTheirChargesAndMarks) {
   view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", 100, 9), kNow);
   view_.apply(bob_, reserve("GPU-B", 1, kGiB, "t", 100), kNow);
   view_.apply(bob_, reserve("GPU-C", 1, kGiB, "t", 100), kNow);
-  const auto anomalies_before = report::ledger_anomalies_json(view_.state());
+  const auto anomalies_before = state().anomalies;
 
   EXPECT_EQ(view_.reset("GPU-nope"), 0u);
-  EXPECT_EQ(ledger()["gpus"].size(), 3u);
+  EXPECT_EQ(state().gpus.size(), 3u);
   EXPECT_EQ(view_.reset("GPU-A"), 1u);
-  EXPECT_EQ(find_gpu(ledger(), "GPU-A"), nullptr);
+  EXPECT_EQ(gpu("GPU-A"), nullptr);
   EXPECT_EQ(view_.state().usage(1000).gpus, 0u);
   EXPECT_EQ(view_.state().usage(1000).reservations, 0u);
   EXPECT_FALSE(view_.state().marks.contains(alice_.key));
   // A GPU of the same UUID created afresh gets no step time from the old mark.
   view_.apply(bob_, sample("GPU-A", kGiB, 2 * kGiB, 300), kNow);
   view_.attribute_span(alice_.key, 9, kLedgerReserve, 50, 150);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["steps"].size(), 0u);
+  EXPECT_EQ(gpu("GPU-A")->steps.size(), 0u);
 
   EXPECT_EQ(view_.reset(std::nullopt), 3u);
-  EXPECT_EQ(ledger()["gpus"].size(), 0u);
+  EXPECT_EQ(state().gpus.size(), 0u);
   EXPECT_TRUE(view_.state().uids.empty());
   EXPECT_TRUE(view_.state().marks.empty());
-  EXPECT_EQ(report::ledger_anomalies_json(view_.state()), anomalies_before);  // counts stay
+  EXPECT_EQ(state().anomalies, anomalies_before);  // counts stay
   EXPECT_EQ(view_.reset(std::nullopt), 0u);
 }
 
@@ -582,7 +583,7 @@ TEST_F(LedgerPermissionTest, ResetDropsGpusTheirChargesAndMarks) {
 // merged into a sanitised one.
 TEST_F(LedgerViewTest, GpuUuidsAndTasksThatNeedSanitisingAreRefused) {
   view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
-  const json before = ledger();
+  const std::string before = ledger();
   auto raw = [](std::string_view gpu, std::string_view task) {
     auto r = reserve("GPU-placeholder", 9, kGiB, "t", kSecond);
     std::memset(r.gpu_uuid, 0, sizeof r.gpu_uuid);
@@ -635,22 +636,24 @@ TEST_F(LedgerViewTest, DeviceSamplesAreJoinedWithReservationsByUuidAndPid) {
   devices["GPU-Z"] = other;  // a GPU no one annotated
   view_.apply_devices(devices, "", kNow);
 
-  const json j = ledger();
-  const json* gpu = find_gpu(j, "GPU-A");
-  ASSERT_NE(gpu, nullptr);
-  EXPECT_EQ(gpu->at("capacity_source"), "device");
-  EXPECT_EQ(gpu->at("total_bytes"), 80 * kGiB);
-  EXPECT_EQ(gpu->at("free_bytes"), 70 * kGiB);
-  EXPECT_EQ(gpu->at("device").at("name"), "Fake");
-  EXPECT_EQ(gpu->at("device").at("processes").size(), 4u);
-  std::map<std::string, std::vector<std::int64_t>> kinds;
-  for (const json& f : gpu->at("findings")) kinds[f.at("kind")].push_back(f.at("pid"));
-  EXPECT_EQ(kinds["OVER"], std::vector<std::int64_t>{a_.key.pid});
-  EXPECT_EQ(kinds["UNDECLARED"], std::vector<std::int64_t>{4242});
-  EXPECT_EQ(kinds["GHOST"], std::vector<std::int64_t>{999999});
+  ASSERT_NE(gpu("GPU-A"), nullptr);
+  // The device's total is the one over-commitment is judged against.
+  EXPECT_EQ(gpu("GPU-A")->device_total, 80 * kGiB);
+  const ledger::Device& on_a = state().devices.at("GPU-A");
+  EXPECT_EQ(on_a.total_bytes, 80 * kGiB);
+  EXPECT_EQ(on_a.free_bytes, 70 * kGiB);
+  EXPECT_EQ(on_a.name, "Fake");
+  EXPECT_EQ(on_a.processes.size(), 4u);
+  std::map<std::string_view, std::vector<std::uint32_t>> kinds;
+  for (const ledger::Finding& f : ledger::device_findings(state(), "GPU-A", kNow)) {
+    kinds[ledger::kFindingNames[f.kind]].push_back(f.pid);
+  }
+  EXPECT_EQ(kinds["OVER"], std::vector<std::uint32_t>{static_cast<std::uint32_t>(a_.key.pid)});
+  EXPECT_EQ(kinds["UNDECLARED"], std::vector<std::uint32_t>{4242});
+  EXPECT_EQ(kinds["GHOST"], std::vector<std::uint32_t>{999999});
   EXPECT_TRUE(kinds["IDLE"].empty());  // b's reservation is younger than 60 s
   EXPECT_EQ(kinds.size(), 4u);
-  EXPECT_NE(find_gpu(j, "GPU-Z"), nullptr);
+  EXPECT_TRUE(state().devices.contains("GPU-Z"));
 
   // 60 s later with b still using nothing: IDLE, naming the reservation.
   const auto idle = ledger::device_findings(view_.state(), "GPU-A", kNow + 61 * kSecond);
@@ -664,12 +667,12 @@ TEST_F(LedgerViewTest, DeviceSamplesAreJoinedWithReservationsByUuidAndPid) {
 
   // Without the device, the client's sample is back.
   view_.apply_devices({}, "nvmlDeviceGetCount_v2 failed: Unknown Error (999)", kNow);
-  const json after = ledger();
-  EXPECT_EQ(find_gpu(after, "GPU-A")->at("capacity_source"), "client");
-  EXPECT_EQ(find_gpu(after, "GPU-A")->at("total_bytes"), 8 * kGiB);
-  EXPECT_TRUE(find_gpu(after, "GPU-A")->at("findings").empty());
-  EXPECT_EQ(find_gpu(after, "GPU-Z"), nullptr);
-  EXPECT_EQ(after.at("device_error"), "nvmlDeviceGetCount_v2 failed: Unknown Error (999)");
+  EXPECT_FALSE(state().devices.contains("GPU-A"));
+  EXPECT_EQ(gpu("GPU-A")->sample->total_bytes, 8 * kGiB);
+  EXPECT_TRUE(ledger::device_findings(state(), "GPU-A", kNow).empty());
+  EXPECT_FALSE(state().devices.contains("GPU-Z"));
+  EXPECT_EQ(gpu("GPU-Z"), nullptr);
+  EXPECT_EQ(state().device_error, "nvmlDeviceGetCount_v2 failed: Unknown Error (999)");
 }
 
 // A holder NVML lists with its memory hidden is on the device (never IDLE); a reservation
@@ -707,21 +710,21 @@ TEST_F(LedgerLeaseTest, ALeasePassedUnrenewedIsExpiredCountedAndShownEverywhere)
   view_.apply(alice_, reserve("GPU-A", 2, kGiB, "plain", 10 * kSecond), kNow);
   // Before the deadline (10 s + 2 s): nothing expires.
   EXPECT_EQ(view_.expire_leases(12 * kSecond - 1), 0u);
-  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "alive");
-  EXPECT_EQ((*reservation("GPU-A", 1))["lease_ms"], 2000);
-  EXPECT_TRUE((*reservation("GPU-A", 2))["lease_ms"].is_null());
+  EXPECT_FALSE(reservation("GPU-A", 1)->expired);
+  EXPECT_TRUE(reservation("GPU-A", 1)->holder_alive);
+  EXPECT_EQ(reservation("GPU-A", 1)->lease_ms, 2000u);
+  EXPECT_EQ(reservation("GPU-A", 2)->lease_ms, 0u);  // none
   // At it: expired, once, counted once; the reservation without a lease never is.
   EXPECT_EQ(view_.expire_leases(12 * kSecond), 1u);
   EXPECT_EQ(view_.expire_leases(50 * kSecond), 0u);
   EXPECT_EQ(anomaly("lease_expired"), 1u);
-  const json* r = reservation("GPU-A", 1);
-  EXPECT_EQ((*r)["state"], "EXPIRED");
-  EXPECT_EQ((*r)["expired"], true);
-  EXPECT_EQ((*r)["holder_alive"], true);
-  EXPECT_EQ((*r)["lease_left_s"], 0.0);
-  EXPECT_EQ((*reservation("GPU-A", 2))["state"], "alive");
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["expired_reservations"], 1);
-  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["leaked_reservations"], 0);
+  const ledger::Reservation* r = reservation("GPU-A", 1);
+  EXPECT_EQ(r->expired, true);
+  EXPECT_EQ(r->holder_alive, true);
+  EXPECT_EQ(r->lease_deadline_ns, 12 * kSecond);  // passed at kNow
+  EXPECT_FALSE(reservation("GPU-A", 2)->expired);
+  EXPECT_EQ(gpu("GPU-A")->expired(), 1u);
+  EXPECT_EQ(gpu("GPU-A")->leaked(), 0u);
 }
 
 TEST_F(LedgerLeaseTest, ARenewalPushesTheDeadlineAndRevivesAnExpiredLease) {
@@ -731,21 +734,19 @@ TEST_F(LedgerLeaseTest, ARenewalPushesTheDeadlineAndRevivesAnExpiredLease) {
   EXPECT_EQ(view_.expire_leases(16 * kSecond), 1u);
   // The holder was only slow: its renewal revives the reservation (the count stays).
   view_.apply(alice_, renew("GPU-A", 1, 5000, 17 * kSecond), kNow);
-  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "alive");
+  EXPECT_FALSE(reservation("GPU-A", 1)->expired);
   EXPECT_EQ(view_.expire_leases(22 * kSecond - 1), 0u);
   EXPECT_EQ(view_.expire_leases(22 * kSecond), 1u);
   EXPECT_EQ(anomaly("lease_expired"), 2u);
-  last_ = ledger();
-  const json* g = find_gpu(last_, "GPU-A");
-  EXPECT_EQ((*g)["operations"]["renew"], 2);
-  EXPECT_EQ((*g)["operations"]["reserve"], 1);
-  EXPECT_EQ((*find_process(*g, alice_.key.pid))["renews"], 2);
+  EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpRenew], 2u);
+  EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpReserve], 1u);
+  EXPECT_EQ(row("GPU-A", alice_)->renews, 2u);
   // A process of the holder's uid and root may renew too; it gives a plain one a lease.
   view_.apply(alice_, reserve("GPU-A", 2, kGiB, "plain", 10 * kSecond), kNow);
   view_.apply(alice2_, renew("GPU-A", 2, 1000, 30 * kSecond), kNow);
   view_.apply(root_, renew("GPU-A", 1, 1000, 30 * kSecond), kNow);
-  EXPECT_EQ((*reservation("GPU-A", 2))["lease_ms"], 1000);
-  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "alive");
+  EXPECT_EQ(reservation("GPU-A", 2)->lease_ms, 1000u);
+  EXPECT_FALSE(reservation("GPU-A", 1)->expired);
 }
 
 TEST_F(LedgerLeaseTest, BadRenewalsAreCountedAndChangeNothing) {
@@ -781,9 +782,8 @@ TEST_F(LedgerLeaseTest, AnyoneMayCleanUpAnExpiredLeaseAndIsCreditedForIt) {
   view_.expire_leases(13 * kSecond);
   view_.apply(bob_, cleanup("GPU-A", 1, holder, 14 * kSecond), kNow);
   EXPECT_EQ(reservation("GPU-A", 1), nullptr);
-  const json* g = find_gpu(last_, "GPU-A");
-  EXPECT_EQ((*find_process(*g, bob_.key.pid))["cleanups"], 1);
-  EXPECT_EQ((*g)["reserved_bytes"], 0);
+  EXPECT_EQ(row("GPU-A", bob_)->cleanups, 1u);
+  EXPECT_EQ(gpu("GPU-A")->reserved_bytes, 0u);
   EXPECT_EQ(view_.state().usage(1000).reservations, 0u);  // alice's quota is freed
 }
 
@@ -791,7 +791,9 @@ TEST_F(LedgerLeaseTest, ADeadHoldersLeaseIsALeakNotAnExpiry) {
   view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
   view_.check_holders([](const ProcessKey&) { return false; });
   EXPECT_EQ(view_.expire_leases(60 * kSecond), 0u);
-  EXPECT_EQ((*reservation("GPU-A", 1))["state"], "LEAKED");
+  EXPECT_FALSE(reservation("GPU-A", 1)->holder_alive);  // LEAKED
+  EXPECT_EQ(gpu("GPU-A")->leaked(), 1u);
+  EXPECT_EQ(gpu("GPU-A")->expired(), 0u);
   EXPECT_EQ(anomaly("lease_expired"), 0u);
 }
 
