@@ -12,6 +12,8 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -27,6 +29,27 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using namespace ledger_test;
 
+const json* find_gpu(const json& ledger, std::string_view uuid) {
+  for (const auto& g : ledger.at("gpus")) {
+    if (g.at("gpu") == uuid) return &g;
+  }
+  return nullptr;
+}
+
+const json* find_reservation(const json& gpu, std::uint64_t id) {
+  for (const auto& r : gpu.at("reservations")) {
+    if (r.at("id") == id) return &r;
+  }
+  return nullptr;
+}
+
+const json* find_process(const json& gpu, std::int32_t pid) {
+  for (const auto& p : gpu.at("processes")) {
+    if (p.at("pid") == pid) return &p;
+  }
+  return nullptr;
+}
+
 class LedgerReportTest : public ::testing::Test {
  protected:
   Limits limits_;
@@ -38,6 +61,8 @@ class LedgerReportTest : public ::testing::Test {
   // Of uids 1000 and 1001, for the refusals and leases.
   const LedgerActor alice_{{2001, 7001}, "alice-train", 1000};
   const LedgerActor bob_{{3001, 8001}, "bob", 1001};
+
+  json ledger() const { return report::ledger_json(view_.state(), kNow); }
 };
 
 TEST_F(LedgerReportTest, AnomaliesJsonListsEveryKindStartingAtZero) {
@@ -149,6 +174,175 @@ TEST_F(LedgerReportTest, MetricsHaveHelpAndTypeForEveryFamilyAndEscapeLabels) {
                                  "step=\"LedgerReserve\"} 2\n"));
   EXPECT_THAT(metrics, HasSubstr("steptrace_ledger_step_spans_total{gpu=\"GPU-A\","
                                  "step=\"WaitPoll\"} 1\n"));
+}
+
+// ---- the `ledger --json` document (proto/PROTOCOL.md section 10.4) ---------------------
+
+TEST_F(LedgerReportTest, JsonListsGpusByUuidAndReservationsByIdWithEveryField) {
+  view_.apply(a_, reserve("GPU-B", 1, 3 * kGiB, "qlora-7b", 1 * kSecond), kNow);
+  view_.apply(b_, reserve("GPU-A", 2, 512 * kMiB, "lora-1b", 2 * kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 1, 7, "tiny", 3 * kSecond), kNow);
+  // The pid field of a reserve is not the holder: the actor is.
+  auto claimed = reserve("GPU-B", 9, kGiB, "other", 4 * kSecond);
+  claimed.holder_pid = 4242;
+  view_.apply(c_, claimed, kNow);
+
+  const json j = ledger();
+  ASSERT_EQ(j.at("gpus").size(), 2u);
+  EXPECT_EQ(j["gpus"][0]["gpu"], "GPU-A");  // sorted by UUID
+  EXPECT_EQ(j["gpus"][1]["gpu"], "GPU-B");
+
+  const json& gpu_a = j["gpus"][0];
+  EXPECT_EQ(gpu_a["reserved_bytes"], 512 * kMiB + 7);
+  ASSERT_EQ(gpu_a["reservations"].size(), 2u);
+  EXPECT_EQ(gpu_a["reservations"][0]["id"], 1);  // sorted by id
+  EXPECT_EQ(gpu_a["reservations"][0]["pid"], a_.key.pid);
+  EXPECT_EQ(gpu_a["reservations"][0]["start_time"], a_.key.start_time);
+  EXPECT_EQ(gpu_a["reservations"][0]["bytes"], 7);
+  EXPECT_EQ(gpu_a["reservations"][0]["task"], "tiny");
+  EXPECT_EQ(gpu_a["reservations"][0]["comm"], "trainer-a");
+  EXPECT_EQ(gpu_a["reservations"][0]["holder_alive"], true);
+  EXPECT_DOUBLE_EQ(gpu_a["reservations"][0]["age_s"].get<double>(), 97.0);
+  EXPECT_EQ(gpu_a["reservations"][1]["id"], 2);
+  EXPECT_EQ(gpu_a["reservations"][1]["pid"], b_.key.pid);
+  EXPECT_EQ(gpu_a["reservations"][1]["bytes"], 512 * kMiB);
+
+  const json& gpu_b = j["gpus"][1];
+  EXPECT_EQ(gpu_b["reserved_bytes"], 4 * kGiB);
+  EXPECT_EQ(gpu_b["high_water_bytes"], 4 * kGiB);
+  const json* held = find_reservation(gpu_b, 9);
+  ASSERT_NE(held, nullptr);
+  EXPECT_EQ((*held)["pid"], c_.key.pid);
+  EXPECT_EQ((*held)["comm"], "janitor");
+
+  // Operations are per actor per GPU.
+  const json* a_on_b = find_process(gpu_b, a_.key.pid);
+  ASSERT_NE(a_on_b, nullptr);
+  EXPECT_EQ((*a_on_b)["reserves"], 1);
+  const json* a_on_a = find_process(gpu_a, a_.key.pid);
+  ASSERT_NE(a_on_a, nullptr);
+  EXPECT_EQ((*a_on_a)["reserves"], 1);
+  EXPECT_EQ(gpu_a["operations"]["reserve"], 2);
+  // No sample yet: sizes the view cannot know are null, not zero.
+  EXPECT_TRUE(gpu_a["total_bytes"].is_null());
+  EXPECT_TRUE(gpu_a["free_bytes"].is_null());
+  EXPECT_TRUE(gpu_a["sample_age_s"].is_null());
+  EXPECT_EQ(gpu_a["overcommitted"], false);
+}
+
+TEST_F(LedgerReportTest, JsonShowsAvailableBytesBelowZeroAndOvercommitEvents) {
+  view_.apply(a_, sample("GPU-A", 10 * kGiB, 10 * kGiB, kSecond), kNow);
+  view_.apply(a_, reserve("GPU-A", 1, 6 * kGiB, "t", kSecond), kNow);
+  view_.apply(b_, reserve("GPU-A", 2, 6 * kGiB, "t", kSecond), kNow);
+  json gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ(gpu["overcommitted"], true);
+  EXPECT_EQ(gpu["available_bytes"], -static_cast<std::int64_t>(2 * kGiB));
+  view_.apply(b_, release("GPU-A", 2, 3 * kSecond), kNow);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommitted"], false);
+  view_.apply(b_, reserve("GPU-A", 4, 5 * kGiB, "t", 4 * kSecond), kNow);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["overcommit_events"], 2);
+}
+
+TEST_F(LedgerReportTest, JsonNamesLedgerStepsAndLeakedReservations) {
+  populate(view_, a_, b_);  // b died holding two reservations, one on each GPU
+  const json j = ledger();
+  const json* a_on_a = find_process(*find_gpu(j, "GPU-A"), a_.key.pid);
+  ASSERT_NE(a_on_a, nullptr);
+  ASSERT_EQ((*a_on_a)["steps"].size(), 1u);
+  EXPECT_EQ((*a_on_a)["steps"][0]["step"], "LedgerReserve");
+  EXPECT_EQ((*a_on_a)["steps"][0]["count"], 1);
+  EXPECT_EQ((*a_on_a)["steps"][0]["total_ns"], 2 * kSecond);
+  const json& gpu_a_steps = (*find_gpu(j, "GPU-A"))["steps"];
+  ASSERT_EQ(gpu_a_steps.size(), 2u);
+  EXPECT_EQ(gpu_a_steps[1]["step"], "WaitPoll");
+  EXPECT_EQ((*find_reservation(*find_gpu(j, "GPU-A"), 2))["holder_alive"], false);
+  EXPECT_EQ((*find_gpu(j, "GPU-A"))["leaked_reservations"], 1);
+}
+
+TEST_F(LedgerReportTest, JsonUidsAreNullWhenUnknown) {
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  EXPECT_EQ((*find_reservation(*find_gpu(ledger(), "GPU-A"), 1))["uid"], 1000);
+  EXPECT_EQ((*find_gpu(ledger(), "GPU-A"))["creator_uid"], 1000);
+
+  ledger::State restored;
+  ledger::Gpu old;
+  old.reservations.emplace(
+      1, ledger::Reservation{alice_.key, kUnknownUid, "old", kGiB, "t", kSecond, true});
+  old.reserved_bytes = old.high_water_bytes = kGiB;
+  restored.gpus.emplace("GPU-A", std::move(old));
+  view_.adopt(std::move(restored), kNow);
+  EXPECT_TRUE((*find_reservation(*find_gpu(ledger(), "GPU-A"), 1))["uid"].is_null());
+  EXPECT_TRUE((*find_gpu(ledger(), "GPU-A"))["creator_uid"].is_null());
+}
+
+TEST_F(LedgerReportTest, JsonStatesLeasesAliveExpiredOrLeaked) {
+  view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-A", 2, kGiB, "plain", 10 * kSecond), kNow);
+  view_.apply(bob_, reserve_lease("GPU-A", 3, kGiB, 2000, 10 * kSecond), kNow);
+  json gpu = *find_gpu(ledger(), "GPU-A");
+  EXPECT_EQ((*find_reservation(gpu, 1))["state"], "alive");
+  EXPECT_EQ((*find_reservation(gpu, 1))["lease_ms"], 2000);
+  EXPECT_TRUE((*find_reservation(gpu, 2))["lease_ms"].is_null());
+  view_.check_holders([&](const ProcessKey& key) { return key != bob_.key; });
+  ASSERT_EQ(view_.expire_leases(12 * kSecond), 1u);
+  gpu = *find_gpu(ledger(), "GPU-A");
+  const json* r = find_reservation(gpu, 1);
+  EXPECT_EQ((*r)["state"], "EXPIRED");
+  EXPECT_EQ((*r)["expired"], true);
+  EXPECT_EQ((*r)["holder_alive"], true);
+  EXPECT_EQ((*r)["lease_left_s"], 0.0);
+  EXPECT_EQ((*find_reservation(gpu, 2))["state"], "alive");
+  EXPECT_EQ((*find_reservation(gpu, 3))["state"], "LEAKED");
+  EXPECT_EQ(gpu["expired_reservations"], 1);
+  EXPECT_EQ(gpu["leaked_reservations"], 1);
+}
+
+TEST_F(LedgerReportTest, JsonSaysWhereTheCapacityComesFromAndListsFindings) {
+  view_.apply(a_, reserve("GPU-A", 1, 4 * kGiB, "a", 1 * kSecond), kNow);   // OVER
+  view_.apply(a_, sample("GPU-A", 1 * kGiB, 8 * kGiB, 1 * kSecond), kNow);  // the client's
+  ledger::Device device;
+  device.name = "Fake";
+  device.total_bytes = 80 * kGiB;
+  device.used_bytes = 10 * kGiB;
+  device.free_bytes = 70 * kGiB;
+  device.at_ns = kNow;
+  device.processes_known = true;
+  device.processes = {
+      {static_cast<std::uint32_t>(a_.key.pid), 4 * kGiB + 500 * kMiB, true},  // > 4 GiB + 10%
+      {4242, 3 * kGiB, true},                                                 // no reservation
+      {999999, 1 * kGiB, false},                                              // not in /proc
+  };
+  std::map<std::string, ledger::Device, std::less<>> devices;
+  devices["GPU-A"] = device;
+  ledger::Device other = device;
+  other.processes.clear();
+  devices["GPU-Z"] = other;  // a GPU no one annotated
+  view_.apply_devices(devices, "", kNow);
+
+  const json j = ledger();
+  const json* gpu = find_gpu(j, "GPU-A");
+  ASSERT_NE(gpu, nullptr);
+  EXPECT_EQ(gpu->at("capacity_source"), "device");
+  EXPECT_EQ(gpu->at("total_bytes"), 80 * kGiB);
+  EXPECT_EQ(gpu->at("free_bytes"), 70 * kGiB);
+  EXPECT_EQ(gpu->at("device").at("name"), "Fake");
+  EXPECT_EQ(gpu->at("device").at("processes").size(), 3u);
+  std::map<std::string, std::vector<std::int64_t>> kinds;
+  for (const json& f : gpu->at("findings")) kinds[f.at("kind")].push_back(f.at("pid"));
+  EXPECT_EQ(kinds["OVER"], std::vector<std::int64_t>{a_.key.pid});
+  EXPECT_EQ(kinds["UNDECLARED"], std::vector<std::int64_t>{4242});
+  EXPECT_EQ(kinds["GHOST"], std::vector<std::int64_t>{999999});
+  EXPECT_EQ(kinds.size(), 3u);
+  EXPECT_NE(find_gpu(j, "GPU-Z"), nullptr);
+
+  // Without the device, the client's sample is back.
+  view_.apply_devices({}, "nvmlDeviceGetCount_v2 failed: Unknown Error (999)", kNow);
+  const json after = ledger();
+  EXPECT_EQ(find_gpu(after, "GPU-A")->at("capacity_source"), "client");
+  EXPECT_EQ(find_gpu(after, "GPU-A")->at("total_bytes"), 8 * kGiB);
+  EXPECT_TRUE(find_gpu(after, "GPU-A")->at("findings").empty());
+  EXPECT_EQ(find_gpu(after, "GPU-Z"), nullptr);
+  EXPECT_EQ(after.at("device_error"), "nvmlDeviceGetCount_v2 failed: Unknown Error (999)");
 }
 
 TEST_F(LedgerReportTest, ALeakedReservationIsMarkedInTextAndMetricsUntilACleanup) {
