@@ -31,25 +31,31 @@ std::string dump(const ledger::State& state) {
   for (const auto& [uuid, g] : state.gpus) {
     out << uuid << " reserved " << g.reserved_bytes << " hw " << g.high_water_bytes << " over "
         << g.overcommitted << " events " << g.overcommit_events << " creator " << g.creator_uid;
-    if (g.sample) out << " sample " << g.sample->free_bytes << '/' << g.sample->total_bytes;
+    if (g.sample) {
+      out << " sample " << g.sample->free_bytes << '/' << g.sample->total_bytes << " at "
+          << g.sample->at_ns;
+    }
     for (std::uint64_t n : g.operations) out << " op " << n;
     for (const auto& [id, r] : g.reservations) {
       out << "\n r " << id << ' ' << r.holder.pid << ' ' << r.holder.start_time << ' ' << r.uid
           << ' ' << r.comm << ' ' << r.bytes << ' ' << r.task << ' ' << r.reserved_ns << ' '
-          << r.holder_alive << ' ' << r.lease_ms << ' ' << r.expired;
+          << r.holder_alive << ' ' << r.lease_ms << ' ' << r.lease_deadline_ns << ' ' << r.expired;
     }
     for (const auto& [key, row] : g.processes) {
       out << "\n p " << key.pid << ' ' << row.comm << ' ' << row.reserves << ' ' << row.releases
           << ' ' << row.cleanups << ' ' << row.renews << ' ' << row.refused;
-      for (const auto& [step, t] : row.steps)
+      for (const auto& [step, t] : row.steps) {
         out << " s" << step << ' ' << t.count << ' ' << t.total_ns;
+      }
     }
-    for (const auto& [step, t] : g.steps)
+    for (const auto& [step, t] : g.steps) {
       out << "\n s" << step << ' ' << t.count << ' ' << t.total_ns;
+    }
     out << '\n';
   }
-  for (const auto& [uid, u] : state.uids)
+  for (const auto& [uid, u] : state.uids) {
     out << "uid " << uid << ' ' << u.gpus << ' ' << u.reservations << '\n';
+  }
   return out.str();
 }
 
