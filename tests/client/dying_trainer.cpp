@@ -18,6 +18,8 @@
 //      segv   a write to a read-only page, SIGSEGV's default     status 128 + 11
 //             action (a sanitizer's handler is removed first)
 //      abort  abort(), SIGABRT's default action                  status 128 + 6
+//      live   not yet: writes the file GO.done and waits for a signal to end it (its
+//             connection stays open; the test kills it)
 //    No core is written (RLIMIT_CORE 0, not dumpable).
 //
 // Exit 2 when a step before the death failed (connect or flush), 64 on bad arguments.
@@ -83,7 +85,7 @@ void no_core() {
 
 int main(int argc, char** argv) {
   if (argc != 4 && argc != 6) {
-    std::fprintf(stderr, "usage: %s SOCKET EVENTS kill|exit|segv|abort [READY GO]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s SOCKET EVENTS kill|exit|segv|abort|live [READY GO]\n", argv[0]);
     return 64;
   }
   const std::string socket = argv[1];
@@ -91,7 +93,8 @@ int main(int argc, char** argv) {
   const long long events = std::strtoll(argv[2], &end, 10);
   const std::string death = argv[3];
   if (end == argv[2] || *end != '\0' || events < 0 ||
-      (death != "kill" && death != "exit" && death != "segv" && death != "abort")) {
+      (death != "kill" && death != "exit" && death != "segv" && death != "abort" &&
+       death != "live")) {
     std::fprintf(stderr, "%s: bad arguments\n", argv[0]);
     return 64;
   }
@@ -126,6 +129,10 @@ int main(int argc, char** argv) {
   }
 
   // 4. The death.
+  if (death == "live") {
+    if (argc == 6) write_file(std::string(argv[5]) + ".done");
+    for (;;) ::pause();
+  }
   if (death == "kill") {
     ::raise(SIGKILL);
   } else if (death == "exit") {
