@@ -327,12 +327,15 @@ void Server::drain_and_stop(std::vector<std::shared_ptr<Session>>& live) {
   gpu_sampler_.stop();
   const auto deadline = std::chrono::steady_clock::now() + kDrainBudget;
   for (auto& s : live) s->drain(deadline);
+  // Closing a session makes the last pass over its shared rings (ClientStream::closed):
+  // before the snapshot, or what that pass consumes would be in no snapshot while the
+  // rings' consumer positions say it was taken (a restart lost it, uncounted).
+  for (auto& s : live) s->close();
   // No render job may still write a snapshot (or read the state) after this.
   renderer_.stop();
   // Snapshot with everything drained applied. Spans still open are saved as abandoned
   // (encode_snapshot, persist/snapshot_codec.h): after a restart no connection could end them.
   final_snapshot_written_ = save_snapshot_now();
-  for (auto& s : live) s->close();
   listener_.remove_socket_file();
   spdlog::info("stopped");
   io_.stop();
