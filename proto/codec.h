@@ -136,6 +136,8 @@ class Encoder {
     return frame(FrameType::kRingAttach, RingAttach{ring_id, thread_id, capacity});
   }
   bool clock_sync(const ClockSync& clock) { return frame(FrameType::kClockSync, clock); }
+  // Version 6: what earlier daemons took of this process's events (before any event).
+  bool delivered(std::uint64_t events) { return frame(FrameType::kDelivered, Delivered{events}); }
   bool ring_ack(std::uint32_t ring_id, RingStatus status) {
     return frame(FrameType::kRingAck, RingAck{ring_id, static_cast<std::uint32_t>(status)});
   }
@@ -197,9 +199,9 @@ class EventSpan {
   std::size_t count_ = 0;
 };
 
-using Message =
-    std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport, FlushRequest,
-                 FlushAck, ErrorReport, DroppedByCause, Identity, RingAttach, ClockSync, RingAck>;
+using Message = std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport,
+                             FlushRequest, FlushAck, ErrorReport, DroppedByCause, Identity,
+                             RingAttach, ClockSync, RingAck, Delivered>;
 
 // Which end of the connection decodes: the daemon expects a hello and client frames;
 // the client expects daemon frames (kFlushAck, kError) and no hello.
@@ -312,6 +314,8 @@ class Decoder {
       case FrameType::kRingAttach:
       case FrameType::kClockSync:
         return side_ == Side::kDaemon && version_ >= kShmProtocolVersion;
+      case FrameType::kDelivered:
+        return side_ == Side::kDaemon && version_ >= kDeliveredProtocolVersion;
       case FrameType::kFlushAck:
       case FrameType::kError:
       case FrameType::kRingAck:
@@ -335,6 +339,7 @@ class Decoder {
   DecodeResult decode_payload(FrameType type, const std::byte* p, std::uint32_t size) {
     switch (type) {
       case FrameType::kEvents: {
+        events_seen_ = true;
         const EventSpan events(p, size / sizeof(EventRecord));
         for (std::size_t i = 0; i < events.size(); ++i) {
           const EventRecord e = events[i];
@@ -389,6 +394,7 @@ class Decoder {
         return {{}, Message{r}};
       }
       case FrameType::kRingAttach: {
+        events_seen_ = true;
         const auto r = load<RingAttach>(p);
         if (!valid_shm_ring_capacity(r.capacity)) return fail(errc::bad_ring);
         return {{}, Message{r}};
@@ -397,6 +403,12 @@ class Decoder {
         const auto r = load<ClockSync>(p);
         if (r.scale >= kMaxClockScale) return fail(errc::bad_ring);
         return {{}, Message{r}};
+      }
+      case FrameType::kDelivered: {
+        // Compared with what the daemon counted before this connection sent anything.
+        if (delivered_seen_ || events_seen_) return fail(errc::bad_delivered);
+        delivered_seen_ = true;
+        return {{}, Message{load<Delivered>(p)}};
       }
       case FrameType::kRingAck: {
         const auto r = load<RingAck>(p);
@@ -419,6 +431,8 @@ class Decoder {
   std::uint32_t max_payload_;
   bool expect_hello_;
   bool identity_seen_ = false;
+  bool delivered_seen_ = false;
+  bool events_seen_ = false;  // an Events or RingAttach frame (a Delivered must come first)
   std::uint16_t version_ = kProtocolVersion;
   std::error_code failed_;
   std::vector<std::byte> buffer_;

@@ -25,30 +25,31 @@ namespace steptrace {
 // Codes 1..12 are framing and validation (proto/codec.h), each naming the PROTOCOL.md
 // rule it breaks; unregistered_step is an event for a custom step the process never
 // registered; limit_reached a configured bound (connections, steps, processes, depth).
-#define STEPTRACE_ERRC_TABLE(X)                                                               \
-  X(truncated, 1, "truncated", "stream ended inside a hello or frame", true)                  \
-  X(bad_magic, 2, "bad_magic", "binary stream does not start with the steptrace magic", true) \
-  X(unsupported_version, 3, "unsupported_version", "unsupported protocol version", true)      \
-  X(bad_hello, 4, "bad_hello", "malformed hello", true)                                       \
-  X(frame_too_large, 5, "frame_too_large", "frame larger than the frame-size cap", true)      \
-  X(unknown_frame_type, 6, "unknown_frame_type", "unknown frame type", true)                  \
-  X(bad_frame_size, 7, "bad_frame_size", "frame size does not match its type", true)          \
-  X(bad_reserved, 8, "bad_reserved", "reserved field is not zero", true)                      \
-  X(bad_step_id, 9, "bad_step_id", "step id out of range", true)                              \
-  X(bad_event_kind, 10, "bad_event_kind", "event kind is neither start nor end", true)        \
-  X(bad_string, 11, "bad_string", "malformed string field", true)                             \
-  X(bad_ledger_op, 12, "bad_ledger_op", "unknown ledger operation", true)                     \
-  X(unregistered_step, 13, "unregistered_step",                                               \
-    "event for a custom step that was never registered", true)                                \
-  X(limit_reached, 14, "limit_reached", "configured limit reached", false)                    \
-  X(permission_denied, 15, "permission_denied", "permission denied", false)                   \
-  X(daemon_unreachable, 16, "daemon_unreachable", "steptraced cannot be reached", false)      \
-  X(timed_out, 17, "timed_out", "timed out", true)                                            \
-  X(bad_config, 18, "bad_config", "bad configuration", false)                                 \
-  X(bad_command, 19, "bad_command", "bad command", false)                                     \
-  X(bad_snapshot, 20, "bad_snapshot", "snapshot is not valid", false)                         \
-  X(bad_identity, 21, "bad_identity", "identity frame repeated or rank out of range", true)   \
-  X(bad_ring, 22, "bad_ring", "shared-memory ring frame, descriptor or contents not valid", true)
+#define STEPTRACE_ERRC_TABLE(X)                                                                   \
+  X(truncated, 1, "truncated", "stream ended inside a hello or frame", true)                      \
+  X(bad_magic, 2, "bad_magic", "binary stream does not start with the steptrace magic", true)     \
+  X(unsupported_version, 3, "unsupported_version", "unsupported protocol version", true)          \
+  X(bad_hello, 4, "bad_hello", "malformed hello", true)                                           \
+  X(frame_too_large, 5, "frame_too_large", "frame larger than the frame-size cap", true)          \
+  X(unknown_frame_type, 6, "unknown_frame_type", "unknown frame type", true)                      \
+  X(bad_frame_size, 7, "bad_frame_size", "frame size does not match its type", true)              \
+  X(bad_reserved, 8, "bad_reserved", "reserved field is not zero", true)                          \
+  X(bad_step_id, 9, "bad_step_id", "step id out of range", true)                                  \
+  X(bad_event_kind, 10, "bad_event_kind", "event kind is neither start nor end", true)            \
+  X(bad_string, 11, "bad_string", "malformed string field", true)                                 \
+  X(bad_ledger_op, 12, "bad_ledger_op", "unknown ledger operation", true)                         \
+  X(unregistered_step, 13, "unregistered_step",                                                   \
+    "event for a custom step that was never registered", true)                                    \
+  X(limit_reached, 14, "limit_reached", "configured limit reached", false)                        \
+  X(permission_denied, 15, "permission_denied", "permission denied", false)                       \
+  X(daemon_unreachable, 16, "daemon_unreachable", "steptraced cannot be reached", false)          \
+  X(timed_out, 17, "timed_out", "timed out", true)                                                \
+  X(bad_config, 18, "bad_config", "bad configuration", false)                                     \
+  X(bad_command, 19, "bad_command", "bad command", false)                                         \
+  X(bad_snapshot, 20, "bad_snapshot", "snapshot is not valid", false)                             \
+  X(bad_identity, 21, "bad_identity", "identity frame repeated or rank out of range", true)       \
+  X(bad_ring, 22, "bad_ring", "shared-memory ring frame, descriptor or contents not valid", true) \
+  X(bad_delivered, 23, "bad_delivered", "delivered frame repeated or after events", true)
 
 // Spelled like std::errc on purpose (it is used the same way), hence no kName constants.
 // NOLINTBEGIN(readability-identifier-naming)

@@ -23,12 +23,16 @@ static_assert(std::endian::native == std::endian::little,
 inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
 // The version this code speaks; a daemon also accepts hellos of kMinProtocolVersion..
 // kProtocolVersion (version 2 added the DroppedByCause frame, version 3 the ledger ops
-// ReserveLease and Renew, version 4 the Identity frame, nothing else).
-inline constexpr std::uint16_t kProtocolVersion = 5;
+// ReserveLease and Renew, version 4 the Identity frame, version 5 the shared rings,
+// version 6 the Delivered frame, nothing else).
+inline constexpr std::uint16_t kProtocolVersion = 6;
 inline constexpr std::uint16_t kLeaseProtocolVersion = 3;
 inline constexpr std::uint16_t kIdentityProtocolVersion = 4;
 // Rings in shared memory (RingAttach, ClockSync, RingAck; proto/shm_ring.h).
 inline constexpr std::uint16_t kShmProtocolVersion = 5;
+// The Delivered frame: what earlier daemons took, so a restarted one counts what died
+// with a crashed one.
+inline constexpr std::uint16_t kDeliveredProtocolVersion = 6;
 inline constexpr std::uint16_t kMinProtocolVersion = 1;
 
 // Hard limits that every decoder enforces.
@@ -81,6 +85,7 @@ enum class FrameType : std::uint16_t {
   kIdentity = 7,        // payload: Identity (protocol version 4 and later), at most once
   kRingAttach = 8,      // payload: RingAttach + one memfd (SCM_RIGHTS) (version 5 and later)
   kClockSync = 9,       // payload: ClockSync (version 5 and later)
+  kDelivered = 10,      // payload: Delivered (version 6 and later), at most once, first
   // daemon -> client
   kFlushAck = 0x81,  // payload: FlushAck
   kError = 0x82,     // payload: ErrorReport; the daemon closes the connection after it
@@ -177,6 +182,23 @@ struct DroppedByCause {
 };
 static_assert(sizeof(DroppedByCause) == 32);
 
+// The causes a daemon reports per process (PROTOCOL.md 10.4): the client's, then its own
+// daemon_crash: events the process delivered to a daemon that died before it made them
+// durable (Delivered, protocol version 6), counted by the daemon that follows it.
+inline constexpr std::size_t kDaemonCrashCause = kDropCauseCount;
+inline constexpr std::size_t kReportDropCauseCount = kDropCauseCount + 1;
+inline constexpr std::string_view kReportDropCauseNames[kReportDropCauseCount] = {
+    "buffer_full", "not_connected", "in_flight", "invalid", "daemon_crash"};
+
+// Version 6: the events of this process that daemons took before this connection (read
+// from its shared rings, or in Events frames a FlushAck acknowledged), cumulative since it
+// started. Sent at most once per connection, before any Events or RingAttach frame; the
+// daemon compares it with what it counted for the process (section 4.7c).
+struct Delivered {
+  std::uint64_t events;
+};
+static_assert(sizeof(Delivered) == 8);
+
 // Which job and rank the process belongs to (protocol version 4), from its environment
 // (STEPTRACE_JOB, TORCHELASTIC_RUN_ID, SLURM_JOB_ID; RANK, LOCAL_RANK, WORLD_SIZE).
 // At most one per connection; a process without either sends none.
@@ -267,6 +289,8 @@ constexpr std::uint32_t fixed_payload_size(FrameType type) {
       return sizeof(RingAttach);
     case FrameType::kClockSync:
       return sizeof(ClockSync);
+    case FrameType::kDelivered:
+      return sizeof(Delivered);
     case FrameType::kRingAck:
       return sizeof(RingAck);
     case FrameType::kFlushAck:

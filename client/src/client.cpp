@@ -520,6 +520,7 @@ void Client::fork_child() noexcept {
   t_tid = 0;
   thread_key_.set(nullptr);
   s_.registry.retired = {};
+  s_.registry.delivered = 0;  // this process delivered nothing yet
   s_.registry.used_bytes = 0;
   s_.registry.budget_epoch.fetch_add(1, std::memory_order_relaxed);
   for (auto& count : s_.other_dropped) count.store(0, std::memory_order_relaxed);

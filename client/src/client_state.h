@@ -52,6 +52,10 @@ struct RingRegistry {
   // mapped them: that daemon counts those from the rings' headers itself (cleared on
   // each new connection, whose daemon never saw them).
   proto::DroppedByCause retired_shared{};
+  // Events daemons took (the Delivered frame): of rings already freed, and of Events
+  // frames a FlushAck acknowledged. With each ring's daemon_took, what the process
+  // delivered.
+  std::uint64_t delivered = 0;
   std::uint32_t next_ring_id = 0;
 
   // The memory budget of the rings (ring_budget.h). All require mu.
@@ -61,6 +65,17 @@ struct RingRegistry {
   // Bumped whenever a ring's bytes return to the budget: a thread that got no ring
   // tries again when it sees a new value.
   std::atomic<std::uint64_t> budget_epoch{0};
+
+  // Requires mu. The events daemons took of this process's, up to each ring's daemon
+  // that let it go (a ring whose daemon still runs counts up to its offer).
+  std::uint64_t delivered_locked() {
+    std::uint64_t total = delivered;
+    for (auto& ring : rings) {
+      ring->consumer_gone();  // settles the rings of a daemon that is gone
+      total += ring->daemon_took;
+    }
+    return total;
+  }
 
   // Requires mu. Frees `ring` (orphaned, or any ring when nothing will drain it again),
   // counting what it never delivered under not_connected.
@@ -75,6 +90,7 @@ struct RingRegistry {
       retired_shared.count[cause_index(proto::DropCause::kNotConnected)] +=
           ring.dropped_not_connected();
     }
+    delivered += ring.daemon_took;
     used_bytes -= ring.bytes();
     rings.erase(rings.begin() + static_cast<std::ptrdiff_t>(index));  // frees it
     budget_epoch.fetch_add(1, std::memory_order_release);

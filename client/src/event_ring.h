@@ -213,8 +213,9 @@ class EventRing {
   // Flusher-only, under RingRegistry::mu: the ring's consumer on this connection and its
   // name in RingAttach/RingAck.
   Sharing sharing = Sharing::kLocal;
-  bool refused = false;     // the daemon of this connection refused it: not offered again
-  bool was_shared = false;  // a daemon mapped it; cleared once that daemon let it go
+  bool refused = false;  // the daemon of this connection refused it: not offered again
+  // Offered to a daemon (which may have mapped it); cleared once that daemon let it go.
+  bool was_shared = false;
   // Whether no daemon reads the ring any more (requires RingRegistry::mu): never shared,
   // or the header's consumer_pid is 0 (that daemon unmapped it after its last pass) or
   // names no live process (it crashed). Until then nobody else consumes or frees it.
@@ -227,8 +228,23 @@ class EventRing {
       return false;
     }
     was_shared = false;
+    daemon_took += consumed() - shared_from;  // only that daemon moved the tail meanwhile
     return true;
   }
+  // Offered to a daemon at tail `consumed()`: from now on it may consume the ring.
+  void offered() noexcept {
+    was_shared = true;
+    shared_from = consumed();
+  }
+  // The daemon said it does not map the ring: it never consumed any of it.
+  void refused_by_daemon() noexcept {
+    was_shared = false;
+    refused = true;
+  }
+  // Records daemons consumed (folded) from this ring, over every daemon that let it go
+  // (the Delivered frame's part of the ring).
+  std::uint64_t daemon_took = 0;
+  std::uint64_t shared_from = 0;  // the tail when it was offered
   std::uint32_t ring_id = 0;
 
   // Producer-only state for the opt-in blocking mode: after one bounded wait timed out

@@ -116,7 +116,7 @@ void Flusher::on_connected(proto::UniqueFd fd) {
   steps_sent_ = 0;
   resend_dropped_ = true;
   len_ = off_ = 0;
-  batch_records_ = 0;
+  batch_records_ = batch_events_ = 0;
   marks_.clear();
   unacked_.clear();
   clock_dirty_ = true;
@@ -157,7 +157,7 @@ void Flusher::close_connection(bool lost) {
   if (lost) unshare_rings();
   unacked_.clear();
   marks_.clear();
-  batch_records_ = 0;
+  batch_records_ = batch_events_ = 0;
   len_ = off_ = 0;
   fd_.reset();
   s_.connected.store(false, std::memory_order_release);
@@ -215,8 +215,14 @@ void Flusher::read_socket() {
         if ((ack->sequence & kOwnFlushBit) != 0) {
           if (ack->sequence >= hello_flush_) accepted_ = true;
           if (nudge_flush_ != 0 && ack->sequence >= nudge_flush_) nudge_flush_ = 0;
+          std::uint64_t delivered = 0;
           while (!unacked_.empty() && unacked_.front().flush <= ack->sequence) {
+            delivered += unacked_.front().events;
             unacked_.pop_front();
+          }
+          if (delivered != 0) {
+            std::lock_guard lock(s_.registry.mu);
+            s_.registry.delivered += delivered;
           }
           continue;
         }
@@ -255,8 +261,9 @@ void Flusher::send_pending() {
     return;
   }
   len_ = off_ = 0;
-  if (batch_records_ > 0) unacked_.push_back({batch_flush_, batch_records_});
+  if (batch_records_ > 0) unacked_.push_back({batch_flush_, batch_records_, batch_events_});
   batch_records_ = 0;
+  batch_events_ = 0;
   marks_.clear();
 }
 
@@ -335,6 +342,12 @@ void Flusher::encode_hello(proto::Encoder& enc) {
   if (version_ >= proto::kIdentityProtocolVersion && s_.identity.any()) {
     const ProcessIdentity& id = s_.identity;
     enc.identity(id.job, id.rank, id.local_rank, id.world_size);
+  }
+  if (version_ >= proto::kDeliveredProtocolVersion) {
+    // Before anything of this connection: the daemon compares it with what it counted
+    // for the process, and counts what a daemon that died took and did not keep.
+    std::lock_guard lock(s_.registry.mu);
+    enc.delivered(s_.registry.delivered_locked());
   }
   hello_flush_ = next_own_flush();
   enc.flush(hello_flush_);
@@ -512,6 +525,7 @@ void Flusher::encode_tail_locked(Round& round, std::uint64_t flush_seq) {
     }
   }
   batch_records_ = round.events_sent + round.ledger_sent;
+  batch_events_ = round.events_sent;
   // One nudge at a time: a daemon busy draining must not get a Flush per wake-up, or one
   // connection's Flushes keep its io thread from every other ring.
   const bool nudge = round.nudge && nudge_flush_ == 0;
@@ -596,6 +610,7 @@ void Flusher::offer_rings() {
       return;
     }
     ring.sharing = EventRing::Sharing::kOffered;
+    ring.offered();
     clock_dirty_ = false;
     const std::size_t sent = static_cast<std::size_t>(n);
     if (sent < enc.size()) {
@@ -604,6 +619,7 @@ void Flusher::offer_rings() {
       off_ = 0;
       len_ = enc.size() - sent;
       batch_records_ = 0;
+      batch_events_ = 0;
       marks_.clear();
       return;
     }
@@ -617,9 +633,8 @@ void Flusher::ring_answered(const proto::RingAck& ack) {
     ring->sharing = ack.status == static_cast<std::uint32_t>(proto::RingStatus::kMapped)
                         ? EventRing::Sharing::kShared
                         : EventRing::Sharing::kLocal;
-    if (ring->sharing == EventRing::Sharing::kShared) ring->was_shared = true;
     if (ring->sharing == EventRing::Sharing::kLocal) {
-      ring->refused = true;
+      ring->refused_by_daemon();
       s_.rings_refused.fetch_add(1, std::memory_order_relaxed);
     }
     return;

@@ -186,6 +186,7 @@ class Flusher {
   std::size_t len_ = 0;
   std::size_t off_ = 0;
   std::uint64_t batch_records_ = 0;
+  std::uint64_t batch_events_ = 0;  // of batch_records_, the events (not ledger records)
   struct FrameMark {
     std::size_t end;
     std::uint32_t records;
@@ -196,6 +197,7 @@ class Flusher {
   struct Unacked {
     std::uint64_t flush;
     std::uint64_t records;
+    std::uint64_t events;  // delivered once acknowledged (RingRegistry::delivered)
   };
   std::deque<Unacked> unacked_;
   std::vector<std::uint64_t> heads_;

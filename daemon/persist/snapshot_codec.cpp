@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <map>
 #include <set>
 #include <utility>
@@ -48,10 +49,10 @@ constexpr StringRule kJobRule{0, proto::kMaxNameLength};  // a job id (may be ""
 
 // The snapshot's own keys for the drop causes, by proto::DropCause: a format of its own,
 // so that renaming a cause in a report or on the wire cannot change what a snapshot says
-// (version 1 wrote these).
-constexpr std::array<std::string_view, proto::kDropCauseCount> kDropCauseKeys = {
-    "buffer_full", "not_connected", "in_flight", "invalid"};
-using DropCounts = std::array<std::uint64_t, proto::kDropCauseCount>;
+// (version 1 wrote the first four; daemon_crash is optional, absent in older files).
+constexpr std::array<std::string_view, proto::kReportDropCauseCount> kDropCauseKeys = {
+    "buffer_full", "not_connected", "in_flight", "invalid", "daemon_crash"};
+using DropCounts = std::array<std::uint64_t, proto::kReportDropCauseCount>;
 
 // ---- encode ------------------------------------------------------------------------------
 
@@ -104,6 +105,7 @@ json process_json(const ProcessImage& p) {
               {"custom_steps", std::move(custom)},
               {"steps", std::move(steps)}};
   // The Identity's fields, when the process sent them (absent: not known).
+  if (p.events) out["events"] = *p.events;  // absent: restored from a file without it
   if (!p.job.empty()) out["job"] = p.job;
   if (p.rank != proto::kNoRank) out["rank"] = p.rank;
   if (p.local_rank != proto::kNoRank) out["local_rank"] = p.local_rank;
@@ -138,6 +140,8 @@ bool read_drop_causes(std::optional<JsonObject> causes, DropCounts& out) {
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
     causes->get_unsigned(kDropCauseKeys[i], out[i]);
   }
+  causes->optional_unsigned(kDropCauseKeys[proto::kDaemonCrashCause],
+                            out[proto::kDaemonCrashCause]);
   return causes->finish();
 }
 
@@ -206,6 +210,11 @@ bool read_process(JsonObject p, ProcessImage& out) {
   p.get_unsigned("exit_order", out.exit_order);
   p.get_unsigned("dropped", out.dropped);
   if (!read_drop_causes(p.optional_object("dropped_by_cause"), out.dropped_by_cause)) return false;
+  // Absent in files of builds that did not count a process's events (then unknown).
+  constexpr std::uint64_t kAbsent = std::numeric_limits<std::uint64_t>::max();
+  std::uint64_t events = kAbsent;
+  p.optional_unsigned("events", events, 0, kAbsent - 1);
+  if (events != kAbsent) out.events = events;
   p.optional_string("job", out.job, kJobRule);
   p.optional_unsigned("world_size", out.world_size, 1, proto::kNoRank - 1);
   const std::uint64_t max_rank = out.world_size != 0 ? out.world_size - 1 : proto::kNoRank - 1;

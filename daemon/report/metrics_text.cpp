@@ -225,12 +225,12 @@ void append_live_process_metrics(std::span<const ProcessFigures> all, std::strin
                        "Events a live process could not deliver, by cause (clients of "
                        "protocol version 2; buffer_full means the daemon fell behind).");
   for (const Live& l : live) {
-    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+    for (std::size_t i = 0; i < proto::kReportDropCauseCount; ++i) {
       f_cause.sample({{"pid", l.pid},
                       {"comm", l.p->comm},
                       {"job_id", l.p->job},
                       {"rank", l.rank},
-                      {"cause", proto::kDropCauseNames[i]}},
+                      {"cause", proto::kReportDropCauseNames[i]}},
                      l.p->dropped_by_cause[i]);
     }
   }
@@ -251,8 +251,9 @@ void append_ingest_metrics(const DaemonCounters& c, std::string& out) {
   {
     MetricFamily f(out, "steptrace_events_dropped_by_clients_by_cause_total", "counter",
                    "Events clients could not deliver, by cause (protocol version 2 clients).");
-    for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
-      f.sample({{"cause", std::string(proto::kDropCauseNames[i])}}, c.events_dropped_by_cause[i]);
+    for (std::size_t i = 0; i < proto::kReportDropCauseCount; ++i)
+      f.sample({{"cause", std::string(proto::kReportDropCauseNames[i])}},
+               c.events_dropped_by_cause[i]);
   }
   // The kinds of protocol error (proto/errc.h, and those sessions count that are not
   // errcs) are always exported, zero until seen; any other kind counted is exported too.

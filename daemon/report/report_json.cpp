@@ -16,12 +16,13 @@
 namespace steptrace::daemon {
 namespace {
 
-// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n}: the wire's cause
-// names (PROTOCOL.md section 4.7).
-nlohmann::json drop_causes_json(const std::array<std::uint64_t, proto::kDropCauseCount>& counts) {
+// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n, "daemon_crash": n}:
+// the wire's cause names (PROTOCOL.md section 4.7), then the daemon's own (4.7c).
+nlohmann::json drop_causes_json(
+    const std::array<std::uint64_t, proto::kReportDropCauseCount>& counts) {
   nlohmann::json j = nlohmann::json::object();
-  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
-    j[std::string(proto::kDropCauseNames[i])] = counts[i];
+  for (std::size_t i = 0; i < proto::kReportDropCauseCount; ++i)
+    j[std::string(proto::kReportDropCauseNames[i])] = counts[i];
   return j;
 }
 
@@ -80,6 +81,7 @@ nlohmann::json process_json(const ProcessFigures& p, std::uint64_t now) {
       {"world_size", p.world_size == 0 ? nlohmann::json(nullptr) : nlohmann::json(p.world_size)},
       {"alive", p.alive},
       {"connections", p.connections},
+      {"events", p.events ? nlohmann::json(*p.events) : nlohmann::json(nullptr)},
       {"dropped", p.dropped},
       {"dropped_by_cause", drop_causes_json(p.dropped_by_cause)},
       {"unmatched_ends", p.unmatched_ends},

@@ -118,9 +118,9 @@ std::string step_table(const std::vector<StepFigures>& totals) {
 // " (buffer full N, not connected N, ...)" for the causes that are not 0.
 std::string drop_causes_text(const ProcessFigures& rec) {
   std::string out;
-  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
+  for (std::size_t i = 0; i < proto::kReportDropCauseCount; ++i) {
     if (rec.dropped_by_cause[i] == 0) continue;
-    std::string name(proto::kDropCauseNames[i]);
+    std::string name(proto::kReportDropCauseNames[i]);
     std::replace(name.begin(), name.end(), '_', ' ');
     out += (out.empty() ? " (" : ", ") + name + " " + std::to_string(rec.dropped_by_cause[i]);
   }

@@ -374,7 +374,9 @@ void TraceExport::next_mark(std::string& out) {
 // On the sender's process: how many events were lost and why.
 void TraceExport::write_drop(std::string& out, const TraceMark& m) {
   const std::string_view cause = trace_drop_cause(m.cause);
-  const bool by_daemon = m.cause == kDaemonDropOpenDepth || m.cause == kDaemonDropStateLimit;
+  // What the daemon lost or could not fold itself, against what the client reported.
+  const bool by_daemon = m.cause == kDaemonDropOpenDepth || m.cause == kDaemonDropStateLimit ||
+                         m.cause == proto::kDaemonCrashCause;
   const std::string name = "dropped: " + std::string(cause);
   begin_event(out);
   write_event(out,

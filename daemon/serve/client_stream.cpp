@@ -277,6 +277,10 @@ std::error_code ClientStream::apply(const proto::Message& message) {
             collector.identity(handle, identity);
             return {};
           },
+          [&](const proto::Delivered& delivered) -> std::error_code {
+            collector.delivered(handle, delivered.events);
+            return {};
+          },
           [&](const proto::FlushRequest& flush) -> std::error_code {
             // Everything the process published before it asked is folded before the ack.
             if (rings_) drain_rings(SharedRings::Pass::kLive);

@@ -166,6 +166,7 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
     state.slots.push_back(std::move(rec));
   }
   state.by_key.emplace(peer.key, handle);
+  ++state.generation;
   out = handle;
   recorder_.begin_process(handle, peer);
   return {};
@@ -215,6 +216,10 @@ CollectorView::CollectorView(const CollectorState& state, const DaemonCounters& 
       uptime_(std::chrono::steady_clock::now() - counters.started) {}
 
 CollectorView::~CollectorView() = default;
+
+std::uint64_t Collector::generation() const {
+  return state_->generation + state_->ledger.changes();
+}
 
 std::shared_ptr<const CollectorView> Collector::freeze(const ServerCounters* server) const {
   DaemonCounters counters = counters_;
@@ -277,7 +282,7 @@ std::error_code Collector::adopt_restored(RestoredState restored) {
   for (const CounterRow& row : kCounterTable) {
     if (row.kept != Kept::kNo) c.*row.field += r.*row.field;
   }
-  for (std::size_t i = 0; i < proto::kDropCauseCount; ++i)
+  for (std::size_t i = 0; i < proto::kReportDropCauseCount; ++i)
     c.events_dropped_by_cause[i] += r.events_dropped_by_cause[i];
   for (const auto& [k, v] : r.protocol_errors) c.protocol_errors[k] += v;
   for (const auto& [k, v] : r.limits_hit) c.limits_hit[k] += v;

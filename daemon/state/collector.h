@@ -145,6 +145,10 @@ class Collector {
   void dropped(ProcessHandle process, std::uint64_t total_dropped);
   // Protocol version 2: the same, per cause (each cumulative; the total is their sum).
   void dropped_by_cause(ProcessHandle process, const proto::DroppedByCause& causes);
+  // A Delivered frame (protocol version 6): what earlier daemons took of the process's
+  // events. Beyond what this daemon counted for it, they were lost with a daemon that
+  // stopped before it made them durable: counted as the process's daemon_crash drops.
+  void delivered(ProcessHandle process, std::uint64_t delivered);
   // Whether an event of `step` can be folded for the process now: a built-in step, or a
   // custom one it registered (shared-memory rings wait for the registration).
   bool step_known(ProcessHandle process, std::uint32_t step) const;
@@ -177,6 +181,9 @@ class Collector {
   // The daemon renders every report from a view on its render thread.
   // `server`: the server's counters, added to the view's (none in unit tests of state).
   std::shared_ptr<const CollectorView> freeze(const ServerCounters* server = nullptr) const;
+  // Grows with every change of the state (processes, retired totals, ledger): equal
+  // values mean nothing a snapshot holds changed in between, but the counters.
+  std::uint64_t generation() const;
 
   // ---- timeline (daemon/state/flight_recorder.h) --------------------------------------
   // The flight recorder's window now, for `trace` (all processes, or those pids; events

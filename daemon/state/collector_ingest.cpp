@@ -230,6 +230,7 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
       break;
     }
   }
+  rec->events += applied;
   if (losses.depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, losses.depth_hits);
   if (recorder_.on()) [[likely]] {
     const std::uint64_t now = env_.monotonic_now_ns();
@@ -280,9 +281,10 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
   if (process >= state_->slots.size() || !state_->slots[process]) return;
   ProcessRecord& rec = state_->write(process);
-  // A version-1 report: no cause.
-  const std::uint64_t more = raise_dropped(rec, total_dropped);
-  if (more != 0) mark_drop(rec.key(), proto::kDropCauseCount, more);
+  // A version-1 report: no cause. What the daemon counted itself comes on top.
+  const std::uint64_t more = raise_dropped(
+      rec, saturating_add(total_dropped, rec.dropped_by_cause[proto::kDaemonCrashCause]));
+  if (more != 0) mark_drop(rec.key(), kDropNoCause, more);
 }
 
 std::uint64_t Collector::raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped) {
@@ -324,7 +326,26 @@ void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCa
     // Saturating: a hostile client's counts must not wrap the total.
     total = saturating_add(total, rec.dropped_by_cause[i]);
   }
-  raise_dropped(rec, total);
+  raise_dropped(rec, saturating_add(total, rec.dropped_by_cause[proto::kDaemonCrashCause]));
+}
+
+void Collector::delivered(ProcessHandle process, std::uint64_t delivered) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  ProcessRecord& rec = state_->write(process);
+  // A process restored from a snapshot that did not count its events: nothing to compare.
+  if (!rec.events_known) return;
+  // Both are cumulative for the process, and a daemon counts an event before it lets
+  // the process know it took it (a ring's tail, a FlushAck): what earlier daemons took
+  // beyond what this one has died with them. Counted once: the maximum seen.
+  const std::uint64_t lost = delivered > rec.events ? delivered - rec.events : 0;
+  std::uint64_t& crash = rec.dropped_by_cause[proto::kDaemonCrashCause];
+  if (lost <= crash) return;
+  const std::uint64_t more = lost - crash;
+  crash = lost;
+  std::uint64_t& total = counters_.events_dropped_by_cause[proto::kDaemonCrashCause];
+  total = saturating_add(total, more);
+  raise_dropped(rec, saturating_add(rec.dropped, more));
+  mark_drop(rec.key(), static_cast<std::uint8_t>(proto::kDaemonCrashCause), more);
 }
 
 }  // namespace steptrace::daemon

@@ -40,7 +40,7 @@
 
 namespace steptrace::daemon {
 
-using DropCounts = std::array<std::uint64_t, proto::kDropCauseCount>;
+using DropCounts = std::array<std::uint64_t, proto::kReportDropCauseCount>;
 
 struct StepAgg {
   Histogram hist;  // count, total, min, max, percentiles, Prometheus buckets
@@ -99,7 +99,11 @@ struct ProcessRecord {
   std::uint64_t exited_at_ns = 0;  // CLOCK_MONOTONIC when the exit was noticed
   std::uint64_t exit_order = 0;    // increasing per exit: oldest exited goes first
   std::uint64_t dropped = 0;       // max of the client's cumulative reports
-  DropCounts dropped_by_cause{};   // max per cause
+  DropCounts dropped_by_cause{};   // max per cause; daemon_crash: Collector::delivered
+  // Event records folded for it (in the snapshot, so across restarts): what a Delivered
+  // frame is compared with. Not known for a process restored from an older snapshot.
+  std::uint64_t events = 0;
+  bool events_known = true;
   // From the Identity frame (protocol version 4); empty / proto::kNoRank / 0: not sent.
   std::string job;
   std::uint32_t rank = proto::kNoRank;
@@ -181,19 +185,25 @@ struct CollectorState {
 
   // The record of `handle`, cloned first when a view still holds it. Requires a record.
   ProcessRecord& write(ProcessHandle handle) {
+    ++generation;
     auto& slot = slots[handle];
     if (slot.use_count() > 1) slot = slot->clone();
     return *slot;
   }
   RetiredHistograms& write_retired() {
+    ++generation;
     if (retired.use_count() > 1) retired = std::make_shared<RetiredHistograms>(*retired);
     return *retired;
   }
   RetiredJobs& write_retired_jobs() {
+    ++generation;
     if (retired_jobs.use_count() > 1) retired_jobs = std::make_shared<RetiredJobs>(*retired_jobs);
     return *retired_jobs;
   }
 
+  // Counts the mutations (write(), write_retired*(), a record added): with the ledger's
+  // changes(), what tells the snapshot timer the state changed since the last one.
+  std::uint64_t generation = 0;
   std::vector<std::shared_ptr<ProcessRecord>> slots;  // by ProcessHandle
   std::vector<ProcessHandle> free_slots;
   std::map<ProcessKey, ProcessHandle> by_key;

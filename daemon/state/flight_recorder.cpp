@@ -106,7 +106,7 @@ std::string host_name() {
 }  // namespace
 
 std::string_view trace_drop_cause(std::uint8_t cause) {
-  if (cause < proto::kDropCauseCount) return proto::kDropCauseNames[cause];
+  if (cause < proto::kReportDropCauseCount) return proto::kReportDropCauseNames[cause];
   if (cause == kDaemonDropOpenDepth) return "max_open_depth";
   if (cause == kDaemonDropStateLimit) return "state_limits";
   return "unknown";

@@ -112,9 +112,10 @@ struct TraceMark {
   std::array<std::uint32_t, 4> findings{};
 };
 
-// TraceMark::cause: proto::DropCause (the client's report), proto::kDropCauseCount (a
-// version-1 report, no cause), or one of these (the daemon's own, stamped with the
-// first lost event's timestamp).
+// TraceMark::cause: proto::DropCause (the client's report), proto::kDaemonCrashCause
+// (counted at a Delivered frame), kDropNoCause (a version-1 report), or one of these (the daemon's
+// own, stamped with the first lost event's timestamp).
+inline constexpr std::uint8_t kDropNoCause = 0x7f;
 inline constexpr std::uint8_t kDaemonDropOpenDepth = 0x80;   // starts past max_open_depth
 inline constexpr std::uint8_t kDaemonDropStateLimit = 0x81;  // a thread or slot past limits
 // "buffer_full", ..., "unknown" (version 1), "max_open_depth", "state_limits".

@@ -59,6 +59,7 @@ LedgerView::LedgerView(const LedgerView& other) = default;
 LedgerView::~LedgerView() = default;
 
 ledger::State& LedgerView::write_state() {
+  ++changes_;
   if (state_.use_count() > 1) state_ = std::make_shared<ledger::State>(*state_);
   return *state_;
 }

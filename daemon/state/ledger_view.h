@@ -87,6 +87,7 @@ class LedgerView {
 
   // ---- hand-over to the renderers (daemon/report/ledger_report.h) and the snapshot codec
   const ledger::State& state() const { return *state_; }
+  std::uint64_t changes() const { return changes_; }  // grows with every change of state()
   // Replaces the state with a restored one, validated by the codec (attribution marks
   // are dropped: the spans they were for ended with the daemon that wrote the snapshot).
   // Leases not expired then run at least one more lease from `now_ns`.
@@ -94,6 +95,7 @@ class LedgerView {
 
  private:
   ledger::State& write_state();  // clones a state a copy still shares
+  std::uint64_t changes_ = 0;    // write_state() calls: Collector::generation()
 
   const Limits& limits_;
   DaemonCounters& counters_;

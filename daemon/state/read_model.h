@@ -70,7 +70,10 @@ struct ProcessFigures {
   std::uint32_t connections = 0;
   std::uint64_t exited_at_ns = 0;  // when its exit was noticed (not alive)
   std::uint64_t dropped = 0;
-  std::array<std::uint64_t, proto::kDropCauseCount> dropped_by_cause{};
+  std::array<std::uint64_t, proto::kReportDropCauseCount> dropped_by_cause{};
+  // Event records folded for it, over the daemon's restarts; none when restored from a
+  // snapshot of a build that did not count them.
+  std::optional<std::uint64_t> events;
   // Over all its steps.
   std::uint64_t unmatched_ends = 0;
   std::uint64_t abandoned = 0;

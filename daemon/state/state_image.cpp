@@ -28,6 +28,7 @@ ProcessImage process_image(const ProcessRecord& rec) {
   p.exit_order = rec.exit_order;
   p.dropped = rec.dropped;
   p.dropped_by_cause = rec.dropped_by_cause;
+  if (rec.events_known) p.events = rec.events;
   p.job = rec.job;
   p.rank = rec.rank;
   p.local_rank = rec.local_rank;
@@ -112,6 +113,8 @@ std::shared_ptr<ProcessRecord> make_record(ProcessImage p) {
   rec->exit_order = p.exit_order;
   rec->dropped = p.dropped;
   rec->dropped_by_cause = p.dropped_by_cause;
+  rec->events = p.events.value_or(0);
+  rec->events_known = p.events.has_value();
   rec->job = std::move(p.job);
   rec->rank = p.rank;
   rec->local_rank = p.local_rank;

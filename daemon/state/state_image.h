@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,9 @@ struct ProcessImage {
   std::uint64_t exited_at_ns = 0;  // CLOCK_MONOTONIC when its exit was noticed
   std::uint64_t exit_order = 0;    // increasing per exit (nonzero once exited)
   std::uint64_t dropped = 0;
-  std::array<std::uint64_t, proto::kDropCauseCount> dropped_by_cause{};
+  std::array<std::uint64_t, proto::kReportDropCauseCount> dropped_by_cause{};
+  // Event records folded for it; none when a snapshot of an older build did not say.
+  std::optional<std::uint64_t> events;
   // From the Identity frame; "" / proto::kNoRank / 0: not sent.
   std::string job;
   std::uint32_t rank = proto::kNoRank;

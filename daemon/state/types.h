@@ -195,7 +195,7 @@ struct DaemonCounters {
   std::uint64_t events_dropped_by_clients = 0;  // sum over processes of their reports
   // The same by proto::DropCause (version-2 clients; a version-1 client's drops have no
   // cause and are only in the total).
-  std::array<std::uint64_t, proto::kDropCauseCount> events_dropped_by_cause{};
+  std::array<std::uint64_t, proto::kReportDropCauseCount> events_dropped_by_cause{};
   std::uint64_t connections_now = 0;
   std::uint64_t connections_total = 0;
   std::uint64_t connections_rejected = 0;   // over max_connections

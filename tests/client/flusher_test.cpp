@@ -101,6 +101,8 @@ class FakeDaemon {
     return ::poll(&p, 1, ms) == 0;
   }
   std::uint16_t version() const { return decoder_->version(); }
+  // The Delivered frame of the last handshake (version 6).
+  std::optional<std::uint64_t> delivered() const { return delivered_; }
   std::error_code error() const { return error_; }
 
   void send_ack(std::uint64_t sequence) {
@@ -121,6 +123,12 @@ class FakeDaemon {
   std::uint16_t handshake(bool ack = true) {
     const auto hello = next();
     if (!hello || !std::holds_alternative<proto::Hello>(*hello)) return 0;
+    // Version 6: what earlier daemons took comes first.
+    if (std::get<proto::Hello>(*hello).version >= proto::kDeliveredProtocolVersion) {
+      const auto delivered = next();
+      if (!delivered || !std::holds_alternative<proto::Delivered>(*delivered)) return 0;
+      delivered_ = std::get<proto::Delivered>(*delivered).events;
+    }
     const auto flush = next();
     if (!flush || !std::holds_alternative<proto::FlushRequest>(*flush)) return 0;
     const std::uint64_t seq = std::get<proto::FlushRequest>(*flush).sequence;
@@ -136,6 +144,7 @@ class FakeDaemon {
   int conn_fd_ = -1;
   std::optional<proto::Decoder> decoder_;
   std::error_code error_;
+  std::optional<std::uint64_t> delivered_;
 };
 
 // What a stretch of the stream carried.
@@ -193,6 +202,10 @@ TEST(Flusher, EventsFollowOnlyOnceTheDaemonAcknowledgedTheHello) {
   const auto hello = daemon.next();
   ASSERT_TRUE(hello && std::holds_alternative<proto::Hello>(*hello));
   EXPECT_EQ(std::get<proto::Hello>(*hello).version, proto::kProtocolVersion);
+  // No daemon took anything of this process yet: the 100 events were only recorded.
+  const auto delivered = daemon.next();
+  ASSERT_TRUE(delivered && std::holds_alternative<proto::Delivered>(*delivered));
+  EXPECT_EQ(std::get<proto::Delivered>(*delivered).events, 0u);
   const auto flush = daemon.next();
   ASSERT_TRUE(flush && std::holds_alternative<proto::FlushRequest>(*flush));
   const std::uint64_t seq = std::get<proto::FlushRequest>(*flush).sequence;
@@ -202,6 +215,15 @@ TEST(Flusher, EventsFollowOnlyOnceTheDaemonAcknowledgedTheHello) {
   const Seen seen = read_until(daemon, [](const Seen& s) { return s.events >= 100; });
   EXPECT_EQ(seen.events, 100u);
   EXPECT_EQ(seen.by_cause_frames, 0);  // nothing was dropped: no report
+  EXPECT_EQ(steptrace_dropped(), 0u);
+  // Once the batch's Flush is acknowledged the daemon took them: the next connection's
+  // Delivered frame says so (what a restarted daemon compares with what it kept).
+  read_until(
+      daemon, [](const Seen&) { return false; }, 300);  // acks every Flush
+  daemon.close_connection();
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  EXPECT_EQ(daemon.delivered(), std::optional<std::uint64_t>(100));
   EXPECT_EQ(steptrace_dropped(), 0u);
 }
 
@@ -258,8 +280,8 @@ TEST(Flusher, VersionOneDaemonGetsVersionOneAfterEachNewerVersionIsRefusedAndLos
   steptrace_start(4000);  // unknown step: one invalid drop
   spans(STEPTRACE_MATMUL, 100);
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  // A version-1 daemon refuses the version-5 hello and closes, then versions 4, 3 and 2.
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {5, 4, 3, 2}));
+  // A version-1 daemon refuses the version-6 hello and closes, then versions 5, 4, 3 and 2.
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {6, 5, 4, 3, 2}));
   // The next connection speaks version 1 (and the daemon decodes it as version 1: a
   // DroppedByCause frame would be a decode error).
   ASSERT_TRUE(daemon.accept_connection(5000));
@@ -304,7 +326,7 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
 TEST(Flusher, AVersionTwoDaemonGetsLeasedReservationsWithoutTheLeaseAndNoRenewals) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {5, 4, 3}));
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {6, 5, 4, 3}));
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), 2u);
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);

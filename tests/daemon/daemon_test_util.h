@@ -163,6 +163,13 @@ class Connection {
     EXPECT_TRUE(enc.identity(job, rank, local_rank, world_size));
     return deliver(enc.bytes());
   }
+  // What earlier daemons took (protocol version 6): before any event of the connection.
+  std::error_code delivered(std::uint64_t events) {
+    std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::Delivered)> buf{};
+    proto::Encoder enc(buf);
+    EXPECT_TRUE(enc.delivered(events));
+    return deliver(enc.bytes());
+  }
   std::error_code ledger(const proto::LedgerRecord& record) {
     std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::LedgerRecord)> buf{};
     proto::Encoder enc(buf);

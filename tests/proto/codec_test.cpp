@@ -451,12 +451,12 @@ TEST(ProtoMalformed, BadMagic) {
 }
 
 TEST(ProtoMalformed, UnsupportedVersion) {
-  for (std::uint16_t version : {0, 6, 0x100, 0xffff}) {
+  for (std::uint16_t version : {0, 7, 0x100, 0xffff}) {
     expect_rejected(Side::kDaemon, hello_bytes(version), errc::unsupported_version, 0);
   }
   // The version is checked before the rest of the hello, so a future hello with other
   // flags still gets "unsupported version".
-  expect_rejected(Side::kDaemon, hello_bytes(6, 0xffff, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(7, 0xffff, ""), errc::unsupported_version, 0);
 }
 
 TEST(ProtoMalformed, BadHello) {
@@ -500,7 +500,7 @@ TEST(ProtoMalformed, ConfiguredSmallerCapIsEnforced) {
 }
 
 TEST(ProtoMalformed, UnknownFrameType) {
-  for (std::uint16_t type : {0, 10, 0x80, 0x84, 0x100, 0xffff}) {
+  for (std::uint16_t type : {0, 11, 0x80, 0x84, 0x100, 0xffff}) {
     SCOPED_TRACE(type);
     expect_daemon_frame_rejected(frame_bytes(type, Bytes(8)), errc::unknown_frame_type);
     expect_rejected(Side::kClient, frame_bytes(type, Bytes(8)), errc::unknown_frame_type, 0);
@@ -831,6 +831,7 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
       {20, "bad_snapshot", "snapshot is not valid"},
       {21, "bad_identity", "identity frame repeated or rank out of range"},
       {22, "bad_ring", "shared-memory ring frame, descriptor or contents not valid"},
+      {23, "bad_delivered", "delivered frame repeated or after events"},
   };
   ASSERT_EQ(kErrcTable.size(), std::size(expected));
   for (const Expected& e : expected) {
@@ -842,10 +843,10 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
     EXPECT_STREQ(row.name, e.name);
     EXPECT_STREQ(row.message, e.message);
   }
-  EXPECT_EQ(static_cast<int>(errc::bad_ring), 22);
+  EXPECT_EQ(static_cast<int>(errc::bad_delivered), 23);
   EXPECT_STREQ(errc_name(static_cast<errc>(0)), "unknown");
-  EXPECT_STREQ(errc_name(static_cast<errc>(23)), "unknown");
-  EXPECT_EQ(make_error_code(static_cast<errc>(23)).message(), "unknown steptrace error");
+  EXPECT_STREQ(errc_name(static_cast<errc>(24)), "unknown");
+  EXPECT_EQ(make_error_code(static_cast<errc>(24)).message(), "unknown steptrace error");
 }
 
 // The kinds `metrics` always exports under steptrace_protocol_errors_total: the ones the
@@ -855,11 +856,12 @@ TEST(ProtoErrc, ProtocolErrorKinds) {
   for (const ErrcInfo& e : kErrcTable) {
     if (e.protocol_error) kinds.emplace_back(e.name);
   }
-  EXPECT_EQ(kinds, (std::vector<std::string>{
-                       "truncated", "bad_magic", "unsupported_version", "bad_hello",
-                       "frame_too_large", "unknown_frame_type", "bad_frame_size", "bad_reserved",
-                       "bad_step_id", "bad_event_kind", "bad_string", "bad_ledger_op",
-                       "unregistered_step", "timed_out", "bad_identity", "bad_ring"}));
+  EXPECT_EQ(kinds,
+            (std::vector<std::string>{"truncated", "bad_magic", "unsupported_version", "bad_hello",
+                                      "frame_too_large", "unknown_frame_type", "bad_frame_size",
+                                      "bad_reserved", "bad_step_id", "bad_event_kind", "bad_string",
+                                      "bad_ledger_op", "unregistered_step", "timed_out",
+                                      "bad_identity", "bad_ring", "bad_delivered"}));
 }
 
 // ---- encoder ------------------------------------------------------------------------

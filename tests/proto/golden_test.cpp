@@ -229,11 +229,36 @@ TEST(ProtoGolden, HelloVersion3) { expect_hello_golden("hello_v3.hex", 3); }
 
 TEST(ProtoGolden, HelloVersion4) { expect_hello_golden("hello_v4.hex", 4); }
 
-TEST(ProtoGolden, HelloVersion5) {
-  expect_hello_golden("hello_v5.hex", 5);
+TEST(ProtoGolden, HelloVersion5) { expect_hello_golden("hello_v5.hex", 5); }
+
+TEST(ProtoGolden, HelloVersion6) {
+  expect_hello_golden("hello_v6.hex", 6);
   // The encoder's default is kProtocolVersion.
-  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.5.0", "trainer")); }),
-            read_hex("hello_v5.hex"));
+  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.6.0", "trainer")); }),
+            read_hex("hello_v6.hex"));
+}
+
+TEST(ProtoGolden, Delivered) {
+  expect_golden("delivered.hex", encode([](Encoder& e) { ASSERT_TRUE(e.delivered(1234567)); }), 16);
+  const auto got =
+      std::get<Delivered>(decode_one(Side::kDaemon, read_hex("delivered.hex"), "hello_v6.hex"));
+  EXPECT_EQ(got.events, 1234567u);
+  // A version-5 stream does not carry it.
+  const DecodeAll v5 = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello_v5.hex"), read_hex("delivered.hex")}));
+  EXPECT_EQ(v5.error, make_error_code(errc::unknown_frame_type));
+  // At most once, and before any event or ring: it is compared with what the daemon
+  // counted before the connection sent anything.
+  const DecodeAll twice = decode_all(
+      Side::kDaemon, testing::concat({read_hex("hello_v6.hex"), read_hex("delivered.hex"),
+                                      read_hex("delivered.hex")}));
+  EXPECT_EQ(twice.error, make_error_code(errc::bad_delivered));
+  EXPECT_EQ(twice.messages.size(), 2u);
+  const DecodeAll late =
+      decode_all(Side::kDaemon, testing::concat({read_hex("hello_v6.hex"), read_hex("events.hex"),
+                                                 read_hex("delivered.hex")}));
+  EXPECT_EQ(late.error, make_error_code(errc::bad_delivered));
+  EXPECT_EQ(late.messages.size(), 2u);
 }
 
 TEST(ProtoGolden, RingAttach) {

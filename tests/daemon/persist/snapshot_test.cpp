@@ -183,6 +183,80 @@ TEST(SnapshotTest, RestoreRejectsBadDocumentsAndLeavesStateUnchanged) {
   }
 }
 
+// kill -9 between two snapshots: what the process delivered after the last one is gone
+// with the daemon. Its next connection says how much it delivered in all (Delivered),
+// and the restarted daemon counts the difference as daemon_crash, once.
+TEST(SnapshotTest, WhatACrashedDaemonTookAndDidNotKeepIsCountedWhenTheProcessReturns) {
+  FakeWorld world;
+  Collector crashed(Limits{}, world.env());
+  json doc;
+  {
+    Connection a(crashed, world.spawn(4242, 100, "python3"));
+    ASSERT_FALSE(a.delivered(0));
+    ASSERT_FALSE(a.events({start(1, 0, 0), end(1, 0, 10), start(1, 1, 10), end(1, 1, 20)}));
+    doc = snapshot_of(crashed);  // the last snapshot: 4 events
+    ASSERT_FALSE(a.events({start(1, 0, 30), end(1, 0, 40), start(1, 0, 50), end(1, 0, 60),
+                           start(1, 0, 70), end(1, 0, 80)}));  // taken, then lost
+    EXPECT_EQ(report::report_json(*crashed.freeze(), 4242)["processes"][0]["events"], 10);
+  }
+  EXPECT_EQ(doc["processes"][0]["events"], 4);
+  Collector restarted(Limits{}, world.env());
+  ASSERT_FALSE(restore_from_snapshot(restarted, doc));
+  auto process = [&] { return report::report_json(*restarted.freeze(), 4242)["processes"][0]; };
+  {
+    Connection a(restarted, world.spawn(4242, 100, "python3"));
+    ASSERT_FALSE(a.delivered(10));
+    ASSERT_FALSE(a.events({start(1, 0, 100), end(1, 0, 110)}));
+    ASSERT_FALSE(a.dropped_by_cause({{1, 0, 0, 0}}));  // the library's own drop
+  }
+  EXPECT_EQ(process()["events"], 6);
+  EXPECT_EQ(process()["dropped_by_cause"]["daemon_crash"], 6);
+  EXPECT_EQ(process()["dropped_by_cause"]["buffer_full"], 1);
+  EXPECT_EQ(process()["dropped"], 7);  // 6 + 7 == the 13 events it recorded
+  EXPECT_EQ(report::report_json(*restarted.freeze(),
+                                std::nullopt)["daemon"]["events_dropped_by_cause"]["daemon_crash"],
+            6);
+  // A later connection of the same process (no crash in between) counts nothing more.
+  Connection again(restarted, world.spawn(4242, 100, "python3"));
+  ASSERT_FALSE(again.delivered(12));
+  EXPECT_EQ(process()["dropped"], 7);
+  // A second Delivered on a connection, or one after events, is a protocol error.
+  EXPECT_EQ(again.delivered(12), make_error_code(errc::bad_delivered));
+  Connection late(restarted, world.spawn(4242, 100, "python3"));
+  ASSERT_FALSE(late.events({start(1, 0, 200), end(1, 0, 210)}));
+  EXPECT_EQ(late.delivered(14), make_error_code(errc::bad_delivered));
+  // The count survives the next restart with the rest.
+  Collector third(Limits{}, world.env());
+  again.close();
+  late.close();
+  ASSERT_FALSE(restore_from_snapshot(third, snapshot_of(restarted)));
+  const json p = report::report_json(*third.freeze(), 4242)["processes"][0];
+  EXPECT_EQ(p["dropped_by_cause"]["daemon_crash"], 6);
+  EXPECT_EQ(p["events"], 8);
+}
+
+// A snapshot of a build that did not count events: nothing to compare a Delivered with,
+// so nothing is counted (rather than everything the process ever sent).
+TEST(SnapshotTest, ProcessesFromBeforeEventCountsAreNotChargedACrash) {
+  FakeWorld world;
+  Collector source(Limits{}, world.env());
+  populate(source, world);
+  json doc = snapshot_of(source);
+  for (auto& p : doc["processes"]) {
+    EXPECT_EQ(p.erase("events"), 1u);
+    EXPECT_EQ(p["dropped_by_cause"].erase("daemon_crash"), 1u);
+  }
+  Collector restored(Limits{}, world.env());
+  ASSERT_FALSE(restore_from_snapshot(restored, doc));
+  Connection a(restored, world.spawn(4242, 100, "python3"));
+  ASSERT_FALSE(a.delivered(1000));
+  const json p = report::report_json(*restored.freeze(), 4242)["processes"][0];
+  EXPECT_TRUE(p["events"].is_null());
+  EXPECT_EQ(p["dropped_by_cause"]["daemon_crash"], 0);
+  EXPECT_EQ(p["dropped"], 15);
+  EXPECT_FALSE(snapshot_of(restored)["processes"][0].contains("events"));
+}
+
 TEST(SnapshotTest, SnapshotsFromBeforeDropCausesRestoreWithZeros) {
   FakeWorld world;
   Collector source(Limits{}, world.env());

@@ -66,8 +66,11 @@ TEST_F(CollectorReportTest, DropsByCauseShowInJsonTextAndMetrics) {
   a.dropped_by_cause({{3, 7, 1, 2}});
   b.dropped_by_cause({{0, 4, 0, 0}});
   const json r = report::report_json(*collector_->freeze(), std::nullopt);
-  EXPECT_EQ(process_of(r, 1)["dropped_by_cause"],
-            (json{{"buffer_full", 5}, {"not_connected", 7}, {"in_flight", 1}, {"invalid", 2}}));
+  EXPECT_EQ(process_of(r, 1)["dropped_by_cause"], (json{{"buffer_full", 5},
+                                                        {"not_connected", 7},
+                                                        {"in_flight", 1},
+                                                        {"invalid", 2},
+                                                        {"daemon_crash", 0}}));
   EXPECT_EQ(process_of(r, 1)["dropped"], 15);
   EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 19);
   EXPECT_EQ(r["daemon"]["events_dropped_by_cause"]["not_connected"], 11);

@@ -729,8 +729,15 @@ TEST(TraceExportTest, DeviceSamplesAndExpiredLeasesAppear) {
 
 TEST(TraceExportTest, DropMarksBecomeProcessInstants) {
   auto c = new_capture();
-  const std::vector<std::uint8_t> causes = {
-      0, 1, 2, 3, proto::kDropCauseCount, 200, kDaemonDropOpenDepth, kDaemonDropStateLimit};
+  const std::vector<std::uint8_t> causes = {0,
+                                            1,
+                                            2,
+                                            3,
+                                            kDropNoCause,
+                                            200,
+                                            kDaemonDropOpenDepth,
+                                            kDaemonDropStateLimit,
+                                            proto::kDaemonCrashCause};
   for (std::size_t i = 0; i < causes.size(); ++i) {
     c->marks.push_back(drop_mark(kBase + 10 * i, 90, causes[i], 1000 + i));
   }
@@ -738,7 +745,7 @@ TEST(TraceExportTest, DropMarksBecomeProcessInstants) {
   ASSERT_EQ(instants.size(), causes.size());
   const std::vector<std::string> names = {"buffer_full",    "not_connected", "in_flight",
                                           "invalid",        "unknown",       "unknown",
-                                          "max_open_depth", "state_limits"};
+                                          "max_open_depth", "state_limits",  "daemon_crash"};
   for (std::size_t i = 0; i < causes.size(); ++i) {
     const json& e = instants[i];
     EXPECT_EQ(e.at("name"), "dropped: " + names[i]);
@@ -747,7 +754,8 @@ TEST(TraceExportTest, DropMarksBecomeProcessInstants) {
     EXPECT_EQ(e.at("pid"), 90);
     EXPECT_EQ(e.at("tid"), 90);
     EXPECT_EQ(ns_of(e.at("ts")), kBase + 10 * i);
-    // The client's reports, and what the daemon itself could not fold (the last two).
+    // The client's reports, and what the daemon itself could not fold or lost (the last
+    // three).
     const char* by = i >= 6 ? "daemon" : "client";
     EXPECT_EQ(e.at("args"), json({{"cause", names[i]}, {"events", 1000 + i}, {"by", by}}));
   }

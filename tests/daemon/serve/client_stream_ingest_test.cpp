@@ -74,7 +74,8 @@ TEST_F(ClientStreamIngestTest, EveryMessageKindReachesTheCollector) {
   EXPECT_EQ(p->world_size, 2u);
   EXPECT_EQ(count_of(*p, "Forward"), 1u);
   EXPECT_EQ(count_of(*p, "Tokenize"), 1u);
-  EXPECT_EQ(p->dropped_by_cause, (std::array<std::uint64_t, proto::kDropCauseCount>{5, 7, 1, 2}));
+  EXPECT_EQ(p->dropped_by_cause,
+            (std::array<std::uint64_t, proto::kReportDropCauseCount>{5, 7, 1, 2, 0}));
   EXPECT_EQ(p->dropped, 15u);
   const ProcessFigures* q = process_of(processes, 200);
   ASSERT_NE(q, nullptr);

@@ -487,8 +487,8 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
   a.dropped_by_cause({{3, 7, 1, 2}});  // buffer_full went "back": kept at 5
   b.dropped_by_cause({{0, 4, 0, 0}});
   const Seen seen(*collector_);
-  // buffer_full, not_connected, in_flight, invalid
-  EXPECT_EQ(seen.process(1).dropped_by_cause, (std::array<std::uint64_t, 4>{5, 7, 1, 2}));
+  // buffer_full, not_connected, in_flight, invalid, daemon_crash
+  EXPECT_EQ(seen.process(1).dropped_by_cause, (std::array<std::uint64_t, 5>{5, 7, 1, 2, 0}));
   EXPECT_EQ(seen.process(1).dropped, 15u);
   EXPECT_EQ(seen.process(2).dropped, 4u);
   EXPECT_EQ(seen.view().counters().events_dropped_by_clients, 19u);

@@ -869,7 +869,7 @@ TEST_F(FlightRecorderCollectorTest, AVersionOneDropReportIsAMarkWithoutCause) {
   const auto c = collector.capture_trace({}, 0);
   ASSERT_EQ(c->marks.size(), 1u);
   EXPECT_EQ(c->marks[0].kind, TraceMark::Kind::kDropped);
-  EXPECT_EQ(c->marks[0].cause, proto::kDropCauseCount);
+  EXPECT_EQ(c->marks[0].cause, kDropNoCause);
   EXPECT_EQ(c->marks[0].dropped, 4u);
 }
 
