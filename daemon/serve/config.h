@@ -71,7 +71,7 @@ struct Config {
   bool socket_from_flag = false;  // --socket given: never adopt a systemd socket
   unsigned socket_mode = 0660;
   std::string state_dir;  // "" = no snapshots
-  std::uint32_t snapshot_interval_s = 30;
+  std::uint32_t snapshot_interval_s = 1;
   std::string metrics_listen;                    // "" = no HTTP listener
   std::optional<ListenAddress> metrics_address;  // parsed metrics_listen
   std::string log_level = "info";

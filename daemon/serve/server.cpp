@@ -125,6 +125,8 @@ std::optional<std::string> Server::start() {
       return "state directory refused: " + *unsafe;
     }
     restore_snapshot();
+    // What a snapshot would hold now is on disk already, or is nothing at all.
+    snapshot_generation_ = collector_.generation();
   }
   if (auto err = gpu_sampler_.start()) return err;
   if (auto err = listener_.open()) return err;
@@ -204,11 +206,15 @@ bool Server::save_snapshot_now() {
 
 void Server::save_snapshot_later() {
   if (config_.state_dir.empty() || snapshot_pending_) return;
+  // Nothing changed since the last good one: an idle daemon writes nothing.
+  const std::uint64_t generation = collector_.generation();
+  if (snapshot_generation_ == generation) return;
   snapshot_pending_ = true;
   renderer_.submit(
       [dir = config_.state_dir](const CollectorView& view) { return write_snapshot(dir, view); },
-      [this](std::string error) {
+      [this, generation](std::string error) {
         snapshot_pending_ = false;
+        if (error.empty()) snapshot_generation_ = generation;
         snapshot_written(error);
       });
 }

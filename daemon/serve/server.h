@@ -81,6 +81,9 @@ class Server {
   ServerCounters counters_;  // connections, bytes, frames, protocol errors, commands, snapshots
   RenderWorker renderer_;
   bool snapshot_pending_ = false;  // a snapshot job is queued or writing
+  // Collector::generation() of the state the last good snapshot (or the restored one)
+  // holds: the timer writes none while the state is the same.
+  std::optional<std::uint64_t> snapshot_generation_;
   CommandTable commands_;
   SessionShared shared_;
   ConnectionRegistry connections_;  // the sessions, their counts and limits

@@ -496,6 +496,31 @@ TEST_F(DaemonTest, SigtermAppliesWhatClientsAlreadySent) {
   EXPECT_EQ((*forward)["count"], 200);
 }
 
+// State is made durable every snapshot_interval_s (default 1 s) while it changes, so a
+// crash loses at most about that much; an idle daemon writes nothing.
+TEST_F(DaemonTest, SnapshotsFollowChangesEverySecondAndStopWhileIdle) {
+  const std::string state = dir_.file("state");
+  DaemonProcess daemon(socket(), {"--state-dir", state});
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  auto written = [&] { return command_json(socket(), "stats --json")["snapshots"]["written"]; };
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_EQ(written(), 0);  // nothing to keep yet
+  const pid_t a = spawn_raw(socket(), {"good", "--pairs", "20"});
+  ASSERT_EQ(wait_process(a, 30000), 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (written() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(written(), 1);  // within about a second, without a SIGTERM
+  EXPECT_TRUE(fs::exists(state + "/steptraced.snapshot.json"));
+  // The liveness check marks the client exited (a change) within its interval; after
+  // that the state stays the same and the count with it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  const json settled = written();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_EQ(written(), settled);
+}
+
 TEST_F(DaemonTest, CorruptSnapshotIsMovedAsideAndTheDaemonStarts) {
   const std::string state = dir_.file("state");
   fs::create_directories(state);

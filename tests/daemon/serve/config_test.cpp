@@ -38,7 +38,7 @@ TEST(Config, DefaultsMatchTheDocumentedValues) {
   EXPECT_FALSE(c.socket_from_flag);
   EXPECT_EQ(c.socket_mode, 0660u);
   EXPECT_EQ(c.state_dir, "");
-  EXPECT_EQ(c.snapshot_interval_s, 30u);
+  EXPECT_EQ(c.snapshot_interval_s, 1u);
   EXPECT_EQ(c.metrics_listen, "");
   EXPECT_FALSE(c.metrics_address.has_value());
   EXPECT_EQ(c.log_level, "info");
