@@ -36,7 +36,11 @@ using snapshot_detail::read_process_key;
 constexpr std::uint64_t kSnapshotVersion = 1;
 // No build keeps more processes than the config allows (limits.max_processes).
 constexpr std::size_t kMaxProcesses = 1'000'000;
-constexpr std::size_t kMaxCounterNames = 256;  // per map of counters by kind
+// The most open spans a snapshot may hold per process, as the limits' ranges allow them
+// (limit_table.h); Collector::adopt applies the daemon's own (they may be lower).
+constexpr std::size_t kMaxOpenThreads = 65536;  // max_threads_per_process
+constexpr std::size_t kMaxOpenDepth = 4096;     // max_open_depth
+constexpr std::size_t kMaxCounterNames = 256;   // per map of counters by kind
 constexpr std::size_t kMaxCounterName = 64;
 
 // /proc/PID/comm is any bytes a process chose (escape codes too; written as JSON escapes,
@@ -61,6 +65,17 @@ json drop_causes_json(const DropCounts& counts) {
   for (std::size_t i = 0; i < kDropCauseKeys.size(); ++i)
     j[std::string(kDropCauseKeys[i])] = counts[i];
   return j;
+}
+
+// A process's open spans: [{"tid", "child_ns": [...], "stacks": [{"id", "starts": [...]}]}].
+json open_json(const std::vector<OpenThreadImage>& threads) {
+  json out = json::array();
+  for (const OpenThreadImage& t : threads) {
+    json stacks = json::array();
+    for (const OpenStackImage& s : t.stacks) stacks.push_back({{"id", s.id}, {"starts", s.starts}});
+    out.push_back({{"tid", t.tid}, {"child_ns", t.child_ns}, {"stacks", std::move(stacks)}});
+  }
+  return out;
 }
 
 json step_json(const StepImage& step) {
@@ -106,6 +121,7 @@ json process_json(const ProcessImage& p) {
               {"steps", std::move(steps)}};
   // The Identity's fields, when the process sent them (absent: not known).
   if (p.events) out["events"] = *p.events;  // absent: restored from a file without it
+  if (!p.open.empty()) out["open"] = open_json(p.open);
   if (!p.job.empty()) out["job"] = p.job;
   if (p.rank != proto::kNoRank) out["rank"] = p.rank;
   if (p.local_rank != proto::kNoRank) out["local_rank"] = p.local_rank;
@@ -172,6 +188,61 @@ bool read_step(JsonObject s, const Registered& registered, std::set<std::uint32_
   return s.finish();
 }
 
+// One thread's open spans ("open", written since issue 25): each stack's step id known to
+// the process once, starts in order, one child_ns per open span.
+bool read_open_thread(JsonObject t, const Registered& registered, OpenThreadImage& out) {
+  if (!t.get_unsigned("tid", out.tid)) return false;
+  JsonArray child = t.array("child_ns", 1, kMaxOpenDepth);
+  out.child_ns.resize(child.size());
+  for (std::size_t i = 0; i < child.size(); ++i) {
+    if (!child.get_unsigned(i, out.child_ns[i])) return false;
+  }
+  JsonArray stacks = t.array("stacks", 1, kMaxOpenDepth);
+  std::set<std::uint32_t> seen;
+  std::size_t open = 0;
+  for (std::size_t i = 0; i < stacks.size(); ++i) {
+    JsonObject s = stacks.object(i);
+    OpenStackImage stack;
+    if (!s.get_unsigned("id", stack.id)) return false;
+    if (!proto::is_builtin_step(stack.id) && !registered.contains(stack.id)) {
+      return s.fail_at("id",
+                       "step " + std::to_string(stack.id) + " is neither built-in nor registered");
+    }
+    if (!seen.insert(stack.id).second) {
+      return s.fail_at("id", "step " + std::to_string(stack.id) + " appears twice");
+    }
+    JsonArray starts = s.array("starts", 1, kMaxOpenDepth);
+    stack.starts.resize(starts.size());
+    for (std::size_t k = 0; k < starts.size(); ++k) {
+      if (!starts.get_unsigned(k, stack.starts[k])) return false;
+    }
+    if (!s.finish()) return false;
+    open += stack.starts.size();
+    out.stacks.push_back(std::move(stack));
+  }
+  if (!t.ok()) return false;
+  if (open != out.child_ns.size()) {
+    return t.fail_at("child_ns",
+                     "must hold one entry per open span (" + std::to_string(open) + ")");
+  }
+  return t.finish();
+}
+
+// A process's threads with open spans, each thread id once.
+bool read_open(JsonObject& p, const Registered& registered, ProcessImage& out) {
+  if (!p.has("open")) return true;  // none, or a file of a build that abandoned them
+  JsonArray threads = p.array("open", kMaxOpenThreads);
+  std::set<std::uint32_t> tids;
+  for (std::size_t i = 0; i < threads.size(); ++i) {
+    out.open.emplace_back();
+    if (!read_open_thread(threads.object(i), registered, out.open.back())) return false;
+    if (!tids.insert(out.open.back().tid).second) {
+      return threads.fail_at(i, "thread " + std::to_string(out.open.back().tid) + " appears twice");
+    }
+  }
+  return threads.ok();
+}
+
 // "custom_steps" and then "steps" of a process (its steps name registered ids only).
 bool read_process_steps(JsonObject& p, ProcessImage& out) {
   JsonArray custom = p.array("custom_steps", proto::kMaxCustomSteps);
@@ -195,7 +266,7 @@ bool read_process_steps(JsonObject& p, ProcessImage& out) {
     out.steps.emplace_back();
     if (!read_step(steps.object(i), registered, seen, out.steps.back())) return false;
   }
-  return steps.ok();
+  return steps.ok() && read_open(p, registered, out);
 }
 
 bool read_process(JsonObject p, ProcessImage& out) {
@@ -411,7 +482,8 @@ std::size_t snapshot_max_array_elements(const Limits& limits) {
   return std::max<std::size_t>({limits.max_processes, limits.max_reservations_per_gpu,
                                 limits.max_gpus, bounds.retired_names, bounds.retired_jobs,
                                 bounds.job_steps, Histogram::kBuckets,
-                                proto::kMaxCustomSteps + proto::kBuiltinStepCount});
+                                proto::kMaxCustomSteps + proto::kBuiltinStepCount,
+                                limits.max_threads_per_process, limits.max_open_depth});
 }
 
 }  // namespace steptrace::daemon

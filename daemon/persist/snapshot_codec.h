@@ -40,8 +40,9 @@ class LedgerView;
 // ---- the whole snapshot ----------------------------------------------------------------
 // The document of `image` ("written_at_ns": its taken_at_ns).
 nlohmann::json encode_snapshot(const StateImage& image);
-// encode_snapshot(view.image()): spans open in `view` are written as abandoned, whoever
-// restores the snapshot has no connection to end them.
+// encode_snapshot(view.image()): spans open in `view` are written open, per thread, so
+// that they end when their process reconnects after a restart (or, found dead, are
+// abandoned then).
 nlohmann::json encode_snapshot(const CollectorView& view);
 // The state `doc` holds, checked against `limits` (the ledger's tables, the bounds of
 // image_bounds()) and against the image's own rules (state_image.h: each key and step id
@@ -55,7 +56,8 @@ std::optional<StateImage> decode_snapshot(const nlohmann::json& doc, const Limit
 std::error_code restore_from_snapshot(Collector& collector, const nlohmann::json& doc);
 
 // The longest array a snapshot of live state under `limits` can hold (processes,
-// reservations per GPU, GPUs, retired names, histogram buckets, steps of a process):
+// reservations per GPU, GPUs, retired names, histogram buckets, steps of a process, open
+// threads and spans of a process):
 // load_snapshot() stops parsing at the first longer one.
 std::size_t snapshot_max_array_elements(const Limits& limits);
 

@@ -335,12 +335,14 @@ void Server::drain_and_stop(std::vector<std::shared_ptr<Session>>& live) {
   for (auto& s : live) s->drain(deadline);
   // Closing a session makes the last pass over its shared rings (ClientStream::closed):
   // before the snapshot, or what that pass consumes would be in no snapshot while the
-  // rings' consumer positions say it was taken (a restart lost it, uncounted).
+  // rings' consumer positions say it was taken (a restart lost it, uncounted). The
+  // processes did not end their connections: their open spans stay open, for the
+  // snapshot, and end when they reconnect to the next daemon.
+  collector_.stopping();
   for (auto& s : live) s->close();
   // No render job may still write a snapshot (or read the state) after this.
   renderer_.stop();
-  // Snapshot with everything drained applied. Spans still open are saved as abandoned
-  // (encode_snapshot, persist/snapshot_codec.h): after a restart no connection could end them.
+  // Snapshot with everything drained applied, open spans included.
   final_snapshot_written_ = save_snapshot_now();
   listener_.remove_socket_file();
   spdlog::info("stopped");

@@ -248,6 +248,33 @@ std::shared_ptr<const TraceCapture> Collector::capture_trace(const std::set<std:
 
 // ---- adopt (a snapshot's state: Collector::adopt(StateImage), state_image.cpp) ---------
 
+namespace {
+
+// A restored record's open spans under this daemon's limits (they may be lower than the
+// snapshot's writer's): each thread charged as ingest charges one; a thread past
+// max_threads_per_process, or nested deeper than max_open_depth, is abandoned. The bytes.
+std::size_t charge_restored_threads(ProcessRecord& rec, const Limits& limits) {
+  std::size_t charged = 0;
+  std::vector<DeepPtr<ThreadSpans>> kept;
+  for (auto& thread : rec.threads) {
+    if (kept.size() >= limits.max_threads_per_process || thread->open > limits.max_open_depth) {
+      for (std::size_t slot = 0; slot < thread->stacks.size(); ++slot)
+        rec.steps[slot].abandoned += thread->stacks[slot].size();
+      continue;
+    }
+    thread->charged = kThreadCharge + 2 * limits.max_open_depth * sizeof(std::uint64_t) +
+                      thread->stacks.size() * kStackSlotCharge;
+    charged += thread->charged;
+    kept.push_back(std::move(thread));
+  }
+  rec.threads = std::move(kept);
+  rec.thread_index.clear();
+  for (std::uint32_t i = 0; i < rec.threads.size(); ++i) rec.thread_index[rec.threads[i]->tid] = i;
+  return charged;
+}
+
+}  // namespace
+
 std::error_code Collector::adopt_restored(RestoredState restored) {
   for (const auto& slot : state_->slots) {
     // Live sessions hold handles into the table that this would invalidate.
@@ -257,9 +284,10 @@ std::error_code Collector::adopt_restored(RestoredState restored) {
   auto next = std::make_unique<State>(limits_, counters_);
   std::uint64_t max_order = 0;
   for (auto& rec : restored.processes) {
-    // Restored records have no threads: their custom steps are all they are charged.
+    // Their custom steps and the threads with open spans are what they are charged.
     rec->charged = rec->custom_ids.size() * kCustomStepCharge +
-                   (rec->custom_slot ? sizeof(*rec->custom_slot) : 0);
+                   (rec->custom_slot ? sizeof(*rec->custom_slot) : 0) +
+                   charge_restored_threads(*rec, limits_);
     next->charged += rec->charged;
     if (!rec->alive) {
       ++next->exited;

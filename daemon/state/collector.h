@@ -149,6 +149,9 @@ class Collector {
   // events. Beyond what this daemon counted for it, they were lost with a daemon that
   // stopped before it made them durable: counted as the process's daemon_crash drops.
   void delivered(ProcessHandle process, std::uint64_t delivered);
+  // The daemon is stopping gracefully: the connections it closes from now on keep their
+  // processes' open spans (for the final snapshot) instead of abandoning them.
+  void stopping() { stopping_ = true; }
   // Whether an event of `step` can be folded for the process now: a built-in step, or a
   // custom one it registered (shared-memory rings wait for the registration).
   bool step_known(ProcessHandle process, std::uint32_t step) const;
@@ -232,6 +235,7 @@ class Collector {
   FlightRecorder recorder_;
 
   bool attach_refreshed_ = false;        // attach() refreshed liveness since the last tick
+  bool stopping_ = false;                // stopping(): detach keeps open spans
   std::set<ProcessKey> holders_probed_;  // by refresh_holder() since the last tick
 };
 

@@ -23,8 +23,28 @@ Liveness probe_liveness(const Environment& env, const ProcessKey& key, DaemonCou
   return liveness;
 }
 
+namespace {
+
+// Spans still open when the process's last connection closed (or, restored from a
+// snapshot, when it is found dead) will never end.
+void abandon_open_spans(CollectorState& state, ProcessRecord& rec) {
+  for (auto& thread : rec.threads) {
+    for (std::size_t slot = 0; slot < thread->stacks.size(); ++slot) {
+      rec.steps[slot].abandoned += thread->stacks[slot].size();
+    }
+    uncharge(state, rec, thread->charged);
+  }
+  rec.threads.clear();
+  rec.thread_index.clear();
+  rec.last_thread = nullptr;
+  rec.last_tid = 0;
+}
+
+}  // namespace
+
 void mark_exited(CollectorState& state, ProcessRecord& rec, std::uint64_t now) {
   if (!rec.alive) return;
+  abandon_open_spans(state, rec);  // a restored process's: it never reconnected
   rec.alive = false;
   rec.exited_at_ns = now;
   rec.exit_order = state.next_exit_order++;
@@ -42,20 +62,6 @@ void mark_alive(CollectorState& state, ProcessRecord& rec) {
 }
 
 namespace {
-
-// Spans still open when the process's last connection closed will never end.
-void abandon_open_spans(CollectorState& state, ProcessRecord& rec) {
-  for (auto& thread : rec.threads) {
-    for (std::size_t slot = 0; slot < thread->stacks.size(); ++slot) {
-      rec.steps[slot].abandoned += thread->stacks[slot].size();
-    }
-    uncharge(state, rec, thread->charged);
-  }
-  rec.threads.clear();
-  rec.thread_index.clear();
-  rec.last_thread = nullptr;
-  rec.last_tid = 0;
-}
 
 void retire(CollectorState& state, const ProcessRecord& rec) {
   for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
@@ -219,7 +225,9 @@ void Collector::detach(ProcessHandle process) {
   ProcessRecord& rec = state.write(process);
   if (rec.connections > 0) --rec.connections;
   if (rec.connections > 0) return;
-  abandon_open_spans(state, rec);
+  // At a graceful stop the daemon closes the connection, not the process: its open spans
+  // go into the final snapshot and end after the restart.
+  if (!stopping_) abandon_open_spans(state, rec);
   // One probe: the process itself. Its reservations are re-flagged by the next liveness
   // tick (check_ledger_holders), not here, so churn of short-lived clients costs one
   // probe each, whatever the ledger holds. A failed probe is no death: the tick asks again.

@@ -4,6 +4,7 @@
 // collector_state.h) and installs them with adopt_restored() (collector.cpp).
 #include "daemon/state/state_image.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <set>
@@ -17,6 +18,24 @@ namespace steptrace::daemon {
 namespace {
 
 // ---- out: records -> image ---------------------------------------------------------------
+
+// The threads of `rec` with open spans, in thread id order.
+std::vector<OpenThreadImage> open_threads(const ProcessRecord& rec) {
+  std::vector<OpenThreadImage> out;
+  for (const auto& thread : rec.threads) {
+    if (thread->open == 0) continue;
+    OpenThreadImage t;
+    t.tid = thread->tid;
+    t.child_ns.assign(thread->child_ns.begin(), thread->child_ns.begin() + thread->open);
+    for (std::size_t slot = 0; slot < thread->stacks.size(); ++slot) {
+      if (thread->stacks[slot].empty()) continue;
+      t.stacks.push_back({rec.step_id(slot), thread->stacks[slot]});
+    }
+    out.push_back(std::move(t));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.tid < b.tid; });
+  return out;
+}
 
 ProcessImage process_image(const ProcessRecord& rec) {
   ProcessImage p;
@@ -36,11 +55,8 @@ ProcessImage process_image(const ProcessRecord& rec) {
   for (std::size_t i = 0; i < rec.custom_ids.size(); ++i) {
     p.custom_steps.push_back({rec.custom_ids[i], rec.custom_names[i]});
   }
-  // Open spans cannot survive: whoever installs the image has no connection to end them.
-  const auto open = rec.open_per_slot();
   for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
     StepAgg agg = rec.steps[slot];
-    agg.abandoned += open[slot];
     if (!agg.has_data()) continue;
     p.steps.push_back({.id = rec.step_id(slot),
                        .name = std::string(rec.step_name(slot)),
@@ -50,6 +66,7 @@ ProcessImage process_image(const ProcessRecord& rec) {
                        .depth_dropped = agg.depth_dropped,
                        .self_ns = agg.self_ns});
   }
+  p.open = open_threads(rec);
   return p;
 }
 
@@ -99,6 +116,27 @@ std::optional<std::size_t> slot_of(const ProcessRecord& rec, std::uint32_t id) {
   return std::nullopt;
 }
 
+// The open spans of `image` as a thread of `rec`; null when the image breaks its rules
+// (a step id neither built-in nor registered or twice, an empty stack, child_ns not one
+// per open span).
+std::unique_ptr<ThreadSpans> make_thread(OpenThreadImage& image, const ProcessRecord& rec) {
+  auto thread = std::make_unique<ThreadSpans>();
+  thread->tid = image.tid;
+  std::size_t open = 0;
+  for (OpenStackImage& stack : image.stacks) {
+    const auto slot = slot_of(rec, stack.id);
+    if (!slot || stack.starts.empty()) return nullptr;
+    if (thread->stacks.size() <= *slot) thread->stacks.resize(*slot + 1);
+    if (!thread->stacks[*slot].empty()) return nullptr;
+    open += stack.starts.size();
+    thread->stacks[*slot] = std::move(stack.starts);
+  }
+  if (open == 0 || open != image.child_ns.size()) return nullptr;
+  thread->open = static_cast<std::uint32_t>(open);
+  thread->child_ns = std::move(image.child_ns);
+  return thread;
+}
+
 // The table's record of `p`, or null when the image breaks its own rules (a step id
 // neither built-in nor registered, an id twice). The snapshot codec refuses such a
 // document, naming the field, before it gets here; this keeps the table whole whoever
@@ -130,6 +168,12 @@ std::shared_ptr<ProcessRecord> make_record(ProcessImage p) {
                                 .abandoned = step.abandoned,
                                 .depth_dropped = step.depth_dropped,
                                 .self_ns = step.self_ns};
+  }
+  for (OpenThreadImage& t : p.open) {
+    auto thread = make_thread(t, *rec);
+    if (!thread || rec->thread_index.contains(t.tid)) return nullptr;
+    rec->thread_index.emplace(t.tid, static_cast<std::uint32_t>(rec->threads.size()));
+    rec->threads.push_back(std::move(thread));
   }
   return rec;
 }

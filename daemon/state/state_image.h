@@ -45,6 +45,22 @@ struct CustomStepImage {
   std::string name;
 };
 
+// The spans of one thread that were open when the image was taken (the process was
+// connected, or the daemon stopped gracefully): restored open, so that their ends still
+// match when the process reconnects to the next daemon; abandoned if it is found dead.
+struct OpenStackImage {
+  std::uint32_t id = 0;               // a built-in or registered step id, once per thread
+  std::vector<std::uint64_t> starts;  // CLOCK_MONOTONIC ns, outermost first; not empty
+};
+struct OpenThreadImage {
+  std::uint32_t tid = 0;  // once per process
+  // Per nesting depth (outermost first), the time of the spans that ended one level
+  // deeper while it was open (for self time): one per open span of the thread, so its
+  // size is the sum of the stacks' sizes (at most limits.max_open_depth).
+  std::vector<std::uint64_t> child_ns;
+  std::vector<OpenStackImage> stacks;
+};
+
 struct ProcessImage {
   PeerIdentity peer;            // (pid, start_time), uid, gid, comm
   std::string client;           // from the hello
@@ -65,6 +81,7 @@ struct ProcessImage {
   // The steps with data, each id once: built-ins in id order, then custom steps in
   // registration order. An id must be built-in or in custom_steps.
   std::vector<StepImage> steps;
+  std::vector<OpenThreadImage> open;  // threads with open spans, in thread id order
 };
 
 // What the processes of one job that left the table had (per-job counters count on).

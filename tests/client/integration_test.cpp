@@ -305,6 +305,36 @@ TEST_P(ClientIntegration, DaemonKilledAndRestartedIsSurvived) {
   EXPECT_EQ(delivered + dropped_of(proc), v.at("recorded_events"));
 }
 
+// What systemctl restart does, under load: SIGTERM, and a new daemon on the same socket
+// and state directory. Nothing is lost or counted twice, and a span open across the
+// restart ends after it (matched, not abandoned or unmatched).
+TEST_P(ClientIntegration, DaemonStoppedAndRestartedLosesNothingAndKeepsOpenSpans) {
+  const std::string state = out("state");
+  daemon_ =
+      std::make_unique<DaemonProcess>(socket(), std::vector<std::string>{"--state-dir", state});
+  ASSERT_TRUE(daemon_->start()) << daemon_->log();
+  const pid_t pid = trainer({"restart", socket(), out("r"), "300", "1"});
+  wait_values(out("r.phase1"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  ASSERT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+  daemon_ =
+      std::make_unique<DaemonProcess>(socket(), std::vector<std::string>{"--state-dir", state});
+  ASSERT_TRUE(daemon_->start()) << daemon_->log();
+  std::ofstream(out("r.go")) << "go\n";
+  ASSERT_EQ(wait_process(pid, 60000), 0);
+  const Values v = wait_values(out("r"));
+  const auto proc = process_report(socket(), v.at("pid"));
+  std::cerr << "graceful restart: recorded " << v.at("recorded_events") << ", counted "
+            << proc.at("events") << ", dropped " << dropped_of(proc) << "\n";
+  EXPECT_EQ(step_count(proc, "Forward"), 1);
+  EXPECT_EQ(proc.at("abandoned"), 0);
+  EXPECT_EQ(proc.at("unmatched_ends"), 0);
+  EXPECT_EQ(proc.at("dropped_by_cause").at("daemon_crash"), 0);
+  EXPECT_EQ(dropped_of(proc), 0);
+  EXPECT_EQ(2 * (step_count(proc, "Transfer") + 1), v.at("recorded_events"));
+  EXPECT_EQ(proc.at("events").get<long long>(), v.at("recorded_events"));
+}
+
 TEST_P(ClientIntegration, StoppedDaemonNeverBlocksAndMemoryStaysBounded) {
   daemon_->signal(SIGSTOP);
   const auto t0 = std::chrono::steady_clock::now();

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -314,12 +315,15 @@ int main(int argc, char** argv) {
     if (steptrace_flush(10000) != 0) fail("final flush");
     out.set("recorded_events", 2LL * (before + after));
     set_dropped(out, "dropped");
-  } else if (mode == "restart") {  // the daemon is SIGKILLed and restarted meanwhile
+  } else if (mode == "restart") {  // the daemon is stopped or killed and restarted meanwhile
     const std::string go = outfile + ".go";
     const int rounds = arg(4, 400);
+    const bool outer = arg(5, 0) != 0;  // one Forward span open across the restart
     if (steptrace_connect(socket.c_str()) != 0) fail("connect");
+    std::optional<steptrace::Span> forward;
+    if (outer) forward.emplace(steptrace::Step::kForward);
     out.write(outfile + ".phase1");
-    long long spans = 0;
+    long long spans = outer ? 1 : 0;
     // Keep recording at a steady pace until the test says the daemon is back, then a
     // little more.
     for (int r = 0; r < rounds || !file_exists(go); ++r) {
@@ -327,6 +331,7 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       if (r > 100000) fail("no go file");
     }
+    forward.reset();
     if (!flush_until(20000)) fail("never reconnected");
     out.set("recorded_events", 2 * spans);
     set_dropped(out, "dropped");

@@ -103,18 +103,105 @@ TEST(SnapshotTest, RestoreRechecksLiveness) {
             false);
 }
 
-TEST(SnapshotTest, OpenSpansBecomeAbandonedInTheSnapshot) {
+// A process connected while its spans are open (a snapshot while it runs, or a graceful
+// stop): Forward (0) with a Matmul (3) nested and ended inside it on thread 1, Backward
+// (1) on thread 2.
+json snapshot_with_open_spans(FakeWorld& world, Collector& c) {
+  Connection a(c, world.spawn(1, 1, "a"));
+  EXPECT_FALSE(a.events({start(1, 0, 0), start(1, 3, 10), end(1, 3, 30), start(2, 1, 5)}));
+  c.stopping();  // the daemon, not the process, ends the connection
+  a.close();
+  return snapshot_of(c);
+}
+
+const json* step_of(const json& process, const std::string& name) {
+  for (const json& s : process["steps"]) {
+    if (s["step"] == name) return &s;
+  }
+  return nullptr;
+}
+
+// The spans stay open through the restart and end when the process comes back: no
+// abandoned start, no unmatched end, the same duration and self time as without one.
+TEST(SnapshotTest, OpenSpansSurviveARestoreAndEndWhenTheProcessReturns) {
   FakeWorld world;
   Collector c(Limits{}, world.env());
-  Connection a(c, world.spawn(1, 1, "a"));
-  ASSERT_FALSE(a.events({start(1, 0, 0)}));
-  const json doc = snapshot_of(c);
+  const json doc = snapshot_with_open_spans(world, c);
+  ASSERT_EQ(doc["processes"][0]["open"].size(), 2u) << doc.dump();
   Collector restored(Limits{}, world.env());
   ASSERT_FALSE(restore_from_snapshot(restored, doc));
-  const json step =
-      report::report_json(*restored.freeze(), std::nullopt)["processes"][0]["steps"][0];
-  EXPECT_EQ(step["open"], 0);
-  EXPECT_EQ(step["abandoned"], 1);
+  json p = report::report_json(*restored.freeze(), 1)["processes"][0];
+  ASSERT_NE(step_of(p, "Forward"), nullptr) << p.dump();
+  EXPECT_EQ((*step_of(p, "Forward"))["open"], 1);
+  EXPECT_EQ(p["abandoned"], 0);
+  // And through another snapshot of the restored state, unchanged.
+  EXPECT_EQ(snapshot_of(restored)["processes"][0]["open"], doc["processes"][0]["open"]);
+  Connection a(restored, world.spawn(1, 1, "a"));
+  ASSERT_FALSE(a.events({end(1, 0, 100), end(2, 1, 50)}));
+  p = report::report_json(*restored.freeze(), 1)["processes"][0];
+  EXPECT_EQ(p["abandoned"], 0);
+  EXPECT_EQ(p["unmatched_ends"], 0);
+  const json& forward = *step_of(p, "Forward");
+  EXPECT_EQ(forward["count"], 1);
+  EXPECT_EQ(forward["open"], 0);
+  EXPECT_EQ(forward["total_ns"], 100);
+  EXPECT_EQ(forward["self_ns"], 80);  // less the Matmul that ended inside it
+  EXPECT_EQ((*step_of(p, "Backward"))["total_ns"], 45);
+}
+
+// A process that died while the daemon was down never ends its spans: abandoned, as when
+// a process's last connection closes.
+TEST(SnapshotTest, OpenSpansOfAProcessFoundDeadAtRestoreAreAbandoned) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  const json doc = snapshot_with_open_spans(world, c);
+  world.kill(1);
+  Collector restored(Limits{}, world.env());
+  ASSERT_FALSE(restore_from_snapshot(restored, doc));
+  const json p = report::report_json(*restored.freeze(), 1)["processes"][0];
+  EXPECT_EQ(p["alive"], false);
+  EXPECT_EQ(p["abandoned"], 2);
+  EXPECT_EQ((*step_of(p, "Forward"))["open"], 0);
+  EXPECT_FALSE(snapshot_of(restored)["processes"][0].contains("open"));
+}
+
+// Lower limits than the writer's: a thread nested deeper than max_open_depth is
+// abandoned at restore rather than refused or kept past the limit.
+TEST(SnapshotTest, OpenSpansPastTheLimitsAreAbandonedAtRestore) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  const json doc = snapshot_with_open_spans(world, c);
+  Limits low;
+  low.max_threads_per_process = 1;
+  Collector restored(low, world.env());
+  ASSERT_FALSE(restore_from_snapshot(restored, doc));
+  const json p = report::report_json(*restored.freeze(), 1)["processes"][0];
+  EXPECT_EQ(p["abandoned"], 1);  // thread 2's Backward
+  EXPECT_EQ((*step_of(p, "Forward"))["open"], 1);
+}
+
+TEST(SnapshotTest, BadOpenSpansAreRefusedByPath) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  const json good = snapshot_with_open_spans(world, c);
+  using Mutation = std::function<void(json&)>;
+  const std::vector<std::pair<std::string, Mutation>> bad = {
+      {"processes[0].open[0].child_ns: must hold one entry per open span (1)",
+       [](json& o) { o[0]["child_ns"].push_back(0); }},
+      {"processes[0].open[0].stacks[0].id: step 900 is neither built-in nor registered",
+       [](json& o) { o[0]["stacks"][0]["id"] = 900; }},
+      {"processes[0].open[1]: thread 1 appears twice", [](json& o) { o[1]["tid"] = 1; }},
+      {"processes[0].open[0].stacks[0].starts: must be an array of 1..4096 elements",
+       [](json& o) { o[0]["stacks"][0]["starts"] = json::array(); }},
+  };
+  for (const auto& [reason, mutate] : bad) {
+    SCOPED_TRACE(reason);
+    json doc = good;
+    mutate(doc["processes"][0]["open"]);
+    std::string error;
+    EXPECT_FALSE(decode_snapshot(doc, Limits{}, error));
+    EXPECT_EQ(error, reason);
+  }
 }
 
 TEST(SnapshotTest, RestoreRejectsBadDocumentsAndLeavesStateUnchanged) {
