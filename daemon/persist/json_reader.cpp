@@ -110,6 +110,9 @@ bool JsonReader::fail(std::string path, std::string reason) {
 }
 
 JsonObject JsonReader::object(const json& doc) { return JsonObject(*this, &doc, ""); }
+JsonObject JsonReader::object(const json& value, std::string path) {
+  return JsonObject(*this, &value, std::move(path));
+}
 
 JsonArray JsonReader::array(const json& doc, std::size_t max_size) {
   return JsonArray(*this, &doc, "", 0, max_size);

@@ -53,6 +53,8 @@ class JsonReader {
   // The document as an object / an array of at most `max_size` elements; an error at
   // the root when it is not one.
   JsonObject object(const nlohmann::json& doc);
+  // The same for a value inside a document read in parts: its errors name `path`.
+  JsonObject object(const nlohmann::json& value, std::string path);
   JsonArray array(const nlohmann::json& doc, std::size_t max_size);
 
   bool ok() const { return !error_; }

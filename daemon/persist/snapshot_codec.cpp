@@ -333,20 +333,31 @@ bool read_counters(JsonObject c, DaemonCounters& out) {
 
 // ---- the whole document ----------------------------------------------------------------
 
-bool read_processes(JsonObject& top, std::vector<ProcessImage>& out) {
+// Each process record on its own reader: one that breaks a rule, or repeats a process
+// already read, is left out with its reason (in `skipped`) and the others are restored.
+bool read_processes(JsonObject& top, const json& doc, std::vector<ProcessImage>& out,
+                    std::vector<std::string>& skipped) {
   JsonArray processes = top.array("processes", kMaxProcesses);
+  if (!processes.ok()) return false;
+  const json& list = doc.at("processes");  // an array: checked just above
   std::set<ProcessKey> keys;
   for (std::size_t i = 0; i < processes.size(); ++i) {
+    const std::string path = "processes[" + std::to_string(i) + "]";
+    JsonReader one;
     ProcessImage p;
-    if (!read_process(processes.object(i), p)) return false;
+    if (!read_process(one.object(list[i], path), p)) {
+      skipped.push_back(error_text(one));
+      continue;
+    }
     const ProcessKey& key = p.peer.key;
     if (!keys.insert(key).second) {
-      return processes.fail_at(i, "process " + std::to_string(key.pid) + " (start_time " +
-                                      std::to_string(key.start_time) + ") appears twice");
+      skipped.push_back(path + ": process " + std::to_string(key.pid) + " (start_time " +
+                        std::to_string(key.start_time) + ") appears twice");
+      continue;
     }
     out.push_back(std::move(p));
   }
-  return processes.ok();
+  return true;
 }
 
 // Optional, as it has always been to the reader.
@@ -425,7 +436,8 @@ bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, St
         "version", "snapshot version " + std::to_string(version) + " is not one this build reads");
   }
   const ImageBounds bounds = image_bounds(limits);
-  if (!read_processes(top, out.processes) || !read_retired(top, bounds, out.retired) ||
+  if (!read_processes(top, doc, out.processes, out.skipped) ||
+      !read_retired(top, bounds, out.retired) ||
       !read_retired_jobs(top, bounds, out.retired_jobs) ||
       !read_counters(top.object("counters"), out.counters) ||
       !read_ledger(top.object("ledger"), limits, out.ledger)) {
@@ -473,6 +485,14 @@ std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
     // The caller gets the code; the reason goes to the log.
     spdlog::warn("snapshot rejected: {}", error);
     return make_error_code(errc::bad_snapshot);
+  }
+  // Bounded: a snapshot of a million bad records must not write a million log lines.
+  constexpr std::size_t kLoggedSkips = 10;
+  for (std::size_t i = 0; i < image->skipped.size() && i < kLoggedSkips; ++i) {
+    spdlog::warn("snapshot record skipped, the rest restored: {}", image->skipped[i]);
+  }
+  if (image->skipped.size() > kLoggedSkips) {
+    spdlog::warn("{} more snapshot records skipped", image->skipped.size() - kLoggedSkips);
   }
   return collector.adopt(std::move(*image));
 }

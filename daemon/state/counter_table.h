@@ -43,7 +43,7 @@ struct CounterRow {
   std::string_view help;
 };
 
-inline constexpr std::array<CounterRow, 13> kCounterTable = {{
+inline constexpr std::array<CounterRow, 14> kCounterTable = {{
     {&DaemonCounters::events_received, nullptr, "", "events_received", Kept::kSinceV1,
      "events_received", MetricGroup::kIngest, "steptrace_events_received_total", "counter",
      "Span events received from clients."},
@@ -86,6 +86,9 @@ inline constexpr std::array<CounterRow, 13> kCounterTable = {{
     {&DaemonCounters::snapshot_errors, &ServerCounters::snapshot_errors, "snapshots", "errors",
      Kept::kNo, "", MetricGroup::kSnapshots, "steptrace_snapshot_errors_total", "counter",
      "State snapshots that failed to write."},
+    {&DaemonCounters::snapshot_records_skipped, nullptr, "snapshots", "records_skipped", Kept::kNo,
+     "", MetricGroup::kSnapshots, "steptrace_snapshot_records_skipped_total", "counter",
+     "Snapshot records left out at start-up for breaking a rule (the rest was restored)."},
 }};
 
 }  // namespace steptrace::daemon

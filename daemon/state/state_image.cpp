@@ -224,7 +224,10 @@ std::error_code Collector::adopt(StateImage image) {
   }
   restored.ledger = std::move(image.ledger);
   restored.counters = std::move(image.counters);
-  return adopt_restored(std::move(restored));
+  const std::size_t skipped = image.skipped.size();
+  if (auto ec = adopt_restored(std::move(restored))) return ec;
+  counters_.snapshot_records_skipped += skipped;
+  return {};
 }
 
 ImageBounds image_bounds(const Limits& limits) {

@@ -109,6 +109,9 @@ struct StateImage {
   // The daemon's counters and the server's (a snapshot keeps those of the counter table
   // it marks kept, and the counts by kind); Collector::adopt adds them to its own.
   DaemonCounters counters;
+  // Records of the document that broke a rule and were left out ("path: reason"): one
+  // bad process record costs that process, not the whole state.
+  std::vector<std::string> skipped;
 };
 
 // The most an image of state under `limits` holds of what the state bounds itself (beyond

@@ -199,8 +199,10 @@ TEST(SnapshotTest, BadOpenSpansAreRefusedByPath) {
     json doc = good;
     mutate(doc["processes"][0]["open"]);
     std::string error;
-    EXPECT_FALSE(decode_snapshot(doc, Limits{}, error));
-    EXPECT_EQ(error, reason);
+    const auto image = decode_snapshot(doc, Limits{}, error);
+    ASSERT_TRUE(image) << error;
+    EXPECT_TRUE(image->processes.empty());  // that record only is left out
+    EXPECT_EQ(image->skipped, std::vector<std::string>{reason});
   }
 }
 
@@ -226,32 +228,12 @@ TEST(SnapshotTest, RestoreRejectsBadDocumentsAndLeavesStateUnchanged) {
       {"version: snapshot version 2 is not one this build reads",
        [](json& d) { d["version"] = 2; }},
       {"processes: missing", [](json& d) { d.erase("processes"); }},
-      {"processes[2]: process 4242 (start_time 100) appears twice",
-       [](json& d) { d["processes"].push_back(d["processes"][0]); }},
-      {"processes[0].pid: must be an integer in 1..2147483647",
-       [](json& d) { d["processes"][0]["pid"] = -5; }},
-      {"processes[0].comm: must be a string", [](json& d) { d["processes"][0]["comm"] = 12; }},
-      {"processes[0].extra: unknown key", [](json& d) { d["processes"][0]["extra"] = 1; }},
-      {"processes[0].steps[0].histogram: bucket counts do not add up to count",
-       [](json& d) { d["processes"][0]["steps"][0]["histogram"]["count"] = 999; }},
-      {"processes[0].steps[0].id: step 900 is neither built-in nor registered",
-       [](json& d) { d["processes"][0]["steps"][0]["id"] = 900; }},
-      {"processes[0].custom_steps[0].name: must be a string of 1..63 printable characters",
-       [](json& d) { d["processes"][0]["custom_steps"][0]["name"] = "bad\nname"; }},
-      {"processes[0].custom_steps[1].id: step 256 registered twice",
-       [](json& d) {
-         d["processes"][0]["custom_steps"].push_back(d["processes"][0]["custom_steps"][0]);
-       }},
-      {"processes[1].exit_order: an exited process needs one (nonzero)",
-       [](json& d) { d["processes"][1]["exit_order"] = 0; }},
+      {"processes: must be an array of at most 1000000 elements",
+       [](json& d) { d["processes"] = json::object(); }},
       {"ledger: missing", [](json& d) { d.erase("ledger"); }},
       {"ledger: must be an object", [](json& d) { d["ledger"] = "nope"; }},
       {"counters.events_received: must be an unsigned integer",
        [](json& d) { d["counters"]["events_received"] = "many"; }},
-      {"processes[0].dropped_by_cause.in_flight: must be an unsigned integer",
-       [](json& d) { d["processes"][0]["dropped_by_cause"]["in_flight"] = -1; }},
-      {"processes[0].dropped_by_cause.invalid: missing",
-       [](json& d) { d["processes"][0]["dropped_by_cause"].erase("invalid"); }},
       {"counters.events_dropped_by_cause: must be an object",
        [](json& d) { d["counters"]["events_dropped_by_cause"] = json::array(); }},
       {"counters.limits_hit[\"\"]: a counter's name must be 1..64 bytes",
@@ -267,6 +249,63 @@ TEST(SnapshotTest, RestoreRejectsBadDocumentsAndLeavesStateUnchanged) {
     EXPECT_EQ(error, reason);
     EXPECT_EQ(restore_from_snapshot(target, doc), make_error_code(errc::bad_snapshot));
     EXPECT_EQ(comparable(report::report_json(*target.freeze(), std::nullopt)), before);
+  }
+}
+
+// A snapshot is never discarded for one bad record: the process record that breaks a rule
+// is left out (logged by path and counted), every other process is restored.
+TEST(SnapshotTest, ABadProcessRecordIsLeftOutAndTheOthersRestored) {
+  FakeWorld world;
+  Collector source(Limits{}, world.env());
+  populate(source, world);  // processes[0] is pid 4242, processes[1] pid 5000
+  const json good = snapshot_of(source);
+  using Mutation = std::function<void(json&)>;
+  struct Bad {
+    std::string reason;
+    Mutation mutate;
+    std::int32_t kept;  // the pid that must still be restored
+  };
+  const std::vector<Bad> bad = {
+      {"processes[2]: process 4242 (start_time 100) appears twice",
+       [](json& d) { d["processes"].push_back(d["processes"][0]); }, 4242},
+      {"processes[0].pid: must be an integer in 1..2147483647",
+       [](json& d) { d["processes"][0]["pid"] = -5; }, 5000},
+      {"processes[0].comm: must be a string", [](json& d) { d["processes"][0]["comm"] = 12; },
+       5000},
+      {"processes[0].extra: unknown key", [](json& d) { d["processes"][0]["extra"] = 1; }, 5000},
+      {"processes[0].steps[0].histogram: bucket counts do not add up to count",
+       [](json& d) { d["processes"][0]["steps"][0]["histogram"]["count"] = 999; }, 5000},
+      {"processes[0].steps[0].id: step 900 is neither built-in nor registered",
+       [](json& d) { d["processes"][0]["steps"][0]["id"] = 900; }, 5000},
+      {"processes[0].custom_steps[0].name: must be a string of 1..63 printable characters",
+       [](json& d) { d["processes"][0]["custom_steps"][0]["name"] = "bad\nname"; }, 5000},
+      {"processes[0].custom_steps[1].id: step 256 registered twice",
+       [](json& d) {
+         d["processes"][0]["custom_steps"].push_back(d["processes"][0]["custom_steps"][0]);
+       },
+       5000},
+      {"processes[1].exit_order: an exited process needs one (nonzero)",
+       [](json& d) { d["processes"][1]["exit_order"] = 0; }, 4242},
+      {"processes[0].dropped_by_cause.in_flight: must be an unsigned integer",
+       [](json& d) { d["processes"][0]["dropped_by_cause"]["in_flight"] = -1; }, 5000},
+      {"processes[0].dropped_by_cause.invalid: missing",
+       [](json& d) { d["processes"][0]["dropped_by_cause"].erase("invalid"); }, 5000},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.reason);
+    json doc = good;
+    b.mutate(doc);
+    std::string error;
+    const auto image = decode_snapshot(doc, Limits{}, error);
+    ASSERT_TRUE(image) << error;
+    EXPECT_EQ(image->skipped, std::vector<std::string>{b.reason});
+    Collector target(Limits{}, world.env());
+    ASSERT_FALSE(restore_from_snapshot(target, doc));
+    const json r = report::report_json(*target.freeze(), std::nullopt);
+    EXPECT_EQ(r["processes"].size(), doc["processes"].size() - 1) << r.dump();
+    EXPECT_TRUE(std::any_of(r["processes"].begin(), r["processes"].end(),
+                            [&](const json& p) { return p["pid"] == b.kept; }));
+    EXPECT_EQ(target.counters().snapshot_records_skipped, 1u);
   }
 }
 
