@@ -7,6 +7,7 @@
 // cluster-wide Prometheus can sum it across nodes and it never goes backwards unless
 // reset. Per-process series exist only for live processes, so exited pids do not pile
 // up as stale series. Everything is read from the view's read model (state/read_model.h).
+#include <algorithm>
 #include <array>
 #include <map>
 #include <span>
@@ -353,6 +354,15 @@ void append_state_metrics(const CollectorView& view, std::string& out) {
     for (const auto& [name, n] : limits) f.sample({{"limit", name}}, n);
   }
   append_counter_group(c, MetricGroup::kSnapshots, out);
+  MetricFamily(out, "steptrace_snapshot_last_success_timestamp_seconds", "gauge",
+               "Unix time of the last good snapshot write, or of the restore at start; 0 "
+               "before either (and without a state directory).")
+      .sample({}, static_cast<std::uint64_t>(
+                      std::max<std::int64_t>(0, c.durability.last_written.value_or(0))));
+  MetricFamily(out, "steptrace_snapshot_failing", "gauge",
+               "1 while snapshot writes fail (since the first failure until one succeeds): a "
+               "daemon crash now loses what came since, counted as daemon_crash; else 0.")
+      .sample({}, std::uint64_t{c.durability.failing_since ? 1u : 0u});
   MetricFamily(out, "steptrace_uptime_seconds", "gauge", "Seconds since the daemon started.")
       .sample({}, std::chrono::duration<double>(view.uptime()).count());
 }

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 
 namespace steptrace::daemon::report {
 
@@ -14,6 +15,16 @@ std::string format_percent(double percent) { return units::percent(percent); }
 std::string format_bytes(std::uint64_t bytes) { return units::bytes(bytes); }
 std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns) {
   return units::age(now_ns > from_ns ? now_ns - from_ns : 0);
+}
+
+std::string format_unix_time(std::int64_t unix_s) {
+  const auto t = static_cast<std::time_t>(unix_s);
+  std::tm tm{};
+  char buf[40];
+  if (::gmtime_r(&t, &tm) == nullptr || std::strftime(buf, sizeof buf, "%F %T UTC", &tm) == 0) {
+    return "@" + std::to_string(unix_s);
+  }
+  return buf;
 }
 
 std::size_t display_width(std::string_view utf8) {

@@ -30,6 +30,9 @@ std::string format_bytes(std::uint64_t bytes);
 // How long from `from_ns` to `now_ns` (0 when now is not later): "4.20s", "3m 07s",
 // "2h 05m", "3d 04h".
 std::string format_age(std::uint64_t from_ns, std::uint64_t now_ns);
+// A wall-clock time in UTC, "2026-12-05 08:30:01 UTC" (the same on every host, unlike
+// local time): when snapshots began failing, in the report and the log.
+std::string format_unix_time(std::int64_t unix_s);
 
 // Terminal columns a UTF-8 string takes (code points; the box and rule characters and
 // "µ" are one column each).

@@ -106,6 +106,24 @@ nlohmann::json totals_json(const std::vector<StepFigures>& totals) {
   return out;
 }
 
+// Unix seconds, or null.
+nlohmann::json unix_or_null(const std::optional<std::int64_t>& unix_s) {
+  return unix_s ? nlohmann::json(*unix_s) : nlohmann::json(nullptr);
+}
+
+nlohmann::json error_or_null(const std::string& error) {
+  return error.empty() ? nlohmann::json(nullptr) : nlohmann::json(error);
+}
+
+// The report's "durable": since when its totals may be incomplete (PROTOCOL.md 10.4).
+nlohmann::json durable_json(const Durability& d) {
+  const char* snapshots = !d.enabled ? "off" : d.failing_since ? "failing" : "ok";
+  return {{"snapshots", snapshots},
+          {"failing_since", unix_or_null(d.failing_since)},
+          {"last_error", error_or_null(d.last_error)},
+          {"started_empty_after", unix_or_null(d.started_empty_after)}};
+}
+
 std::uint64_t rss_bytes() {
   std::ifstream in("/proc/self/statm");
   std::uint64_t size = 0, resident = 0;
@@ -143,7 +161,8 @@ nlohmann::json report::report_json(const CollectorView& view, const ReportFilter
             {"events_dropped_by_cause", drop_causes_json(view.counters().events_dropped_by_cause)},
             {"protocol_errors", view.counters().protocol_errors_total()},
             {"clients_connected", view.counters().connections_now},
-            {"uptime_s", uptime_s(view.uptime())}}}};
+            {"uptime_s", uptime_s(view.uptime())},
+            {"durable", durable_json(view.counters().durability)}}}};
 }
 
 nlohmann::json report::report_json(const CollectorView& view, std::optional<std::int32_t> pid) {
@@ -203,6 +222,10 @@ nlohmann::json report::stats_json(const CollectorView& view) {
         {"sample_errors", view.counters().nvml.sample_errors},
         {"slow_samples", view.counters().nvml.slow_samples},
         {"devices", view.counters().nvml.devices}}},
+      {"snapshots",
+       {{"failing_since", unix_or_null(view.counters().durability.failing_since)},
+        {"last_error", error_or_null(view.counters().durability.last_error)},
+        {"last_written_unix", unix_or_null(view.counters().durability.last_written)}}},
       {"uptime_s", uptime_s(view.uptime())},
       {"ledger_anomalies", report::ledger_anomalies_json(view.ledger())}};
   for (const CounterRow& row : kCounterTable) {

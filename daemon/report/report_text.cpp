@@ -173,6 +173,24 @@ void flatten(const nlohmann::json& j, const std::string& prefix, std::string& ou
          "\n";
 }
 
+// One line per reason the totals may be incomplete, or "" when the state is durable:
+// snapshots failing now (a crash would lose what came since), and a snapshot that could
+// not be used at start (what came before is missing).
+std::string durability_warnings(const Durability& d) {
+  std::string out;
+  if (d.failing_since) {
+    out += "warning: snapshots failing since " + report::format_unix_time(*d.failing_since) + " (" +
+           proto::printable(d.last_error) +
+           "): a daemon crash now loses what came since (counted as daemon_crash)\n";
+  }
+  if (d.started_empty_after) {
+    out += "warning: started empty at " + report::format_unix_time(*d.started_empty_after) +
+           " (the snapshot was unusable and moved aside): totals from before then are "
+           "missing\n";
+  }
+  return out;
+}
+
 // "══ Job J (uid U) · 4 processes (3 live) · ranks 0-3 of 4" above a job's sections.
 std::string job_header(const JobFigures& group) {
   const std::vector<std::uint32_t>& ranks = group.ranks;
@@ -206,6 +224,7 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
   if (filter.pid) title += " (pid " + std::to_string(*filter.pid) + ")";
   if (filter.job) title += " (job " + proto::printable(*filter.job, 32) + ")";
   std::string out = "\n" + report::boxed_title(title);
+  out += durability_warnings(view.counters().durability);
   if (processes.empty()) {
     if (filter.pid) {
       out += "No process with pid " + std::to_string(*filter.pid) + " is tracked";

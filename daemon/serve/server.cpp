@@ -33,6 +33,12 @@ constexpr std::size_t kMaxRejecting = ConnectionRegistry::kMaxRejecting;
 // fds never reaches a liveness probe or a snapshot.
 constexpr rlim_t kReservedFds = 128;
 
+std::int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
 
 Server::Server(const Config& config, Collector& collector)
@@ -143,6 +149,7 @@ std::optional<std::string> Server::start() {
 
 void Server::restore_snapshot() {
   assert(on_io_thread(io_));  // restores into the Collector (and claims the io thread)
+  counters_.durability.enabled = true;
   LoadedSnapshot loaded =
       load_snapshot(config_.state_dir, snapshot_max_array_elements(config_.limits),
                     config_.limits.max_snapshot_bytes);
@@ -151,23 +158,30 @@ void Server::restore_snapshot() {
       spdlog::info("no snapshot in {}; starting empty", config_.state_dir);
       return;
     case LoadedSnapshot::Status::kCorrupt:
-      ++counters_.snapshot_errors;
-      spdlog::error("snapshot unusable: {}{}; starting empty", loaded.error,
-                    loaded.moved_to.empty() ? "" : "; moved to " + loaded.moved_to.string());
+      started_empty("snapshot unusable: " + loaded.error +
+                    (loaded.moved_to.empty() ? "" : "; moved to " + loaded.moved_to.string()));
       return;
     case LoadedSnapshot::Status::kLoaded:
       break;
   }
   if (const auto ec = restore_from_snapshot(collector_, loaded.doc)) {
-    ++counters_.snapshot_errors;
     std::error_code move_ec;
     const fs::path moved = move_snapshot_aside(config_.state_dir, move_ec);
-    spdlog::error(
-        "snapshot in {} rejected ({}); {}; starting empty", config_.state_dir, ec.message(),
-        move_ec ? "moving it aside failed: " + move_ec.message() : "moved to " + moved.string());
+    started_empty(
+        "snapshot in " + config_.state_dir + " rejected (" + ec.message() + "); " +
+        (move_ec ? "moving it aside failed: " + move_ec.message() : "moved to " + moved.string()));
     return;
   }
+  // What the daemon holds now is what is on disk: durable as of now.
+  counters_.durability.last_written = unix_now();
   spdlog::info("restored snapshot from {}", config_.state_dir);
+}
+
+void Server::started_empty(const std::string& error) {
+  ++counters_.snapshot_errors;
+  counters_.durability.last_error = error;
+  counters_.durability.started_empty_after = unix_now();
+  spdlog::error("{}; starting empty", error);
 }
 
 namespace {
@@ -187,20 +201,31 @@ std::string write_snapshot(const std::string& state_dir, const CollectorView& vi
 }
 }  // namespace
 
-void Server::snapshot_written(const std::string& error) {
-  if (!error.empty()) {
-    ++counters_.snapshot_errors;
-    spdlog::error("{}", error);
-  } else {
+bool Server::snapshot_written(const std::string& error) {
+  Durability& durability = counters_.durability;
+  const std::int64_t now = unix_now();
+  if (error.empty()) {
     ++counters_.snapshots_written;
+    durability.failing_since.reset();
+    durability.last_written = now;
+    if (const auto line = snapshot_log_.succeeded()) spdlog::info("{}", line->text);
+    return true;
   }
+  ++counters_.snapshot_errors;
+  if (!durability.failing_since) durability.failing_since = now;
+  durability.last_error = error;
+  // At 1 s a full disk would otherwise log 3,600 lines an hour.
+  const auto line = snapshot_log_.failed(error, std::chrono::steady_clock::now(), now);
+  if (line) spdlog::error("{}", line->text);
+  return line.has_value();
 }
 
 bool Server::save_snapshot_now() {
   if (config_.state_dir.empty()) return true;
   assert(on_io_thread(io_));  // makes a CollectorView
   const std::string error = write_snapshot(config_.state_dir, *collector_.freeze(&counters_));
-  snapshot_written(error);
+  // The final one is always logged: the exit status says it failed, the log must say why.
+  if (!snapshot_written(error) && !error.empty()) spdlog::error("final snapshot: {}", error);
   return error.empty();
 }
 

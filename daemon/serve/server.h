@@ -26,6 +26,7 @@
 #include "daemon/serve/commands.h"
 #include "daemon/serve/config.h"
 #include "daemon/serve/connections.h"
+#include "daemon/serve/failure_log.h"
 #include "daemon/serve/gpu_sampler.h"
 #include "daemon/serve/http_metrics.h"
 #include "daemon/serve/listener.h"
@@ -54,7 +55,10 @@ class Server {
   void restore_snapshot();
   bool save_snapshot_now();    // on this thread (shutdown); false when it failed
   void save_snapshot_later();  // on the render thread (the timer)
-  void snapshot_written(const std::string& error);
+  // Counts and logs (rate-limited) a snapshot write; false when its failure was not
+  // logged (the previous line is recent).
+  bool snapshot_written(const std::string& error);
+  void started_empty(const std::string& error);  // the snapshot at start could not be used
   void drain_backlog();
   void drain_and_stop(std::vector<std::shared_ptr<Session>>& live);
   void schedule_liveness();
@@ -84,6 +88,7 @@ class Server {
   // Collector::generation() of the state the last good snapshot (or the restored one)
   // holds: the timer writes none while the state is the same.
   std::optional<std::uint64_t> snapshot_generation_;
+  FailureLog snapshot_log_{"snapshots"};
   CommandTable commands_;
   SessionShared shared_;
   ConnectionRegistry connections_;  // the sessions, their counts and limits

@@ -27,6 +27,7 @@ void DaemonCounters::add(const ServerCounters& server) {
   if (per_uid != 0) hit(LimitKind::kMaxConnectionsPerUid, per_uid);
   http = server.http;
   rings = server.rings;
+  durability = server.durability;
   for (const auto& [kind, n] : server.protocol_errors) protocol_errors[kind] += n;
 }
 

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -148,6 +149,23 @@ struct RingCounters {
   std::uint64_t bad_rings = 0;        // rings dropped for a head out of range
 };
 
+// Whether the daemon's state is durable, as the server (daemon/serve/server.cpp) knows it:
+// stats, metrics and the report show it. Times are wall-clock Unix seconds, to compare
+// with logs and other hosts (not kept in snapshots).
+struct Durability {
+  bool enabled = false;  // a state directory is set: snapshots are written
+  // The first failure of the current run of failed snapshot writes; none once one succeeds.
+  std::optional<std::int64_t> failing_since;
+  // The latest snapshot error (a write, or a snapshot unusable at start), kept after a
+  // success; "" while none happened.
+  std::string last_error;
+  // The last good snapshot write, or the restore at start: what a crash would fall back to.
+  std::optional<std::int64_t> last_written;
+  // When the daemon started empty because the snapshot it found was unusable or rejected
+  // (moved aside): totals from before then are missing.
+  std::optional<std::int64_t> started_empty_after;
+};
+
 struct ServerCounters {
   std::uint64_t frames_received = 0;
   std::uint64_t bytes_received = 0;
@@ -163,6 +181,7 @@ struct ServerCounters {
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name() or session kind
   HttpCounters http;
   RingCounters rings;
+  Durability durability;
 };
 
 // What the recorder counts (stats, metrics).
@@ -209,6 +228,7 @@ struct DaemonCounters {
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
   HttpCounters http;                       // the server's, as it is now (not kept in snapshots)
   RingCounters rings;                      // the server's, as it is now (not kept in snapshots)
+  Durability durability;                   // the server's, as it is now (not kept in snapshots)
   FlightRecorderCounters flight_recorder;  // as it is now (not kept in snapshots)
   NvmlCounters nvml;                       // since start (not kept in snapshots)
   std::map<std::string, std::uint64_t> limits_hit;  // by limit name, e.g. "max_open_depth"

@@ -28,7 +28,7 @@ RULE_INPUTS = [
     "steptrace_gpu_expired_reservations", "steptrace_ledger_operations_total",
     "steptrace_ledger_step_seconds_total", "steptrace_events_received_total",
     "steptrace_events_dropped_by_clients_total",
-    "steptrace_events_dropped_by_clients_by_cause_total",
+    "steptrace_events_dropped_by_clients_by_cause_total", "steptrace_snapshot_failing",
 ]
 
 # The daemon's series that config/grafana/steptrace.json reads directly rather than

@@ -699,5 +699,83 @@ GPU GPU-B
     4243 | trainer | 1        | 0        | 0        | 0       | -
 )");
 }
+
+// Item 4 of issue 25: when snapshots fail, stats, metrics and the report say since when,
+// and why; when they work, the report says nothing more and the metrics say 0.
+TEST_F(ReportTest, SnapshotsFailingShowInStatsMetricsAndTheReport) {
+  Connection a(collector_, world_.spawn(4242, 1, "trainer"));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 500)}));
+  ServerCounters server;
+  server.durability.enabled = true;
+  server.durability.last_written = 1'796'459'300;
+  {
+    const auto view = collector_.freeze(&server);
+    const json stats = report::stats_json(*view);
+    EXPECT_EQ(stats["snapshots"]["failing_since"], nullptr);
+    EXPECT_EQ(stats["snapshots"]["last_error"], nullptr);
+    EXPECT_EQ(stats["snapshots"]["last_written_unix"], 1'796'459'300);
+    const json durable = report::report_json(*view, std::nullopt)["daemon"]["durable"];
+    EXPECT_EQ(durable, json::parse(R"({"snapshots": "ok", "failing_since": null,
+        "last_error": null, "started_empty_after": null})"));
+    EXPECT_EQ(report::report_text(*view, std::nullopt).find("warning:"), std::string::npos);
+    const Exposition e(report::metrics_text(*view));
+    ASSERT_EQ(e.of("steptrace_snapshot_failing").size(), 1u);
+    EXPECT_EQ(e.of("steptrace_snapshot_failing")[0].value, "0");
+    EXPECT_EQ(e.of("steptrace_snapshot_last_success_timestamp_seconds")[0].value, "1796459300");
+  }
+  const std::string enospc = "writing snapshot to /s failed: No space left on device";
+  server.durability.failing_since = 1'796'459'401;
+  server.durability.last_error = enospc;
+  server.snapshot_errors = 3;
+  const auto view = collector_.freeze(&server);
+  const json stats = report::stats_json(*view);
+  EXPECT_EQ(stats["snapshots"]["failing_since"], 1'796'459'401);
+  EXPECT_EQ(stats["snapshots"]["last_error"], enospc);
+  EXPECT_EQ(stats["snapshots"]["last_written_unix"], 1'796'459'300);
+  EXPECT_EQ(stats["snapshots"]["errors"], 3);
+  const json durable = report::report_json(*view, std::nullopt)["daemon"]["durable"];
+  EXPECT_EQ(durable["snapshots"], "failing");
+  EXPECT_EQ(durable["failing_since"], 1'796'459'401);
+  EXPECT_EQ(durable["last_error"], enospc);
+  const std::string text = report::report_text(*view, std::nullopt);
+  EXPECT_NE(text.find("warning: snapshots failing since 2026-12-05 08:30:01 UTC (" + enospc +
+                      "): a daemon crash now loses what came since (counted as daemon_crash)\n"),
+            std::string::npos)
+      << text;
+  const std::string stats_text = report::stats_text(*view);
+  EXPECT_NE(stats_text.find("snapshots.failing_since: 1796459401\n"), std::string::npos)
+      << stats_text;
+  EXPECT_NE(stats_text.find("snapshots.last_error: " + enospc + "\n"), std::string::npos);
+  const Exposition e(report::metrics_text(*view));
+  EXPECT_TRUE(e.errors.empty());
+  EXPECT_EQ(e.type.at("steptrace_snapshot_failing"), "gauge");
+  EXPECT_EQ(e.of("steptrace_snapshot_failing")[0].value, "1");
+  EXPECT_EQ(e.of("steptrace_snapshot_last_success_timestamp_seconds")[0].value, "1796459300");
+}
+
+TEST_F(ReportTest, ADaemonThatStartedEmptyOrWithoutStateDirSaysSo) {
+  ServerCounters server;  // no state directory: snapshots are off
+  {
+    const auto view = collector_.freeze(&server);
+    const json durable = report::report_json(*view, std::nullopt)["daemon"]["durable"];
+    EXPECT_EQ(durable["snapshots"], "off");
+    EXPECT_EQ(report::stats_json(*view)["snapshots"]["last_written_unix"], nullptr);
+    EXPECT_EQ(report::report_text(*view, std::nullopt).find("warning:"), std::string::npos);
+    const Exposition e(report::metrics_text(*view));
+    EXPECT_EQ(e.of("steptrace_snapshot_last_success_timestamp_seconds")[0].value, "0");
+  }
+  server.durability.enabled = true;
+  server.durability.started_empty_after = 1'796'459'401;
+  server.durability.last_error = "snapshot unusable: bad JSON; moved to /s/x.corrupt-1";
+  const auto view = collector_.freeze(&server);
+  const json durable = report::report_json(*view, std::nullopt)["daemon"]["durable"];
+  EXPECT_EQ(durable["snapshots"], "ok");
+  EXPECT_EQ(durable["started_empty_after"], 1'796'459'401);
+  const std::string text = report::report_text(*view, std::nullopt);
+  EXPECT_NE(text.find("warning: started empty at 2026-12-05 08:30:01 UTC (the snapshot was "
+                      "unusable and moved aside): totals from before then are missing\n"),
+            std::string::npos)
+      << text;
+}
 }  // namespace
 }  // namespace steptrace::daemon
