@@ -14,10 +14,11 @@
 // 3. THREADS (default 2) threads record bursts of SPANS (default 500) spans, Forward and
 //    Backward alternately, BURSTS_PER_S (default 100) bursts a second each, until the
 //    file STOPFILE exists. 2 x 500 x 100 = 100,000 spans, 200,000 events a second; one
-//    thread's 4 MiB ring (262,144 records) holds 2.6 s of its 100,000 events a second, so
-//    a restart (the daemon away for tens of ms, the library's reconnection backoff at
-//    most 1 s) drops nothing. A thread that fell behind (a loaded machine) does not catch
-//    up in one giant burst: it starts again from now.
+//    thread's 4 MiB ring (262,144 records) holds 2.6 s of its 100,000 events a second:
+//    enough for one restart (the daemon away for tens of ms, the library's reconnection
+//    backoff at most 1 s), not for a series of quick ones (see durability_test.cpp). A
+//    thread that fell behind (a loaded machine) does not catch up in one giant burst: it
+//    starts again from now.
 // 4. steptrace_flush, retried for up to 30 s (it fails at once while no daemon answers).
 // 5. Writes "key value" lines to OUTFILE (OUTFILE.tmp, then a rename): pid,
 //    recorded_events (2 per span it recorded, custom ones included: exact), record_ms,
