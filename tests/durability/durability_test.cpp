@@ -175,8 +175,8 @@ void print_result(const TrainerResult& r, const std::string& how, int kills) {
        << step_events(r.process) << "), dropped " << r.dropped << " (";
   const auto causes = r.process.value("dropped_by_cause", nlohmann::json::object());
   for (const auto& [cause, n] : causes.items()) line << cause << ' ' << n << ", ";
-  line << kCrashCause << ' ' << text_or_missing(r.crash) << "), abandoned "
-       << r.process.value("abandoned", -1LL) << ", unmatched_ends "
+  if (!r.crash) line << kCrashCause << " MISSING";
+  line << "), abandoned " << r.process.value("abandoned", -1LL) << ", unmatched_ends "
        << r.process.value("unmatched_ends", -1LL) << "; trainer's own drops " << v.at("dropped")
        << "; connect " << v.at("connect_rc") << ", flush " << v.at("flush_rc") << " after "
        << v.at("flush_ms") << " ms; " << kills << " daemon " << how << "s\n";
@@ -192,10 +192,10 @@ TrainerResult collect(const std::string& socket, const Values& trainer) {
   r.process = settled_process(socket, pid);
   if (!r.process.is_object()) return r;
   r.events = int_field(r.process, "events");
-  EXPECT_TRUE(r.events.has_value())
-      << "report --json: processes[] entry of pid " << pid
-      << " has no int field `events` (the event records of the process the daemon counted, "
-         "across restarts; issue 25)";
+  EXPECT_TRUE(r.events.has_value()) << "report --json: processes[] entry of pid " << pid
+                                    << " has no int `events` (absent or null: the event records of "
+                                       "the process the daemon counted, "
+                                       "across restarts; issue 25)";
   r.dropped = r.process.value("dropped", -1LL);
   const auto causes = r.process.value("dropped_by_cause", nlohmann::json::object());
   for (const auto& [cause, n] : causes.items()) {
