@@ -9,10 +9,11 @@
 // across restarts) and `dropped` (the sum of `dropped_by_cause`, the daemon-side cause
 // `daemon_crash` included) come from `report --json --pid N`, and the recorded events
 // from the trainer itself. SIGTERM (a graceful stop) loses nothing: daemon_crash and the
-// trainer's own drops are 0. SIGKILL loses what the daemon had consumed and not yet
-// made durable, counted as daemon_crash: at most ~1.5 s of the trainer's event rate per
-// kill (state is made durable every second). `events` is also checked against the steps
-// it is folded into (2 per span, 1 per open, abandoned or unmatched-end record).
+// trainer's own drops are 0, and spans open across it end after it (none abandoned).
+// SIGKILL loses what the daemon had consumed and not yet made durable, counted as
+// daemon_crash: at most ~1.5 s of the trainer's event rate per kill (state is made
+// durable every second). `events` is also checked against the steps it is folded into
+// (2 per span, 1 per open, abandoned or unmatched-end record).
 //
 // A daemon without those fields fails each check with a message naming the field, and
 // the figures are still printed. STEPTRACE_TEST_SEED=N repeats a run's random timing
@@ -174,8 +175,12 @@ void print_result(const TrainerResult& r, const std::string& how, int kills) {
        << seconds << " s; daemon: events " << text_or_missing(r.events) << " (steps "
        << step_events(r.process) << "), dropped " << r.dropped << " (";
   const auto causes = r.process.value("dropped_by_cause", nlohmann::json::object());
-  for (const auto& [cause, n] : causes.items()) line << cause << ' ' << n << ", ";
-  if (!r.crash) line << kCrashCause << " MISSING";
+  const char* sep = "";
+  for (const auto& [cause, n] : causes.items()) {
+    line << sep << cause << ' ' << n;
+    sep = ", ";
+  }
+  if (!r.crash) line << sep << kCrashCause << " MISSING";
   line << "), abandoned " << r.process.value("abandoned", -1LL) << ", unmatched_ends "
        << r.process.value("unmatched_ends", -1LL) << "; trainer's own drops " << v.at("dropped")
        << "; connect " << v.at("connect_rc") << ", flush " << v.at("flush_rc") << " after "
@@ -238,6 +243,10 @@ void check_identity(const TrainerResult& r, int sig, int kills) {
     if (r.crash) {
       EXPECT_EQ(*r.crash, 0) << "a graceful stop lost events";
     }
+    // A span open across a graceful restart ends after it: none is left abandoned, and
+    // no end arrives without its start.
+    EXPECT_EQ(r.process.value("abandoned", -1LL), 0) << "spans abandoned by a graceful stop";
+    EXPECT_EQ(r.process.value("unmatched_ends", -1LL), 0) << "ends whose start a restart lost";
   } else if (r.crash) {
     // Loose while most daemons live less than the run divided by the kills (then it
     // exceeds everything recorded); it bites in longer runs with longer-lived daemons.
