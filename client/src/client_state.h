@@ -90,7 +90,7 @@ struct RingRegistry {
       retired_shared.count[cause_index(proto::DropCause::kNotConnected)] +=
           ring.dropped_not_connected();
     }
-    delivered += ring.daemon_took;
+    delivered += ring.taken_by_daemons();
     used_bytes -= ring.bytes();
     rings.erase(rings.begin() + static_cast<std::ptrdiff_t>(index));  // frees it
     budget_epoch.fetch_add(1, std::memory_order_release);

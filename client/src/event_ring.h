@@ -244,6 +244,12 @@ class EventRing {
   // Records daemons consumed (folded) from this ring, over every daemon that let it go
   // (the Delivered frame's part of the ring).
   std::uint64_t daemon_took = 0;
+  // The same, and what the daemon that may still map it took, for a ring freed without
+  // waiting for that daemon (its thread exited and the daemon read everything: the tail
+  // cannot move any more).
+  std::uint64_t taken_by_daemons() const noexcept {
+    return daemon_took + (was_shared ? consumed() - shared_from : 0);
+  }
   std::uint64_t shared_from = 0;  // the tail when it was offered
   std::uint32_t ring_id = 0;
 
