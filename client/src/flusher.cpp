@@ -108,6 +108,8 @@ void Flusher::stop() {
 void Flusher::abandon_after_fork() noexcept { fd_.reset(); }
 
 void Flusher::on_connected(proto::UniqueFd fd) {
+  // Contact made: a later failed reconnection (a daemon restarting) is no first contact.
+  s_.notice_printed.store(true, std::memory_order_relaxed);
   fd_ = std::move(fd);
   decoder_.emplace(proto::Side::kClient);
   version_ = s_.protocol_version.load(std::memory_order_relaxed);

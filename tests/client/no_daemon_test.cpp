@@ -293,6 +293,22 @@ int record_child() {
   if (const char* path = std::getenv("STEPTRACE_TEST_SOCKET")) {
     ::setenv("STEPTRACE_SOCKET", path, 1);
   }
+  if (std::getenv("STEPTRACE_TEST_VANISH") != nullptr) {
+    // A daemon that accepts the connection (into its backlog) and then vanishes: the
+    // library's reconnections fail from then on, yet it did reach one once.
+    const char* path = std::getenv("STEPTRACE_TEST_SOCKET");
+    const int listener = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path);
+    const bool listening = ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                           ::listen(listener, 4) == 0;
+    const bool connected = listening && steptrace_connect(path) == 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ::close(listener);
+    ::unlink(path);
+    std::printf("connected first: %d\n", connected ? 1 : 0);
+  }
   if (std::getenv("STEPTRACE_TEST_EXPLICIT") != nullptr) {
     // Two failing explicit connects, each starting a new flusher: one notice.
     const bool failed = steptrace_connect(nullptr) == -ENOENT;
@@ -341,6 +357,17 @@ TEST(FirstContact, ExplicitConnectFailureIsReportedOnce) {
   EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
   EXPECT_NE(out.find("explicit connects failed: 1"), std::string::npos) << out;
   EXPECT_EQ(occurrences(out, "steptrace: cannot connect to"), 1u) << out;
+}
+
+// The notice is about first contact: a process that reached a daemon once says nothing
+// when its reconnections fail later (the daemon restarting, or gone).
+TEST(FirstContact, ReconnectionsThatFailAfterAContactSayNothing) {
+  steptrace::testing::TempDir dir;
+  const std::string out = run_child("STEPTRACE_TEST_SOCKET='" + dir.file("v.sock") +
+                                    "' STEPTRACE_TEST_VANISH=1 STEPTRACE_TEST_RECORD_MS=300");
+  EXPECT_NE(out.find("exit=0"), std::string::npos) << out;
+  EXPECT_NE(out.find("connected first: 1"), std::string::npos) << out;
+  EXPECT_EQ(occurrences(out, "steptrace: cannot connect to"), 0u) << out;
 }
 
 TEST(FirstContact, PermissionDeniedGivesTheGroupHint) {
