@@ -36,13 +36,15 @@
 //
 //   e2e_load [--procs P] [--spans N] [--runs R]
 //            [--mode block|default] [--rate S] [--burst B]
-//            [--search [--min-rate S0] [--max-rate S1] [--precision F]]
+//            [--search [--min-rate S0] [--max-rate S1] [--precision F]] [--durable]
 //     P processes (default 2), N spans per process and run (default 10,000,000), R runs
 //     (default 3; the median run, by events/s, is reported). --rate: spans/s per process
 //     (default mode; required without --search). --burst: spans per burst (default
 //     4096, rounded down to a multiple of 4). --search bounds default to 1,000,000 and
 //     32,000,000 spans/s per process, --precision to 0.05. It starts its own daemon on
-//     a temporary socket (the steptraced built beside it).
+//     a temporary socket (the steptraced built beside it). --durable gives the daemon a
+//     state directory (snapshots every second while the state changes, as installed)
+//     and prints what the snapshots wrote under load and over 5 idle seconds.
 //   Exit status: 0 when every run was exact (block, --rate) or the search found a passing
 //   rate with no event lost; 1 otherwise (counts not exact, an event lost, a child
 //   failed, the lowest rate dropped); 2 on bad arguments.
@@ -55,14 +57,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/bench_support.h"
@@ -497,6 +502,32 @@ void print_median(const char* what, const RunFigures& m) {
 
 }  // namespace
 
+// --durable: what the snapshots wrote while the runs went on (snapshots x the last one's
+// size, per second of the daemon's life), then over 5 idle seconds (3 s after the load).
+void print_durability(const std::string& socket, const std::string& file,
+                      std::chrono::steady_clock::time_point started) {
+  auto written = [&] {
+    const auto stats = steptrace::bench::daemon_json(socket, "stats --json");
+    return stats ? (*stats)["snapshots"]["written"].get<std::uint64_t>() : 0;
+  };
+  const double life_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const std::uint64_t busy = written();
+  std::error_code ec;
+  const auto bytes = std::filesystem::file_size(file, ec);
+  const double size = ec ? 0.0 : static_cast<double>(bytes);
+  std::printf(
+      "durable: %llu snapshots in %.1f s of load, the last %.0f bytes: ~%.0f bytes/s written\n",
+      static_cast<unsigned long long>(busy), life_s, size, busy * size / life_s);
+  // The liveness check notices the trainers' exit (a change) within a second: idle after.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const std::uint64_t settled = written();
+  std::this_thread::sleep_for(std::chrono::seconds(5));
+  const std::uint64_t idle = written() - settled;
+  std::printf("durable, idle: %llu snapshots in 5 s: %.0f bytes/s written\n",
+              static_cast<unsigned long long>(idle), idle * size / 5.0);
+}
+
 int main(int argc, char** argv) {
   int procs = 2;
   int runs = 3;
@@ -504,6 +535,7 @@ int main(int argc, char** argv) {
   bool search = false;
   bool mode_given = false;
   double min_rate = 1e6, max_rate = 32e6, precision = 0.05;
+  bool durable = false;  // --durable: the daemon keeps a state dir (snapshots every second)
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
@@ -530,6 +562,8 @@ int main(int argc, char** argv) {
       load.burst = std::strtoull(argv[++i], nullptr, 10);
     } else if (arg == "--search") {
       search = true;
+    } else if (arg == "--durable") {
+      durable = true;
     } else if (arg == "--min-rate" && has_value) {
       min_rate = std::strtod(argv[++i], nullptr);
     } else if (arg == "--max-rate" && has_value) {
@@ -540,7 +574,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--procs P] [--spans N] [--runs R] [--mode block|default] "
                    "[--rate S] [--burst B] [--search [--min-rate S0] [--max-rate S1] "
-                   "[--precision F]]\n",
+                   "[--precision F]] [--durable]\n",
                    argv[0]);
       return 2;
     }
@@ -570,7 +604,11 @@ int main(int argc, char** argv) {
 
   steptrace::testing::TempDir dir;
   const std::string socket = dir.file("steptraced.sock");
-  steptrace::testing::DaemonProcess daemon(socket);
+  const std::string state = dir.file("state");
+  steptrace::testing::DaemonProcess daemon(
+      socket,
+      durable ? std::vector<std::string>{"--state-dir", state} : std::vector<std::string>{});
+  const auto daemon_started = std::chrono::steady_clock::now();
   if (!daemon.start()) {
     std::fprintf(stderr, "steptraced did not start:\n%s\n", daemon.log().c_str());
     return 1;
@@ -606,6 +644,7 @@ int main(int argc, char** argv) {
     }
     const RunFigures& median = median_of(figures);
     print_median("e2e median", median);
+    if (durable) print_durability(socket, state + "/steptraced.snapshot.json", daemon_started);
     if (load.mode == Mode::kBlock) {
       std::printf(
           "e2e median: %.2f million events/s delivered with zero loss, counts exact "
