@@ -34,13 +34,7 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kCauseNames[] = {"buffer_full", "not_connected", "in_flight", "invalid"};
 
 std::optional<Values> read_values(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
-  Values v;
-  std::string key;
-  long long value = 0;
-  while (in >> key >> value) v[key] = value;
-  return v;
+  return steptrace::testing::read_key_values(path);
 }
 
 nlohmann::json json_command(const std::string& socket, const std::string& line) {

@@ -240,4 +240,14 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
+std::optional<KeyValues> read_key_values(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  KeyValues v;
+  std::string key;
+  long long value = 0;
+  while (in >> key >> value) v[key] = value;
+  return v;
+}
+
 }  // namespace steptrace::testing

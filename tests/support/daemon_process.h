@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -70,5 +71,9 @@ int wait_process(pid_t pid, int timeout_ms = 120000);
 // wait_process, but a child still running at the deadline is killed and reaped (and -1
 // returned).
 int wait_or_kill(pid_t pid, int timeout_ms);
+
+// The "key value" lines a test trainer writes (its outfile); nullopt when there is no file.
+using KeyValues = std::map<std::string, long long>;
+std::optional<KeyValues> read_key_values(const std::string& path);
 
 }  // namespace steptrace::testing
