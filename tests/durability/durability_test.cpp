@@ -294,7 +294,8 @@ class Durability : public ::testing::Test {
       t.out = dir_.file("trainer" + std::to_string(trainers_.size()) + ".out");
       std::vector<std::string> argv{STEPTRACE_DURABLE_TRAINER, socket(), t.out, stop_file()};
       argv.insert(argv.end(), args.begin(), args.end());
-      // Quiet: a reconnection that fails prints the library's first-contact notice once.
+      // Quiet: the test's output is the figures (the library says nothing on a failed
+      // reconnection any more, but a trainer whose first attempt races a restart would).
       t.pid = spawn_process(argv, {"STEPTRACE_QUIET=1"});
       ASSERT_GT(t.pid, 0);
       trainers_.push_back(t);
