@@ -105,10 +105,12 @@ class Harness {
     FUZZ_CHECK(&e.category() == &steptrace_category());
     const int v = e.value();
     // Framing and validation (2..12), a repeated or out-of-world Identity (version 4), a
-    // bad ring frame (version 5): nothing else comes out of a decoder.
+    // bad ring frame (version 5), a repeated or late Delivered (version 6): nothing else
+    // comes out of a decoder.
     FUZZ_CHECK(
         (v >= static_cast<int>(errc::bad_magic) && v <= static_cast<int>(errc::bad_ledger_op)) ||
-        v == static_cast<int>(errc::bad_identity) || v == static_cast<int>(errc::bad_ring));
+        v == static_cast<int>(errc::bad_identity) || v == static_cast<int>(errc::bad_ring) ||
+        v == static_cast<int>(errc::bad_delivered));
     if (error_) FUZZ_CHECK(e == error_);
     error_ = e;
     FUZZ_CHECK(decoder_.failed());
@@ -152,6 +154,7 @@ class Harness {
         ++seen;
       });
       FUZZ_CHECK(seen == events->size());
+      data_seen_ = true;
       return sizeof(FrameHeader) + bytes;
     }
     if (const auto* r = std::get_if<RegisterStep>(&m)) {
@@ -206,6 +209,7 @@ class Harness {
     if (const auto* r = std::get_if<RingAttach>(&m)) {
       FUZZ_CHECK(side_ == Side::kDaemon && decoder_.version() >= kShmProtocolVersion);
       FUZZ_CHECK(valid_shm_ring_capacity(r->capacity));
+      data_seen_ = true;
       g_sink = g_sink + r->ring_id + r->thread_id;
       return sizeof(FrameHeader) + sizeof *r;
     }
@@ -221,6 +225,14 @@ class Harness {
       FUZZ_CHECK(side_ == Side::kClient && a->status <= kLastRingStatus);
       g_sink = g_sink + a->ring_id;
       return sizeof(FrameHeader) + sizeof *a;
+    }
+    if (const auto* d = std::get_if<Delivered>(&m)) {
+      // Version 6: once per stream, before any Events or RingAttach.
+      FUZZ_CHECK(side_ == Side::kDaemon && decoder_.version() >= kDeliveredProtocolVersion);
+      FUZZ_CHECK(!delivered_seen_ && !data_seen_);
+      delivered_seen_ = true;
+      g_sink = g_sink + d->events;
+      return sizeof(FrameHeader) + sizeof *d;
     }
     if (const auto* e = std::get_if<ErrorReport>(&m)) {
       FUZZ_CHECK(side_ == Side::kClient);
@@ -240,6 +252,8 @@ class Harness {
   std::size_t consumed_ = 0;
   bool hello_seen_ = false;
   bool identity_seen_ = false;
+  bool delivered_seen_ = false;
+  bool data_seen_ = false;  // an Events or RingAttach frame was decoded
   std::error_code error_;
 };
 
