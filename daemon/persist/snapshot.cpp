@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -66,18 +67,13 @@ std::error_code fsync_dir(const std::filesystem::path& dir) {
 
 }  // namespace
 
-std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::json& doc) {
-  std::string text;
-  try {
-    // Replace invalid UTF-8 rather than throw: comm and names are validated ASCII, but
-    // a snapshot must never take the daemon down.
-    text = doc.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  } catch (const std::exception&) {
-    return std::make_error_code(std::errc::invalid_argument);
-  }
-  text.push_back('\n');
+namespace {
+
+// Creates `dir`/<name>.tmp, lets `write` fill it, fsyncs it and renames it over the
+// snapshot. Everything goes through the directory's descriptor: no path is looked up twice.
+std::error_code write_atomically(const std::filesystem::path& dir,
+                                 const std::function<std::error_code(int fd)>& write) {
   const std::string tmp = std::string(kSnapshotFileName) + ".tmp";
-  // Everything below goes through the directory's descriptor: no path is looked up twice.
   const proto::UniqueFd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!dir_fd) return last_error();
   if (check_private(dir_fd.get(), dir)) return std::make_error_code(std::errc::permission_denied);
@@ -91,7 +87,7 @@ std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::
   }
   if (raw < 0) return last_error();
   proto::UniqueFd fd(raw);
-  std::error_code ec = write_all(fd.get(), text);
+  std::error_code ec = write(fd.get());
   if (!ec && ::fsync(fd.get()) != 0) ec = last_error();
   if (const auto close_ec = fd.close(); close_ec && !ec) ec = close_ec;
   if (!ec && ::renameat(dir_fd.get(), tmp.c_str(), dir_fd.get(), kSnapshotFileName) != 0) {
@@ -103,6 +99,41 @@ std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::
   }
   if (::fsync(dir_fd.get()) != 0) return last_error();
   return {};
+}
+
+}  // namespace
+
+SavedSnapshot save_snapshot(const std::filesystem::path& dir, const StateImage& image,
+                            std::size_t max_bytes) {
+  SavedSnapshot saved;
+  saved.ec = write_atomically(dir, [&](int fd) {
+    // Lines gather into writes of about kChunk bytes.
+    constexpr std::size_t kChunk = 256 * 1024;
+    std::string buffer;
+    std::error_code ec;
+    saved.encoded = encode_snapshot_records(image, max_bytes, [&](std::string_view line) {
+      buffer.append(line);
+      if (buffer.size() >= kChunk) {
+        ec = write_all(fd, buffer);
+        buffer.clear();
+      }
+      return !ec;
+    });
+    if (!ec) ec = write_all(fd, buffer);
+    return ec;
+  });
+  return saved;
+}
+
+std::error_code save_snapshot(const std::filesystem::path& dir, const nlohmann::json& doc) {
+  std::string text;
+  try {
+    text = doc.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  } catch (const std::exception&) {
+    return std::make_error_code(std::errc::invalid_argument);
+  }
+  text.push_back('\n');
+  return write_atomically(dir, [&text](int fd) { return write_all(fd, text); });
 }
 
 std::optional<std::string> check_state_dir(const std::filesystem::path& dir) {
@@ -189,8 +220,121 @@ nlohmann::json parse_bounded(const std::string& content, std::size_t max_element
 
 }  // namespace
 
-LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_array_elements,
-                             std::size_t max_bytes) {
+namespace {
+
+// A version-2 file's bytes, cut into lines for a SnapshotRecordReader: a line longer than
+// `max_line` is not held (skipped as it ends), nor is any line that starts past
+// `max_total` bytes.
+class LineSplitter {
+ public:
+  LineSplitter(SnapshotRecordReader& reader, std::size_t max_bytes)
+      : reader_(reader), max_bytes_(max_bytes) {}
+
+  void feed(std::string_view chunk) {
+    while (!chunk.empty()) {
+      const std::size_t nl = chunk.find('\n');
+      const std::string_view piece = chunk.substr(0, nl);
+      if (!past_ && !overlong_) {
+        line_.append(piece);
+        if (line_.size() > max_bytes_) {
+          overlong_ = true;
+          std::string().swap(line_);
+        }
+      }
+      pending_ = true;
+      offset_ += piece.size();
+      if (nl == std::string_view::npos) return;
+      ++offset_;
+      chunk.remove_prefix(nl + 1);
+      end_line(/*torn=*/false);
+    }
+  }
+  // The file ended: a line without its '\n' is torn.
+  void finish() {
+    if (pending_) end_line(/*torn=*/true);
+  }
+
+ private:
+  void end_line(bool torn) {
+    if (past_) {
+      reader_.skip_line("past limits.max_snapshot_bytes (" + std::to_string(max_bytes_) +
+                        " bytes of the file), not read");
+    } else if (overlong_) {
+      reader_.skip_line("longer than limits.max_snapshot_bytes (" + std::to_string(max_bytes_) +
+                        " bytes), not read");
+    } else {
+      reader_.line(line_, torn);
+    }
+    line_.clear();
+    overlong_ = false;
+    pending_ = false;
+    past_ = offset_ >= max_bytes_;
+  }
+
+  SnapshotRecordReader& reader_;
+  const std::size_t max_bytes_;
+  std::string line_;
+  std::uint64_t offset_ = 0;  // bytes of the file fed
+  bool pending_ = false;      // a line has begun
+  bool overlong_ = false;     // the current line is too long to hold
+  bool past_ = false;         // the current line starts past max_bytes_
+};
+
+// Reads from `fd` until the end, handing each chunk to `consume`; "" or the read error.
+std::string read_chunks(int fd, const std::function<bool(std::string_view)>& consume) {
+  std::array<char, 64 * 1024> buf{};
+  for (;;) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return last_error().message();
+    if (n == 0) return {};
+    if (!consume(std::string_view(buf.data(), static_cast<std::size_t>(n)))) return {};
+  }
+}
+
+// A version-1 file: one document, read whole as older builds did (`content` holds its
+// start). False with result.error set when it cannot be used.
+bool load_document(int fd, std::string content, const std::filesystem::path& path,
+                   const Limits& limits, LoadedSnapshot& result) {
+  const std::size_t max_bytes = limits.max_snapshot_bytes;
+  bool over = content.size() > max_bytes;
+  const std::string read_error = over ? std::string() : read_chunks(fd, [&](std::string_view c) {
+    content.append(c);
+    over = content.size() > max_bytes;
+    return !over;
+  });
+  if (!read_error.empty()) {
+    result.error = "cannot read " + path.string() + ": " + read_error;
+    return false;
+  }
+  if (over) {
+    result.error = path.string() + " (a version-1 snapshot, read whole) is larger than "
+                   "limits.max_snapshot_bytes (" + std::to_string(max_bytes) +
+                   " bytes; raise it to restore the file)";
+    return false;
+  }
+  std::string too_long;
+  const nlohmann::json doc = parse_bounded(content, snapshot_max_array_elements(limits), too_long);
+  std::string().swap(content);
+  std::string rejected;
+  if (!too_long.empty()) {
+    result.error = path.string() + ": " + too_long;
+  } else if (doc.is_discarded()) {
+    result.error = path.string() + " is not valid JSON";
+  } else if (!has_snapshot_schema(doc)) {
+    result.error = path.string() + " is not a " + kSnapshotSchema + " document";
+  } else if (auto image = decode_snapshot(doc, limits, rejected)) {
+    result.image = std::move(*image);
+    return true;
+  } else {
+    result.error = path.string() + " rejected: " + rejected;
+  }
+  return false;
+}
+
+}  // namespace
+
+LoadedSnapshot load_snapshot(const std::filesystem::path& dir, const Limits& limits) {
   LoadedSnapshot result;
   const std::filesystem::path path = dir / kSnapshotFileName;
   std::error_code ec;
@@ -209,40 +353,48 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir, std::size_t max_a
     result.error = "cannot open " + path.string() + ": " + last_error().message();
     return result;
   }
-  const std::string too_big = path.string() + " is larger than limits.max_snapshot_bytes (" +
-                              std::to_string(max_bytes) + " bytes; raise it to restore the file)";
-  struct stat st {};
-  bool over = ::fstat(fd.get(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) > max_bytes;
-  std::string content;
-  std::array<char, 64 * 1024> buf{};
-  while (!over) {
-    const ssize_t n = ::read(fd.get(), buf.data(), buf.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      result.status = LoadedSnapshot::Status::kCorrupt;
-      result.error = "cannot read " + path.string() + ": " + last_error().message();
-      return result;
-    }
-    if (n == 0) break;
-    content.append(buf.data(), static_cast<std::size_t>(n));
-    over = content.size() > max_bytes;  // it grew since fstat
+  // The first byte says the format: a version-1 document opens with '{', a line of
+  // version 2 with its checksum's digits.
+  std::string first;
+  std::string read_error = read_chunks(fd.get(), [&first](std::string_view chunk) {
+    first.assign(chunk);
+    return false;
+  });
+  if (!read_error.empty()) {
+    // Perhaps passing (EIO): not moved, the file stays for the next start.
+    result.status = LoadedSnapshot::Status::kCorrupt;
+    result.error = "cannot read " + path.string() + ": " + read_error;
+    return result;
   }
-  std::string too_long;
-  nlohmann::json doc = over ? nlohmann::json(nlohmann::json::value_t::discarded)
-                            : parse_bounded(content, max_array_elements, too_long);
-  content.clear();
-  content.shrink_to_fit();
-  if (over) {
-    result.error = too_big;
-  } else if (!too_long.empty()) {
-    result.error = path.string() + ": " + too_long;
-  } else if (doc.is_discarded()) {
-    result.error = path.string() + " is not valid JSON";
-  } else if (!has_snapshot_schema(doc)) {
-    result.error = path.string() + " is not a " + kSnapshotSchema + " document";
+  bool usable = false;
+  if (!first.empty() && first.front() == '{') {
+    result.version = 1;
+    usable = load_document(fd.get(), std::move(first), path, limits, result);
   } else {
+    result.version = 2;
+    SnapshotRecordReader reader(limits);
+    LineSplitter lines(reader, limits.max_snapshot_bytes);
+    lines.feed(first);
+    read_error = read_chunks(fd.get(), [&lines](std::string_view chunk) {
+      lines.feed(chunk);
+      return true;
+    });
+    if (!read_error.empty()) {
+      // What was read is restored; the rest of the file is one record lost, said so.
+      reader.skip_line("cannot read the rest of the file: " + read_error);
+    } else {
+      lines.finish();
+    }
+    std::string error;
+    if (auto image = reader.finish(error)) {
+      result.image = std::move(*image);
+      usable = true;
+    } else {
+      result.error = path.string() + ": " + error;
+    }
+  }
+  if (usable) {
     result.status = LoadedSnapshot::Status::kLoaded;
-    result.doc = std::move(doc);
     return result;
   }
   result.status = LoadedSnapshot::Status::kCorrupt;

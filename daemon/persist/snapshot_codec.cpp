@@ -23,15 +23,11 @@
 #include "daemon/state/state_image.h"
 
 namespace steptrace::daemon {
-namespace {
+// The records' own encoders and readers are shared with the version-2 file
+// (snapshot_records.cpp, through snapshot_sections.h).
+namespace snapshot_detail {
 
 using nlohmann::json;
-using snapshot_detail::error_text;
-using snapshot_detail::kNameRule;
-using snapshot_detail::ledger_json;
-using snapshot_detail::read_histogram;
-using snapshot_detail::read_ledger;
-using snapshot_detail::read_process_key;
 
 constexpr std::uint64_t kSnapshotVersion = 1;
 // No build keeps more processes than the config allows (limits.max_processes).
@@ -88,6 +84,10 @@ json step_json(const StepImage& step) {
           {"histogram", encode_histogram(step.hist)}};
 }
 
+json retired_json(const std::string& step, const Histogram& hist) {
+  return {{"step", step}, {"histogram", encode_histogram(hist)}};
+}
+
 json counters_json(const DaemonCounters& c) {
   json out = {{"events_dropped_by_cause", drop_causes_json(c.events_dropped_by_cause)},
               {"protocol_errors", c.protocol_errors},
@@ -129,22 +129,18 @@ json process_json(const ProcessImage& p) {
   return out;
 }
 
-json retired_jobs_json(const std::vector<RetiredJobImage>& jobs) {
-  json out = json::array();
-  for (const RetiredJobImage& job : jobs) {
-    json steps = json::array();
-    for (const auto& [name, t] : job.steps) {
-      steps.push_back(
-          {{"step", name}, {"count", t.count}, {"total_ns", t.total_ns}, {"self_ns", t.self_ns}});
-    }
-    out.push_back({{"uid", job.uid},
-                   {"job", job.job},
-                   {"processes", job.processes},
-                   {"dropped", job.dropped},
-                   {"retired_order", job.retired_order},
-                   {"steps", std::move(steps)}});
+json retired_job_json(const RetiredJobImage& job) {
+  json steps = json::array();
+  for (const auto& [name, t] : job.steps) {
+    steps.push_back(
+        {{"step", name}, {"count", t.count}, {"total_ns", t.total_ns}, {"self_ns", t.self_ns}});
   }
-  return out;
+  return {{"uid", job.uid},
+          {"job", job.job},
+          {"processes", job.processes},
+          {"dropped", job.dropped},
+          {"retired_order", job.retired_order},
+          {"steps", std::move(steps)}};
 }
 
 // ---- decode: each returns false with the reader's error set ---------------------------
@@ -360,22 +356,26 @@ bool read_processes(JsonObject& top, const json& doc, std::vector<ProcessImage>&
   return true;
 }
 
+bool read_retired_entry(JsonObject entry, std::map<std::string, Histogram, std::less<>>& out) {
+  std::string name;
+  Histogram histogram;
+  if (!entry.get_string("step", name, kNameRule) ||
+      !read_histogram(entry.object("histogram"), histogram) || !entry.finish()) {
+    return false;
+  }
+  if (!out.try_emplace(name, std::move(histogram)).second) {
+    return entry.fail_at("step", "\"" + name + "\" appears twice");
+  }
+  return true;
+}
+
 // Optional, as it has always been to the reader.
 bool read_retired(JsonObject& top, const ImageBounds& bounds,
                   std::map<std::string, Histogram, std::less<>>& out) {
   if (!top.has("retired")) return true;
   JsonArray retired = top.array("retired", bounds.retired_names);
   for (std::size_t i = 0; i < retired.size(); ++i) {
-    JsonObject entry = retired.object(i);
-    std::string name;
-    Histogram histogram;
-    if (!entry.get_string("step", name, kNameRule) ||
-        !read_histogram(entry.object("histogram"), histogram) || !entry.finish()) {
-      return false;
-    }
-    if (!out.try_emplace(name, std::move(histogram)).second) {
-      return entry.fail_at("step", "\"" + name + "\" appears twice");
-    }
+    if (!read_retired_entry(retired.object(i), out)) return false;
   }
   return true;
 }
@@ -446,23 +446,28 @@ bool read_snapshot(JsonReader& reader, const json& doc, const Limits& limits, St
   return top.finish();
 }
 
-}  // namespace
+}  // namespace snapshot_detail
+
+using nlohmann::json;
 
 json encode_snapshot(const StateImage& image) {
+  namespace d = snapshot_detail;
   json processes = json::array();
-  for (const ProcessImage& p : image.processes) processes.push_back(process_json(p));
+  for (const ProcessImage& p : image.processes) processes.push_back(d::process_json(p));
   json retired = json::array();
-  for (const auto& [name, hist] : image.retired) {
-    retired.push_back({{"step", name}, {"histogram", encode_histogram(hist)}});
+  for (const auto& [name, hist] : image.retired) retired.push_back(d::retired_json(name, hist));
+  json retired_jobs = json::array();
+  for (const RetiredJobImage& job : image.retired_jobs) {
+    retired_jobs.push_back(d::retired_job_json(job));
   }
   return {{"schema", kSnapshotSchema},
-          {"version", kSnapshotVersion},
+          {"version", d::kSnapshotVersion},
           {"written_at_ns", image.taken_at_ns},
           {"processes", std::move(processes)},
           {"retired", std::move(retired)},
-          {"retired_jobs", retired_jobs_json(image.retired_jobs)},
-          {"counters", counters_json(image.counters)},
-          {"ledger", ledger_json(image.ledger)}};
+          {"retired_jobs", std::move(retired_jobs)},
+          {"counters", d::counters_json(image.counters)},
+          {"ledger", d::ledger_json(image.ledger)}};
 }
 
 json encode_snapshot(const CollectorView& view) { return encode_snapshot(view.image()); }
@@ -471,8 +476,8 @@ std::optional<StateImage> decode_snapshot(const json& doc, const Limits& limits,
                                           std::string& error) {
   JsonReader reader;
   StateImage out;
-  if (!read_snapshot(reader, doc, limits, out)) {
-    error = error_text(reader);
+  if (!snapshot_detail::read_snapshot(reader, doc, limits, out)) {
+    error = snapshot_detail::error_text(reader);
     return std::nullopt;
   }
   return out;
@@ -486,15 +491,7 @@ std::error_code restore_from_snapshot(Collector& collector, const json& doc) {
     spdlog::warn("snapshot rejected: {}", error);
     return make_error_code(errc::bad_snapshot);
   }
-  // Bounded: a snapshot of a million bad records must not write a million log lines.
-  constexpr std::size_t kLoggedSkips = 10;
-  for (std::size_t i = 0; i < image->skipped.size() && i < kLoggedSkips; ++i) {
-    spdlog::warn("snapshot record skipped, the rest restored: {}", image->skipped[i]);
-  }
-  if (image->skipped.size() > kLoggedSkips) {
-    spdlog::warn("{} more snapshot records skipped", image->skipped.size() - kLoggedSkips);
-  }
-  return collector.adopt(std::move(*image));
+  return adopt_snapshot(collector, std::move(*image));
 }
 
 std::size_t snapshot_max_array_elements(const Limits& limits) {

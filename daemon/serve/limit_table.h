@@ -100,7 +100,8 @@ inline constexpr std::array<LimitRow, 24> kLimitTable = [] {
           "max_process_state_bytes", K::kMaxProcessStateBytes, 65536, std::uint64_t{1} << 40),
       collector<&Limits::max_state_bytes>("max_state_bytes", K::kMaxStateBytes, kMiB,
                                           std::uint64_t{1} << 44),
-      // The largest snapshot file restored at start-up: a bigger one is moved aside unread.
+      // The largest snapshot file written and read: records past it are left out (written)
+      // or skipped (read), the uid with the most processes losing its last ones first.
       collector<&Limits::max_snapshot_bytes>("max_snapshot_bytes", std::nullopt, kMiB,
                                              std::uint64_t{1} << 40),
       collector<&Limits::max_gpus_per_uid>("max_gpus_per_uid", K::kMaxGpusPerUid, 1, 4096),

@@ -150,9 +150,7 @@ std::optional<std::string> Server::start() {
 void Server::restore_snapshot() {
   assert(on_io_thread(io_));  // restores into the Collector (and claims the io thread)
   counters_.durability.enabled = true;
-  LoadedSnapshot loaded =
-      load_snapshot(config_.state_dir, snapshot_max_array_elements(config_.limits),
-                    config_.limits.max_snapshot_bytes);
+  LoadedSnapshot loaded = load_snapshot(config_.state_dir, config_.limits);
   switch (loaded.status) {
     case LoadedSnapshot::Status::kNone:
       spdlog::info("no snapshot in {}; starting empty", config_.state_dir);
@@ -164,11 +162,11 @@ void Server::restore_snapshot() {
     case LoadedSnapshot::Status::kLoaded:
       break;
   }
-  if (const auto ec = restore_from_snapshot(collector_, loaded.doc)) {
+  if (const auto ec = adopt_snapshot(collector_, std::move(loaded.image))) {
     std::error_code move_ec;
     const fs::path moved = move_snapshot_aside(config_.state_dir, move_ec);
     started_empty(
-        "snapshot in " + config_.state_dir + " rejected (" + ec.message() + "); " +
+        "snapshot in " + config_.state_dir + " refused (" + ec.message() + "); " +
         (move_ec ? "moving it aside failed: " + move_ec.message() : "moved to " + moved.string()));
     return;
   }
@@ -185,27 +183,47 @@ void Server::started_empty(const std::string& error) {
 }
 
 namespace {
-// Builds and writes the snapshot of `view`; "" or what went wrong.
-std::string write_snapshot(const std::string& state_dir, const CollectorView& view) {
-  std::error_code ec;
+// Builds and writes the snapshot of `view` (error "" when it was written).
+WrittenSnapshot write_snapshot(const std::string& state_dir, const CollectorView& view,
+                               std::size_t max_bytes) {
+  WrittenSnapshot out;
+  SavedSnapshot saved;
   try {
-    ec = save_snapshot(state_dir, encode_snapshot(view));
+    saved = save_snapshot(state_dir, view.image(), max_bytes);
   } catch (const std::exception& e) {
-    return std::string("building the snapshot failed: ") + e.what();
+    out.error = std::string("building the snapshot failed: ") + e.what();
+    return out;
   }
-  if (!ec) return {};
+  out.left_out = saved.encoded.left_out;
+  out.first_left_out = std::move(saved.encoded.first_left_out);
+  if (!saved.ec) return out;
   if (auto unsafe = check_state_dir(state_dir)) {
-    return "snapshot not written: state directory refused: " + *unsafe;
+    out.error = "snapshot not written: state directory refused: " + *unsafe;
+  } else {
+    out.error = "writing snapshot to " + state_dir + " failed: " + saved.ec.message();
   }
-  return "writing snapshot to " + state_dir + " failed: " + ec.message();
+  return out;
 }
 }  // namespace
 
-bool Server::snapshot_written(const std::string& error) {
+bool Server::snapshot_written(const WrittenSnapshot& written) {
   Durability& durability = counters_.durability;
   const std::int64_t now = unix_now();
+  const std::string& error = written.error;
   if (error.empty()) {
     ++counters_.snapshots_written;
+    counters_.snapshot_records_left_out += written.left_out;
+    // Said when it starts, changes or stops, not at every snapshot.
+    if (written.left_out != last_left_out_) {
+      if (written.left_out > 0) {
+        spdlog::warn("snapshot: {} records left out, past limits.max_snapshot_bytes ({} bytes; "
+                     "first: {}); a restart would lose them",
+                     written.left_out, config_.limits.max_snapshot_bytes, written.first_left_out);
+      } else {
+        spdlog::info("snapshot: every record fits in limits.max_snapshot_bytes again");
+      }
+      last_left_out_ = written.left_out;
+    }
     durability.failing_since.reset();
     durability.last_written = now;
     if (const auto line = snapshot_log_.succeeded()) spdlog::info("{}", line->text);
@@ -223,10 +241,13 @@ bool Server::snapshot_written(const std::string& error) {
 bool Server::save_snapshot_now() {
   if (config_.state_dir.empty()) return true;
   assert(on_io_thread(io_));  // makes a CollectorView
-  const std::string error = write_snapshot(config_.state_dir, *collector_.freeze(&counters_));
+  const WrittenSnapshot written = write_snapshot(
+      config_.state_dir, *collector_.freeze(&counters_), config_.limits.max_snapshot_bytes);
   // The final one is always logged: the exit status says it failed, the log must say why.
-  if (!snapshot_written(error) && !error.empty()) spdlog::error("final snapshot: {}", error);
-  return error.empty();
+  if (!snapshot_written(written) && !written.error.empty()) {
+    spdlog::error("final snapshot: {}", written.error);
+  }
+  return written.error.empty();
 }
 
 void Server::save_snapshot_later() {
@@ -235,12 +256,18 @@ void Server::save_snapshot_later() {
   const std::uint64_t generation = collector_.generation();
   if (snapshot_generation_ == generation) return;
   snapshot_pending_ = true;
+  // Filled on the render thread, read on this one once the result is posted back.
+  auto written = std::make_shared<WrittenSnapshot>();
   renderer_.submit(
-      [dir = config_.state_dir](const CollectorView& view) { return write_snapshot(dir, view); },
-      [this, generation](std::string error) {
+      [dir = config_.state_dir, max_bytes = config_.limits.max_snapshot_bytes,
+       written](const CollectorView& view) {
+        *written = write_snapshot(dir, view, max_bytes);
+        return written->error;
+      },
+      [this, generation, written](const std::string& error) {
         snapshot_pending_ = false;
         if (error.empty()) snapshot_generation_ = generation;
-        snapshot_written(error);
+        snapshot_written(*written);
       });
 }
 

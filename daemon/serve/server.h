@@ -36,6 +36,13 @@
 
 namespace steptrace::daemon {
 
+// What writing one snapshot came to.
+struct WrittenSnapshot {
+  std::string error;           // "" when written
+  std::uint64_t left_out = 0;  // records past limits.max_snapshot_bytes, not written
+  std::string first_left_out;  // which was the first of them
+};
+
 class Server {
  public:
   Server(const Config& config, Collector& collector);
@@ -57,7 +64,7 @@ class Server {
   void save_snapshot_later();  // on the render thread (the timer)
   // Counts and logs (rate-limited) a snapshot write; false when its failure was not
   // logged (the previous line is recent).
-  bool snapshot_written(const std::string& error);
+  bool snapshot_written(const WrittenSnapshot& written);
   void started_empty(const std::string& error);  // the snapshot at start could not be used
   void drain_backlog();
   void drain_and_stop(std::vector<std::shared_ptr<Session>>& live);
@@ -89,6 +96,7 @@ class Server {
   // holds: the timer writes none while the state is the same.
   std::optional<std::uint64_t> snapshot_generation_;
   FailureLog snapshot_log_{"snapshots"};
+  std::uint64_t last_left_out_ = 0;  // records the last snapshot left out (logged on change)
   CommandTable commands_;
   SessionShared shared_;
   ConnectionRegistry connections_;  // the sessions, their counts and limits

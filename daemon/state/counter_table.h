@@ -43,7 +43,7 @@ struct CounterRow {
   std::string_view help;
 };
 
-inline constexpr std::array<CounterRow, 14> kCounterTable = {{
+inline constexpr std::array<CounterRow, 15> kCounterTable = {{
     {&DaemonCounters::events_received, nullptr, "", "events_received", Kept::kSinceV1,
      "events_received", MetricGroup::kIngest, "steptrace_events_received_total", "counter",
      "Span events received from clients."},
@@ -88,7 +88,13 @@ inline constexpr std::array<CounterRow, 14> kCounterTable = {{
      "State snapshots that failed to write."},
     {&DaemonCounters::snapshot_records_skipped, nullptr, "snapshots", "records_skipped", Kept::kNo,
      "", MetricGroup::kSnapshots, "steptrace_snapshot_records_skipped_total", "counter",
-     "Snapshot records left out at start-up for breaking a rule (the rest was restored)."},
+     "Snapshot records skipped at start-up: damaged, torn, past the limits or breaking a "
+     "rule (the rest was restored)."},
+    {&DaemonCounters::snapshot_records_left_out, &ServerCounters::snapshot_records_left_out,
+     "snapshots", "records_left_out", Kept::kNo, "", MetricGroup::kSnapshots,
+     "steptrace_snapshot_records_left_out_total", "counter",
+     "Records left out of snapshots written, past limits.max_snapshot_bytes (summed over "
+     "snapshots; the uid with the most loses its last processes first)."},
 }};
 
 }  // namespace steptrace::daemon

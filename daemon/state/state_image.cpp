@@ -224,7 +224,7 @@ std::error_code Collector::adopt(StateImage image) {
   }
   restored.ledger = std::move(image.ledger);
   restored.counters = std::move(image.counters);
-  const std::size_t skipped = image.skipped.size();
+  const std::uint64_t skipped = image.skipped.size() + image.skipped_unnamed;
   if (auto ec = adopt_restored(std::move(restored))) return ec;
   counters_.snapshot_records_skipped += skipped;
   return {};

@@ -112,6 +112,8 @@ struct StateImage {
   // Records of the document that broke a rule and were left out ("path: reason"): one
   // bad process record costs that process, not the whole state.
   std::vector<std::string> skipped;
+  // More records left out, past the reasons a reader keeps (counted all the same).
+  std::uint64_t skipped_unnamed = 0;
 };
 
 // The most an image of state under `limits` holds of what the state bounds itself (beyond

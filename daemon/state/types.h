@@ -67,8 +67,8 @@ struct Limits {
   // refused and counted (collector_state.h, charge()).
   std::size_t max_process_state_bytes = 16u << 20;
   std::size_t max_state_bytes = 1u << 30;
-  // The largest snapshot file restored at start-up (a bigger one is moved aside unread):
-  // parsing costs about ten times the file in memory.
+  // The largest snapshot file written and read (records past it are left out, counted):
+  // read a record at a time (a version-1 file, read whole, costs ten times its size).
   std::size_t max_snapshot_bytes = 256u << 20;
 };
 
@@ -178,6 +178,7 @@ struct ServerCounters {
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
+  std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name() or session kind
   HttpCounters http;
   RingCounters rings;
@@ -225,6 +226,7 @@ struct DaemonCounters {
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::uint64_t snapshot_records_skipped = 0;            // bad records left out at restore
+  std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
   HttpCounters http;                       // the server's, as it is now (not kept in snapshots)
   RingCounters rings;                      // the server's, as it is now (not kept in snapshots)

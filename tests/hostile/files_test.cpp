@@ -49,7 +49,7 @@ TEST_F(HostileFilesTest, ALinkPlantedAtTheTemporarySnapshotIsNotFollowed) {
   struct stat st {};
   ASSERT_EQ(::lstat(snapshot().c_str(), &st), 0);
   EXPECT_TRUE(S_ISREG(st.st_mode));
-  EXPECT_NE(read_file(snapshot()).find("steptrace.snapshot/v1"), std::string::npos);
+  EXPECT_NE(read_file(snapshot()).find("steptrace.snapshot/v2"), std::string::npos);
   EXPECT_NE(::lstat((snapshot() + ".tmp").c_str(), &st), 0);  // the link itself is gone
 }
 

@@ -6,9 +6,11 @@
 #include "daemon/persist/snapshot.h"
 #include "daemon/report/report.h"
 
+#include <boost/crc.hpp>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -471,10 +473,17 @@ std::string read(const std::filesystem::path& p) {
   return s.str();
 }
 
+Limits with_max_snapshot_bytes(std::size_t bytes) {
+  Limits limits;
+  limits.max_snapshot_bytes = bytes;
+  return limits;
+}
+
 // Issue 15, item 12: a snapshot holding more than live state may (100k exited processes
-// took 65 s and 2.9 GB to load) is not parsed in full: the parse stops at the first
-// array longer than the limits allow, and the file is moved aside, saying why.
-TEST(SnapshotFileTest, AnArrayLongerThanTheLimitsAllowStopsTheParse) {
+// took 65 s and 2.9 GB to load) is not parsed in full: the parse of a version-1 document
+// stops at the first array longer than the limits allow, and the file is moved aside,
+// saying why.
+TEST(SnapshotFileTest, AVersionOneArrayLongerThanTheLimitsAllowStopsTheParse) {
   steptrace::testing::TempDir dir;
   const std::size_t bound = snapshot_max_array_elements(Limits{});
   // The longest with the defaults: retired jobs, max_jobs + max_processes (4352).
@@ -484,13 +493,15 @@ TEST(SnapshotFileTest, AnArrayLongerThanTheLimitsAllowStopsTheParse) {
   Collector c(Limits{}, world.env());
   populate(c, world);
   ASSERT_FALSE(save_snapshot(dir.path(), snapshot_of(c)));
-  EXPECT_EQ(load_snapshot(dir.path(), bound).status, LoadedSnapshot::Status::kLoaded);
+  const LoadedSnapshot good = load_snapshot(dir.path(), Limits{});
+  EXPECT_EQ(good.status, LoadedSnapshot::Status::kLoaded) << good.error;
+  EXPECT_EQ(good.version, 1);
 
   json huge = snapshot_of(c);
   huge["processes"] = json::array();
   for (std::size_t i = 0; i < 3 * bound; ++i) huge["processes"].push_back({{"pid", i}});
   ASSERT_FALSE(save_snapshot(dir.path(), huge));
-  const LoadedSnapshot loaded = load_snapshot(dir.path(), bound);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
   EXPECT_NE(loaded.error.find("holds more than " + std::to_string(bound) + " elements"),
             std::string::npos)
@@ -499,19 +510,21 @@ TEST(SnapshotFileTest, AnArrayLongerThanTheLimitsAllowStopsTheParse) {
   EXPECT_FALSE(std::filesystem::exists(dir.file(kSnapshotFileName)));
 }
 
-// A file longer than limits.max_snapshot_bytes is not read at all: moved aside, naming the key.
-TEST(SnapshotFileTest, AFileLargerThanMaxSnapshotBytesIsMovedAsideUnread) {
+// A version-1 file (read whole, as older builds did) longer than limits.max_snapshot_bytes
+// is not read at all: moved aside, naming the key.
+TEST(SnapshotFileTest, AVersionOneFileLargerThanMaxSnapshotBytesIsMovedAsideUnread) {
   steptrace::testing::TempDir dir;
   FakeWorld world;
   Collector c(Limits{}, world.env());
   populate(c, world);
   ASSERT_FALSE(save_snapshot(dir.path(), snapshot_of(c)));
   const auto size = std::filesystem::file_size(dir.file(kSnapshotFileName));
-  EXPECT_EQ(load_snapshot(dir.path(), SIZE_MAX, size).status, LoadedSnapshot::Status::kLoaded);
+  EXPECT_EQ(load_snapshot(dir.path(), with_max_snapshot_bytes(size)).status,
+            LoadedSnapshot::Status::kLoaded);
 
-  const LoadedSnapshot loaded = load_snapshot(dir.path(), SIZE_MAX, size - 1);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), with_max_snapshot_bytes(size - 1));
   EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
-  EXPECT_TRUE(loaded.doc.is_null());
+  EXPECT_TRUE(loaded.image.processes.empty());
   EXPECT_NE(loaded.error.find("larger than limits.max_snapshot_bytes (" + std::to_string(size - 1) +
                               " bytes"),
             std::string::npos)
@@ -523,23 +536,26 @@ TEST(SnapshotFileTest, AFileLargerThanMaxSnapshotBytesIsMovedAsideUnread) {
 
 TEST(SnapshotFileTest, SaveIsAtomicAndLoadReadsItBack) {
   steptrace::testing::TempDir dir;
-  EXPECT_EQ(load_snapshot(dir.path()).status, LoadedSnapshot::Status::kNone);
+  EXPECT_EQ(load_snapshot(dir.path(), Limits{}).status, LoadedSnapshot::Status::kNone);
   FakeWorld world;
   Collector c(Limits{}, world.env());
   populate(c, world);
-  const json doc = snapshot_of(c);
-  ASSERT_FALSE(save_snapshot(dir.path(), doc));
-  EXPECT_TRUE(std::filesystem::exists(dir.file(kSnapshotFileName)));
+  StateImage image = c.freeze()->image();
+  const SavedSnapshot saved = save_snapshot(dir.path(), image, SIZE_MAX);
+  ASSERT_FALSE(saved.ec);
+  EXPECT_EQ(saved.encoded.left_out, 0u);
+  EXPECT_EQ(saved.encoded.bytes, std::filesystem::file_size(dir.file(kSnapshotFileName)));
   EXPECT_FALSE(std::filesystem::exists(dir.file(std::string(kSnapshotFileName) + ".tmp")));
-  const LoadedSnapshot loaded = load_snapshot(dir.path());
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
-  EXPECT_EQ(loaded.doc, doc);
+  EXPECT_EQ(loaded.version, 2);
+  EXPECT_TRUE(loaded.image.skipped.empty()) << loaded.image.skipped.front();
+  EXPECT_EQ(encode_snapshot(loaded.image), encode_snapshot(image));
   // A second save replaces the first; a leftover temp file from a crash is harmless.
   std::ofstream(dir.file(std::string(kSnapshotFileName) + ".tmp")) << "half a doc";
-  json doc2 = doc;
-  doc2["written_at_ns"] = 1;
-  ASSERT_FALSE(save_snapshot(dir.path(), doc2));
-  EXPECT_EQ(load_snapshot(dir.path()).doc, doc2);
+  image.taken_at_ns = 1;
+  ASSERT_FALSE(save_snapshot(dir.path(), image, SIZE_MAX).ec);
+  EXPECT_EQ(load_snapshot(dir.path(), Limits{}).image.taken_at_ns, 1u);
   EXPECT_FALSE(std::filesystem::exists(dir.file(std::string(kSnapshotFileName) + ".tmp")));
 }
 
@@ -547,13 +563,178 @@ TEST(SnapshotFileTest, SaveIntoAMissingDirectoryFailsAndKeepsNothing) {
   steptrace::testing::TempDir dir;
   const auto missing = std::filesystem::path(dir.path()) / "missing";
   EXPECT_TRUE(save_snapshot(missing, json{{"schema", kSnapshotSchema}}));
+  EXPECT_TRUE(save_snapshot(missing, StateImage{}, SIZE_MAX).ec);
   EXPECT_FALSE(std::filesystem::exists(missing));
+}
+
+// ---- version 2: damage costs the damaged record alone (issue 25) ------------------------
+
+// A file of `processes` processes of uid 1000 (and the populate() state), saved in `dir`;
+// its lines.
+std::vector<std::string> save_processes(const steptrace::testing::TempDir& dir, int processes) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  populate(c, world);
+  for (int i = 0; i < processes; ++i) {
+    Connection p(c, world.spawn(10'000 + i, 1, "worker"));
+    EXPECT_FALSE(p.events({start(1, 0, 0), end(1, 0, 100 + i)}));
+  }
+  EXPECT_FALSE(save_snapshot(dir.path(), c.freeze()->image(), SIZE_MAX).ec);
+  std::vector<std::string> lines;
+  std::istringstream in(read(dir.file(kSnapshotFileName)));
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+void write_lines(const steptrace::testing::TempDir& dir, const std::vector<std::string>& lines,
+                 bool last_newline = true) {
+  std::string text;
+  for (const std::string& line : lines) text += line + "\n";
+  if (!last_newline) text.pop_back();
+  std::ofstream(dir.file(kSnapshotFileName), std::ios::trunc) << text;
+}
+
+// The index of the first line that holds `needle`.
+std::size_t line_with(const std::vector<std::string>& lines, std::string_view needle) {
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    if (lines[i].find(needle) != std::string::npos) return i;
+  }
+  ADD_FAILURE() << "no line holds " << needle;
+  return 0;
+}
+
+bool has_pid(const StateImage& image, std::int32_t pid) {
+  return std::any_of(image.processes.begin(), image.processes.end(),
+                     [pid](const ProcessImage& p) { return p.peer.key.pid == pid; });
+}
+
+TEST(SnapshotFileTest, ABitFlipCostsTheRecordItHitAndNothingElse) {
+  steptrace::testing::TempDir dir;
+  std::vector<std::string> lines = save_processes(dir, 5);
+  const std::size_t hit = line_with(lines, "\"pid\":10002");
+  lines[hit][lines[hit].size() / 2] ^= 0x04;  // one bit, inside the JSON
+  write_lines(dir, lines);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
+  ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
+  ASSERT_EQ(loaded.image.skipped.size(), 1u);
+  EXPECT_EQ(loaded.image.skipped[0], "line " + std::to_string(hit + 1) +
+                                         ": checksum mismatch (the record is damaged)");
+  EXPECT_FALSE(has_pid(loaded.image, 10002));
+  for (const int pid : {4242, 5000, 10000, 10001, 10003, 10004}) {
+    EXPECT_TRUE(has_pid(loaded.image, pid)) << pid;
+  }
+  EXPECT_FALSE(loaded.image.ledger.gpus.empty());  // the ledger's own record is intact
+
+  // Restored into a collector, the skip is counted.
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  ASSERT_FALSE(adopt_snapshot(c, loaded.image));
+  EXPECT_EQ(c.counters().snapshot_records_skipped, 1u);
+}
+
+TEST(SnapshotFileTest, ATornTailLosesTheTornRecordAndSaysTheEndIsMissing) {
+  steptrace::testing::TempDir dir;
+  std::vector<std::string> lines = save_processes(dir, 3);
+  lines.pop_back();  // the end record
+  const std::string last = lines.back();
+  lines.back().resize(last.size() / 2);  // a crash half-way through the last process
+  write_lines(dir, lines, /*last_newline=*/false);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
+  ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
+  ASSERT_EQ(loaded.image.skipped.size(), 2u);
+  EXPECT_EQ(loaded.image.skipped[0],
+            "line " + std::to_string(lines.size()) + ": torn: the file ends inside it");
+  EXPECT_NE(loaded.image.skipped[1].find("the file ends before its end record"), std::string::npos)
+      << loaded.image.skipped[1];
+  EXPECT_EQ(loaded.image.processes.size(), 2u + 3u - 1u);  // populate()'s two, 3 workers less one
+
+  // Cut at a line's end: no record is damaged, the missing end record says it all the same.
+  lines.pop_back();
+  write_lines(dir, lines);
+  const LoadedSnapshot cut = load_snapshot(dir.path(), Limits{});
+  ASSERT_EQ(cut.status, LoadedSnapshot::Status::kLoaded) << cut.error;
+  ASSERT_EQ(cut.image.skipped.size(), 1u);
+  EXPECT_NE(cut.image.skipped[0].find("cut short"), std::string::npos) << cut.image.skipped[0];
+}
+
+TEST(SnapshotFileTest, ALineLongerThanMaxSnapshotBytesIsSkippedUnreadAndTheRestRestored) {
+  steptrace::testing::TempDir dir;
+  std::vector<std::string> lines = save_processes(dir, 2);
+  const std::size_t last = lines.size() - 2;  // the last process, before the end record
+  std::size_t before = 0;
+  for (std::size_t i = 0; i < last; ++i) before += lines[i].size() + 1;
+  const std::size_t cap = before + 10;
+  // Too long to hold under the cap (its checksum no longer matters: it is not read).
+  lines[last] += std::string(cap, ' ');
+  write_lines(dir, lines);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), with_max_snapshot_bytes(cap));
+  ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
+  ASSERT_EQ(loaded.image.skipped.size(), 3u) << ::testing::PrintToString(loaded.image.skipped);
+  EXPECT_EQ(loaded.image.skipped[0], "line " + std::to_string(last + 1) +
+                                         ": longer than limits.max_snapshot_bytes (" +
+                                         std::to_string(cap) + " bytes), not read");
+  // The end record starts past the cap: skipped unread, and so missing.
+  EXPECT_NE(loaded.image.skipped[1].find("past limits.max_snapshot_bytes"), std::string::npos);
+  EXPECT_NE(loaded.image.skipped[2].find("before its end record"), std::string::npos);
+  EXPECT_EQ(loaded.image.processes.size(), 2u + 2u - 1u);
+  EXPECT_FALSE(loaded.image.ledger.gpus.empty());
+}
+
+TEST(SnapshotFileTest, LinesPastMaxSnapshotBytesAreSkippedUnreadAndCounted) {
+  steptrace::testing::TempDir dir;
+  const std::vector<std::string> lines = save_processes(dir, 20);
+  std::size_t bytes = 0;
+  std::size_t fit = 0;  // lines that start within the cap
+  const std::size_t cap = read(dir.file(kSnapshotFileName)).size() / 2;
+  for (; fit < lines.size() && bytes < cap; ++fit) bytes += lines[fit].size() + 1;
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), with_max_snapshot_bytes(cap));
+  ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
+  // Every line from `fit` on is skipped, and the end record with them.
+  ASSERT_EQ(loaded.image.skipped.size(), lines.size() - fit + 1)
+      << ::testing::PrintToString(loaded.image.skipped);
+  EXPECT_NE(loaded.image.skipped[0].find("past limits.max_snapshot_bytes"), std::string::npos);
+  // The end record is among them; every other one was a process (they come last).
+  EXPECT_EQ(loaded.image.processes.size() + (lines.size() - fit - 1), 2u + 20u);
+}
+
+// A line as the writer makes it: the JSON's CRC-32 in hex, a space, the JSON.
+std::string checksummed(const std::string& body) {
+  boost::crc_32_type crc;
+  crc.process_bytes(body.data(), body.size());
+  char hex[9];
+  std::snprintf(hex, sizeof hex, "%08x", static_cast<unsigned>(crc.checksum()));
+  return std::string(hex) + " " + body;
+}
+
+TEST(SnapshotFileTest, AFileOfALaterFormatIsMovedAsideNotHalfRead) {
+  steptrace::testing::TempDir dir;
+  std::vector<std::string> lines = save_processes(dir, 1);
+  lines[0] = checksummed(R"({"schema":"steptrace.snapshot/v3","version":3,"written_at_ns":0})");
+  write_lines(dir, lines);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
+  EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
+  EXPECT_NE(loaded.error.find("a steptrace.snapshot/v3 file of version 3, not one this build reads"),
+            std::string::npos)
+      << loaded.error;
+  EXPECT_FALSE(loaded.moved_to.empty());
+}
+
+TEST(SnapshotFileTest, ADamagedHeaderCostsTheHeaderAlone) {
+  steptrace::testing::TempDir dir;
+  std::vector<std::string> lines = save_processes(dir, 2);
+  lines[0][12] ^= 0x01;
+  write_lines(dir, lines);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
+  ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
+  ASSERT_EQ(loaded.image.skipped.size(), 1u);
+  EXPECT_EQ(loaded.image.skipped[0], "line 1: checksum mismatch (the record is damaged)");
+  EXPECT_EQ(loaded.image.processes.size(), 4u);
 }
 
 void expect_moved_aside(const std::string& content) {
   steptrace::testing::TempDir dir;
   std::ofstream(dir.file(kSnapshotFileName)) << content;
-  const LoadedSnapshot loaded = load_snapshot(dir.path());
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
   EXPECT_FALSE(loaded.error.empty());
   ASSERT_FALSE(loaded.moved_to.empty()) << loaded.error;
@@ -565,7 +746,7 @@ void expect_moved_aside(const std::string& content) {
   EXPECT_FALSE(std::filesystem::exists(dir.file(kSnapshotFileName)));
   EXPECT_EQ(read(loaded.moved_to), content);  // kept for a human to look at
   // The next start is a fresh one.
-  EXPECT_EQ(load_snapshot(dir.path()).status, LoadedSnapshot::Status::kNone);
+  EXPECT_EQ(load_snapshot(dir.path(), Limits{}).status, LoadedSnapshot::Status::kNone);
 }
 
 TEST(SnapshotFileTest, CorruptFileIsMovedAside) {
@@ -573,14 +754,16 @@ TEST(SnapshotFileTest, CorruptFileIsMovedAside) {
   expect_moved_aside("");
   expect_moved_aside("{\"schema\": \"something.else/v1\"}");
   expect_moved_aside("[1, 2, 3]");
+  expect_moved_aside("0000000 not a line of records\n");
+  expect_moved_aside("deadbeef {\"counters\":{}}\n");  // a checksum, but not this line's
 }
 
 TEST(SnapshotFileTest, MoveAsideNeverOverwritesAnEarlierCorruptFile) {
   steptrace::testing::TempDir dir;
   std::ofstream(dir.file(kSnapshotFileName)) << "first";
-  const auto first = load_snapshot(dir.path()).moved_to;
+  const auto first = load_snapshot(dir.path(), Limits{}).moved_to;
   std::ofstream(dir.file(kSnapshotFileName)) << "second";
-  const auto second = load_snapshot(dir.path()).moved_to;
+  const auto second = load_snapshot(dir.path(), Limits{}).moved_to;
   ASSERT_FALSE(first.empty());
   ASSERT_FALSE(second.empty());
   EXPECT_NE(first, second);
