@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -205,6 +206,147 @@ TEST(SnapshotCodecTest, AFileTheOldBuildWroteRestoresAndEncodesToTheSameBytes) {
   Collector again(golden_limits(), world.env());
   ASSERT_FALSE(restore_from_snapshot(again, json::parse(file_text(encoded))));
   EXPECT_EQ(file_text(encode_snapshot(*again.freeze())), file_text(encoded));
+}
+
+// ---- version 2: a record per line (issue 25) -------------------------------------------
+
+std::string golden_v2_text() {
+  std::ifstream in(STEPTRACE_SNAPSHOT_V2, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The first version-2 file, pinned (STEPTRACE_UPDATE_GOLDEN=1 writes it, once: a change to
+// it is a change of format that files already written must survive).
+TEST(SnapshotCodecTest, EncodesTheV2FormatByteForByte) {
+  FakeWorld world;
+  Collector c(golden_limits(), world.env());
+  populate_golden(c, world);
+  const ServerCounters server = golden_server();
+  const std::string text = encode_snapshot_text(c.freeze(&server)->image());
+  if (std::getenv("STEPTRACE_UPDATE_GOLDEN") != nullptr) {
+    std::ofstream(STEPTRACE_SNAPSHOT_V2, std::ios::binary) << text;
+    GTEST_SKIP() << "wrote " << STEPTRACE_SNAPSHOT_V2;
+  }
+  EXPECT_EQ(text, golden_v2_text());
+}
+
+TEST(SnapshotCodecTest, AV2FileDecodesAndEncodesToTheSameBytes) {
+  const std::string golden = golden_v2_text();
+  ASSERT_FALSE(golden.empty());
+  std::string error;
+  const auto image = decode_snapshot_text(golden, golden_limits(), error);
+  ASSERT_TRUE(image) << error;
+  EXPECT_TRUE(image->skipped.empty()) << image->skipped.front();
+  EXPECT_EQ(encode_snapshot_text(*image), golden);
+  // The same state as the version-1 document of it.
+  FakeWorld world;
+  Collector c(golden_limits(), world.env());
+  populate_golden(c, world);
+  const ServerCounters server = golden_server();
+  EXPECT_EQ(encode_snapshot(*image), encode_snapshot(*c.freeze(&server)));
+}
+
+TEST(SnapshotCodecTest, AV1FileRewrittenAsV2RestoresTheSameState) {
+  std::string error;
+  const auto v1 = decode_snapshot(json::parse(golden_text()), golden_limits(), error);
+  ASSERT_TRUE(v1) << error;
+  const auto v2 = decode_snapshot_text(encode_snapshot_text(*v1), golden_limits(), error);
+  ASSERT_TRUE(v2) << error;
+  EXPECT_TRUE(v2->skipped.empty());
+  EXPECT_EQ(encode_snapshot(*v2), encode_snapshot(*v1));
+}
+
+// A collector holding one process of uid 1000 with a reservation, and `greedy` processes
+// of uid 2000 with 200 custom steps each: every greedy record is ~10 times the innocent's.
+void populate_greedy(Collector& c, FakeWorld& world, int greedy) {
+  Connection innocent(c, world.spawn(90'000, 1, "innocent", 1000));
+  ASSERT_FALSE(innocent.events({start(1, 0, 0), end(1, 0, 4000)}));
+  innocent.ledger(test::reserve_record("GPU-1", 7, 1 << 30, "innocent-job", 1, 150));
+  innocent.close();
+  for (int i = 0; i < greedy; ++i) {
+    Connection g(c, world.spawn(1000 + i, 1, "greedy", 2000));
+    for (std::uint32_t s = 0; s < 200; ++s) {
+      const std::uint32_t id = proto::kFirstCustomStep + s;
+      ASSERT_FALSE(g.register_step(id, "step-" + std::to_string(s)));
+      ASSERT_FALSE(g.events({start(1, id, 0), end(1, id, 1000 + s)}));
+    }
+    g.close();
+  }
+}
+
+TEST(SnapshotCodecTest, MaxBytesCutsTheGreedyUidsLastProcessesNotAnInnocentOne) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  populate_greedy(c, world, 40);
+  // The innocent's process is the last by pid: without turns by uid, any cut would take
+  // it first. A cap of about a quarter of the whole file.
+  const StateImage image = c.freeze()->image();
+  const std::size_t whole = encode_snapshot_text(image).size();
+  const std::size_t cap = whole / 4;
+  std::size_t written = 0;
+  const EncodedSnapshot encoded = encode_snapshot_records(image, cap, [&](std::string_view line) {
+    written += line.size();
+    return true;
+  });
+  EXPECT_LE(written, cap);
+  EXPECT_EQ(encoded.bytes, written);
+  EXPECT_GT(encoded.left_out, 20u);
+  EXPECT_NE(encoded.first_left_out.find("of uid 2000"), std::string::npos)
+      << encoded.first_left_out;
+
+  std::string error;
+  const auto restored = decode_snapshot_text(encode_snapshot_text(image, cap), Limits{}, error);
+  ASSERT_TRUE(restored) << error;
+  EXPECT_TRUE(restored->skipped.empty());  // left out when written, not damaged
+  std::size_t innocent = 0;
+  std::size_t greedy = 0;
+  for (const ProcessImage& p : restored->processes) ++(p.peer.uid == 1000 ? innocent : greedy);
+  EXPECT_EQ(innocent, 1u);
+  EXPECT_EQ(greedy + encoded.left_out, 40u);
+  ASSERT_EQ(restored->ledger.gpus.size(), 1u);
+  EXPECT_EQ(restored->ledger.gpus.begin()->second.reservations.size(), 1u);
+}
+
+TEST(SnapshotCodecTest, TurnsByUidPutEveryUidsFirstProcessBeforeAnyUidsSecond) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  for (const auto& [pid, uid] : std::vector<std::pair<int, std::uint32_t>>{
+           {10, 3}, {11, 3}, {12, 3}, {20, 1}, {30, 2}, {31, 2}}) {
+    Connection p(c, world.spawn(pid, 1, "p", uid));
+    p.close();
+  }
+  const std::string text = encode_snapshot_text(c.freeze()->image());
+  std::vector<int> order;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    const json record = json::parse(line.substr(9));
+    if (record.contains("process")) order.push_back(record["process"]["pid"].get<int>());
+  }
+  // uids 1, 2, 3 in turn: 20, 30, 10; then 31, 11; then 12.
+  EXPECT_EQ(order, (std::vector<int>{20, 30, 10, 31, 11, 12}));
+}
+
+TEST(SnapshotCodecTest, AUidPastMaxProcessesPerUidAtRestoreLosesItsOwnNotOthers) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  populate_greedy(c, world, 10);
+  Limits limits;
+  limits.max_processes_per_uid = 4;
+  std::string error;
+  const auto restored =
+      decode_snapshot_text(encode_snapshot_text(c.freeze()->image()), limits, error);
+  ASSERT_TRUE(restored) << error;
+  std::size_t innocent = 0;
+  std::size_t greedy = 0;
+  for (const ProcessImage& p : restored->processes) ++(p.peer.uid == 1000 ? innocent : greedy);
+  EXPECT_EQ(innocent, 1u);
+  EXPECT_EQ(greedy, 4u);
+  ASSERT_EQ(restored->skipped.size(), 6u);
+  EXPECT_NE(restored->skipped[0].find("of uid 2000: past limits.max_processes_per_uid (4)"),
+            std::string::npos)
+      << restored->skipped[0];
 }
 
 // The holder's uid, the GPU's creator and refusals survive a snapshot (decode_ledger then
