@@ -10,6 +10,8 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <random>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -307,6 +309,47 @@ TEST(SnapshotCodecTest, MaxBytesCutsTheGreedyUidsLastProcessesNotAnInnocentOne) 
   EXPECT_EQ(greedy + encoded.left_out, 40u);
   ASSERT_EQ(restored->ledger.gpus.size(), 1u);
   EXPECT_EQ(restored->ledger.gpus.begin()->second.reservations.size(), 1u);
+}
+
+// Damage at random places (a seeded generator: the seed is printed on failure): never
+// more lost than the records hit, never a crash (CI runs this under ASan and UBSan).
+TEST(SnapshotCodecTest, RandomDamageCostsNoMoreThanTheRecordsItHits) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  populate_greedy(c, world, 12);
+  const std::string text = encode_snapshot_text(c.freeze()->image());
+  std::vector<std::size_t> line_of(text.size());  // each byte's line
+  for (std::size_t i = 0, line = 0; i < text.size(); ++i) {
+    line_of[i] = line;
+    if (text[i] == '\n') ++line;
+  }
+  const std::size_t processes = 13;
+  const unsigned seed = ::testing::UnitTest::GetInstance()->random_seed();
+  std::mt19937 random(seed);
+  for (int round = 0; round < 300; ++round) {
+    std::string damaged = text;
+    std::set<std::size_t> hit;  // lines a change reached
+    const int changes = 1 + static_cast<int>(random() % 3);
+    for (int k = 0; k < changes; ++k) {
+      const std::size_t at = random() % damaged.size();
+      damaged[at] = static_cast<char>(damaged[at] ^ (1 + random() % 255));
+      hit.insert(line_of[at]);
+      if (text[at] == '\n') hit.insert(line_of[at] + 1);  // two lines run together
+    }
+    const bool cut = random() % 4 == 0;  // and sometimes a torn tail
+    if (cut) damaged.resize(random() % damaged.size());
+    std::string error;
+    const auto image = decode_snapshot_text(damaged, Limits{}, error);
+    if (!image) {
+      // Only a file with no good record at all is refused.
+      EXPECT_TRUE(cut) << "seed " << seed << " round " << round << ": " << error;
+      continue;
+    }
+    if (cut) continue;  // what a cut loses is every line after it: nothing more to count
+    EXPECT_GE(image->processes.size() + hit.size(), processes)
+        << "seed " << seed << " round " << round;
+    EXPECT_FALSE(image->skipped.empty()) << "seed " << seed << " round " << round;
+  }
 }
 
 TEST(SnapshotCodecTest, TurnsByUidPutEveryUidsFirstProcessBeforeAnyUidsSecond) {
