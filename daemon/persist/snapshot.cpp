@@ -308,9 +308,10 @@ bool load_document(int fd, std::string content, const std::filesystem::path& pat
     return false;
   }
   if (over) {
-    result.error = path.string() + " (a version-1 snapshot, read whole) is larger than "
-                   "limits.max_snapshot_bytes (" + std::to_string(max_bytes) +
-                   " bytes; raise it to restore the file)";
+    result.error = path.string() +
+                   " (a version-1 snapshot, read whole) is larger than "
+                   "limits.max_snapshot_bytes (" +
+                   std::to_string(max_bytes) + " bytes; raise it to restore the file)";
     return false;
   }
   std::string too_long;

@@ -222,15 +222,14 @@ bool SnapshotRecordReader::retired_job(JsonReader& reader, const json& body) {
     return false;
   }
   if (!jobs_.emplace(job.uid, job.job).second) {
-    return reader.fail("retired_job", "job \"" + job.job + "\" of uid " +
-                                          std::to_string(job.uid) + " appears twice");
+    return reader.fail("retired_job", "job \"" + job.job + "\" of uid " + std::to_string(job.uid) +
+                                          " appears twice");
   }
   image_.retired_jobs.push_back(std::move(job));
   return true;
 }
 
-void SnapshotRecordReader::process(JsonReader& reader, const json& body,
-                                   const std::string& where) {
+void SnapshotRecordReader::process(JsonReader& reader, const json& body, const std::string& where) {
   ProcessImage p;
   if (!snapshot_detail::read_process(reader.object(body, "process"), p)) {
     return skip(where, error_text(reader));
@@ -265,15 +264,16 @@ void SnapshotRecordReader::end(JsonReader& reader, const json& body, const std::
   end_lines_ = lines;
   ++good_;
   if (lines != line_ - 1) {
-    skip(where, "the end record counts " + std::to_string(lines) + " lines before it, the file has " +
-                    std::to_string(line_ - 1));
+    skip(where, "the end record counts " + std::to_string(lines) +
+                    " lines before it, the file has " + std::to_string(line_ - 1));
   }
   if (left_out > 0) {
     // Not skipped here: the daemon that wrote the file counted them
     // (snapshot_records_left_out) and said which; said again for whoever reads the log.
-    spdlog::warn("the snapshot says {} records were left out when it was written "
-                 "(limits.max_snapshot_bytes)",
-                 left_out);
+    spdlog::warn(
+        "the snapshot says {} records were left out when it was written "
+        "(limits.max_snapshot_bytes)",
+        left_out);
   }
 }
 
@@ -284,8 +284,7 @@ std::optional<StateImage> SnapshotRecordReader::finish(std::string& error) {
   }
   if (good_ == 0) {
     error = line_ == 0 ? "the file is empty"
-                       : "no line of it is a " + std::string(kSnapshotRecordsSchema) +
-                             " record" +
+                       : "no line of it is a " + std::string(kSnapshotRecordsSchema) + " record" +
                              (image_.skipped.empty() ? "" : " (" + image_.skipped.front() + ")");
     return std::nullopt;
   }
@@ -318,7 +317,8 @@ std::error_code adopt_snapshot(Collector& collector, StateImage image) {
   for (std::size_t i = 0; i < image.skipped.size() && i < kLoggedSkips; ++i) {
     spdlog::warn("snapshot record skipped, the rest restored: {}", image.skipped[i]);
   }
-  if (skipped > kLoggedSkips) spdlog::warn("{} more snapshot records skipped", skipped - kLoggedSkips);
+  if (skipped > kLoggedSkips)
+    spdlog::warn("{} more snapshot records skipped", skipped - kLoggedSkips);
   return collector.adopt(std::move(image));
 }
 

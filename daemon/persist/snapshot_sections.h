@@ -1,8 +1,8 @@
 // The snapshot codec's sections that stand on their own (snapshot_sections.cpp): the
 // "ledger" section and each "histogram", the pieces of the strict reader that the
 // whole document (snapshot_codec.cpp) shares with them, and the records that the
-// version-2 file (snapshot_records.cpp) shares with the whole document. Private to daemon/persist/; the
-// codec's API is snapshot_codec.h.
+// version-2 file (snapshot_records.cpp) shares with the whole document. Private to
+// daemon/persist/; the codec's API is snapshot_codec.h.
 #pragma once
 
 #include <functional>

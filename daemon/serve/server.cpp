@@ -216,9 +216,10 @@ bool Server::snapshot_written(const WrittenSnapshot& written) {
     // Said when it starts, changes or stops, not at every snapshot.
     if (written.left_out != last_left_out_) {
       if (written.left_out > 0) {
-        spdlog::warn("snapshot: {} records left out, past limits.max_snapshot_bytes ({} bytes; "
-                     "first: {}); a restart would lose them",
-                     written.left_out, config_.limits.max_snapshot_bytes, written.first_left_out);
+        spdlog::warn(
+            "snapshot: {} records left out, past limits.max_snapshot_bytes ({} bytes; "
+            "first: {}); a restart would lose them",
+            written.left_out, config_.limits.max_snapshot_bytes, written.first_left_out);
       } else {
         spdlog::info("snapshot: every record fits in limits.max_snapshot_bytes again");
       }
@@ -241,8 +242,8 @@ bool Server::snapshot_written(const WrittenSnapshot& written) {
 bool Server::save_snapshot_now() {
   if (config_.state_dir.empty()) return true;
   assert(on_io_thread(io_));  // makes a CollectorView
-  const WrittenSnapshot written = write_snapshot(
-      config_.state_dir, *collector_.freeze(&counters_), config_.limits.max_snapshot_bytes);
+  const WrittenSnapshot written = write_snapshot(config_.state_dir, *collector_.freeze(&counters_),
+                                                 config_.limits.max_snapshot_bytes);
   // The final one is always logged: the exit status says it failed, the log must say why.
   if (!snapshot_written(written) && !written.error.empty()) {
     spdlog::error("final snapshot: {}", written.error);

@@ -225,7 +225,7 @@ struct DaemonCounters {
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
-  std::uint64_t snapshot_records_skipped = 0;            // bad records left out at restore
+  std::uint64_t snapshot_records_skipped = 0;   // bad records left out at restore
   std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
   HttpCounters http;                       // the server's, as it is now (not kept in snapshots)

@@ -748,7 +748,8 @@ TEST_F(LedgerLeaseIntegration, LeaseIsKeptAcrossADaemonRestart) {
     std::ifstream in(snapshot);
     json doc = json::array();
     for (std::string line; std::getline(in, line);) {
-      doc.push_back(json::parse(line.substr(std::min<std::size_t>(9, line.size())), nullptr, false));
+      doc.push_back(
+          json::parse(line.substr(std::min<std::size_t>(9, line.size())), nullptr, false));
       ASSERT_FALSE(doc.back().is_discarded()) << line;
     }
     const json* saved = find_in_snapshot(doc, 41);

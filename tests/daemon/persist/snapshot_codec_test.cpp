@@ -10,9 +10,9 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <utility>

@@ -6,8 +6,8 @@
 #include "daemon/persist/snapshot.h"
 #include "daemon/report/report.h"
 
-#include <boost/crc.hpp>
 #include <gtest/gtest.h>
+#include <boost/crc.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -617,8 +617,8 @@ TEST(SnapshotFileTest, ABitFlipCostsTheRecordItHitAndNothingElse) {
   const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
   ASSERT_EQ(loaded.image.skipped.size(), 1u);
-  EXPECT_EQ(loaded.image.skipped[0], "line " + std::to_string(hit + 1) +
-                                         ": checksum mismatch (the record is damaged)");
+  EXPECT_EQ(loaded.image.skipped[0],
+            "line " + std::to_string(hit + 1) + ": checksum mismatch (the record is damaged)");
   EXPECT_FALSE(has_pid(loaded.image, 10002));
   for (const int pid : {4242, 5000, 10000, 10001, 10003, 10004}) {
     EXPECT_TRUE(has_pid(loaded.image, pid)) << pid;
@@ -713,8 +713,9 @@ TEST(SnapshotFileTest, AFileOfALaterFormatIsMovedAsideNotHalfRead) {
   write_lines(dir, lines);
   const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
-  EXPECT_NE(loaded.error.find("a steptrace.snapshot/v3 file of version 3, not one this build reads"),
-            std::string::npos)
+  EXPECT_NE(
+      loaded.error.find("a steptrace.snapshot/v3 file of version 3, not one this build reads"),
+      std::string::npos)
       << loaded.error;
   EXPECT_FALSE(loaded.moved_to.empty());
 }
