@@ -58,16 +58,18 @@ std::optional<std::string> check_private(int dir_fd, const std::filesystem::path
   return std::nullopt;
 }
 
+std::int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 std::error_code fsync_dir(const std::filesystem::path& dir) {
   const proto::UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!fd) return last_error();
   if (::fsync(fd.get()) != 0) return last_error();  // errno read before fd closes
   return {};
 }
-
-}  // namespace
-
-namespace {
 
 // Creates `dir`/<name>.tmp, lets `write` fill it, fsyncs it and renames it over the
 // snapshot. Everything goes through the directory's descriptor: no path is looked up twice.
@@ -143,9 +145,7 @@ std::optional<std::string> check_state_dir(const std::filesystem::path& dir) {
 }
 
 std::filesystem::path move_snapshot_aside(const std::filesystem::path& dir, std::error_code& ec) {
-  const auto unix_time = std::chrono::duration_cast<std::chrono::seconds>(
-                             std::chrono::system_clock::now().time_since_epoch())
-                             .count();
+  const std::int64_t unix_time = unix_now();
   const std::filesystem::path from = dir / kSnapshotFileName;
   std::filesystem::path to =
       dir / (std::string(kSnapshotFileName) + ".corrupt-" + std::to_string(unix_time));
@@ -170,61 +170,9 @@ bool has_snapshot_schema(const nlohmann::json& doc) {
 
 namespace {
 
-// Thrown by the parse callback to stop at an over-long array.
-struct ArrayTooLong {
-  std::size_t depth;
-};
-
-// Parses `content`, stopping at the first array with more than `max_elements` elements:
-// each open container is on a stack, an array counting the values and containers that
-// end inside it.
-nlohmann::json parse_bounded(const std::string& content, std::size_t max_elements,
-                             std::string& error) {
-  using Event = nlohmann::json::parse_event_t;
-  std::vector<std::pair<bool, std::size_t>> open;  // (is an array, elements so far)
-  const auto element_done = [&](int depth) {
-    if (open.empty() || !open.back().first) return;
-    if (++open.back().second > max_elements) throw ArrayTooLong{static_cast<std::size_t>(depth)};
-  };
-  const nlohmann::json::parser_callback_t callback = [&](int depth, Event event, nlohmann::json&) {
-    switch (event) {
-      case Event::object_start:
-        open.emplace_back(false, 0);
-        break;
-      case Event::array_start:
-        open.emplace_back(true, 0);
-        break;
-      case Event::object_end:
-      case Event::array_end:
-        if (!open.empty()) open.pop_back();
-        element_done(depth);
-        break;
-      case Event::value:
-        element_done(depth);
-        break;
-      case Event::key:
-        break;
-    }
-    return true;
-  };
-  try {
-    return nlohmann::json::parse(content, callback, /*allow_exceptions=*/false);
-  } catch (const ArrayTooLong& e) {
-    error = "an array (at depth " + std::to_string(e.depth) + ") holds more than " +
-            std::to_string(max_elements) +
-            " elements, more than the configured limits allow live state to hold (raise the "
-            "limits to restore it)";
-    return nlohmann::json(nlohmann::json::value_t::discarded);
-  }
-}
-
-}  // namespace
-
-namespace {
-
 // A version-2 file's bytes, cut into lines for a SnapshotRecordReader: a line longer than
-// `max_line` is not held (skipped as it ends), nor is any line that starts past
-// `max_total` bytes.
+// `max_bytes` is not held (skipped as it ends), nor is any line that starts past
+// `max_bytes` bytes of the file.
 class LineSplitter {
  public:
   LineSplitter(SnapshotRecordReader& reader, std::size_t max_bytes)
@@ -294,8 +242,13 @@ std::string read_chunks(int fd, const std::function<bool(std::string_view)>& con
 
 // A version-1 file: one document, read whole as older builds did (`content` holds its
 // start). False with result.error set when it cannot be used.
-bool load_document(int fd, std::string content, const std::filesystem::path& path,
-                   const Limits& limits, LoadedSnapshot& result) {
+// What became of a file load_snapshot() read.
+enum class Outcome { kLoaded, kMoveAside, kLeave };
+
+// A version-1 file: one document, read whole as older builds did (`content` holds its
+// start). result.error says why when it is not kLoaded.
+Outcome load_document(int fd, std::string content, const std::filesystem::path& path,
+                      const Limits& limits, LoadedSnapshot& result) {
   const std::size_t max_bytes = limits.max_snapshot_bytes;
   bool over = content.size() > max_bytes;
   const std::string read_error = over ? std::string() : read_chunks(fd, [&](std::string_view c) {
@@ -304,18 +257,20 @@ bool load_document(int fd, std::string content, const std::filesystem::path& pat
     return !over;
   });
   if (!read_error.empty()) {
+    // Perhaps passing (EIO): left in place for the next start.
     result.error = "cannot read " + path.string() + ": " + read_error;
-    return false;
+    return Outcome::kLeave;
   }
   if (over) {
     result.error = path.string() +
                    " (a version-1 snapshot, read whole) is larger than "
                    "limits.max_snapshot_bytes (" +
                    std::to_string(max_bytes) + " bytes; raise it to restore the file)";
-    return false;
+    return Outcome::kMoveAside;
   }
   std::string too_long;
-  const nlohmann::json doc = parse_bounded(content, snapshot_max_array_elements(limits), too_long);
+  const nlohmann::json doc =
+      parse_bounded_json(content, snapshot_max_array_elements(limits), too_long);
   std::string().swap(content);
   std::string rejected;
   if (!too_long.empty()) {
@@ -326,11 +281,50 @@ bool load_document(int fd, std::string content, const std::filesystem::path& pat
     result.error = path.string() + " is not a " + kSnapshotSchema + " document";
   } else if (auto image = decode_snapshot(doc, limits, rejected)) {
     result.image = std::move(*image);
-    return true;
+    return Outcome::kLoaded;
   } else {
     result.error = path.string() + " rejected: " + rejected;
   }
-  return false;
+  return Outcome::kMoveAside;
+}
+
+// A version-2 file, a line at a time (`first` holds its start).
+Outcome load_records(int fd, std::string_view first, const std::filesystem::path& path,
+                     const Limits& limits, LoadedSnapshot& result) {
+  SnapshotRecordReader reader(limits);
+  LineSplitter lines(reader, limits.max_snapshot_bytes);
+  lines.feed(first);
+  const std::string read_error = read_chunks(fd, [&lines](std::string_view chunk) {
+    lines.feed(chunk);
+    return true;
+  });
+  if (!read_error.empty()) {
+    // What was read is restored; the rest of the file is one record lost, said so.
+    reader.read_failed("cannot read the rest of the file: " + read_error);
+  } else {
+    lines.finish();
+  }
+  std::string error;
+  auto image = reader.finish(error);
+  if (!image) {
+    result.error = path.string() + ": " + error;
+    return Outcome::kMoveAside;
+  }
+  result.image = std::move(*image);
+  return Outcome::kLoaded;
+}
+
+// Links the snapshot as `steptraced.snapshot.json.partial-<unix time>` (never through a
+// link): what a partial restore skipped stays for a human after the next snapshot
+// replaces the file. Empty when it could not.
+std::filesystem::path keep_partial_copy(const std::filesystem::path& dir) {
+  const proto::UniqueFd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!dir_fd) return {};
+  const std::string name =
+      std::string(kSnapshotFileName) + ".partial-" + std::to_string(unix_now());
+  if (::linkat(dir_fd.get(), kSnapshotFileName, dir_fd.get(), name.c_str(), 0) != 0) return {};
+  ::fsync(dir_fd.get());
+  return dir / name;
 }
 
 }  // namespace
@@ -354,49 +348,37 @@ LoadedSnapshot load_snapshot(const std::filesystem::path& dir, const Limits& lim
     result.error = "cannot open " + path.string() + ": " + last_error().message();
     return result;
   }
-  // The first byte says the format: a version-1 document opens with '{', a line of
-  // version 2 with its checksum's digits.
   std::string first;
-  std::string read_error = read_chunks(fd.get(), [&first](std::string_view chunk) {
+  const std::string read_error = read_chunks(fd.get(), [&first](std::string_view chunk) {
     first.assign(chunk);
     return false;
   });
+  Outcome outcome = Outcome::kLeave;
   if (!read_error.empty()) {
     // Perhaps passing (EIO): not moved, the file stays for the next start.
-    result.status = LoadedSnapshot::Status::kCorrupt;
     result.error = "cannot read " + path.string() + ": " + read_error;
-    return result;
-  }
-  bool usable = false;
-  if (!first.empty() && first.front() == '{') {
+  } else if (const auto start = first.find_first_not_of(" \t\r\n");
+             start != std::string::npos && first[start] == '{') {
+    // A version-1 document opens with '{' (after any whitespace), a line of version 2
+    // with its checksum's hex digits.
     result.version = 1;
-    usable = load_document(fd.get(), std::move(first), path, limits, result);
+    outcome = load_document(fd.get(), std::move(first), path, limits, result);
   } else {
     result.version = 2;
-    SnapshotRecordReader reader(limits);
-    LineSplitter lines(reader, limits.max_snapshot_bytes);
-    lines.feed(first);
-    read_error = read_chunks(fd.get(), [&lines](std::string_view chunk) {
-      lines.feed(chunk);
-      return true;
-    });
-    if (!read_error.empty()) {
-      // What was read is restored; the rest of the file is one record lost, said so.
-      reader.skip_line("cannot read the rest of the file: " + read_error);
-    } else {
-      lines.finish();
-    }
-    std::string error;
-    if (auto image = reader.finish(error)) {
-      result.image = std::move(*image);
-      usable = true;
-    } else {
-      result.error = path.string() + ": " + error;
-    }
+    outcome = load_records(fd.get(), first, path, limits, result);
   }
-  if (usable) {
-    result.status = LoadedSnapshot::Status::kLoaded;
-    return result;
+  switch (outcome) {
+    case Outcome::kLoaded:
+      result.status = LoadedSnapshot::Status::kLoaded;
+      if (!result.image.skipped.empty() || result.image.skipped_unnamed > 0) {
+        result.partial_copy = keep_partial_copy(dir);
+      }
+      return result;
+    case Outcome::kLeave:
+      result.status = LoadedSnapshot::Status::kCorrupt;
+      return result;
+    case Outcome::kMoveAside:
+      break;
   }
   result.status = LoadedSnapshot::Status::kCorrupt;
   result.moved_to = move_snapshot_aside(dir, ec);

@@ -60,6 +60,10 @@ struct LoadedSnapshot {
   int version = 0;    // of the file read: 1 or 2
   std::string error;  // kCorrupt (or a read error): what was wrong, for the log
   std::filesystem::path moved_to;
+  // kLoaded with records skipped: the file as it was, linked aside
+  // (`steptraced.snapshot.json.partial-<unix time>`) before the next snapshot replaces it;
+  // empty if the link failed.
+  std::filesystem::path partial_copy;
 };
 
 // Whether `doc` is an object whose "schema" is kSnapshotSchema.

@@ -68,6 +68,11 @@ std::optional<StateImage> decode_snapshot(const nlohmann::json& doc, const Limit
 // the log), or as Collector::adopt() does while connections are attached.
 std::error_code restore_from_snapshot(Collector& collector, const nlohmann::json& doc);
 
+// Parses `content`, stopping (discarded, `error` set) at the first array with more than
+// `max_elements` elements, so that a huge one costs memory and time only up to the bound.
+nlohmann::json parse_bounded_json(std::string_view content, std::size_t max_elements,
+                                  std::string& error);
+
 // The longest array a snapshot of live state under `limits` can hold (processes,
 // reservations per GPU, GPUs, retired names, histogram buckets, steps of a process, open
 // threads and spans of a process):
@@ -82,12 +87,14 @@ std::size_t snapshot_max_array_elements(const Limits& limits);
 //   <crc> {"ledger":{...}}              the VRAM ledger (as version 1's)
 //   <crc> {"retired":{...}}             one retired step histogram (an entry of v1's)
 //   <crc> {"retired_job":{...}}         one retired job (an entry of v1's)
-//   <crc> {"process":{...}}             one process (an entry of v1's), uids round-robin
+//   <crc> {"process":{...}}             one process (an entry of v1's), fair by bytes
 //   <crc> {"end":{"records":N,"left_out":M}}   N lines before it, M records not written
 // so that a bit flip, a torn tail or a record that breaks a rule costs that record alone:
 // the reader skips it, says why, and restores the rest. The daemon's own records come
-// first and processes take turns by uid, so that when `max_bytes` cuts the file, it cuts
-// the tail of the uid with the most, never everyone's state.
+// first and are never cut; then the uid that has written the fewest bytes so far writes
+// its next process, so that when `max_bytes` cuts the file, it cuts the uid that holds
+// the most bytes (its last processes, and every one after the first that did not fit),
+// never a small one's and never everyone's state.
 inline constexpr const char* kSnapshotRecordsSchema = "steptrace.snapshot/v2";
 
 struct EncodedSnapshot {
@@ -116,6 +123,8 @@ class SnapshotRecordReader {
   void line(std::string_view text, bool torn = false);
   // A line the caller did not pass on (too long to hold, past max_snapshot_bytes).
   void skip_line(const std::string& reason);
+  // The file could not be read past here (EIO): the rest counts as one record lost.
+  void read_failed(const std::string& reason);
   // The state read, with what was skipped; nullopt with `error` set when the file is not a
   // version-2 snapshot at all (no good header and no good record).
   std::optional<StateImage> finish(std::string& error);
@@ -127,19 +136,21 @@ class SnapshotRecordReader {
   void process(JsonReader& reader, const nlohmann::json& body, const std::string& where);
   void end(JsonReader& reader, const nlohmann::json& body, const std::string& where);
   void skip(const std::string& where, const std::string& reason);
+  void fit_table();
 
   const Limits& limits_;
   ImageBounds bounds_;
+  std::size_t max_elements_;  // the longest array a record may hold
   StateImage image_;
   std::uint64_t line_ = 0;
   std::uint64_t good_ = 0;  // records read, the header included
-  bool header_ = false;
+  bool read_failed_ = false;
   bool counters_ = false;
   bool ledger_ = false;
   std::optional<std::string> foreign_;      // a good header of another format: why
   std::optional<std::uint64_t> end_lines_;  // the end record's count, once read
   std::set<ProcessKey> keys_;
-  std::map<std::uint32_t, std::size_t> per_uid_;  // processes read, by uid
+  std::map<std::uint32_t, std::size_t> alive_per_uid_;  // live processes read, by uid
   std::set<std::pair<std::uint32_t, std::string>> jobs_;
 };
 // `text` (a whole file) through a SnapshotRecordReader.

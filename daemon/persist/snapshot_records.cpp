@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <queue>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -48,70 +50,166 @@ std::string line_of(const json& record) {
   return line;
 }
 
-// The processes in turns by uid: every uid's first, then every uid's second, and so on.
-std::vector<const ProcessImage*> in_turns_by_uid(const std::vector<ProcessImage>& processes) {
-  std::map<std::uint32_t, std::vector<const ProcessImage*>> by_uid;
-  for (const ProcessImage& p : processes) by_uid[p.peer.uid].push_back(&p);
-  std::vector<const std::vector<const ProcessImage*>*> active;
-  for (const auto& [uid, list] : by_uid) active.push_back(&list);
-  std::vector<const ProcessImage*> out;
-  out.reserve(processes.size());
-  for (std::size_t turn = 0; !active.empty(); ++turn) {
-    std::size_t kept = 0;
-    for (const auto* list : active) {
-      out.push_back((*list)[turn]);
-      if (turn + 1 < list->size()) active[kept++] = list;
-    }
-    active.resize(kept);
-  }
-  return out;
-}
-
 std::string describe(const ProcessImage& p) {
   return "process " + std::to_string(p.peer.key.pid) + " of uid " + std::to_string(p.peer.uid);
+}
+
+// Thrown by the parse callback to stop at an over-long array.
+struct ArrayTooLong {
+  std::size_t depth;
+};
+
+}  // namespace
+
+// Each open container is on a stack, an array counting the values and containers that
+// end inside it.
+nlohmann::json parse_bounded_json(std::string_view content, std::size_t max_elements,
+                                  std::string& error) {
+  using Event = nlohmann::json::parse_event_t;
+  std::vector<std::pair<bool, std::size_t>> open;  // (is an array, elements so far)
+  const auto element_done = [&](int depth) {
+    if (open.empty() || !open.back().first) return;
+    if (++open.back().second > max_elements) throw ArrayTooLong{static_cast<std::size_t>(depth)};
+  };
+  const nlohmann::json::parser_callback_t callback = [&](int depth, Event event, nlohmann::json&) {
+    switch (event) {
+      case Event::object_start:
+        open.emplace_back(false, 0);
+        break;
+      case Event::array_start:
+        open.emplace_back(true, 0);
+        break;
+      case Event::object_end:
+      case Event::array_end:
+        if (!open.empty()) open.pop_back();
+        element_done(depth);
+        break;
+      case Event::value:
+        element_done(depth);
+        break;
+      case Event::key:
+        break;
+    }
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(content, callback, /*allow_exceptions=*/false);
+  } catch (const ArrayTooLong& e) {
+    error = "an array (at depth " + std::to_string(e.depth) + ") holds more than " +
+            std::to_string(max_elements) +
+            " elements, more than the configured limits allow live state to hold (raise the "
+            "limits to restore it)";
+    return nlohmann::json(nlohmann::json::value_t::discarded);
+  }
+}
+
+namespace {
+
+// Writes lines to the sink until max_bytes, counting what it leaves out.
+class RecordWriter {
+ public:
+  RecordWriter(std::size_t max_bytes, const SnapshotSink& sink) : max_(max_bytes), sink_(sink) {}
+
+  // Writes `record`'s line unless it would pass max_bytes (`always`: the header, the
+  // daemon's counters and ledger, the end record: charged first, never cut); its size, or
+  // 0 when it was not written. `what` names it if it is left out.
+  template <typename What>
+  std::size_t put(const json& record, const What& what, bool always = false) {
+    if (out_.stopped) return 0;
+    const std::string line = line_of(record);
+    if (!always && out_.bytes + line.size() + kEndRoom > max_) {
+      leave_out(what);
+      return 0;
+    }
+    if (!sink_(line)) {
+      out_.stopped = true;
+      return 0;
+    }
+    out_.bytes += line.size();
+    ++out_.lines;
+    return line.size();
+  }
+  template <typename What>
+  void leave_out(const What& what) {
+    if (out_.left_out++ == 0) out_.first_left_out = what();
+  }
+  EncodedSnapshot& result() { return out_; }
+
+ private:
+  const std::size_t max_;
+  const SnapshotSink& sink_;
+  EncodedSnapshot out_;
+};
+
+// A uid's processes as they are written: in key order, while the uid's bytes so far are
+// the fewest of any uid that still has some to write.
+struct UidTurn {
+  std::uint64_t bytes = 0;
+  std::uint32_t uid = 0;
+  std::vector<const ProcessImage*> processes;
+  std::size_t next = 0;
+};
+
+// The processes, fair by bytes: the uid that has written the fewest bytes so far writes
+// its next process; a uid whose next one does not fit loses it and the rest of its own
+// (left out, counted), and the others go on. So the cap cuts the uid that holds the
+// most bytes, never a small one, whatever its uid or pids.
+void put_processes(const std::vector<ProcessImage>& processes, RecordWriter& writer) {
+  std::map<std::uint32_t, UidTurn> by_uid;
+  for (const ProcessImage& p : processes) {
+    UidTurn& turn = by_uid[p.peer.uid];
+    turn.uid = p.peer.uid;
+    turn.processes.push_back(&p);
+  }
+  const auto later = [](const UidTurn* a, const UidTurn* b) {
+    return std::tie(a->bytes, a->uid) > std::tie(b->bytes, b->uid);
+  };
+  std::priority_queue<UidTurn*, std::vector<UidTurn*>, decltype(later)> next(later);
+  for (auto& [uid, turn] : by_uid) next.push(&turn);
+  while (!next.empty()) {
+    UidTurn* turn = next.top();
+    next.pop();
+    const ProcessImage& p = *turn->processes[turn->next++];
+    const std::size_t written =
+        writer.put({{"process", snapshot_detail::process_json(p)}}, [&p] { return describe(p); });
+    if (written == 0) {
+      for (; turn->next < turn->processes.size(); ++turn->next) {
+        const ProcessImage& rest = *turn->processes[turn->next];
+        writer.leave_out([&rest] { return describe(rest); });
+      }
+      continue;
+    }
+    turn->bytes += written;
+    if (turn->next < turn->processes.size()) next.push(turn);
+  }
 }
 
 }  // namespace
 
 EncodedSnapshot encode_snapshot_records(const StateImage& image, std::size_t max_bytes,
                                         const SnapshotSink& sink) {
-  EncodedSnapshot out;
-  // `what` names the record if it is left out; `always`: the header and the end record.
-  const auto put = [&](const json& record, const auto& what, bool always = false) {
-    if (out.stopped) return;
-    const std::string line = line_of(record);
-    if (!always && out.bytes + line.size() + kEndRoom > max_bytes) {
-      if (out.left_out++ == 0) out.first_left_out = what();
-      return;
-    }
-    if (!sink(line)) {
-      out.stopped = true;
-      return;
-    }
-    out.bytes += line.size();
-    ++out.lines;
-  };
-  const auto header = [] { return std::string("the header"); };
-  put({{"schema", kSnapshotRecordsSchema},
-       {"version", kRecordsVersion},
-       {"written_at_ns", image.taken_at_ns}},
-      header, /*always=*/true);
-  put({{"counters", snapshot_detail::counters_json(image.counters)}},
-      [] { return std::string("the counters"); });
-  put({{"ledger", snapshot_detail::ledger_json(image.ledger)}},
-      [] { return std::string("the ledger"); });
+  RecordWriter writer(max_bytes, sink);
+  const auto daemon_own = [] { return std::string("the daemon's own record"); };
+  writer.put({{"schema", kSnapshotRecordsSchema},
+              {"version", kRecordsVersion},
+              {"written_at_ns", image.taken_at_ns}},
+             daemon_own, /*always=*/true);
+  writer.put({{"counters", snapshot_detail::counters_json(image.counters)}}, daemon_own,
+             /*always=*/true);
+  writer.put({{"ledger", snapshot_detail::ledger_json(image.ledger)}}, daemon_own,
+             /*always=*/true);
   for (const auto& [name, hist] : image.retired) {
-    put({{"retired", snapshot_detail::retired_json(name, hist)}},
-        [&name] { return "retired step " + name; });
+    writer.put({{"retired", snapshot_detail::retired_json(name, hist)}},
+               [&name] { return "retired step " + name; });
   }
   for (const RetiredJobImage& job : image.retired_jobs) {
-    put({{"retired_job", snapshot_detail::retired_job_json(job)}},
-        [&job] { return "retired job " + job.job + " of uid " + std::to_string(job.uid); });
+    writer.put({{"retired_job", snapshot_detail::retired_job_json(job)}},
+               [&job] { return "retired job " + job.job + " of uid " + std::to_string(job.uid); });
   }
-  for (const ProcessImage* p : in_turns_by_uid(image.processes)) {
-    put({{"process", snapshot_detail::process_json(*p)}}, [p] { return describe(*p); });
-  }
-  put({{"end", {{"records", out.lines}, {"left_out", out.left_out}}}}, header, /*always=*/true);
+  put_processes(image.processes, writer);
+  EncodedSnapshot& out = writer.result();
+  writer.put({{"end", {{"records", out.lines}, {"left_out", out.left_out}}}}, daemon_own,
+             /*always=*/true);
   return out;
 }
 
@@ -125,7 +223,9 @@ std::string encode_snapshot_text(const StateImage& image, std::size_t max_bytes)
 }
 
 SnapshotRecordReader::SnapshotRecordReader(const Limits& limits)
-    : limits_(limits), bounds_(image_bounds(limits)) {}
+    : limits_(limits),
+      bounds_(image_bounds(limits)),
+      max_elements_(snapshot_max_array_elements(limits)) {}
 
 void SnapshotRecordReader::skip(const std::string& where, const std::string& reason) {
   if (image_.skipped.size() < kKeptReasons) {
@@ -137,6 +237,11 @@ void SnapshotRecordReader::skip(const std::string& where, const std::string& rea
 
 void SnapshotRecordReader::skip_line(const std::string& reason) {
   skip("line " + std::to_string(++line_), reason);
+}
+
+void SnapshotRecordReader::read_failed(const std::string& reason) {
+  skip_line(reason);
+  read_failed_ = true;
 }
 
 void SnapshotRecordReader::line(std::string_view text, bool torn) {
@@ -152,29 +257,36 @@ void SnapshotRecordReader::line(std::string_view text, bool torn) {
   }
   const std::string_view body = text.substr(kCrcDigits + 1);
   if (crc32_of(body) != crc) return skip(where, "checksum mismatch (the record is damaged)");
-  const json doc = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return skip(where, "not JSON");
+  std::string too_long;
+  const json doc = parse_bounded_json(body, max_elements_, too_long);
+  if (doc.is_discarded()) return skip(where, too_long.empty() ? "not JSON" : too_long);
   if (line_ == 1) return header(doc, where);
   record(doc, where);
 }
 
 void SnapshotRecordReader::header(const json& doc, const std::string& where) {
+  // Another format first, before the strict read: a later build's header may carry keys
+  // this one does not know, and reading its records as ours would be guessing.
+  if (doc.is_object()) {
+    const auto schema = doc.find("schema");
+    const auto version = doc.find("version");
+    const bool ours = schema != doc.end() && *schema == kSnapshotRecordsSchema &&
+                      version != doc.end() && *version == kRecordsVersion;
+    if (!ours && schema != doc.end() && schema->is_string()) {
+      foreign_ = "a " + schema->get<std::string>() + " file (version " +
+                 (version == doc.end() ? std::string("none") : version->dump()) +
+                 "), not one this build reads";
+      return;
+    }
+  }
   JsonReader reader;
   JsonObject h = reader.object(doc, "header");
-  std::string schema;
-  std::uint64_t version = 0;
-  h.get_string("schema", schema, StringRule{1, 64});
-  h.get_unsigned("version", version);
-  h.get_unsigned("written_at_ns", image_.taken_at_ns);
+  std::uint64_t written_at_ns = 0;
+  h.ignore("schema");  // checked above
+  h.ignore("version");
+  h.get_unsigned("written_at_ns", written_at_ns);
   if (!h.finish()) return skip(where, error_text(reader));
-  if (schema != kSnapshotRecordsSchema || version != kRecordsVersion) {
-    // Not damage: a file of another format (a later build's). Reading part of it would be
-    // guessing, so none of it is restored.
-    foreign_ = "a " + schema + " file of version " + std::to_string(version) +
-               ", not one this build reads";
-    return;
-  }
-  header_ = true;
+  image_.taken_at_ns = written_at_ns;
   ++good_;
 }
 
@@ -189,12 +301,18 @@ void SnapshotRecordReader::record(const json& doc, const std::string& where) {
     if (counters_) return skip(where, "counters appear twice");
     DaemonCounters counters;
     ok = snapshot_detail::read_counters(reader.object(body, kind), counters);
-    if (ok) image_.counters = std::move(counters), counters_ = true;
+    if (ok) {
+      image_.counters = std::move(counters);
+      counters_ = true;
+    }
   } else if (kind == "ledger") {
     if (ledger_) return skip(where, "the ledger appears twice");
     ledger::State state;
     ok = snapshot_detail::read_ledger(reader.object(body, kind), limits_, state);
-    if (ok) image_.ledger = std::move(state), ledger_ = true;
+    if (ok) {
+      image_.ledger = std::move(state);
+      ledger_ = true;
+    }
   } else if (kind == "retired") {
     if (image_.retired.size() >= bounds_.retired_names) {
       return skip(where, "more retired steps than the limits keep");
@@ -237,21 +355,46 @@ void SnapshotRecordReader::process(JsonReader& reader, const json& body, const s
   const ProcessKey& key = p.peer.key;
   const std::string what = describe(p);
   if (keys_.contains(key)) return skip(where, what + " appears twice");
-  // The limits of live state bound what a restart brings back, per uid first: a uid
-  // past its share loses its own records, not anyone else's.
-  std::size_t& of_uid = per_uid_[p.peer.uid];
-  if (of_uid >= limits_.max_processes_per_uid) {
+  // The limits of live state bound what a restart brings back: a uid's live processes
+  // (as at connect: exited ones make room by themselves) here, the table in finish().
+  if (p.alive && alive_per_uid_[p.peer.uid] >= limits_.max_processes_per_uid) {
     return skip(where, what + ": past limits.max_processes_per_uid (" +
-                           std::to_string(limits_.max_processes_per_uid) + ")");
+                           std::to_string(limits_.max_processes_per_uid) + " live)");
   }
-  if (image_.processes.size() >= limits_.max_processes) {
-    return skip(where, what + ": past limits.max_processes (" +
-                           std::to_string(limits_.max_processes) + ")");
-  }
-  ++of_uid;
+  if (p.alive) ++alive_per_uid_[p.peer.uid];
   keys_.insert(key);
   image_.processes.push_back(std::move(p));
   ++good_;
+}
+
+// Past limits.max_processes, as the live table makes room: the exited processes go
+// first, the least recent first; then the last read (the writer's last turns: the uid
+// that held the most bytes).
+void SnapshotRecordReader::fit_table() {
+  std::vector<ProcessImage>& processes = image_.processes;
+  if (processes.size() <= limits_.max_processes) return;
+  std::vector<std::size_t> order(processes.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const auto first_out = [&processes](std::size_t a, std::size_t b) {
+    const ProcessImage& pa = processes[a];
+    const ProcessImage& pb = processes[b];
+    if (pa.alive != pb.alive) return !pa.alive;
+    if (!pa.alive) return pa.exit_order < pb.exit_order;
+    return a > b;
+  };
+  std::sort(order.begin(), order.end(), first_out);
+  std::vector<bool> out(processes.size(), false);
+  for (std::size_t k = 0; k < processes.size() - limits_.max_processes; ++k) {
+    out[order[k]] = true;
+    skip("process " + std::to_string(processes[order[k]].peer.key.pid),
+         describe(processes[order[k]]) + ": past limits.max_processes (" +
+             std::to_string(limits_.max_processes) + ")");
+  }
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < processes.size(); ++i) {
+    if (!out[i]) processes[kept++] = std::move(processes[i]);
+  }
+  processes.resize(kept);
 }
 
 void SnapshotRecordReader::end(JsonReader& reader, const json& body, const std::string& where) {
@@ -263,9 +406,12 @@ void SnapshotRecordReader::end(JsonReader& reader, const json& body, const std::
   if (!e.finish()) return skip(where, error_text(reader));
   end_lines_ = lines;
   ++good_;
-  if (lines != line_ - 1) {
-    skip(where, "the end record counts " + std::to_string(lines) +
-                    " lines before it, the file has " + std::to_string(line_ - 1));
+  // More lines written than read: lines run together (a damaged '\n') lost more records
+  // than the one bad line counted; fewer (a line split in two) were counted already.
+  if (lines > line_ - 1) {
+    const std::uint64_t missing = lines - (line_ - 1);
+    skip(where, std::to_string(missing) + " lines fewer than the end record counts");
+    image_.skipped_unnamed += missing - 1;
   }
   if (left_out > 0) {
     // Not skipped here: the daemon that wrote the file counted them
@@ -288,10 +434,14 @@ std::optional<StateImage> SnapshotRecordReader::finish(std::string& error) {
                              (image_.skipped.empty() ? "" : " (" + image_.skipped.front() + ")");
     return std::nullopt;
   }
-  if (!end_lines_) {
+  // A read error said where the file stopped already.
+  if (!end_lines_ && !read_failed_) {
     skip("line " + std::to_string(line_ + 1),
          "missing: the file ends before its end record (cut short: what followed is lost)");
   }
+  fit_table();
+  std::sort(image_.processes.begin(), image_.processes.end(),
+            [](const ProcessImage& a, const ProcessImage& b) { return a.peer.key < b.peer.key; });
   return std::move(image_);
 }
 

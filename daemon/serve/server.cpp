@@ -170,6 +170,10 @@ void Server::restore_snapshot() {
         (move_ec ? "moving it aside failed: " + move_ec.message() : "moved to " + moved.string()));
     return;
   }
+  if (!loaded.partial_copy.empty()) {
+    spdlog::warn("snapshot restored in part: the file as it was is kept as {}",
+                 loaded.partial_copy.string());
+  }
   // What the daemon holds now is what is on disk: durable as of now.
   counters_.durability.last_written = unix_now();
   spdlog::info("restored snapshot from {}", config_.state_dir);
@@ -213,18 +217,20 @@ bool Server::snapshot_written(const WrittenSnapshot& written) {
   if (error.empty()) {
     ++counters_.snapshots_written;
     counters_.snapshot_records_left_out += written.left_out;
-    // Said when it starts, changes or stops, not at every snapshot.
-    if (written.left_out != last_left_out_) {
+    // Said when it starts and when it stops, not at every snapshot while a tenant grows
+    // (the counter says how many).
+    if ((written.left_out > 0) != (last_left_out_ > 0)) {
       if (written.left_out > 0) {
         spdlog::warn(
             "snapshot: {} records left out, past limits.max_snapshot_bytes ({} bytes; "
-            "first: {}); a restart would lose them",
+            "first: {}); a restart would lose them (counted in "
+            "snapshots.records_left_out)",
             written.left_out, config_.limits.max_snapshot_bytes, written.first_left_out);
       } else {
         spdlog::info("snapshot: every record fits in limits.max_snapshot_bytes again");
       }
-      last_left_out_ = written.left_out;
     }
+    last_left_out_ = written.left_out;
     durability.failing_since.reset();
     durability.last_written = now;
     if (const auto line = snapshot_log_.succeeded()) spdlog::info("{}", line->text);
@@ -266,6 +272,8 @@ void Server::save_snapshot_later() {
         return written->error;
       },
       [this, generation, written](const std::string& error) {
+        // The job threw past its own catch: the render worker's error is all there is.
+        if (!error.empty() && written->error.empty()) written->error = error;
         snapshot_pending_ = false;
         if (error.empty()) snapshot_generation_ = generation;
         snapshot_written(*written);

@@ -713,11 +713,59 @@ TEST(SnapshotFileTest, AFileOfALaterFormatIsMovedAsideNotHalfRead) {
   write_lines(dir, lines);
   const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
-  EXPECT_NE(
-      loaded.error.find("a steptrace.snapshot/v3 file of version 3, not one this build reads"),
-      std::string::npos)
+  EXPECT_NE(loaded.error.find("a steptrace.snapshot/v3 file (version 3), not one this build reads"),
+            std::string::npos)
       << loaded.error;
   EXPECT_FALSE(loaded.moved_to.empty());
+
+  // A later header may hold keys this build does not know: still another format, not damage.
+  lines[0] = checksummed(
+      R"({"schema":"steptrace.snapshot/v3","version":3,"written_at_ns":0,"compression":"none"})");
+  write_lines(dir, lines);
+  const LoadedSnapshot later = load_snapshot(dir.path(), Limits{});
+  EXPECT_EQ(later.status, LoadedSnapshot::Status::kCorrupt);
+  EXPECT_NE(later.error.find("not one this build reads"), std::string::npos) << later.error;
+}
+
+// Records longer than a read (64 KiB) and '\n's at every offset of a read: the lines are
+// cut where they end, not where a read does.
+TEST(SnapshotFileTest, RecordsLongerThanAReadRestoreWhole) {
+  steptrace::testing::TempDir dir;
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  for (int i = 0; i < 6; ++i) {
+    Connection p(c, world.spawn(300 + i, 1, "wide"));
+    for (std::uint32_t s = 0; s < 300 + 37 * static_cast<std::uint32_t>(i); ++s) {
+      const std::uint32_t id = proto::kFirstCustomStep + s;
+      ASSERT_FALSE(p.register_step(id, "a-rather-long-step-name-" + std::to_string(s)));
+      ASSERT_FALSE(p.events({start(1, id, 0), end(1, id, 1 + s * 977)}));
+    }
+  }
+  const StateImage image = c.freeze()->image();
+  ASSERT_FALSE(save_snapshot(dir.path(), image, SIZE_MAX).ec);
+  std::size_t longest = 0;
+  std::istringstream in(read(dir.file(kSnapshotFileName)));
+  for (std::string line; std::getline(in, line);) longest = std::max(longest, line.size());
+  ASSERT_GT(longest, 64u * 1024u);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
+  ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
+  EXPECT_TRUE(loaded.image.skipped.empty()) << loaded.image.skipped.front();
+  EXPECT_EQ(encode_snapshot(loaded.image), encode_snapshot(image));
+  EXPECT_TRUE(loaded.partial_copy.empty());
+}
+
+TEST(SnapshotFileTest, APartlyRestoredFileIsKeptAsideBeforeTheNextSnapshotReplacesIt) {
+  steptrace::testing::TempDir dir;
+  std::vector<std::string> lines = save_processes(dir, 2);
+  lines[line_with(lines, "\"pid\":10001")][20] ^= 0x10;
+  write_lines(dir, lines);
+  const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
+  ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
+  ASSERT_FALSE(loaded.partial_copy.empty());
+  EXPECT_EQ(loaded.partial_copy.parent_path(), std::filesystem::path(dir.path()));
+  EXPECT_EQ(read(loaded.partial_copy), read(dir.file(kSnapshotFileName)));
+  ASSERT_FALSE(save_snapshot(dir.path(), loaded.image, SIZE_MAX).ec);
+  EXPECT_NE(read(loaded.partial_copy), read(dir.file(kSnapshotFileName)));  // still the old one
 }
 
 TEST(SnapshotFileTest, ADamagedHeaderCostsTheHeaderAlone) {
