@@ -87,12 +87,13 @@ std::uint64_t test_seed() {
   return (std::uint64_t{device()} << 32) | device();
 }
 
-int iterations() {
+// STEPTRACE_DURABILITY_ITERATIONS, else `fallback`.
+int iterations(int fallback) {
   if (const char* env = std::getenv("STEPTRACE_DURABILITY_ITERATIONS");
       env != nullptr && std::atoi(env) > 0) {
     return std::atoi(env);
   }
-  return kDefaultIterations;
+  return fallback;
 }
 
 std::optional<Values> read_values(const std::string& path) {
@@ -149,6 +150,13 @@ long long step_events(const nlohmann::json& process) {
 
 std::string text_or_missing(const std::optional<long long>& v) {
   return v ? std::to_string(*v) : std::string("MISSING");
+}
+
+// How many times `needle` occurs in `text` (a daemon's log).
+int occurrences(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
 }
 
 // What one trainer said and what the daemon reports for it.
@@ -278,8 +286,13 @@ class Durability : public ::testing::Test {
   std::string state_dir() const { return dir_.file("state"); }
   std::string config() const { return dir_.file("steptraced.json"); }
   std::string stop_file() const { return dir_.file("stop"); }
-  // Every daemon's stderr: they all append to the socket's log.
-  std::string log() const { return daemon_ ? daemon_->log() : std::string(); }
+  // Every daemon's stderr: they all append to the socket's log (DaemonProcess's file).
+  std::string log() const {
+    std::ifstream in(socket() + ".log");
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
 
   // A new daemon on the same socket, state dir and config; true once it answers.
   bool start_daemon() {
@@ -287,6 +300,9 @@ class Durability : public ::testing::Test {
         socket(), std::vector<std::string>{"--config", config(), "--state-dir", state_dir()});
     return daemon_->start(60000);
   }
+
+  // Sends `sig` to the daemon and waits for its exit status (see DaemonProcess::stop).
+  int stop_daemon(int sig, int timeout_ms) { return daemon_->stop(sig, timeout_ms); }
 
   void start_trainers(int count, const std::vector<std::string>& args) {
     for (int i = 0; i < count; ++i) {
@@ -322,7 +338,7 @@ class Durability : public ::testing::Test {
       life_total += ms;
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
       const auto t0 = Clock::now();
-      ASSERT_EQ(daemon_->stop(sig, 60000), status) << "restart " << i << ": " << log();
+      ASSERT_EQ(stop_daemon(sig, 60000), status) << "restart " << i << ": " << log();
       ASSERT_TRUE(start_daemon()) << "restart " << i << ": " << log();
       const long long outage = ms_since(t0);
       outage_total += outage;
@@ -371,7 +387,7 @@ class Durability : public ::testing::Test {
         at += static_cast<ssize_t>(sizeof(inotify_event) + event->len);
       }
     }
-    EXPECT_EQ(daemon_->stop(SIGKILL, 60000), 128 + SIGKILL) << log();
+    EXPECT_EQ(stop_daemon(SIGKILL, 60000), 128 + SIGKILL) << log();
     return written;
   }
 
@@ -405,13 +421,12 @@ class Durability : public ::testing::Test {
     EXPECT_EQ(text.find("Sanitizer"), std::string::npos) << text;
   }
 
-  // Trainers recording while the daemon is restarted `iterations()` times with `sig`,
-  // each daemon living `life(i)` ms; then the identity for each trainer.
-  void run_restarts(int sig, int status, const std::function<int(int)>& life) {
+  // Trainers recording while the daemon is restarted `count` times with `sig`, each
+  // daemon living `life(i)` ms; then the identity for each trainer.
+  void run_restarts(int sig, int status, int count, const std::function<int(int)>& life) {
     const auto t0 = Clock::now();
     start_trainers(kTrainers, kTrainerRate);
     ASSERT_FALSE(HasFailure());
-    const int count = iterations();
     restart(count, sig, status, life);
     ASSERT_FALSE(HasFatalFailure());
     const auto results = finish_trainers();
@@ -449,7 +464,7 @@ TEST_F(Durability, SigtermRestartsLoseNothing) {
   SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(30, 250);
-  run_restarts(SIGTERM, 0, [&](int) { return pick(rng); });
+  run_restarts(SIGTERM, 0, iterations(kDefaultIterations), [&](int) { return pick(rng); });
 }
 
 // kill -9 under load: every event counted or dropped (daemon_crash), exactly, and little
@@ -461,7 +476,7 @@ TEST_F(Durability, SigkillRestartsCountWhatTheyLose) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(30, 250);
   std::uniform_int_distribution<int> pick_long(1100, 2000);
-  run_restarts(SIGKILL, 128 + SIGKILL,
+  run_restarts(SIGKILL, 128 + SIGKILL, iterations(kDefaultIterations),
                [&](int i) { return i % 8 == 7 ? pick_long(rng) : pick(rng); });
 }
 
@@ -488,7 +503,7 @@ TEST_F(Durability, StateDirRestoresAfterKillsDuringSnapshots) {
     SCOPED_TRACE("kill " + std::to_string(i));
     if (i % 2 == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(pick(rng)));
-      ASSERT_EQ(daemon_->stop(SIGKILL, 60000), 128 + SIGKILL) << log();
+      ASSERT_EQ(stop_daemon(SIGKILL, 60000), 128 + SIGKILL) << log();
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(pick_short(rng)));
       EXPECT_TRUE(kill_at_next_snapshot_write(10000)) << "the daemon wrote no snapshot in 10 s";
@@ -502,11 +517,7 @@ TEST_F(Durability, StateDirRestoresAfterKillsDuringSnapshots) {
   }
   // Each start that restored something logs a line with "restored" in it.
   const std::string text = log();
-  int restored = 0;
-  for (auto at = text.find("restored"); at != std::string::npos;
-       at = text.find("restored", at + 1)) {
-    ++restored;
-  }
+  const int restored = occurrences(text, "restored");
   std::cerr << kKills << " kills; " << torn << " of the " << kKills / 2
             << " aimed at a write landed before its rename (a temp file left); " << restored
             << " snapshots restored\n";
