@@ -7,8 +7,8 @@
 // shares are proto/units.h's, the CLI's too; tables are rows of cells
 // joined with " | ", padded by display width (UTF-8 aware).
 // Prometheus: escape_label_value()/escape_help() and format_double() follow the text
-// exposition format 0.0.4 (and sanitise client strings, proto/text_safety.h); MetricFamily writes
-// "# HELP"/"# TYPE" once and then samples.
+// exposition format 0.0.4 and sanitise client strings (proto/text_safety.h);
+// MetricFamily writes "# HELP"/"# TYPE" once and then samples.
 #pragma once
 
 #include <cstddef>
