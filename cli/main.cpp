@@ -45,6 +45,8 @@
 #include "cli/top_view.h"
 #include "cli/trace_command.h"
 #include "proto/commands.h"
+#include "proto/printable.h"
+#include "proto/text_safety.h"
 #include "proto/wire_format.h"
 
 namespace {
@@ -391,14 +393,16 @@ int run_version(const SocketPath& socket, bool json, std::chrono::milliseconds t
     const nlohmann::json doc = {{"cli", {{"version", STEPTRACE_VERSION_STRING}}},
                                 {"socket", socket.path},
                                 {"daemon", daemon}};
-    out = doc.dump() + "\n";
+    // The daemon's strings come back as they were parsed: the JSON sanitiser again, so a
+    // \u202e the daemon escaped is not written raw here.
+    out = steptrace::proto::escape_unsafe_in_json(doc.dump()) + "\n";
   } else {
     out = "steptrace " STEPTRACE_VERSION_STRING " (CLI)";
     if (daemon.is_object()) {
       const auto field = [&](const char* key) {
         const auto it = daemon.find(key);
         if (it == daemon.end()) return std::string("?");
-        return it->is_string() ? it->get<std::string>() : it->dump();
+        return steptrace::proto::printable(it->is_string() ? it->get<std::string>() : it->dump());
       };
       out += "; steptraced " + field("version") + ", protocol " + field("protocol") + ", at " +
              socket.path;

@@ -2,7 +2,11 @@
 // `ledger`, `stats` and error replies; the CLI's `top`): a process's comm, step names, a
 // task, a GPU UUID. Printed raw, such a string could carry escape codes or newlines into
 // an operator's terminal or forge lines of a report. Shared by the daemon and the CLI
-// (which may include proto/ only), so both print the same thing.
+// (which may include proto/ only), so both print the same thing. It is the terminal's
+// sanitiser of the four (proto/text_safety.h lists them and what each treats as unsafe):
+// it keeps printable ASCII only, so every control character, every bidi control and
+// invisible format character (U+202E's bytes E2 80 AE print as "???") and all other UTF-8
+// are replaced too (and a cell's bytes are its columns, so tables stay aligned).
 #pragma once
 
 #include <string>

@@ -1,5 +1,6 @@
 #include "daemon/report/report_format.h"
 
+#include "proto/text_safety.h"
 #include "proto/units.h"
 
 #include <algorithm>
@@ -96,49 +97,18 @@ std::string table_row(std::span<const Column> columns,
 }
 
 namespace {
-// Length of the valid UTF-8 sequence at the start of `text` (1..4), or 0 when it does
-// not start with one (a stray continuation byte, an overlong form, a surrogate, > U+10FFFF
-// or a cut sequence).
-std::size_t utf8_sequence(std::string_view text) {
-  const auto b = [&text](std::size_t i) { return static_cast<unsigned char>(text[i]); };
-  const unsigned char c = b(0);
-  if (c < 0x80) return 1;
-  std::size_t n = 0;
-  unsigned char lo = 0x80, hi = 0xBF;  // bounds of the second byte
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  if (text.size() < n || b(1) < lo || b(1) > hi) return 0;
-  for (std::size_t i = 2; i < n; ++i) {
-    if (b(i) < 0x80 || b(i) > 0xBF) return 0;
-  }
-  return n;
-}
-
 // Prometheus text format escaping: backslash and newline always, '"' in label values.
 // The format is UTF-8: a byte that is not part of a valid sequence (a process's comm may
 // hold any bytes) becomes U+FFFD, or one such name would make the whole scrape invalid.
+// What proto/text_safety.h calls unsafe becomes U+FFFD as well: control characters (ESC,
+// CR, BEL, DEL, C1) are legal in the format, and bidi controls and invisible format
+// characters too, but they would reach a terminal through `steptrace metrics` or `curl`
+// (an RLO reverses the rest of the line there) or make two label values look the same.
 // Appends to `out` (a scrape writes hundreds of thousands of label values).
 void append_prometheus_escaped(std::string& out, std::string_view text, bool quote) {
-  // Control characters (ESC, CR, BEL...) and DEL are legal in the format but would reach
-  // a terminal through `steptrace metrics` or `curl`: replaced like invalid UTF-8.
-  const auto control = [](char c) {
+  const bool plain = std::all_of(text.begin(), text.end(), [quote](char c) {
     const auto u = static_cast<unsigned char>(c);
-    return (u < 0x20 && c != '\n') || u == 0x7F;
-  };
-  const bool plain = std::all_of(text.begin(), text.end(), [quote, &control](char c) {
-    return c != '\\' && c != '\n' && (c != '"' || !quote) && static_cast<unsigned char>(c) < 0x80 &&
-           !control(c);
+    return c != '\\' && (c != '"' || !quote) && u >= 0x20 && u < 0x7F;
   });
   if (plain) {
     out += text;
@@ -146,22 +116,20 @@ void append_prometheus_escaped(std::string& out, std::string_view text, bool quo
   }
   for (std::size_t i = 0; i < text.size();) {
     const char c = text[i];
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '"' && quote) {
-      out += "\\\"";
-    } else if (control(c)) {
-      out += "\xEF\xBF\xBD";  // U+FFFD
-    } else if (const std::size_t n = utf8_sequence(text.substr(i)); n == 0) {
-      out += "\xEF\xBF\xBD";  // U+FFFD
-    } else {
-      out += text.substr(i, n);
-      i += n;
+    if (c == '\\' || c == '\n' || (c == '"' && quote)) {
+      out += '\\';
+      out += c == '\n' ? 'n' : c;
+      ++i;
       continue;
     }
-    ++i;
+    const proto::Utf8Char ch = proto::decode_utf8(text.substr(i));
+    if (ch.length == 0 || proto::is_unsafe(ch.code_point)) {
+      out += "\xEF\xBF\xBD";  // U+FFFD, one per invalid byte or unsafe code point
+      i += std::max<std::size_t>(ch.length, 1);
+    } else {
+      out += text.substr(i, ch.length);
+      i += ch.length;
+    }
   }
 }
 }  // namespace

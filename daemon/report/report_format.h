@@ -7,7 +7,8 @@
 // shares are proto/units.h's, the CLI's too; tables are rows of cells
 // joined with " | ", padded by display width (UTF-8 aware).
 // Prometheus: escape_label_value()/escape_help() and format_double() follow the text
-// exposition format 0.0.4; MetricFamily writes "# HELP"/"# TYPE" once and then samples.
+// exposition format 0.0.4 and sanitise client strings (proto/text_safety.h);
+// MetricFamily writes "# HELP"/"# TYPE" once and then samples.
 #pragma once
 
 #include <cstddef>
@@ -60,10 +61,12 @@ std::string table_row(std::span<const Column> columns,
                       std::initializer_list<std::string_view> cells);
 
 // ---- Prometheus text exposition ---------------------------------------------------
-// Label values escape backslash, double quote and line feed; bytes that are not valid
-// UTF-8 become U+FFFD (the format is UTF-8).
+// The Prometheus sanitiser (one for every label value and HELP text): label values escape
+// backslash, double quote and line feed; bytes that are not valid UTF-8 (the format is
+// UTF-8) and the code points proto/text_safety.h calls unsafe (other control characters,
+// bidi controls such as U+202E, invisible format characters) become U+FFFD.
 std::string escape_label_value(std::string_view value);
-// HELP text escapes backslash and line feed (invalid UTF-8 as U+FFFD too).
+// HELP text escapes backslash and line feed (invalid UTF-8 and unsafe as U+FFFD too).
 std::string escape_help(std::string_view help);
 // Shortest round-trip decimal; "+Inf", "-Inf", "NaN" as Prometheus spells them.
 std::string format_double(double value);

@@ -33,8 +33,10 @@ inline char* write_us(char* p, std::uint64_t ns) {
 // Nanoseconds as microseconds with three decimals (write_us()).
 void append_us(std::string& out, std::uint64_t ns);
 
-// A JSON string of client-controlled bytes: quotes, backslashes and control characters
-// escaped, valid UTF-8 kept, every other byte '?'.
+// The trace's sanitiser: a JSON string of client-controlled bytes (a comm, a step name, a
+// job id): quotes and backslashes escaped, what proto/text_safety.h calls unsafe (control
+// characters, bidi controls, invisible format characters) as \uXXXX, other valid UTF-8
+// kept, every byte of invalid UTF-8 '?'.
 void append_json_string(std::string& out, std::string_view s);
 
 // ---- one event ---------------------------------------------------------------------

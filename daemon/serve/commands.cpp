@@ -15,6 +15,7 @@
 #include "proto/codec.h"
 #include "proto/commands.h"
 #include "proto/printable.h"
+#include "proto/text_safety.h"
 
 namespace steptrace::daemon {
 
@@ -97,8 +98,10 @@ Parsed<Request> parse_as(const Command<Request>& command, Args args) {
 }
 
 std::string json_line(const json& doc) {
-  // Replace (not throw on) invalid UTF-8, e.g. from a process's comm.
-  return doc.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
+  // Replace (not throw on) invalid UTF-8, e.g. from a process's comm; then the JSON
+  // sanitiser: bidi controls and the like as \uXXXX, never raw (proto/text_safety.h).
+  return proto::escape_unsafe_in_json(doc.dump(-1, ' ', false, json::error_handler_t::replace)) +
+         "\n";
 }
 
 std::string text_reply(std::string text) {

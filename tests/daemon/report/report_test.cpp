@@ -511,6 +511,38 @@ TEST_F(ReportTest, TextOutputsSanitiseClientChosenStrings) {
   EXPECT_EQ(metrics.find('\x1b'), std::string::npos);
 }
 
+// Issue 26, item 10: U+202E RLO (and other bidi controls, invisible characters) in a
+// comm, a job id or a custom step name: the text report prints '?' for each byte, metrics
+// labels U+FFFD for each code point (valid UTF-8, nothing that reorders a terminal), and
+// the JSON keeps the string (serve/ writes it with its escapes, commands_test).
+TEST_F(ReportTest, BidiControlsNeverReachTextOrMetricsRaw) {
+  const std::string rlo = "\xE2\x80\xAE";
+  const std::string comm = "ev" + rlo + "il";
+  Connection a(collector_, world_.spawn(4242, 1, comm));
+  // On the wire a job id is printable ASCII (the encoder makes each other byte '?', the
+  // decoder refuses it); the comm comes from /proc and may hold any bytes.
+  EXPECT_FALSE(a.identity("job" + rlo));
+  ASSERT_FALSE(a.register_step(256, "Tokenize"));
+  ASSERT_FALSE(a.events({start(1, 256, 0), end(1, 256, 20)}));
+  const auto view = collector_.freeze();
+  const std::string text = report::report_text(*view, std::nullopt);
+  EXPECT_NE(text.find("── Process 4242 (ev???il) · job job??? · alive"), std::string::npos) << text;
+  const std::string metrics = report::metrics_text(*view);
+  EXPECT_NE(metrics.find("comm=\"ev\xEF\xBF\xBDil\""), std::string::npos) << metrics;
+  for (const std::string& out : {text, metrics, report::stats_text(*view)}) {
+    EXPECT_EQ(out.find(rlo), std::string::npos) << out;
+  }
+  EXPECT_EQ(report::report_json(*view, std::nullopt)["processes"][0]["comm"], comm);
+  // Each of the listed characters, in a label of its own.
+  for (const std::string ch : {"\xD8\x9C", "\xE2\x80\x8B", "\xE2\x80\x8F", "\xE2\x81\xA0",
+                               "\xE2\x81\xA9", "\xEF\xBB\xBF", "\xEF\xBF\xBB", "\xC2\x85"}) {
+    EXPECT_EQ(report::escape_label_value("a" + ch + "b"),
+              "a\xEF\xBF\xBD"
+              "b");
+  }
+  EXPECT_EQ(report::escape_label_value("日本語 Ünïcödé 🔥"), "日本語 Ünïcödé 🔥");
+}
+
 // Every plain counter of state/counter_table.h shows in `stats --json` at its group and
 // key and in the metrics as its family, with its value; the server's own counts reach
 // the row they belong to (each a distinct value here, so a crossed pointer shows).

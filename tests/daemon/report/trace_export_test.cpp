@@ -789,6 +789,42 @@ TEST(TraceExportTest, HostileStringsStayValidJson) {
   EXPECT_EQ(counters[0].at("name"), "VRAM reserved GPU-\"?");
 }
 
+// Issue 26, item 10: a comm, a job id, a step name, a GPU UUID and a task with bidi
+// controls (U+202E RLO) and invisible characters: written as \uXXXX escapes, never raw,
+// and read back as the same strings; other UTF-8 (日本語) stays as it is.
+TEST(TraceExportTest, BidiControlsAndInvisibleCharactersAreEscaped) {
+  const std::string rlo = "\xE2\x80\xAE";  // U+202E
+  auto c = new_capture();
+  auto& p = add_process(*c, 100, "ev" + rlo + "il\xE2\x81\xA6",  // and U+2066 LRI
+                        {start(kBase, 100, 200), end(kBase + 5, 100, 200)});
+  p.job = "job" + rlo + "\xE2\x80\x8B日本語";  // and U+200B ZWSP
+  p.names = std::make_shared<const StepNames>(StepNames{{200, "step" + rlo + "\xEF\xBB\xBF"}});
+  auto m = ledger_mark(proto::LedgerOp::kReserve, kBase + 1, 100, 100, "GPU-" + rlo, true);
+  set_field(m.record.task, "t" + rlo);
+  c->marks.push_back(m);
+  const std::string doc = render_trace(c);
+  EXPECT_EQ(doc.find(rlo), std::string::npos);
+  EXPECT_EQ(doc.find("\xE2\x81\xA6"), std::string::npos);
+  EXPECT_EQ(doc.find("\xE2\x80\x8B"), std::string::npos);
+  EXPECT_EQ(doc.find("\xEF\xBB\xBF"), std::string::npos);
+  EXPECT_NE(doc.find(R"(ev\u202eil\u2066)"), std::string::npos);
+  EXPECT_NE(doc.find(R"(job\u202e\u200b日本語)"), std::string::npos);
+  const json j = parse_trace(doc);
+  bool named = false;
+  for (const json& e : events_with(j, "M")) {
+    if (e.at("name") == "process_name" && e.at("pid") == 100) {
+      named = true;
+      EXPECT_EQ(e.at("args").at("name").get<std::string>().rfind("ev" + rlo + "il", 0), 0u);
+    }
+  }
+  EXPECT_TRUE(named);
+  EXPECT_EQ(spans_of(j).at(0).name, "step" + rlo + "\xEF\xBB\xBF");
+  const std::vector<json> instants = events_with(j, "i");
+  ASSERT_EQ(instants.size(), 1u);
+  EXPECT_EQ(instants[0].at("args").at("gpu"), "GPU-" + rlo);
+  EXPECT_EQ(instants[0].at("args").at("task"), "t" + rlo);
+}
+
 TEST(TraceExportTest, PiecesConcatenateToTheWholeDocument) {
   const StepNames custom = {{100, "optimizer"}};
   auto c = new_capture();

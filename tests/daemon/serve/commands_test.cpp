@@ -32,12 +32,12 @@ class CommandsTest : public ::testing::Test {
     return table_.execute(line, context);
   }
 
-  // Attaches process `pid` (uid 1000) to the collector.
-  ProcessHandle attach(std::int32_t pid) {
+  // Attaches process `pid` (uid 1000) named `comm` to the collector.
+  ProcessHandle attach(std::int32_t pid, std::string comm = "t") {
     PeerIdentity peer;
     peer.key = {pid, 77};
     peer.uid = 1000;
-    peer.comm = "t";
+    peer.comm = std::move(comm);
     ProcessHandle handle = 0;
     EXPECT_FALSE(collector_.attach(peer, handle));
     return handle;
@@ -101,6 +101,23 @@ class CommandsTest : public ::testing::Test {
 bool is_error_line(const std::string& reply) {
   return reply.rfind("error: ", 0) == 0 && reply.back() == '\n' &&
          reply.find('\n') == reply.size() - 1;
+}
+
+// Issue 26, item 10: every JSON reply goes through the JSON sanitiser, so a comm with
+// U+202E RLO and U+200B ZWSP is written as \u202e and \u200b (the same string to a JSON
+// reader, never raw bytes), while 日本語 stays as it is.
+TEST_F(CommandsTest, JsonRepliesEscapeBidiControls) {
+  const std::string comm = "ev\xE2\x80\xAEil\xE2\x80\x8B日本語";
+  attach(4242, comm);
+  const std::string reply = run("report --json");
+  EXPECT_EQ(reply.find("\xE2\x80\xAE"), std::string::npos) << reply;
+  EXPECT_EQ(reply.find("\xE2\x80\x8B"), std::string::npos) << reply;
+  EXPECT_NE(reply.find(R"("comm":"ev\u202eil\u200b日本語")"), std::string::npos) << reply;
+  EXPECT_EQ(json::parse(reply)["processes"][0]["comm"], comm);
+  // The text report: the terminal's sanitiser, printable ASCII only.
+  const std::string text = run("report");
+  EXPECT_EQ(text.find("\xE2\x80\xAE"), std::string::npos) << text;
+  EXPECT_NE(text.find("(ev???il" + std::string(12, '?') + ")"), std::string::npos) << text;
 }
 
 TEST_F(CommandsTest, PingAnswersPong) { EXPECT_EQ(run("ping"), "pong\n"); }
