@@ -113,6 +113,20 @@ std::optional<nlohmann::json> json_command(const std::string& socket, const std:
 
 // The report entry of `pid` once its connection has closed (the daemon's last pass over
 // its rings is done), polled for at most 30 s; null, and a failure, when not found.
+// Waits until the daemon on `socket` says it wrote a snapshot (`stats --json`
+// snapshots.written); false after `timeout_ms`.
+bool snapshot_written_by(const std::string& socket, int timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto stats = json_command(socket, "stats --json");
+    if (stats && stats->value("snapshots", nlohmann::json::object()).value("written", 0LL) > 0) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
 nlohmann::json settled_process(const std::string& socket, long long pid) {
   const auto deadline = Clock::now() + std::chrono::seconds(30);
   nlohmann::json last;
@@ -612,6 +626,10 @@ TEST_F(Durability, StateDirRestoresAfterKillsDuringSnapshots) {
     SCOPED_TRACE("kill " + std::to_string(i));
     if (i % 2 == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(pick(rng)));
+      // At least one snapshot of this daemon's on disk first, however slow the host (an
+      // ASan build on a loaded machine may not have written one in 1.25 s): a kill
+      // before any would restore nothing, and the test asks that some start restores.
+      EXPECT_TRUE(snapshot_written_by(socket(), 10000)) << "the daemon wrote no snapshot in 10 s";
       ASSERT_EQ(stop_daemon(SIGKILL, 60000), 128 + SIGKILL) << log();
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(pick_short(rng)));
