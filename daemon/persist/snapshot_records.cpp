@@ -198,8 +198,9 @@ EncodedSnapshot encode_snapshot_records(const StateImage& image, std::size_t max
              /*always=*/true);
   writer.put({{"ledger", snapshot_detail::ledger_json(image.ledger)}}, daemon_own,
              /*always=*/true);
-  for (const auto& [name, hist] : image.retired) {
-    writer.put({{"retired", snapshot_detail::retired_json(name, hist)}},
+  for (const auto& entry : image.retired) {
+    const std::string& name = entry.first;
+    writer.put({{"retired", snapshot_detail::retired_json(name, entry.second)}},
                [&name] { return "retired step " + name; });
   }
   for (const RetiredJobImage& job : image.retired_jobs) {
