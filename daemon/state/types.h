@@ -176,6 +176,7 @@ struct ServerCounters {
   std::uint64_t connections_undrained = 0;         // queued at shutdown, closed unread
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
@@ -223,9 +224,10 @@ struct DaemonCounters {
   std::uint64_t liveness_probe_errors = 0;  // /proc probes that failed (EMFILE...): no death
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
-  std::uint64_t snapshot_records_skipped = 0;            // bad records left out at restore
+  std::uint64_t snapshot_records_skipped = 0;   // bad records left out at restore
   std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
   HttpCounters http;                       // the server's, as it is now (not kept in snapshots)
