@@ -96,8 +96,9 @@ enum class LimitKind : std::uint8_t {
   kMaxRingBytesPerProcess,
   kMaxRingBytesPerUid,
   kMaxRings,  // ServerLimits: rings mapped over all connections (each holds a descriptor)
+  kMaxPendingTracesPerUid,  // ServerLimits: `trace --for` replies one uid has waiting
 };
-inline constexpr std::array<std::string_view, 21> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 22> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -117,8 +118,10 @@ inline constexpr std::array<std::string_view, 21> kLimitNames = {"max_connection
                                                                  "max_rings_per_uid",
                                                                  "max_ring_bytes_per_process",
                                                                  "max_ring_bytes_per_uid",
-                                                                 "max_rings"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxRings) + 1 == kLimitNames.size());
+                                                                 "max_rings",
+                                                                 "max_pending_traces_per_uid"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxPendingTracesPerUid) + 1 ==
+              kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
