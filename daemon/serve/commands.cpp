@@ -53,10 +53,32 @@ class TraceSlots {
     --count_;
   }
 
+  // `trace --for` replies waiting, per uid: each holds a connection for up to an hour, so
+  // a uid may have `max` (limits.max_pending_traces_per_uid) at once. Why a new one may
+  // not wait now, if it may not.
+  std::optional<std::string> pending_busy(std::uint32_t uid, std::size_t max) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = pending_by_uid_.find(uid);
+    const std::size_t waiting = it == pending_by_uid_.end() ? 0 : it->second;
+    if (waiting < max) return std::nullopt;
+    return "error: busy: uid " + std::to_string(uid) + " has " + std::to_string(waiting) +
+           " trace --for replies waiting (limits.max_pending_traces_per_uid=" +
+           std::to_string(max) + "); close one, or retry when one is done\n";
+  }
+  void take_pending(std::uint32_t uid) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    ++pending_by_uid_[uid];
+  }
+  void give_back_pending(std::uint32_t uid) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (--pending_by_uid_[uid] == 0) pending_by_uid_.erase(uid);
+  }
+
  private:
   mutable std::mutex mutex_;
   int count_ = 0;
   std::map<std::uint32_t, int> by_uid_;
+  std::map<std::uint32_t, std::size_t> pending_by_uid_;
 };
 
 namespace {
@@ -372,18 +394,26 @@ class TraceReply final : public ReplyStream {
 };
 
 // Holds a `trace --for` capture open: recording goes on (with the capture budget when
-// the standing window is off) until the reply is made or the connection goes.
+// the standing window is off) until the reply is made or the connection goes. It also
+// holds one of its uid's pending slots (TraceSlots::pending_busy) that long.
 class CaptureHold {
  public:
-  explicit CaptureHold(Collector& collector) : collector_(collector) {
+  CaptureHold(Collector& collector, std::shared_ptr<TraceSlots> slots, std::uint32_t uid)
+      : collector_(collector), slots_(std::move(slots)), uid_(uid) {
     collector_.recorder().begin_capture();
+    slots_->take_pending(uid_);
   }
-  ~CaptureHold() { collector_.recorder().end_capture(); }
+  ~CaptureHold() {
+    slots_->give_back_pending(uid_);
+    collector_.recorder().end_capture();
+  }
   CaptureHold(const CaptureHold&) = delete;
   CaptureHold& operator=(const CaptureHold&) = delete;
 
  private:
   Collector& collector_;
+  std::shared_ptr<TraceSlots> slots_;
+  std::uint32_t uid_;
 };
 
 std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9); }
@@ -400,7 +430,11 @@ Reply run_trace(const TraceRequest& r, const Call& call) {
     return std::shared_ptr<ReplyStream>(
         std::make_shared<TraceReply>(collector.capture_trace(r.pids, since), slots, uid));
   }
-  auto hold = std::make_shared<CaptureHold>(collector);
+  if (auto busy = slots->pending_busy(uid, call.context.max_pending_traces_per_uid)) {
+    collector.count_limit(LimitKind::kMaxPendingTracesPerUid);
+    return *busy;
+  }
+  auto hold = std::make_shared<CaptureHold>(collector, slots, uid);
   DeferredReply deferred;
   deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
   deferred.make = [&collector, pids = r.pids, since = now, hold, slots, uid]() mutable -> Reply {

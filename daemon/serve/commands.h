@@ -41,6 +41,8 @@ struct CommandContext {
   std::uint32_t daemon_euid = 0;
   // The peer process (pid 0 when unknown): `ledger cleanup` credits it.
   const PeerIdentity* peer = nullptr;
+  // `trace --for` replies the peer's uid may have waiting (limits.max_pending_traces_per_uid).
+  std::size_t max_pending_traces_per_uid = 4;
 };
 
 // A reply too big to be one string (`trace`): rendered a piece at a time on the render
@@ -55,6 +57,8 @@ class ReplyStream {
 
 struct Reply;
 // A reply that is made later (`trace --for`): after `delay`, `make` gives the reply.
+// What `make` holds (the capture, the uid's pending slot) is released when it is
+// destroyed: after the reply is made, or at once when the connection closes first.
 struct DeferredReply {
   std::chrono::milliseconds delay{0};
   std::function<Reply()> make;

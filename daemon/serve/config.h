@@ -41,6 +41,10 @@ struct ServerLimits {
   // the slots with pread, so a hole the producer never wrote commits no memory), so
   // they count in the open-file limit (Server::check_fd_limit).
   std::size_t max_rings = 4096;
+  // `trace --for` replies one uid may have waiting at once: each holds a connection (and
+  // the recorder's capture open) for up to an hour, so a tenant's forgotten ones cannot
+  // take its whole max_connections_per_uid, its own trainers locked out.
+  std::size_t max_pending_traces_per_uid = 4;
 };
 
 struct Timeouts {

@@ -58,12 +58,12 @@ constexpr LimitRow collector(std::string_view key, std::optional<LimitKind> kind
 
 }  // namespace limit_table_detail
 
-inline constexpr std::array<LimitRow, 24> kLimitTable = [] {
+inline constexpr std::array<LimitRow, 25> kLimitTable = [] {
   using limit_table_detail::collector;
   using limit_table_detail::server;
   using K = LimitKind;
   constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
-  return std::array<LimitRow, 24>{
+  return std::array<LimitRow, 25>{
       server<&ServerLimits::max_connections>("max_connections", K::kMaxConnections, 1, 65536),
       server<&ServerLimits::max_connections_per_uid>("max_connections_per_uid",
                                                      K::kMaxConnectionsPerUid, 1, 65536),
@@ -81,6 +81,9 @@ inline constexpr std::array<LimitRow, 24> kLimitTable = [] {
       server<&ServerLimits::max_ring_bytes_per_uid>(
           "max_ring_bytes_per_uid", K::kMaxRingBytesPerUid, 0, std::uint64_t{1} << 44),
       server<&ServerLimits::max_rings>("max_rings", K::kMaxRings, 0, 1'000'000),
+      // 0 refuses every `trace --for` (a plain `trace` still answers).
+      server<&ServerLimits::max_pending_traces_per_uid>("max_pending_traces_per_uid",
+                                                        K::kMaxPendingTracesPerUid, 0, 4096),
       collector<&Limits::max_processes>("max_processes", K::kMaxProcesses, 1, 1'000'000),
       collector<&Limits::max_exited_processes>("max_exited_processes", K::kMaxExitedProcesses, 0,
                                                1'000'000),

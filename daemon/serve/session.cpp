@@ -1,5 +1,6 @@
 #include "daemon/serve/session.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -207,14 +208,53 @@ void Session::render_piece(std::shared_ptr<ReplyStream> stream) {
 }
 
 void Session::defer(std::chrono::milliseconds delay, std::function<void()> fire) {
+  deferred_ = true;
   defer_timer_.expires_after(delay);
   defer_timer_.async_wait(
       [self = shared_from_this(), fire = std::move(fire)](const boost::system::error_code& ec) {
         if (ec || self->closed()) return;
+        self->deferred_ = false;
         fire();
         self->stream_->resume();
         self->after_stream();
       });
+  watch_hangup();
+}
+
+// Nothing is read while the reply waits, so without this a client that closed would hold
+// its connection (and its uid's slots) for up to an hour. What is watched is the hang-up
+// alone: a shutdown of the peer's writing side is how the CLI asks (send, shut down,
+// read until close), so end of input is no reason to stop; and bytes sent meanwhile are
+// further commands (PROTOCOL.md 10.2: a client may send several before reading), which
+// wait in the kernel's socket buffer, bounded, until this reply is out. On a Unix stream
+// socket the kernel sets EPOLLHUP only when the peer's socket is released (closed by
+// its last holder, or its process died), never for a half-close: exactly the client
+// that can no longer read the reply. Asio re-arms the descriptor (EPOLL_CTL_MOD) when the
+// wait starts, so a hang-up that came before it is reported at once.
+void Session::watch_hangup() {
+  if (watching_ || closed()) return;
+  watching_ = true;
+  socket_.async_wait(
+      Socket::wait_error,
+      [self = shared_from_this()](const boost::system::error_code& ec) { self->on_hangup(ec); });
+}
+
+void Session::on_hangup(const boost::system::error_code& ec) {
+  assert(on_io_thread(socket_.get_executor()));
+  watching_ = false;
+  // Cancelled (shutdown), or the reply was made meanwhile: its writes notice a closed peer.
+  if (ec || closed() || !deferred_) return;
+  pollfd p{socket_.native_handle(), POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) != 1 || (p.revents & (POLLHUP | POLLERR)) == 0) {
+    // Not a hang-up (EPOLLPRI has no meaning here): watching again could spin, so the
+    // reply's own timer ends this wait, as it did before the watch existed.
+    spdlog::debug("{}: socket event {:#x} while a reply waits", stream_->describe_peer(),
+                  static_cast<unsigned>(p.revents));
+    return;
+  }
+  ++shared_.counters.closed_waiting;
+  spdlog::debug("{} closed its connection while its trace --for waited", stream_->describe_peer());
+  close();  // cancels the reply's timer: what it holds (capture, uid's slot) goes with it
 }
 
 void Session::write_next() {

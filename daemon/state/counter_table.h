@@ -43,7 +43,7 @@ struct CounterRow {
   std::string_view help;
 };
 
-inline constexpr std::array<CounterRow, 15> kCounterTable = {{
+inline constexpr std::array<CounterRow, 16> kCounterTable = {{
     {&DaemonCounters::events_received, nullptr, "", "events_received", Kept::kSinceV1,
      "events_received", MetricGroup::kIngest, "steptrace_events_received_total", "counter",
      "Span events received from clients."},
@@ -80,6 +80,12 @@ inline constexpr std::array<CounterRow, 15> kCounterTable = {{
     {&DaemonCounters::replies_refused, &ServerCounters::replies_refused, "", "replies_refused",
      Kept::kLater, "replies_refused", MetricGroup::kConnections, "steptrace_replies_refused_total",
      "counter", "Replies replaced by 'error: busy': too many reply bytes waited to be read."},
+    // Counted again from nothing at start: a live connection's fate, like connections.now.
+    {&DaemonCounters::closed_waiting, &ServerCounters::closed_waiting, "connections",
+     "closed_waiting", Kept::kNo, "", MetricGroup::kConnections,
+     "steptrace_connections_closed_waiting_total", "counter",
+     "Connections their client closed while a trace --for reply waited (the wait ended at "
+     "once, its capture and connection freed)."},
     {&DaemonCounters::snapshots_written, &ServerCounters::snapshots_written, "snapshots", "written",
      Kept::kNo, "", MetricGroup::kSnapshots, "steptrace_snapshots_written_total", "counter",
      "State snapshots written."},

@@ -96,8 +96,9 @@ enum class LimitKind : std::uint8_t {
   kMaxRingBytesPerProcess,
   kMaxRingBytesPerUid,
   kMaxRings,  // ServerLimits: rings mapped over all connections (each holds a descriptor)
+  kMaxPendingTracesPerUid,  // ServerLimits: `trace --for` replies one uid has waiting
 };
-inline constexpr std::array<std::string_view, 21> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 22> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -117,8 +118,10 @@ inline constexpr std::array<std::string_view, 21> kLimitNames = {"max_connection
                                                                  "max_rings_per_uid",
                                                                  "max_ring_bytes_per_process",
                                                                  "max_ring_bytes_per_uid",
-                                                                 "max_rings"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxRings) + 1 == kLimitNames.size());
+                                                                 "max_rings",
+                                                                 "max_pending_traces_per_uid"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxPendingTracesPerUid) + 1 ==
+              kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
@@ -176,6 +179,7 @@ struct ServerCounters {
   std::uint64_t connections_undrained = 0;         // queued at shutdown, closed unread
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
@@ -223,6 +227,7 @@ struct DaemonCounters {
   std::uint64_t liveness_probe_errors = 0;  // /proc probes that failed (EMFILE...): no death
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::uint64_t snapshot_records_skipped = 0;   // bad records left out at restore

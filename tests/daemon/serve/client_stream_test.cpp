@@ -326,6 +326,26 @@ TEST_F(ClientStreamTest, ALastLineWithoutNewlineIsNotTimedOutUnderALongReply) {
   EXPECT_EQ(transport_.sent.find("error"), std::string::npos) << transport_.sent;
 }
 
+// A `trace --for` keeps its connection busy for its seconds only: the idle clock stops
+// while the reply waits and runs again once the reply is out.
+TEST_F(ClientStreamTest, ATraceForIsExemptFromTheIdleClockOnlyWhileItWaits) {
+  streams_.config.timeouts.text_idle_ms = 5000;
+  open();
+  feed("trace --for 60\n");
+  ASSERT_EQ(stream_->state(), State::kAwaitingReply);
+  ASSERT_EQ(transport_.deferred.size(), 1u);
+  EXPECT_FALSE(stream_->next_deadline());  // busy, bounded by the reply's own timer
+  transport_.fire_deferred();
+  ASSERT_EQ(stream_->state(), State::kText);
+  EXPECT_TRUE(transport_.sent.ends_with("}\n")) << transport_.sent;
+  const auto deadline = stream_->next_deadline();
+  ASSERT_TRUE(deadline.has_value());
+  EXPECT_LE(*deadline, ClientStream::Clock::now() + 5s);
+  stream_->on_timer(*deadline);
+  EXPECT_EQ(stream_->state(), State::kFinishing);
+  EXPECT_EQ(errors("timed_out"), 1u);
+}
+
 TEST_F(ClientStreamTest, EveryAnsweredLineIsACommandServedBlankOnesAreNot) {
   open();
   feed("ping\n\nnope\n  \nstats\n");

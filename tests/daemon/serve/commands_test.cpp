@@ -475,4 +475,35 @@ TEST(CommandsTraceForTest, TurnsRecordingOnFromTheCommandUntilTheReplyIsMade) {
   EXPECT_EQ(collector.recorder().counters().budget_bytes, 0u);
 }
 
+// A uid may have limits.max_pending_traces_per_uid `trace --for` replies waiting; the
+// next is refused (counted) while another uid's waits. A reply dropped uncalled (its
+// connection closed) gives its slot and its capture back.
+TEST(CommandsTraceForTest, PendingRepliesAreCappedPerUidAndFreedWhenDropped) {
+  Collector collector(Limits{}, test_env(), FlightRecorderConfig{0, 300'000'000'000ULL});
+  CommandTable table;
+  CommandContext greedy{collector, 2000, 1000};
+  greedy.max_pending_traces_per_uid = 2;
+  CommandContext other = greedy;
+  other.peer_uid = 2001;
+  std::optional<Reply> first = table.dispatch("trace --for 3600", greedy);
+  const Reply second = table.dispatch("trace --for 3600", greedy);
+  ASSERT_TRUE(first->deferred && second.deferred);
+  const Reply third = table.dispatch("trace --for 3600", greedy);
+  EXPECT_FALSE(third.deferred);
+  EXPECT_EQ(third.text,
+            "error: busy: uid 2000 has 2 trace --for replies waiting "
+            "(limits.max_pending_traces_per_uid=2); close one, or retry when one is done\n");
+  EXPECT_EQ(collector.counters().limits_hit.at("max_pending_traces_per_uid"), 1u);
+  EXPECT_TRUE(table.dispatch("trace --for 1", other).deferred);    // another uid is not held up
+  EXPECT_EQ(collector.recorder().counters().captures_active, 2u);  // the other's was dropped
+  first.reset();  // its connection closed before the reply was made
+  EXPECT_EQ(collector.recorder().counters().captures_active, 1u);
+  EXPECT_TRUE(table.dispatch("trace --for 3600", greedy).deferred);
+  // 0 refuses every `trace --for`; a plain `trace` still answers.
+  other.max_pending_traces_per_uid = 0;
+  EXPECT_EQ(table.dispatch("trace --for 1", other).text.rfind("error: busy: uid 2001 has 0 ", 0),
+            0u);
+  EXPECT_TRUE(table.dispatch("trace", other).stream);
+}
+
 }  // namespace steptrace::daemon
