@@ -297,8 +297,9 @@ TEST_F(SnapshotDamage, ABitFlippedSnapshotRestoresEverythingButTheDamagedRecord)
   for (const long long pid : pids) {
     EXPECT_TRUE(process_line(lines, pid).has_value()) << "no record of " << pid;
   }
-  // One bit in the middle of the record's JSON (a digit or a letter: XOR 1 never makes a
-  // '\n' of it, so the file keeps its lines).
+  // One bit in the middle of the record's JSON: CRC-32 catches every single-bit error, and
+  // XOR 1 makes a '\n' of no character but VT (0x0b), which JSON text never holds, so the
+  // file keeps its lines.
   std::string& line = lines[*at];
   const std::size_t flip = kCrcPrefix + (line.size() - kCrcPrefix) / 2;
   line[flip] = static_cast<char>(line[flip] ^ 0x01);
@@ -383,6 +384,7 @@ class GreedySnapshot : public SnapshotDamage {
   // bytes), the greedy's second, the innocent's trainer, the greedy's third fit (~880 KB);
   // the greedy's last 3 are left out.
   static constexpr int kGreedyTrainers = 6;
+  static constexpr long long kGreedyLeftOut = 3;  // ~880 KB + 206 KB > 1 MiB, by ~35 KB
   static constexpr const char* kGreedySteps = "800";
   static constexpr const char* kInnocentSteps = "1000";
   static constexpr std::uint64_t kMaxSnapshotBytes = 1 << 20;  // the minimum
@@ -511,6 +513,7 @@ TEST_F(GreedySnapshot, AGreedyUidCannotPushAnInnocentOneOutOfTheSnapshot) {
       << log();
   ASSERT_NO_FATAL_FAILURE(stop_daemon());
   const long long left_out = final_left_out();
+  EXPECT_EQ(left_out, kGreedyLeftOut) << "the records' sizes changed? see kGreedySteps";
   EXPECT_GT(left_out, 0) << "the greedy uid's records fit in " << kMaxSnapshotBytes << " bytes";
   EXPECT_LT(left_out, kGreedyTrainers) << "the greedy uid lost every process";
 
