@@ -27,7 +27,9 @@
 //   restored      VmRSS holding the Collector after adopt (the image consumed): the state
 //                 the daemon keeps; its own estimate (TableFigures::state_bytes_estimate)
 //                 is printed beside it
-// and ratios of the restore peak to the file's size and to the restored state. A child
+// and ratios of the restore peak to the file's size and to the restored state; the load's
+// wall time and its CPU time (user + system: what to compare when other work shares the
+// cores); and malloc's heap right after the load (mallinfo2: size, free, free chunks). A child
 // exits 1 when a record was skipped or the restored counts (processes, steps, spans)
 // differ from what was built.
 //
@@ -35,6 +37,7 @@
 //                  [--formats v1,v2]
 //     defaults: N = 610,2440 (files of about 50 and 200 MB), K = 100, S = 256, U = 4
 #include <malloc.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -132,6 +135,17 @@ bool reset_hwm() {
   out << "5";
   out.flush();
   return static_cast<bool>(out);
+}
+
+// This process's user + system CPU time: the figure to compare when other work shares the
+// cores (wall time then includes waiting for a core).
+double cpu_s() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  const auto s = [](const timeval& tv) {
+    return static_cast<double>(tv.tv_sec) + static_cast<double>(tv.tv_usec) / 1e6;
+  };
+  return s(usage.ru_utime) + s(usage.ru_stime);
 }
 
 double mib(std::uint64_t kib) { return static_cast<double>(kib) / 1024.0; }
@@ -270,6 +284,7 @@ struct LoadFigures {
   int ok = 0;
   int version = 0;
   double load_s = 0;
+  double load_cpu_s = 0;
   double adopt_s = 0;
   std::uint64_t rss0_kib = 0;
   std::uint64_t load_peak_kib = 0;     // above rss0
@@ -282,6 +297,10 @@ struct LoadFigures {
   std::uint64_t spans = 0;
   std::uint64_t skipped = 0;
   bool hwm_reset = false;
+  // malloc's heap right after load_snapshot (mallinfo2): how fragmented the reading left it.
+  std::uint64_t heap_bytes = 0;        // arena: the main heap's size
+  std::uint64_t heap_free_bytes = 0;   // fordblks: free inside it
+  std::uint64_t heap_free_chunks = 0;  // ordblks: in that many chunks
 };
 
 LoadFigures load_and_adopt(const fs::path& dir, const daemon::Limits& limits) {
@@ -290,9 +309,15 @@ LoadFigures load_and_adopt(const fs::path& dir, const daemon::Limits& limits) {
   f.hwm_reset = reset_hwm();
   const std::uint64_t base = std::max(f.rss0_kib, f.hwm_reset ? 0 : vm_hwm_kib().value_or(0));
   auto start = std::chrono::steady_clock::now();
+  const double cpu0 = cpu_s();
   daemon::LoadedSnapshot loaded = daemon::load_snapshot(dir, limits);
   f.load_s = seconds_since(start);
+  f.load_cpu_s = cpu_s() - cpu0;
   f.load_peak_kib = vm_hwm_kib().value_or(0) - base;
+  const struct mallinfo2 heap = ::mallinfo2();
+  f.heap_bytes = heap.arena;
+  f.heap_free_bytes = heap.fordblks;
+  f.heap_free_chunks = heap.ordblks;
   f.image_kib = trimmed_rss_kib() - f.rss0_kib;
   f.version = loaded.version;
   if (loaded.status != daemon::LoadedSnapshot::Status::kLoaded) {
@@ -372,27 +397,34 @@ void print_build(int processes, const Options& opt, const BuildFigures& b) {
       "\n== %d processes x %d custom steps x %d spans (%d uids): %llu steps with data, "
       "%llu spans\n"
       "build: fed in %.2f s; live Collector %.1f MiB (its estimate %.1f MiB); image in %.2f s; "
-      "v2 written in %.2f s; v1 document built in %.2f s (%.1f MiB held), written in %.2f s\n",
+      "v2 written in %.2f s",
       processes, opt.steps, opt.spans, opt.uids, static_cast<unsigned long long>(b.steps),
       static_cast<unsigned long long>(b.spans), b.feed_s, mib(b.live_kib),
-      static_cast<double>(b.estimate_bytes) / (1024.0 * 1024.0), b.image_s, b.save_v2_s,
-      b.encode_v1_s, mib(b.v1_doc_kib), b.save_v1_s);
+      static_cast<double>(b.estimate_bytes) / (1024.0 * 1024.0), b.image_s, b.save_v2_s);
+  if (opt.v1) {
+    std::printf("; v1 document built in %.2f s (%.1f MiB held), written in %.2f s", b.encode_v1_s,
+                mib(b.v1_doc_kib), b.save_v1_s);
+  }
+  std::printf("\n");
 }
 
+// Columns: wall and CPU seconds of load_snapshot, wall seconds of adopt, then MiB above
+// the child's start (see the top of this file), the ratios of the restore peak.
+constexpr const char* kHeaderFormat = "%-6s %8s %7s %7s %7s %8s %8s %8s %8s %8s %9s %9s %7s\n";
+
 void print_header() {
-  std::printf("%-6s %8s %7s %8s %9s %9s %9s %9s %9s %9s %13s %7s\n", "format", "file MB", "load s",
-              "adopt s", "load pk", "image", "restore pk", "restored", "estimate", "pk/file",
-              "pk/restored", "skipped");
-  std::printf("%-6s %8s %7s %8s %9s %9s %9s %9s %9s %9s %13s %7s\n", "", "", "", "", "MiB", "MiB",
-              "MiB", "MiB", "MiB", "", "", "");
+  std::printf(kHeaderFormat, "", "file", "load", "load", "adopt", "load", "image", "restore",
+              "restored", "estimate", "peak /", "peak /", "records");
+  std::printf(kHeaderFormat, "format", "MB", "wall s", "cpu s", "wall s", "peak", "MiB", "peak",
+              "MiB", "MiB", "file", "restored", "skipped");
 }
 
 void print_row(const char* name, double mb, const LoadFigures& l) {
   const double peak = mib(l.restore_peak_kib);
   const double restored = mib(l.restored_kib);
-  std::printf("%-6s %8.1f %7.2f %8.2f %9.1f %9.1f %9.1f %9.1f %9.1f %9.2f %13.2f %7llu\n", name, mb,
-              l.load_s, l.adopt_s, mib(l.load_peak_kib), mib(l.image_kib), peak, restored,
-              static_cast<double>(l.estimate_bytes) / (1024.0 * 1024.0),
+  std::printf("%-6s %8.1f %7.2f %7.2f %7.2f %8.1f %8.1f %8.1f %8.1f %8.1f %9.2f %9.2f %7llu\n",
+              name, mb, l.load_s, l.load_cpu_s, l.adopt_s, mib(l.load_peak_kib), mib(l.image_kib),
+              peak, restored, static_cast<double>(l.estimate_bytes) / (1024.0 * 1024.0),
               peak / (mb * 1e6 / (1024.0 * 1024.0)), restored > 0 ? peak / restored : 0.0,
               static_cast<unsigned long long>(l.skipped));
 }
@@ -436,6 +468,10 @@ bool run_size(const Options& opt, int processes) {
                   static_cast<unsigned long long>(loaded->spans));
       ok = false;
     }
+    std::printf("       heap after load: %.1f MiB, %.1f MiB of it free in %llu chunks\n",
+                static_cast<double>(loaded->heap_bytes) / (1024.0 * 1024.0),
+                static_cast<double>(loaded->heap_free_bytes) / (1024.0 * 1024.0),
+                static_cast<unsigned long long>(loaded->heap_free_chunks));
     if (!loaded->hwm_reset) std::printf("  (VmHWM could not be reset: peaks are upper bounds)\n");
   }
   std::fflush(stdout);
