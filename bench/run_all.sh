@@ -26,6 +26,7 @@ run burst "$bin/burst_bench"
 run e2e "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
 run e2e_monotonic env STEPTRACE_CLOCK=monotonic "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
 run e2e_default_search "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3 --search
+run snapshot "$bin/snapshot_bench"
 run memory "$bin/memory_bench" --spans-per-thread 20000000 --threads 4 --processes 1000 \
   --spans-per-step 100
 echo "outputs in $out_dir"
