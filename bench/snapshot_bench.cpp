@@ -184,8 +184,8 @@ std::string feed_process(daemon::Collector& collector, const Options& opt, int p
     if (auto ec = collector.register_step(handle, reg)) return "register_step: " + ec.message();
   }
   const auto tid = static_cast<std::uint32_t>(pid);
-  const auto kStart = static_cast<std::uint8_t>(proto::EventKind::kStart);
-  const auto kEnd = static_cast<std::uint8_t>(proto::EventKind::kEnd);
+  constexpr auto kStart = static_cast<std::uint8_t>(proto::EventKind::kStart);
+  constexpr auto kEnd = static_cast<std::uint8_t>(proto::EventKind::kEnd);
   std::vector<proto::EventRecord> batch;
   batch.reserve(kBatch);
   const auto fold = [&]() -> std::string {
