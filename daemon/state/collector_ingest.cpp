@@ -163,8 +163,9 @@ struct BatchLosses {
   // Self time: its duration less what ended one level deeper while it was open (the
   // depth is the thread's, so it is exact when the thread's spans nest).
   const std::uint32_t depth = thread.open;
-  agg.self_ns += duration - std::min(duration, thread.child_ns[depth]);
-  if (depth > 0) thread.child_ns[depth - 1] += duration;
+  // Saturating: a client's durations must not wrap its totals (saturating.h).
+  agg.self_ns = saturating_add(agg.self_ns, duration - std::min(duration, thread.child_ns[depth]));
+  if (depth > 0) thread.child_ns[depth - 1] = saturating_add(thread.child_ns[depth - 1], duration);
   if (proto::is_ledger_step(slot)) [[unlikely]] {
     ledger.attribute_span(rec.key(), e.thread_id, slot, start, e.timestamp_ns);
   }
