@@ -6,8 +6,8 @@
 #include "daemon/persist/snapshot.h"
 #include "daemon/report/report.h"
 
-#include <boost/crc.hpp>
 #include <gtest/gtest.h>
+#include <boost/crc.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -363,6 +363,30 @@ TEST(SnapshotTest, WhatACrashedDaemonTookAndDidNotKeepIsCountedWhenTheProcessRet
   EXPECT_EQ(p["events"], 8);
 }
 
+// Spans refused past max_span_ns are kept in the snapshot as the process's `refused`
+// drops, and a restarted daemon does not take their records for a crash's loss.
+TEST(SnapshotTest, RefusedSpansSurviveARestartAndAreNotACrash) {
+  FakeWorld world;
+  Limits limits;
+  limits.max_span_ns = 1000;
+  Collector first(limits, world.env());
+  {
+    Connection a(first, world.spawn(4242, 100, "python3"));
+    ASSERT_FALSE(a.delivered(0));
+    ASSERT_FALSE(a.events({start(1, 0, 0), end(1, 0, 5000), start(1, 0, 6000), end(1, 0, 6010)}));
+  }
+  Collector restarted(limits, world.env());
+  ASSERT_FALSE(restore_from_snapshot(restarted, snapshot_of(first)));
+  Connection a(restarted, world.spawn(4242, 100, "python3"));
+  ASSERT_FALSE(a.delivered(4));
+  const json p = report::report_json(*restarted.freeze(), 4242)["processes"][0];
+  EXPECT_EQ(p["dropped_by_cause"]["refused"], 2);
+  EXPECT_EQ(p["dropped_by_cause"]["daemon_crash"], 0);
+  EXPECT_EQ(p["dropped"], 2);
+  EXPECT_EQ(p["events"], 2);  // with dropped, the 4 records it delivered
+  EXPECT_EQ(restarted.counters().limits_hit.at("max_span_ns"), 1u);
+}
+
 // A snapshot of a build that did not count events: nothing to compare a Delivered with,
 // so nothing is counted (rather than everything the process ever sent).
 TEST(SnapshotTest, ProcessesFromBeforeEventCountsAreNotChargedACrash) {
@@ -617,8 +641,8 @@ TEST(SnapshotFileTest, ABitFlipCostsTheRecordItHitAndNothingElse) {
   const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   ASSERT_EQ(loaded.status, LoadedSnapshot::Status::kLoaded) << loaded.error;
   ASSERT_EQ(loaded.image.skipped.size(), 1u);
-  EXPECT_EQ(loaded.image.skipped[0], "line " + std::to_string(hit + 1) +
-                                         ": checksum mismatch (the record is damaged)");
+  EXPECT_EQ(loaded.image.skipped[0],
+            "line " + std::to_string(hit + 1) + ": checksum mismatch (the record is damaged)");
   EXPECT_FALSE(has_pid(loaded.image, 10002));
   for (const int pid : {4242, 5000, 10000, 10001, 10003, 10004}) {
     EXPECT_TRUE(has_pid(loaded.image, pid)) << pid;
@@ -713,8 +737,9 @@ TEST(SnapshotFileTest, AFileOfALaterFormatIsMovedAsideNotHalfRead) {
   write_lines(dir, lines);
   const LoadedSnapshot loaded = load_snapshot(dir.path(), Limits{});
   EXPECT_EQ(loaded.status, LoadedSnapshot::Status::kCorrupt);
-  EXPECT_NE(loaded.error.find("a steptrace.snapshot/v3 file of version 3, not one this build reads"),
-            std::string::npos)
+  EXPECT_NE(
+      loaded.error.find("a steptrace.snapshot/v3 file of version 3, not one this build reads"),
+      std::string::npos)
       << loaded.error;
   EXPECT_FALSE(loaded.moved_to.empty());
 }
