@@ -184,11 +184,14 @@ static_assert(sizeof(DroppedByCause) == 32);
 
 // The causes a daemon reports per process (PROTOCOL.md 10.4): the client's, then its own
 // daemon_crash: events the process delivered to a daemon that died before it made them
-// durable (Delivered, protocol version 6), counted by the daemon that follows it.
+// durable (Delivered, protocol version 6), counted by the daemon that follows it; and
+// refused: the start and end of each span the daemon took and did not keep (a duration
+// past its limits.max_span_ns), counted when the end arrived.
 inline constexpr std::size_t kDaemonCrashCause = kDropCauseCount;
-inline constexpr std::size_t kReportDropCauseCount = kDropCauseCount + 1;
+inline constexpr std::size_t kRefusedCause = kDropCauseCount + 1;
+inline constexpr std::size_t kReportDropCauseCount = kDropCauseCount + 2;
 inline constexpr std::string_view kReportDropCauseNames[kReportDropCauseCount] = {
-    "buffer_full", "not_connected", "in_flight", "invalid", "daemon_crash"};
+    "buffer_full", "not_connected", "in_flight", "invalid", "daemon_crash", "refused"};
 
 // Version 6: the events of this process that daemons took before this connection (read
 // from its shared rings, or in Events frames a FlushAck acknowledged), cumulative since it

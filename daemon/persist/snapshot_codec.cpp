@@ -49,9 +49,10 @@ constexpr StringRule kJobRule{0, proto::kMaxNameLength};  // a job id (may be ""
 
 // The snapshot's own keys for the drop causes, by proto::DropCause: a format of its own,
 // so that renaming a cause in a report or on the wire cannot change what a snapshot says
-// (version 1 wrote the first four; daemon_crash is optional, absent in older files).
+// (version 1 wrote the first four; daemon_crash and refused are optional, absent in older
+// files).
 constexpr std::array<std::string_view, proto::kReportDropCauseCount> kDropCauseKeys = {
-    "buffer_full", "not_connected", "in_flight", "invalid", "daemon_crash"};
+    "buffer_full", "not_connected", "in_flight", "invalid", "daemon_crash", "refused"};
 using DropCounts = std::array<std::uint64_t, proto::kReportDropCauseCount>;
 
 // ---- encode ------------------------------------------------------------------------------
@@ -152,8 +153,9 @@ bool read_drop_causes(std::optional<JsonObject> causes, DropCounts& out) {
   for (std::size_t i = 0; i < proto::kDropCauseCount; ++i) {
     causes->get_unsigned(kDropCauseKeys[i], out[i]);
   }
-  causes->optional_unsigned(kDropCauseKeys[proto::kDaemonCrashCause],
-                            out[proto::kDaemonCrashCause]);
+  for (std::size_t i = proto::kDropCauseCount; i < proto::kReportDropCauseCount; ++i) {
+    causes->optional_unsigned(kDropCauseKeys[i], out[i]);
+  }
   return causes->finish();
 }
 

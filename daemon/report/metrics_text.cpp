@@ -73,7 +73,7 @@ struct JobSeries {
                    std::string(steps.size() < RetiredJobFigures::kMaxSteps ? name : kOtherStep))
                .first;
     }
-    it->second.count += count;
+    it->second.count = saturating_add(it->second.count, count);
     it->second.total_ns = saturating_add(it->second.total_ns, total);
     it->second.self_ns = saturating_add(it->second.self_ns, self);
   }
@@ -86,11 +86,11 @@ JobSeries job_series(const JobFigures& group) {
     for (const RetiredStepTotals& t : group.retired->steps)
       j.add(t.name, t.count, t.total_ns, t.self_ns);
     j.exited += group.retired->processes;
-    j.dropped += group.retired->dropped;
+    j.dropped = saturating_add(j.dropped, group.retired->dropped);
   }
   for (const ProcessFigures* p : group.processes) {
     (p->alive ? j.live : j.exited) += 1;
-    j.dropped += p->dropped;
+    j.dropped = saturating_add(j.dropped, p->dropped);
     for (const StepFigures& step : p->steps) {
       const Histogram& h = step.hist();
       if (h.count() != 0) j.add(step.name, h.count(), h.sum(), step.self_ns);

@@ -16,7 +16,8 @@
 namespace steptrace::daemon {
 namespace {
 
-// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n, "daemon_crash": n}:
+// {"buffer_full": n, "not_connected": n, "in_flight": n, "invalid": n, "daemon_crash": n,
+// "refused": n}:
 // the wire's cause names (PROTOCOL.md section 4.7), then the daemon's own (4.7c).
 nlohmann::json drop_causes_json(
     const std::array<std::uint64_t, proto::kReportDropCauseCount>& counts) {

@@ -99,8 +99,8 @@ std::string step_table(const std::vector<StepFigures>& totals) {
   }
   // Dr. Popper: compute (Matmul) against CPU overhead (Transpose + Alloc), 50% rule.
   if (compute > 0) {
-    const double overhead_pct =
-        static_cast<double>(overhead) / static_cast<double>(compute + overhead) * 100.0;
+    const double overhead_pct = static_cast<double>(overhead) /
+                                static_cast<double>(saturating_add(compute, overhead)) * 100.0;
     char pct[32];
     std::snprintf(pct, sizeof pct, "%.2f", overhead_pct);
     out += "\n[Dr. Popper Analysis]\n";

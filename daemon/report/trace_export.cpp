@@ -376,7 +376,7 @@ void TraceExport::write_drop(std::string& out, const TraceMark& m) {
   const std::string_view cause = trace_drop_cause(m.cause);
   // What the daemon lost or could not fold itself, against what the client reported.
   const bool by_daemon = m.cause == kDaemonDropOpenDepth || m.cause == kDaemonDropStateLimit ||
-                         m.cause == proto::kDaemonCrashCause;
+                         m.cause == proto::kDaemonCrashCause || m.cause == proto::kRefusedCause;
   const std::string name = "dropped: " + std::string(cause);
   begin_event(out);
   write_event(out,

@@ -5,7 +5,7 @@
 
 #include <unistd.h>
 
-#include "daemon/state/histogram.h"  // saturating_add
+#include "daemon/state/saturating.h"
 
 namespace steptrace::daemon {
 

@@ -58,12 +58,12 @@ constexpr LimitRow collector(std::string_view key, std::optional<LimitKind> kind
 
 }  // namespace limit_table_detail
 
-inline constexpr std::array<LimitRow, 25> kLimitTable = [] {
+inline constexpr std::array<LimitRow, 26> kLimitTable = [] {
   using limit_table_detail::collector;
   using limit_table_detail::server;
   using K = LimitKind;
   constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
-  return std::array<LimitRow, 25>{
+  return std::array<LimitRow, 26>{
       server<&ServerLimits::max_connections>("max_connections", K::kMaxConnections, 1, 65536),
       server<&ServerLimits::max_connections_per_uid>("max_connections_per_uid",
                                                      K::kMaxConnectionsPerUid, 1, 65536),
@@ -110,6 +110,8 @@ inline constexpr std::array<LimitRow, 25> kLimitTable = [] {
       collector<&Limits::max_gpus_per_uid>("max_gpus_per_uid", K::kMaxGpusPerUid, 1, 4096),
       collector<&Limits::max_reservations_per_uid>("max_reservations_per_uid",
                                                    K::kMaxReservationsPerUid, 1, 1'000'000'000),
+      // 1 us .. 2^63 ns (292 years: no bound in practice, the sums saturating).
+      collector<&Limits::max_span_ns>("max_span_ns", K::kMaxSpanNs, 1'000, std::uint64_t{1} << 63),
   };
 }();
 

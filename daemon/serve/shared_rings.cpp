@@ -13,7 +13,7 @@
 #include <cstring>
 #include <utility>
 
-#include "daemon/state/histogram.h"
+#include "daemon/state/saturating.h"
 
 namespace steptrace::daemon {
 namespace {

@@ -309,12 +309,14 @@ std::error_code Collector::adopt_restored(RestoredState restored) {
   DaemonCounters& c = counters_;
   const DaemonCounters& r = restored.counters;
   for (const CounterRow& row : kCounterTable) {
-    if (row.kept != Kept::kNo) c.*row.field += r.*row.field;
+    if (row.kept != Kept::kNo) c.*row.field = saturating_add(c.*row.field, r.*row.field);
   }
   for (std::size_t i = 0; i < proto::kReportDropCauseCount; ++i)
-    c.events_dropped_by_cause[i] += r.events_dropped_by_cause[i];
-  for (const auto& [k, v] : r.protocol_errors) c.protocol_errors[k] += v;
-  for (const auto& [k, v] : r.limits_hit) c.limits_hit[k] += v;
+    c.events_dropped_by_cause[i] =
+        saturating_add(c.events_dropped_by_cause[i], r.events_dropped_by_cause[i]);
+  for (const auto& [k, v] : r.protocol_errors)
+    c.protocol_errors[k] = saturating_add(c.protocol_errors[k], v);
+  for (const auto& [k, v] : r.limits_hit) c.limits_hit[k] = saturating_add(c.limits_hit[k], v);
   // Restored processes have no connection: ask /proc who is still there.
   refresh_liveness();
   while (state_->by_key.size() > limits_.max_processes && evict_oldest_exited(*state_)) {

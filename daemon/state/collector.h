@@ -229,6 +229,8 @@ class Collector {
   std::unique_ptr<State> state_;
   void refresh_holder(const proto::LedgerRecord& record);
   std::uint64_t raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped);
+  // Spans of `rec` past max_span_ns, refused at their end: counted (Limits::max_span_ns).
+  void refuse_spans(ProcessRecord& rec, std::uint64_t spans);
   // A drop as a TraceMark, stamped `ts_ns` (a client timestamp), else now.
   void mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more,
                  std::optional<std::uint64_t> ts_ns = std::nullopt);

@@ -78,20 +78,25 @@ ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_
 // The hot path: each piece is forced inline so the loop compiles as one function (no
 // call, no spill of the batch's locals), as it did written out in one body.
 
-// What one batch could not fold: starts dropped past max_open_depth and events whose
-// thread or stack slot the limits refused, each with the first one's timestamp (for the
-// flight recorder's drop marks).
+// What one batch could not fold: starts dropped past max_open_depth, events whose
+// thread or stack slot the limits refused and spans past max_span_ns, each with the
+// first one's timestamp (for the flight recorder's drop marks).
 struct BatchLosses {
   std::uint64_t depth_hits = 0;
   std::uint64_t state_lost = 0;
+  std::uint64_t spans_refused = 0;
   std::uint64_t first_depth_ts = 0;
   std::uint64_t first_state_ts = 0;
+  std::uint64_t first_refused_ts = 0;
 
   [[gnu::always_inline]] void lose_state(std::uint64_t ts) {
     if (state_lost++ == 0) first_state_ts = ts;
   }
   [[gnu::always_inline]] void hit_depth(std::uint64_t ts) {
     if (depth_hits++ == 0) first_depth_ts = ts;
+  }
+  [[gnu::always_inline]] void refuse_span(std::uint64_t ts) {
+    if (spans_refused++ == 0) first_refused_ts = ts;
   }
 };
 
@@ -143,11 +148,13 @@ struct BatchLosses {
 }
 
 // An end: pops the innermost open span of `stack`, the thread's stack for `slot`, into
-// the step's aggregate (and a ledger step's into the ledger view).
+// the step's aggregate (and a ledger step's into the ledger view); a span longer than
+// `max_span_ns` goes into nothing and is counted in `losses`.
 [[gnu::always_inline]] inline void close_span(LedgerView& ledger, ProcessRecord& rec,
                                               ThreadSpans& thread,
                                               std::vector<std::uint64_t>& stack, std::uint32_t slot,
-                                              const proto::EventRecord& e) {
+                                              const proto::EventRecord& e,
+                                              std::uint64_t max_span_ns, BatchLosses& losses) {
   if (stack.empty()) [[unlikely]] {
     ++rec.steps[slot].unmatched_ends;
     return;
@@ -158,13 +165,18 @@ struct BatchLosses {
   // One monotonic clock on the client; a backwards pair can only be a broken
   // client, and counts as zero rather than wrapping.
   const std::uint64_t duration = e.timestamp_ns > start ? e.timestamp_ns - start : 0;
+  if (duration > max_span_ns) [[unlikely]] {
+    losses.refuse_span(e.timestamp_ns);
+    return;
+  }
   StepAgg& agg = rec.steps[slot];
   agg.hist.record(duration);
   // Self time: its duration less what ended one level deeper while it was open (the
   // depth is the thread's, so it is exact when the thread's spans nest).
   const std::uint32_t depth = thread.open;
-  agg.self_ns += duration - std::min(duration, thread.child_ns[depth]);
-  if (depth > 0) thread.child_ns[depth - 1] += duration;
+  // Saturating: a client's durations must not wrap its totals (saturating.h).
+  agg.self_ns = saturating_add(agg.self_ns, duration - std::min(duration, thread.child_ns[depth]));
+  if (depth > 0) thread.child_ns[depth - 1] = saturating_add(thread.child_ns[depth - 1], duration);
   if (proto::is_ledger_step(slot)) [[unlikely]] {
     ledger.attribute_span(rec.key(), e.thread_id, slot, start, e.timestamp_ns);
   }
@@ -190,6 +202,7 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
   counters_.events_received += events.size();
 
   const std::size_t max_depth = limits_.max_open_depth;
+  const std::uint64_t max_span_ns = limits_.max_span_ns;
   LedgerView& ledger = state_->ledger;  // loaded once, not at every end event
   const std::size_t n = events.size();
   BatchLosses losses;
@@ -223,7 +236,7 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
       open_span(*rec, *thread, stack, slot, e.timestamp_ns, max_depth, losses);
     } else if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) {
-      close_span(ledger, *rec, *thread, stack, slot, e);
+      close_span(ledger, *rec, *thread, stack, slot, e, max_span_ns, losses);
     } else {
       result = make_error_code(errc::bad_event_kind);
       applied = i;
@@ -231,6 +244,8 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     }
   }
   rec->events += applied;
+  if (losses.spans_refused != 0) [[unlikely]]
+    refuse_spans(*rec, losses.spans_refused);
   if (losses.depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, losses.depth_hits);
   if (recorder_.on()) [[likely]] {
     const std::uint64_t now = env_.monotonic_now_ns();
@@ -242,6 +257,10 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     }
     if (losses.state_lost != 0) {
       mark_drop(rec->key(), kDaemonDropStateLimit, losses.state_lost, losses.first_state_ts);
+    }
+    if (losses.spans_refused != 0) {
+      mark_drop(rec->key(), static_cast<std::uint8_t>(proto::kRefusedCause),
+                2 * losses.spans_refused, losses.first_refused_ts);
     }
   }
   return result;
@@ -278,12 +297,36 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
   return {};
 }
 
+namespace {
+
+// What the daemon counted for a process itself (daemon_crash, refused): on top of what
+// the client reports, which does not know them.
+std::uint64_t daemon_drops(const ProcessRecord& rec) {
+  return saturating_add(rec.dropped_by_cause[proto::kDaemonCrashCause],
+                        rec.dropped_by_cause[proto::kRefusedCause]);
+}
+
+}  // namespace
+
+void Collector::refuse_spans(ProcessRecord& rec, std::uint64_t spans) {
+  counters_.hit(LimitKind::kMaxSpanNs, spans);
+  // Their events were taken (a ring's tail, a FlushAck) and are not in any step: out of
+  // `events`, counted as refused, so that events + dropped is still what the client sent
+  // (and a Delivered frame does not take them for a crash's loss).
+  const std::uint64_t lost = 2 * spans;
+  rec.events -= std::min(rec.events, lost);
+  std::uint64_t& refused = rec.dropped_by_cause[proto::kRefusedCause];
+  refused = saturating_add(refused, lost);
+  std::uint64_t& total = counters_.events_dropped_by_cause[proto::kRefusedCause];
+  total = saturating_add(total, lost);
+  raise_dropped(rec, saturating_add(rec.dropped, lost));
+}
+
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {
   if (process >= state_->slots.size() || !state_->slots[process]) return;
   ProcessRecord& rec = state_->write(process);
   // A version-1 report: no cause. What the daemon counted itself comes on top.
-  const std::uint64_t more = raise_dropped(
-      rec, saturating_add(total_dropped, rec.dropped_by_cause[proto::kDaemonCrashCause]));
+  const std::uint64_t more = raise_dropped(rec, saturating_add(total_dropped, daemon_drops(rec)));
   if (more != 0) mark_drop(rec.key(), kDropNoCause, more);
 }
 
@@ -326,7 +369,7 @@ void Collector::dropped_by_cause(ProcessHandle process, const proto::DroppedByCa
     // Saturating: a hostile client's counts must not wrap the total.
     total = saturating_add(total, rec.dropped_by_cause[i]);
   }
-  raise_dropped(rec, saturating_add(total, rec.dropped_by_cause[proto::kDaemonCrashCause]));
+  raise_dropped(rec, saturating_add(total, daemon_drops(rec)));
 }
 
 void Collector::delivered(ProcessHandle process, std::uint64_t delivered) {
@@ -334,10 +377,13 @@ void Collector::delivered(ProcessHandle process, std::uint64_t delivered) {
   ProcessRecord& rec = state_->write(process);
   // A process restored from a snapshot that did not count its events: nothing to compare.
   if (!rec.events_known) return;
-  // Both are cumulative for the process, and a daemon counts an event before it lets
-  // the process know it took it (a ring's tail, a FlushAck): what earlier daemons took
-  // beyond what this one has died with them. Counted once: the maximum seen.
-  const std::uint64_t lost = delivered > rec.events ? delivered - rec.events : 0;
+  // Both are cumulative for the process, and a daemon counts an event (folded, or
+  // refused) before it lets the process know it took it (a ring's tail, a FlushAck): what
+  // earlier daemons took beyond what this one has died with them. Counted once: the
+  // maximum seen.
+  const std::uint64_t taken =
+      saturating_add(rec.events, rec.dropped_by_cause[proto::kRefusedCause]);
+  const std::uint64_t lost = delivered > taken ? delivered - taken : 0;
   std::uint64_t& crash = rec.dropped_by_cause[proto::kDaemonCrashCause];
   if (lost <= crash) return;
   const std::uint64_t more = lost - crash;

@@ -132,7 +132,7 @@ void retire_job(CollectorState& state, const ProcessRecord& rec) {
   JobKey key{rec.peer.uid, rec.job};
   RetiredJob& job = jobs[std::move(key)];
   ++job.processes;
-  job.dropped += rec.dropped;
+  job.dropped = saturating_add(job.dropped, rec.dropped);
   job.retired_order = state.next_retired_order++;
   for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
     const StepAgg& agg = rec.steps[slot];
@@ -143,7 +143,7 @@ void retire_job(CollectorState& state, const ProcessRecord& rec) {
       if (job.steps.size() >= RetiredJob::kMaxJobSteps) name = "(other)";
       step = job.steps.try_emplace(std::string(name)).first;
     }
-    step->second.count += agg.hist.count();
+    step->second.count = saturating_add(step->second.count, agg.hist.count());
     step->second.total_ns = saturating_add(step->second.total_ns, agg.hist.sum());
     step->second.self_ns = saturating_add(step->second.self_ns, agg.self_ns);
   }

@@ -37,6 +37,7 @@
 #include "daemon/state/histogram.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/ledger_view.h"
+#include "daemon/state/saturating.h"
 
 namespace steptrace::daemon {
 
@@ -57,10 +58,10 @@ struct StepAgg {
   void clear() { *this = StepAgg{}; }
   void merge(const StepAgg& other) {
     hist.merge(other.hist);
-    unmatched_ends += other.unmatched_ends;
-    abandoned += other.abandoned;
-    depth_dropped += other.depth_dropped;
-    self_ns += other.self_ns;
+    unmatched_ends = saturating_add(unmatched_ends, other.unmatched_ends);
+    abandoned = saturating_add(abandoned, other.abandoned);
+    depth_dropped = saturating_add(depth_dropped, other.depth_dropped);
+    self_ns = saturating_add(self_ns, other.self_ns);
   }
 };
 

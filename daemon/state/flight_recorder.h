@@ -113,8 +113,9 @@ struct TraceMark {
 };
 
 // TraceMark::cause: proto::DropCause (the client's report), proto::kDaemonCrashCause
-// (counted at a Delivered frame), kDropNoCause (a version-1 report), or one of these (the daemon's
-// own, stamped with the first lost event's timestamp).
+// (counted at a Delivered frame), proto::kRefusedCause (spans past max_span_ns, stamped
+// with the first one's end), kDropNoCause (a version-1 report), or one of these (the
+// daemon's own, stamped with the first lost event's timestamp).
 inline constexpr std::uint8_t kDropNoCause = 0x7f;
 inline constexpr std::uint8_t kDaemonDropOpenDepth = 0x80;   // starts past max_open_depth
 inline constexpr std::uint8_t kDaemonDropStateLimit = 0x81;  // a thread or slot past limits

@@ -65,11 +65,12 @@ void Histogram::add_to_bucket(unsigned index, std::uint64_t n) {
 
 void Histogram::merge(const Histogram& other) {
   if (other.count_ == 0) return;
-  count_ += other.count_;
+  count_ = saturating_add(count_, other.count_);
   sum_ = saturating_add(sum_, other.sum_);
   min_ = std::min(min_, other.min_);
   max_ = std::max(max_, other.max_);
-  for (std::size_t i = 0; i < kPromBuckets; ++i) prom_[i] += other.prom_[i];
+  for (std::size_t i = 0; i < kPromBuckets; ++i)
+    prom_[i] = saturating_add(prom_[i], other.prom_[i]);
   for (unsigned c = 0; c < kChunks; ++c) {
     const std::uint8_t from = other.chunk_slot_[c];
     if (from == 0) continue;

@@ -28,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+#include "daemon/state/saturating.h"
+
 namespace steptrace::daemon {
 
 namespace histogram_detail {
@@ -81,12 +83,6 @@ constexpr std::array<std::uint64_t, kPromBoundsNs.size() + 1> make_prom_upper() 
 }
 inline constexpr auto kPromUpper = make_prom_upper();
 }  // namespace histogram_detail
-
-// a + b, or 2^64-1 when that does not fit.
-constexpr std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b) {
-  std::uint64_t sum = 0;
-  return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<std::uint64_t>::max() : sum;
-}
 
 class Histogram {
  public:

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "daemon/state/ledger_state.h"
+#include "daemon/state/saturating.h"
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
@@ -386,12 +387,13 @@ void LedgerView::attribute_span(const ProcessKey& process, std::uint32_t thread_
   const auto gpu = s.gpus.find(m.gpu);
   StepTime& all = gpu->second.steps[step];
   ++all.count;
-  all.total_ns += end_ns - start_ns;
+  // Saturating: the timestamps are the client's (saturating.h).
+  all.total_ns = saturating_add(all.total_ns, end_ns - start_ns);
   ProcessRow* row = s.row(gpu->second, process, m.comm, limits_.max_processes);
   if (row == nullptr) return;
   StepTime& time = row->steps[step];
   ++time.count;
-  time.total_ns += end_ns - start_ns;
+  time.total_ns = saturating_add(time.total_ns, end_ns - start_ns);
 }
 
 void LedgerView::check_holders(const std::function<bool(const ProcessKey&)>& alive) {

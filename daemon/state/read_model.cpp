@@ -132,8 +132,8 @@ std::vector<ProcessFigures> CollectorView::processes(std::optional<std::int32_t>
     const auto open = rec->open_per_slot();
     for (std::size_t slot = 0; slot < rec->steps.size(); ++slot) {
       const StepAgg& agg = rec->steps[slot];
-      p.unmatched_ends += agg.unmatched_ends;
-      p.abandoned += agg.abandoned;
+      p.unmatched_ends = saturating_add(p.unmatched_ends, agg.unmatched_ends);
+      p.abandoned = saturating_add(p.abandoned, agg.abandoned);
       p.open += open[slot];
       if (!agg.has_data() && open[slot] == 0) continue;
       StepFigures s;

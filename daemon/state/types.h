@@ -70,6 +70,11 @@ struct Limits {
   // The largest snapshot file written and read (records past it are left out, counted):
   // read a record at a time (a version-1 file, read whole, costs ten times its size).
   std::size_t max_snapshot_bytes = 256u << 20;
+  // The longest span kept (a week): one past it, a client's clock or a hostile one, is
+  // refused when its end arrives, added to no total and counted (a limit hit, and its two
+  // events as the process's `refused` drops), so no tenant's durations set everyone's
+  // shares of the time.
+  std::uint64_t max_span_ns = 604'800'000'000'000;
 };
 
 // Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config
@@ -97,8 +102,9 @@ enum class LimitKind : std::uint8_t {
   kMaxRingBytesPerUid,
   kMaxRings,  // ServerLimits: rings mapped over all connections (each holds a descriptor)
   kMaxPendingTracesPerUid,  // ServerLimits: `trace --for` replies one uid has waiting
+  kMaxSpanNs,
 };
-inline constexpr std::array<std::string_view, 22> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 23> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -119,9 +125,9 @@ inline constexpr std::array<std::string_view, 22> kLimitNames = {"max_connection
                                                                  "max_ring_bytes_per_process",
                                                                  "max_ring_bytes_per_uid",
                                                                  "max_rings",
-                                                                 "max_pending_traces_per_uid"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxPendingTracesPerUid) + 1 ==
-              kLimitNames.size());
+                                                                 "max_pending_traces_per_uid",
+                                                                 "max_span_ns"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxSpanNs) + 1 == kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }

@@ -145,11 +145,13 @@ json without_fields_since_v1(json doc) {
   for (json& p : doc.at("processes")) {
     for (json& step : p.at("steps")) EXPECT_EQ(step.erase("self_ns"), 1u);
     // Durable totals (issue 25): the events counted (absent when restored from a file
-    // without them) and the daemon_crash drops.
+    // without them) and the daemon_crash drops; spans past max_span_ns (issue 26).
     p.erase("events");
     EXPECT_EQ(p.at("dropped_by_cause").erase("daemon_crash"), 1u);
+    EXPECT_EQ(p.at("dropped_by_cause").erase("refused"), 1u);
   }
   EXPECT_EQ(doc.at("counters").at("events_dropped_by_cause").erase("daemon_crash"), 1u);
+  EXPECT_EQ(doc.at("counters").at("events_dropped_by_cause").erase("refused"), 1u);
   EXPECT_EQ(doc.erase("retired_jobs"), 1u);
   return doc;
 }

@@ -363,6 +363,30 @@ TEST(SnapshotTest, WhatACrashedDaemonTookAndDidNotKeepIsCountedWhenTheProcessRet
   EXPECT_EQ(p["events"], 8);
 }
 
+// Spans refused past max_span_ns are kept in the snapshot as the process's `refused`
+// drops, and a restarted daemon does not take their records for a crash's loss.
+TEST(SnapshotTest, RefusedSpansSurviveARestartAndAreNotACrash) {
+  FakeWorld world;
+  Limits limits;
+  limits.max_span_ns = 1000;
+  Collector first(limits, world.env());
+  {
+    Connection a(first, world.spawn(4242, 100, "python3"));
+    ASSERT_FALSE(a.delivered(0));
+    ASSERT_FALSE(a.events({start(1, 0, 0), end(1, 0, 5000), start(1, 0, 6000), end(1, 0, 6010)}));
+  }
+  Collector restarted(limits, world.env());
+  ASSERT_FALSE(restore_from_snapshot(restarted, snapshot_of(first)));
+  Connection a(restarted, world.spawn(4242, 100, "python3"));
+  ASSERT_FALSE(a.delivered(4));
+  const json p = report::report_json(*restarted.freeze(), 4242)["processes"][0];
+  EXPECT_EQ(p["dropped_by_cause"]["refused"], 2);
+  EXPECT_EQ(p["dropped_by_cause"]["daemon_crash"], 0);
+  EXPECT_EQ(p["dropped"], 2);
+  EXPECT_EQ(p["events"], 2);  // with dropped, the 4 records it delivered
+  EXPECT_EQ(restarted.counters().limits_hit.at("max_span_ns"), 1u);
+}
+
 // A snapshot of a build that did not count events: nothing to compare a Delivered with,
 // so nothing is counted (rather than everything the process ever sent).
 TEST(SnapshotTest, ProcessesFromBeforeEventCountsAreNotChargedACrash) {

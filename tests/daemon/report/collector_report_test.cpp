@@ -70,7 +70,8 @@ TEST_F(CollectorReportTest, DropsByCauseShowInJsonTextAndMetrics) {
                                                         {"not_connected", 7},
                                                         {"in_flight", 1},
                                                         {"invalid", 2},
-                                                        {"daemon_crash", 0}}));
+                                                        {"daemon_crash", 0},
+                                                        {"refused", 0}}));
   EXPECT_EQ(process_of(r, 1)["dropped"], 15);
   EXPECT_EQ(r["daemon"]["events_dropped_by_clients"], 19);
   EXPECT_EQ(r["daemon"]["events_dropped_by_cause"]["not_connected"], 11);
@@ -86,6 +87,31 @@ TEST_F(CollectorReportTest, DropsByCauseShowInJsonTextAndMetrics) {
   EXPECT_NE(
       metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"buffer_full\"} 5"),
       std::string::npos);
+}
+
+// A span past max_span_ns: its two records as the process's `refused` drops, the span as
+// a max_span_ns limit hit, in the report, stats, text and metrics.
+TEST_F(CollectorReportTest, RefusedSpansShowInJsonTextAndMetrics) {
+  limits_.max_span_ns = 1000;
+  make();
+  DirectClient a(*collector_, world_.spawn(1, 1, "a"));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 5000), start(1, kForward, 6000),
+                         end(1, kForward, 6500)}));
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
+  EXPECT_EQ(process_of(r, 1)["dropped_by_cause"]["refused"], 2);
+  EXPECT_EQ(process_of(r, 1)["dropped"], 2);
+  EXPECT_EQ(process_of(r, 1)["events"], 2);
+  EXPECT_EQ(step_of(r, 1, "Forward")["total_ns"], 500);
+  EXPECT_EQ(r["daemon"]["events_dropped_by_cause"]["refused"], 2);
+  const json stats = report::stats_json(*collector_->freeze());
+  EXPECT_EQ(stats["limits_hit"]["max_span_ns"], 1);
+  EXPECT_EQ(stats["events_dropped_by_cause"]["refused"], 2);
+  const std::string text = report::report_text(*collector_->freeze(), 1);
+  EXPECT_NE(text.find("dropped 2 (refused 2)"), std::string::npos) << text;
+  const std::string metrics = report::metrics_text(*collector_->freeze());
+  EXPECT_NE(metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"refused\"} 2"),
+            std::string::npos);
+  EXPECT_NE(metrics.find("steptrace_limit_hits_total{limit=\"max_span_ns\"} 1"), std::string::npos);
 }
 
 // PROTOCOL.md 4.7b: the Identity's job and ranks in the JSON report and the text.

@@ -464,6 +464,8 @@ TEST_F(CollectorTest, DroppedKeepsTheMaximumAndCountersSumProcesses) {
 
 TEST_F(CollectorTest, HugeClientNumbersSaturateAndNeverWrapACounterOrTotal) {
   constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  limits_.max_span_ns = kMax;  // no bound on spans: their sums alone must hold
+  make();
   DirectClient a(*collector_, world_.spawn(1, 1, "a"));
   DirectClient b(*collector_, world_.spawn(2, 1, "b"));
   a.dropped(kMax - 1);
@@ -487,8 +489,8 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
   a.dropped_by_cause({{3, 7, 1, 2}});  // buffer_full went "back": kept at 5
   b.dropped_by_cause({{0, 4, 0, 0}});
   const Seen seen(*collector_);
-  // buffer_full, not_connected, in_flight, invalid, daemon_crash
-  EXPECT_EQ(seen.process(1).dropped_by_cause, (std::array<std::uint64_t, 5>{5, 7, 1, 2, 0}));
+  // buffer_full, not_connected, in_flight, invalid, daemon_crash, refused
+  EXPECT_EQ(seen.process(1).dropped_by_cause, (std::array<std::uint64_t, 6>{5, 7, 1, 2, 0, 0}));
   EXPECT_EQ(seen.process(1).dropped, 15u);
   EXPECT_EQ(seen.process(2).dropped, 4u);
   EXPECT_EQ(seen.view().counters().events_dropped_by_clients, 19u);
