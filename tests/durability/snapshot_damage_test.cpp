@@ -37,6 +37,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/ledger_json.h"
+#include "tests/support/temporary_user.h"
 #include "tests/support/worker.h"
 
 namespace steptrace::testing {
@@ -155,38 +156,6 @@ std::optional<std::size_t> process_line(const std::vector<std::string>& lines, l
   }
   return std::nullopt;
 }
-
-// A temporary system user without a home or a login shell, removed by the destructor
-// (as tests/hostile/ledger_test.cpp makes its users).
-class TemporaryUser {
- public:
-  explicit TemporaryUser(std::string name) : name_(std::move(name)) {
-    (void)run_process({"/usr/sbin/userdel", name_}, {}, kWaitMs);  // a leftover of a crash
-    if (run_process({"/usr/sbin/useradd", "--system", "--no-create-home", "--shell",
-                     "/usr/sbin/nologin", name_},
-                    {}, kWaitMs) != 0) {
-      return;
-    }
-    const passwd* pw = ::getpwnam(name_.c_str());
-    if (pw == nullptr) return;
-    uid_ = pw->pw_uid;
-    created_ = true;
-  }
-  ~TemporaryUser() {
-    if (created_) (void)run_process({"/usr/sbin/userdel", name_}, {}, kWaitMs);
-  }
-  TemporaryUser(const TemporaryUser&) = delete;
-  TemporaryUser& operator=(const TemporaryUser&) = delete;
-
-  bool created() const { return created_ && uid_ != 0; }
-  const std::string& name() const { return name_; }
-  uid_t uid() const { return uid_; }
-
- private:
-  std::string name_;
-  uid_t uid_ = 0;
-  bool created_ = false;
-};
 
 class SnapshotDamage : public ::testing::Test {
  protected:

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/temporary_user.h"
 
 namespace steptrace::testing {
 namespace {
@@ -44,40 +45,6 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
-
-// A temporary system user without a home or a login shell, removed by the destructor.
-class TemporaryUser {
- public:
-  explicit TemporaryUser(std::string name) : name_(std::move(name)) {
-    (void)run_process({"/usr/sbin/userdel", name_}, {}, 30000);  // a leftover of a crash
-    if (run_process({"/usr/sbin/useradd", "--system", "--no-create-home", "--shell",
-                     "/usr/sbin/nologin", name_},
-                    {}, 30000) != 0) {
-      return;
-    }
-    const passwd* pw = ::getpwnam(name_.c_str());
-    if (pw == nullptr) return;
-    uid_ = pw->pw_uid;
-    gid_ = pw->pw_gid;
-    created_ = true;
-  }
-  ~TemporaryUser() {
-    if (created_) (void)run_process({"/usr/sbin/userdel", name_}, {}, 30000);
-  }
-  TemporaryUser(const TemporaryUser&) = delete;
-  TemporaryUser& operator=(const TemporaryUser&) = delete;
-
-  bool created() const { return created_ && uid_ != 0; }
-  const std::string& name() const { return name_; }
-  uid_t uid() const { return uid_; }
-  gid_t gid() const { return gid_; }
-
- private:
-  std::string name_;
-  uid_t uid_ = 0;
-  gid_t gid_ = 0;
-  bool created_ = false;
-};
 
 int connect_to(const std::string& path) {
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);

@@ -34,6 +34,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/ledger_json.h"
+#include "tests/support/temporary_user.h"
 
 namespace steptrace::testing {
 namespace {
@@ -52,35 +53,7 @@ struct User {
 };
 const User kRoot{"root", 0, 0};
 
-// A temporary system user without a home or a login shell, removed by the destructor.
-class TemporaryUser {
- public:
-  explicit TemporaryUser(std::string name) {
-    user_.name = std::move(name);
-    (void)run_process({"/usr/sbin/userdel", user_.name}, {}, 30000);  // a leftover of a crash
-    const int status = run_process({"/usr/sbin/useradd", "--system", "--no-create-home", "--shell",
-                                    "/usr/sbin/nologin", user_.name},
-                                   {}, 30000);
-    if (status != 0) return;
-    const passwd* pw = ::getpwnam(user_.name.c_str());
-    if (pw == nullptr) return;
-    user_.uid = pw->pw_uid;
-    user_.gid = pw->pw_gid;
-    created_ = true;
-  }
-  ~TemporaryUser() {
-    if (created_) (void)run_process({"/usr/sbin/userdel", user_.name}, {}, 30000);
-  }
-  TemporaryUser(const TemporaryUser&) = delete;
-  TemporaryUser& operator=(const TemporaryUser&) = delete;
-
-  bool created() const { return created_ && user_.uid != 0; }
-  const User& user() const { return user_; }
-
- private:
-  User user_;
-  bool created_ = false;
-};
+User as_user(const TemporaryUser& t) { return {t.name(), t.uid(), t.gid()}; }
 
 // A child process run as `user` (fork, setgroups/setgid/setuid, exec), with its stdin,
 // stdout and stderr on pipes.
@@ -206,8 +179,10 @@ class HostileLedgerTest : public ::testing::Test {
     const std::string tag = std::to_string(::getpid() % 1000000);
     holder_user_ = std::make_unique<TemporaryUser>("sthostile" + tag + "a");
     other_user_ = std::make_unique<TemporaryUser>("sthostile" + tag + "b");
-    ASSERT_TRUE(holder_user_->created()) << "useradd " << holder_user_->user().name << " failed";
-    ASSERT_TRUE(other_user_->created()) << "useradd " << other_user_->user().name << " failed";
+    ASSERT_TRUE(holder_user_->created()) << "useradd " << holder_user_->name() << " failed";
+    ASSERT_TRUE(other_user_->created()) << "useradd " << other_user_->name() << " failed";
+    holder_ = as_user(*holder_user_);
+    other_ = as_user(*other_user_);
     // The users must reach the socket: the directory searchable, the socket for everyone
     // (a shared host puts tenants in the socket's group; any member is such a neighbour).
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
@@ -222,8 +197,8 @@ class HostileLedgerTest : public ::testing::Test {
   }
 
   std::string socket() const { return dir_.file("d.sock"); }
-  const User& holder() const { return holder_user_->user(); }
-  const User& other() const { return other_user_->user(); }
+  const User& holder() const { return holder_; }
+  const User& other() const { return other_; }
 
   // ledger_worker SOCKET ARGS... as `user`, started (not waited for).
   std::unique_ptr<Child> worker(const User& user, std::vector<std::string> args,
@@ -273,6 +248,8 @@ class HostileLedgerTest : public ::testing::Test {
   TempDir dir_;
   std::unique_ptr<TemporaryUser> holder_user_;
   std::unique_ptr<TemporaryUser> other_user_;
+  User holder_;
+  User other_;
   std::unique_ptr<DaemonProcess> daemon_;
 };
 
