@@ -138,6 +138,10 @@ class Encoder {
   bool clock_sync(const ClockSync& clock) { return frame(FrameType::kClockSync, clock); }
   // Version 6: what earlier daemons took of this process's events (before any event).
   bool delivered(std::uint64_t events) { return frame(FrameType::kDelivered, Delivered{events}); }
+  // Version 7: the next `frames` frames are batch `sequence` of the process.
+  bool batch(std::uint64_t sequence, std::uint32_t frames) {
+    return frame(FrameType::kBatch, Batch{sequence, frames, 0});
+  }
   bool ring_ack(std::uint32_t ring_id, RingStatus status) {
     return frame(FrameType::kRingAck, RingAck{ring_id, static_cast<std::uint32_t>(status)});
   }
@@ -201,15 +205,22 @@ class EventSpan {
 
 using Message = std::variant<Hello, EventSpan, RegisterStep, LedgerRecord, DroppedReport,
                              FlushRequest, FlushAck, ErrorReport, DroppedByCause, Identity,
-                             RingAttach, ClockSync, RingAck, Delivered>;
+                             RingAttach, ClockSync, RingAck, Delivered, Batch>;
 
 // Which end of the connection decodes: the daemon expects a hello and client frames;
 // the client expects daemon frames (kFlushAck, kError) and no hello.
 enum class Side { kDaemon, kClient };
 
+// Where a frame stands in its Batch (protocol version 7); sequence 0: in none.
+struct BatchPosition {
+  std::uint64_t sequence = 0;
+  std::uint32_t index = 0;  // 0 for the batch's first frame
+};
+
 struct DecodeResult {
   std::error_code error;           // set: the stream is bad; the decoder stays failed
   std::optional<Message> message;  // empty and no error: more bytes are needed
+  BatchPosition batch{};           // the message's place in a Batch, if any
 };
 
 class Decoder {
@@ -280,9 +291,15 @@ class Decoder {
       return fail(errc::bad_frame_size);
     }
     if (avail < sizeof header + header.size) return {};
+    if (batch_left_ > 0 && !batchable(type)) return fail(errc::bad_batch);
     const std::byte* payload = p + sizeof header;
     DecodeResult result = decode_payload(type, payload, header.size);
-    if (!result.error) begin_ += sizeof header + header.size;
+    if (result.error) return result;
+    begin_ += sizeof header + header.size;
+    if (batch_left_ > 0 && type != FrameType::kBatch) {
+      result.batch = {batch_sequence_, batch_index_++};
+      --batch_left_;
+    }
     return result;
   }
 
@@ -316,12 +333,29 @@ class Decoder {
         return side_ == Side::kDaemon && version_ >= kShmProtocolVersion;
       case FrameType::kDelivered:
         return side_ == Side::kDaemon && version_ >= kDeliveredProtocolVersion;
+      case FrameType::kBatch:
+        return side_ == Side::kDaemon && version_ >= kBatchProtocolVersion;
       case FrameType::kFlushAck:
       case FrameType::kError:
       case FrameType::kRingAck:
         return side_ == Side::kClient;
     }
     return false;
+  }
+
+  // The frames a Batch may hold (Batch::frames counts them).
+  static bool batchable(FrameType type) {
+    switch (type) {
+      case FrameType::kEvents:
+      case FrameType::kRegisterStep:
+      case FrameType::kLedger:
+      case FrameType::kDropped:
+      case FrameType::kDroppedByCause:
+      case FrameType::kFlush:
+        return true;
+      default:
+        return false;
+    }
   }
 
   DecodeResult fail(errc e) {
@@ -410,6 +444,15 @@ class Decoder {
         delivered_seen_ = true;
         return {{}, Message{load<Delivered>(p)}};
       }
+      case FrameType::kBatch: {
+        const auto r = load<Batch>(p);
+        if (r.reserved != 0) return fail(errc::bad_reserved);
+        if (r.sequence == 0 || r.frames == 0) return fail(errc::bad_batch);
+        batch_sequence_ = r.sequence;
+        batch_left_ = r.frames;
+        batch_index_ = 0;
+        return {{}, Message{r}};
+      }
       case FrameType::kRingAck: {
         const auto r = load<RingAck>(p);
         if (r.status > kLastRingStatus) return fail(errc::bad_ring);
@@ -433,6 +476,10 @@ class Decoder {
   bool identity_seen_ = false;
   bool delivered_seen_ = false;
   bool events_seen_ = false;  // an Events or RingAttach frame (a Delivered must come first)
+  // The Batch being read: frames of it still to come, its number, the next frame's index.
+  std::uint32_t batch_left_ = 0;
+  std::uint64_t batch_sequence_ = 0;
+  std::uint32_t batch_index_ = 0;
   std::uint16_t version_ = kProtocolVersion;
   std::error_code failed_;
   std::vector<std::byte> buffer_;

@@ -49,7 +49,9 @@ namespace steptrace {
   X(bad_snapshot, 20, "bad_snapshot", "snapshot is not valid", false)                             \
   X(bad_identity, 21, "bad_identity", "identity frame repeated or rank out of range", true)       \
   X(bad_ring, 22, "bad_ring", "shared-memory ring frame, descriptor or contents not valid", true) \
-  X(bad_delivered, 23, "bad_delivered", "delivered frame repeated or after events", true)
+  X(bad_delivered, 23, "bad_delivered", "delivered frame repeated or after events", true)         \
+  X(bad_batch, 24, "bad_batch", "batch frame malformed, nested, or holding a frame it may not",   \
+    true)
 
 // Spelled like std::errc on purpose (it is used the same way), hence no kName constants.
 // NOLINTBEGIN(readability-identifier-naming)

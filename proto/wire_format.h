@@ -24,8 +24,8 @@ inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
 // The version this code speaks; a daemon also accepts hellos of kMinProtocolVersion..
 // kProtocolVersion (version 2 added the DroppedByCause frame, version 3 the ledger ops
 // ReserveLease and Renew, version 4 the Identity frame, version 5 the shared rings,
-// version 6 the Delivered frame, nothing else).
-inline constexpr std::uint16_t kProtocolVersion = 6;
+// version 6 the Delivered frame, version 7 the Batch frame, nothing else).
+inline constexpr std::uint16_t kProtocolVersion = 7;
 inline constexpr std::uint16_t kLeaseProtocolVersion = 3;
 inline constexpr std::uint16_t kIdentityProtocolVersion = 4;
 // Rings in shared memory (RingAttach, ClockSync, RingAck; proto/shm_ring.h).
@@ -33,6 +33,9 @@ inline constexpr std::uint16_t kShmProtocolVersion = 5;
 // The Delivered frame: what earlier daemons took, so a restarted one counts what died
 // with a crashed one.
 inline constexpr std::uint16_t kDeliveredProtocolVersion = 6;
+// The Batch frame: socket batches numbered per process, so that a client resends what a
+// daemon did not acknowledge and the daemon skips what it already applied.
+inline constexpr std::uint16_t kBatchProtocolVersion = 7;
 inline constexpr std::uint16_t kMinProtocolVersion = 1;
 
 // Hard limits that every decoder enforces.
@@ -86,6 +89,7 @@ enum class FrameType : std::uint16_t {
   kRingAttach = 8,      // payload: RingAttach + one memfd (SCM_RIGHTS) (version 5 and later)
   kClockSync = 9,       // payload: ClockSync (version 5 and later)
   kDelivered = 10,      // payload: Delivered (version 6 and later), at most once, first
+  kBatch = 11,          // payload: Batch (version 7 and later)
   // daemon -> client
   kFlushAck = 0x81,  // payload: FlushAck
   kError = 0x82,     // payload: ErrorReport; the daemon closes the connection after it
@@ -202,6 +206,20 @@ struct Delivered {
 };
 static_assert(sizeof(Delivered) == 8);
 
+// Version 7: the next `frames` frames of the connection are batch `sequence` of the
+// process (numbered from 1, increasing across its connections; a resent batch keeps its
+// number). Inside a batch only Events, RegisterStep, Ledger, Dropped, DroppedByCause and
+// Flush frames may come. The daemon applies each frame of a batch at most once per
+// process, its position (sequence, index) kept with the process's totals (and in the
+// snapshot): frames at or before the last applied position are skipped, a Flush among
+// them still answered (section 4.7d).
+struct Batch {
+  std::uint64_t sequence;  // >= 1
+  std::uint32_t frames;    // >= 1
+  std::uint32_t reserved;  // must be 0
+};
+static_assert(sizeof(Batch) == 16);
+
 // Which job and rank the process belongs to (protocol version 4), from its environment
 // (STEPTRACE_JOB, TORCHELASTIC_RUN_ID, SLURM_JOB_ID; RANK, LOCAL_RANK, WORLD_SIZE).
 // At most one per connection; a process without either sends none.
@@ -294,6 +312,8 @@ constexpr std::uint32_t fixed_payload_size(FrameType type) {
       return sizeof(ClockSync);
     case FrameType::kDelivered:
       return sizeof(Delivered);
+    case FrameType::kBatch:
+      return sizeof(Batch);
     case FrameType::kRingAck:
       return sizeof(RingAck);
     case FrameType::kFlushAck:

@@ -122,6 +122,11 @@ json process_json(const ProcessImage& p) {
               {"steps", std::move(steps)}};
   // The Identity's fields, when the process sent them (absent: not known).
   if (p.events) out["events"] = *p.events;  // absent: restored from a file without it
+  // The socket-batch cursor (protocol version 7): absent while the process sent none.
+  if (p.batch_sequence != 0) {
+    out["batch_sequence"] = p.batch_sequence;
+    out["batch_next"] = p.batch_next;
+  }
   if (!p.open.empty()) out["open"] = open_json(p.open);
   if (!p.job.empty()) out["job"] = p.job;
   if (p.rank != proto::kNoRank) out["rank"] = p.rank;
@@ -284,6 +289,11 @@ bool read_process(JsonObject p, ProcessImage& out) {
   std::uint64_t events = kAbsent;
   p.optional_unsigned("events", events, 0, kAbsent - 1);
   if (events != kAbsent) out.events = events;
+  p.optional_unsigned("batch_sequence", out.batch_sequence, 1, kAbsent);
+  p.optional_unsigned("batch_next", out.batch_next, 1, std::numeric_limits<std::uint32_t>::max());
+  if (out.batch_sequence != 0 && out.batch_next == 0) {
+    return p.fail_at("batch_next", "a batch cursor needs one (nonzero)");
+  }
   p.optional_string("job", out.job, kJobRule);
   p.optional_unsigned("world_size", out.world_size, 1, proto::kNoRank - 1);
   const std::uint64_t max_rank = out.world_size != 0 ? out.world_size - 1 : proto::kNoRank - 1;

@@ -225,7 +225,7 @@ void ClientStream::process_binary() {
     if (!std::holds_alternative<proto::Hello>(*result.message)) {
       ++shared_.counters.frames_received;
     }
-    if (const auto ec = apply(*result.message)) {
+    if (const auto ec = apply(*result.message, result.batch)) {
       fail(ec);
       return;
     }
@@ -233,10 +233,16 @@ void ClientStream::process_binary() {
   set_frame_deadline(frame_finished);
 }
 
-std::error_code ClientStream::apply(const proto::Message& message) {
+std::error_code ClientStream::apply(const proto::Message& message, proto::BatchPosition at) {
   Collector& collector = shared_.collector;
   // The decoder yields a hello first and only once, so every other message has a handle.
   const ProcessHandle handle = handle_.value_or(0);
+  // A frame of a batch applied before (resent after a lost connection): skipped, but a
+  // Flush is answered again, since the client waits for its ack to let the batch go.
+  if (at.sequence != 0 && !collector.batch_frame(handle, at.sequence, at.index) &&
+      !std::holds_alternative<proto::FlushRequest>(message)) {
+    return {};
+  }
   return std::visit(
       Overloaded{
           [&](const proto::Hello& hello) -> std::error_code {
@@ -281,6 +287,8 @@ std::error_code ClientStream::apply(const proto::Message& message) {
             collector.delivered(handle, delivered.events);
             return {};
           },
+          // The decoder numbers the frames after it (DecodeResult::batch).
+          [&](const proto::Batch&) -> std::error_code { return {}; },
           [&](const proto::FlushRequest& flush) -> std::error_code {
             // Everything the process published before it asked is folded before the ack.
             if (rings_) drain_rings(SharedRings::Pass::kLive);

@@ -226,7 +226,8 @@ class ClientStream {
  private:
   void choose_mode(std::uint8_t first_byte);
   void process_binary();
-  std::error_code apply(const proto::Message& message);
+  // `at`: the message's place in a Batch (protocol version 7), if any.
+  std::error_code apply(const proto::Message& message, proto::BatchPosition at = {});
   bool peer_pid_reused() const;
   bool rejected() const { return refusal_ != Refusal::kNone; }
   void process_text();

@@ -149,6 +149,11 @@ class Collector {
   // events. Beyond what this daemon counted for it, they were lost with a daemon that
   // stopped before it made them durable: counted as the process's daemon_crash drops.
   void delivered(ProcessHandle process, std::uint64_t delivered);
+  // Protocol version 7: frame `index` of socket batch `sequence` of the process arrived.
+  // True when it is to be applied (it follows every frame applied so far: the process's
+  // cursor moves past it); false for a frame applied before (a batch the client resent
+  // after a lost connection, or one that overtook it on another connection), counted.
+  bool batch_frame(ProcessHandle process, std::uint64_t sequence, std::uint32_t index);
   // The daemon is stopping gracefully: the connections it closes from now on keep their
   // processes' open spans (for the final snapshot) instead of abandoning them.
   void stopping() { stopping_ = true; }

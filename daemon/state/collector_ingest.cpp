@@ -394,4 +394,20 @@ void Collector::delivered(ProcessHandle process, std::uint64_t delivered) {
   mark_drop(rec.key(), static_cast<std::uint8_t>(proto::kDaemonCrashCause), more);
 }
 
+bool Collector::batch_frame(ProcessHandle process, std::uint64_t sequence, std::uint32_t index) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return true;
+  const ProcessRecord& now = *state_->slots[process];
+  // Batches are numbered per process and applied in order: a position before the cursor
+  // was applied (and is in the totals, or was lost with them in a crash and counted by
+  // Delivered), whichever connection brought it.
+  if (sequence < now.batch_sequence || (sequence == now.batch_sequence && index < now.batch_next)) {
+    ++counters_.frames_resent_skipped;
+    return false;
+  }
+  ProcessRecord& rec = state_->write(process);
+  rec.batch_sequence = sequence;
+  rec.batch_next = index + 1;
+  return true;
+}
+
 }  // namespace steptrace::daemon

@@ -105,6 +105,11 @@ struct ProcessRecord {
   // frame is compared with. Not known for a process restored from an older snapshot.
   std::uint64_t events = 0;
   bool events_known = true;
+  // Protocol version 7: the next frame of the process's socket batches not yet applied
+  // (batch sequence, index in it); frames before it are a resend's duplicates, skipped.
+  // In the snapshot with the totals it describes.
+  std::uint64_t batch_sequence = 0;
+  std::uint32_t batch_next = 0;
   // From the Identity frame (protocol version 4); empty / proto::kNoRank / 0: not sent.
   std::string job;
   std::uint32_t rank = proto::kNoRank;

@@ -43,7 +43,7 @@ struct CounterRow {
   std::string_view help;
 };
 
-inline constexpr std::array<CounterRow, 16> kCounterTable = {{
+inline constexpr std::array<CounterRow, 17> kCounterTable = {{
     {&DaemonCounters::events_received, nullptr, "", "events_received", Kept::kSinceV1,
      "events_received", MetricGroup::kIngest, "steptrace_events_received_total", "counter",
      "Span events received from clients."},
@@ -57,6 +57,11 @@ inline constexpr std::array<CounterRow, 16> kCounterTable = {{
      Kept::kSinceV1, "events_dropped_by_clients", MetricGroup::kIngest,
      "steptrace_events_dropped_by_clients_total", "counter",
      "Events clients reported they could not deliver (daemon absent or slow)."},
+    {&DaemonCounters::frames_resent_skipped, nullptr, "", "frames_resent_skipped", Kept::kLater,
+     "frames_resent_skipped", MetricGroup::kIngest, "steptrace_frames_resent_skipped_total",
+     "counter",
+     "Frames of socket batches a client resent after a lost connection that the daemon had "
+     "applied before (skipped: never counted twice)."},
     {&DaemonCounters::connections_now, &ServerCounters::connections_now, "connections", "now",
      Kept::kNo, "", MetricGroup::kConnections, "steptrace_connections", "gauge",
      "Client connections open now."},

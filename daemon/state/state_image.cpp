@@ -48,6 +48,8 @@ ProcessImage process_image(const ProcessRecord& rec) {
   p.dropped = rec.dropped;
   p.dropped_by_cause = rec.dropped_by_cause;
   if (rec.events_known) p.events = rec.events;
+  p.batch_sequence = rec.batch_sequence;
+  p.batch_next = rec.batch_next;
   p.job = rec.job;
   p.rank = rec.rank;
   p.local_rank = rec.local_rank;
@@ -153,6 +155,8 @@ std::shared_ptr<ProcessRecord> make_record(ProcessImage p) {
   rec->dropped_by_cause = p.dropped_by_cause;
   rec->events = p.events.value_or(0);
   rec->events_known = p.events.has_value();
+  rec->batch_sequence = p.batch_sequence;
+  rec->batch_next = p.batch_next;
   rec->job = std::move(p.job);
   rec->rank = p.rank;
   rec->local_rank = p.local_rank;

@@ -238,6 +238,7 @@ struct DaemonCounters {
   std::uint64_t snapshot_errors = 0;
   std::uint64_t snapshot_records_skipped = 0;   // bad records left out at restore
   std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
+  std::uint64_t frames_resent_skipped = 0;      // resent batch frames applied before (version 7)
   std::map<std::string, std::uint64_t> protocol_errors;  // by errc_name()
   HttpCounters http;                       // the server's, as it is now (not kept in snapshots)
   RingCounters rings;                      // the server's, as it is now (not kept in snapshots)

@@ -170,6 +170,29 @@ class Connection {
     EXPECT_TRUE(enc.delivered(events));
     return deliver(enc.bytes());
   }
+  // Protocol version 7: the next `frames` frames are batch `sequence`.
+  std::error_code batch(std::uint64_t sequence, std::uint32_t frames) {
+    std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::Batch)> buf{};
+    proto::Encoder enc(buf);
+    EXPECT_TRUE(enc.batch(sequence, frames));
+    return deliver(enc.bytes());
+  }
+  std::error_code flush(std::uint64_t sequence) {
+    std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::FlushRequest)> buf{};
+    proto::Encoder enc(buf);
+    EXPECT_TRUE(enc.flush(sequence));
+    return deliver(enc.bytes());
+  }
+  // The FlushAcks sent back so far, in order.
+  std::vector<std::uint64_t> acks() const {
+    proto::Decoder decoder(proto::Side::kClient);
+    decoder.feed(std::as_bytes(std::span(transport_.sent.data(), transport_.sent.size())));
+    std::vector<std::uint64_t> out;
+    for (auto r = decoder.next(); r.message; r = decoder.next()) {
+      if (const auto* ack = std::get_if<proto::FlushAck>(&*r.message)) out.push_back(ack->sequence);
+    }
+    return out;
+  }
   std::error_code ledger(const proto::LedgerRecord& record) {
     std::array<std::byte, sizeof(proto::FrameHeader) + sizeof(proto::LedgerRecord)> buf{};
     proto::Encoder enc(buf);

@@ -79,6 +79,7 @@ class Harness {
         return;
       }
       FUZZ_CHECK(!error_);  // no message after an error
+      check_batch_position(*r.message, r.batch);
       consumed_ += check_message(*r.message);
       FUZZ_CHECK(consumed_ <= fed_);
       FUZZ_CHECK(decoder_.buffered() == fed_ - consumed_);
@@ -105,12 +106,12 @@ class Harness {
     FUZZ_CHECK(&e.category() == &steptrace_category());
     const int v = e.value();
     // Framing and validation (2..12), a repeated or out-of-world Identity (version 4), a
-    // bad ring frame (version 5), a repeated or late Delivered (version 6): nothing else
-    // comes out of a decoder.
+    // bad ring frame (version 5), a repeated or late Delivered (version 6), a bad or
+    // nested Batch (version 7): nothing else comes out of a decoder.
     FUZZ_CHECK(
         (v >= static_cast<int>(errc::bad_magic) && v <= static_cast<int>(errc::bad_ledger_op)) ||
         v == static_cast<int>(errc::bad_identity) || v == static_cast<int>(errc::bad_ring) ||
-        v == static_cast<int>(errc::bad_delivered));
+        v == static_cast<int>(errc::bad_delivered) || v == static_cast<int>(errc::bad_batch));
     if (error_) FUZZ_CHECK(e == error_);
     error_ = e;
     FUZZ_CHECK(decoder_.failed());
@@ -121,6 +122,25 @@ class Harness {
       FUZZ_CHECK(!again.message);
     }
     FUZZ_CHECK(decoder_.finish() == error_);
+  }
+
+  // A Batch's frames come numbered 0.. after it, exactly its count of them; no other
+  // message has a position.
+  void check_batch_position(const Message& m, const BatchPosition& at) {
+    if (const auto* b = std::get_if<Batch>(&m)) {
+      FUZZ_CHECK(batch_left_ == 0 && at.sequence == 0);
+      batch_left_ = b->frames;
+      batch_sequence_ = b->sequence;
+      batch_index_ = 0;
+      return;
+    }
+    if (batch_left_ == 0) {
+      FUZZ_CHECK(at.sequence == 0);
+      return;
+    }
+    FUZZ_CHECK(at.sequence == batch_sequence_ && at.index == batch_index_);
+    ++batch_index_;
+    --batch_left_;
   }
 
   // Reads every field, checks the spec's rules, returns the bytes the message took.
@@ -234,6 +254,13 @@ class Harness {
       g_sink = g_sink + d->events;
       return sizeof(FrameHeader) + sizeof *d;
     }
+    if (const auto* b = std::get_if<Batch>(&m)) {
+      // Version 7: numbered from 1, at least one frame, never inside another batch.
+      FUZZ_CHECK(side_ == Side::kDaemon && decoder_.version() >= kBatchProtocolVersion);
+      FUZZ_CHECK(b->sequence != 0 && b->frames != 0 && b->reserved == 0);
+      g_sink = g_sink + b->sequence + b->frames;
+      return sizeof(FrameHeader) + sizeof *b;
+    }
     if (const auto* e = std::get_if<ErrorReport>(&m)) {
       FUZZ_CHECK(side_ == Side::kClient);
       FUZZ_CHECK(e->reserved == 0);
@@ -253,6 +280,9 @@ class Harness {
   bool hello_seen_ = false;
   bool identity_seen_ = false;
   bool delivered_seen_ = false;
+  std::uint32_t batch_left_ = 0;  // frames of the current Batch still to come
+  std::uint64_t batch_sequence_ = 0;
+  std::uint32_t batch_index_ = 0;
   bool data_seen_ = false;  // an Events or RingAttach frame was decoded
   std::error_code error_;
 };

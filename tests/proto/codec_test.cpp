@@ -832,6 +832,7 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
       {21, "bad_identity", "identity frame repeated or rank out of range"},
       {22, "bad_ring", "shared-memory ring frame, descriptor or contents not valid"},
       {23, "bad_delivered", "delivered frame repeated or after events"},
+      {24, "bad_batch", "batch frame malformed, nested, or holding a frame it may not"},
   };
   ASSERT_EQ(kErrcTable.size(), std::size(expected));
   for (const Expected& e : expected) {
@@ -843,10 +844,10 @@ TEST(ProtoErrc, ValuesNamesAndMessagesAreStable) {
     EXPECT_STREQ(row.name, e.name);
     EXPECT_STREQ(row.message, e.message);
   }
-  EXPECT_EQ(static_cast<int>(errc::bad_delivered), 23);
+  EXPECT_EQ(static_cast<int>(errc::bad_batch), 24);
   EXPECT_STREQ(errc_name(static_cast<errc>(0)), "unknown");
-  EXPECT_STREQ(errc_name(static_cast<errc>(24)), "unknown");
-  EXPECT_EQ(make_error_code(static_cast<errc>(24)).message(), "unknown steptrace error");
+  EXPECT_STREQ(errc_name(static_cast<errc>(25)), "unknown");
+  EXPECT_EQ(make_error_code(static_cast<errc>(25)).message(), "unknown steptrace error");
 }
 
 // The kinds `metrics` always exports under steptrace_protocol_errors_total: the ones the
@@ -861,7 +862,7 @@ TEST(ProtoErrc, ProtocolErrorKinds) {
                                       "frame_too_large", "unknown_frame_type", "bad_frame_size",
                                       "bad_reserved", "bad_step_id", "bad_event_kind", "bad_string",
                                       "bad_ledger_op", "unregistered_step", "timed_out",
-                                      "bad_identity", "bad_ring", "bad_delivered"}));
+                                      "bad_identity", "bad_ring", "bad_delivered", "bad_batch"}));
 }
 
 // ---- encoder ------------------------------------------------------------------------

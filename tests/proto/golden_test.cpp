@@ -231,11 +231,73 @@ TEST(ProtoGolden, HelloVersion4) { expect_hello_golden("hello_v4.hex", 4); }
 
 TEST(ProtoGolden, HelloVersion5) { expect_hello_golden("hello_v5.hex", 5); }
 
-TEST(ProtoGolden, HelloVersion6) {
-  expect_hello_golden("hello_v6.hex", 6);
+TEST(ProtoGolden, HelloVersion6) { expect_hello_golden("hello_v6.hex", 6); }
+
+TEST(ProtoGolden, HelloVersion7) {
+  expect_hello_golden("hello_v7.hex", 7);
   // The encoder's default is kProtocolVersion.
-  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.6.0", "trainer")); }),
-            read_hex("hello_v6.hex"));
+  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.7.0", "trainer")); }),
+            read_hex("hello_v7.hex"));
+}
+
+TEST(ProtoGolden, Batch) {
+  expect_golden("batch.hex", encode([](Encoder& e) { ASSERT_TRUE(e.batch(9, 2)); }), 24);
+  const auto got =
+      std::get<Batch>(decode_one(Side::kDaemon, read_hex("batch.hex"), "hello_v7.hex"));
+  EXPECT_EQ(got.sequence, 9u);
+  EXPECT_EQ(got.frames, 2u);
+  // A version-6 stream does not carry it.
+  const DecodeAll v6 =
+      decode_all(Side::kDaemon, testing::concat({read_hex("hello_v6.hex"), read_hex("batch.hex")}));
+  EXPECT_EQ(v6.error, make_error_code(errc::unknown_frame_type));
+}
+
+// The frames after a Batch carry their place in it; the batch ends after its count.
+TEST(ProtoGolden, BatchNumbersItsFrames) {
+  Decoder d(Side::kDaemon);
+  d.feed(testing::concat({read_hex("hello_v7.hex"), read_hex("batch.hex"), read_hex("events.hex"),
+                          read_hex("flush.hex"), read_hex("flush.hex")}));
+  std::vector<BatchPosition> at;
+  for (;;) {
+    const DecodeResult r = d.next();
+    ASSERT_FALSE(r.error) << r.error.message();
+    if (!r.message) break;
+    at.push_back(r.batch);
+  }
+  ASSERT_EQ(at.size(), 5u);       // hello, Batch, Events, Flush, Flush
+  EXPECT_EQ(at[1].sequence, 0u);  // the Batch itself is in none
+  EXPECT_EQ(at[2].sequence, 9u);
+  EXPECT_EQ(at[2].index, 0u);
+  EXPECT_EQ(at[3].sequence, 9u);
+  EXPECT_EQ(at[3].index, 1u);
+  EXPECT_EQ(at[4].sequence, 0u);  // past the batch's two frames
+}
+
+TEST(ProtoGolden, BatchRules) {
+  const Bytes v7 = read_hex("hello_v7.hex");
+  auto error_of = [&](std::initializer_list<Bytes> frames) {
+    Bytes stream = v7;
+    for (const Bytes& f : frames) stream.insert(stream.end(), f.begin(), f.end());
+    return decode_all(Side::kDaemon, stream).error;
+  };
+  const auto bad_batch = make_error_code(errc::bad_batch);
+  // Nested, or holding a frame a batch may not (an Identity, a Delivered).
+  EXPECT_EQ(error_of({read_hex("batch.hex"), read_hex("batch.hex")}), bad_batch);
+  EXPECT_EQ(error_of({read_hex("batch.hex"), read_hex("identity.hex")}), bad_batch);
+  EXPECT_EQ(error_of({read_hex("batch.hex"), read_hex("flush.hex"), read_hex("delivered.hex")}),
+            make_error_code(errc::bad_batch));
+  // Numbered from 1, at least one frame, reserved zero.
+  auto batch = [](std::uint64_t seq, std::uint32_t frames, std::uint32_t reserved) {
+    Bytes b = encode([&](Encoder& e) { ASSERT_TRUE(e.batch(seq, frames)); });
+    b[20] = static_cast<std::byte>(reserved);  // header 8, sequence 8, frames 4
+    return b;
+  };
+  EXPECT_EQ(error_of({batch(0, 1, 0)}), bad_batch);
+  EXPECT_EQ(error_of({batch(1, 0, 0)}), bad_batch);
+  EXPECT_EQ(error_of({batch(1, 1, 1)}), make_error_code(errc::bad_reserved));
+  // After its count, the next Batch is fine.
+  EXPECT_FALSE(error_of({read_hex("batch.hex"), read_hex("flush.hex"), read_hex("flush.hex"),
+                         read_hex("batch.hex")}));
 }
 
 TEST(ProtoGolden, Delivered) {

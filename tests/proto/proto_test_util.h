@@ -121,7 +121,7 @@ inline Bytes concat(std::initializer_list<Bytes> parts) {
 // A decoded message with event batches copied out of the decoder's buffer.
 using Owned = std::variant<Hello, std::vector<EventRecord>, RegisterStep, LedgerRecord,
                            DroppedReport, FlushRequest, FlushAck, ErrorReport, DroppedByCause,
-                           Identity, RingAttach, ClockSync, RingAck, Delivered>;
+                           Identity, RingAttach, ClockSync, RingAck, Delivered, Batch>;
 
 inline Owned to_owned(const Message& m) {
   if (const auto* events = std::get_if<EventSpan>(&m)) {

@@ -363,6 +363,56 @@ TEST(SnapshotTest, WhatACrashedDaemonTookAndDidNotKeepIsCountedWhenTheProcessRet
   EXPECT_EQ(p["events"], 8);
 }
 
+// Protocol version 7: a batch the client sends again after a lost connection is applied
+// once, also across a restart from a snapshot taken in its middle (the snapshot keeps
+// the process's position with the totals it describes); a skipped Flush is answered.
+TEST(SnapshotTest, ResentBatchesAreAppliedOnceAcrossARestart) {
+  FakeWorld world;
+  const std::vector<proto::EventRecord> first_half{start(1, 0, 0), end(1, 0, 10)};
+  const std::vector<proto::EventRecord> second_half{start(1, 0, 20), end(1, 0, 30)};
+  Collector first(Limits{}, world.env());
+  json doc;
+  {
+    Connection a(first, world.spawn(4242, 100, "python3"));
+    ASSERT_FALSE(a.delivered(0));
+    ASSERT_FALSE(a.batch(1, 3));
+    ASSERT_FALSE(a.events(first_half));
+    ASSERT_FALSE(a.events(second_half));
+    doc = snapshot_of(first);  // two of batch 1's three frames applied
+    ASSERT_FALSE(a.flush(7));
+    EXPECT_EQ(a.acks(), std::vector<std::uint64_t>{7});  // lost with the daemon: no resend
+  }
+  EXPECT_EQ(doc["processes"][0]["batch_sequence"], 1);
+  EXPECT_EQ(doc["processes"][0]["batch_next"], 2);
+  Collector restarted(Limits{}, world.env());
+  ASSERT_FALSE(restore_from_snapshot(restarted, doc));
+  Connection a(restarted, world.spawn(4242, 100, "python3"));
+  // The ack was lost with the daemon (say): the client resends batch 1 whole, then 2.
+  ASSERT_FALSE(a.delivered(0));
+  ASSERT_FALSE(a.batch(1, 3));
+  ASSERT_FALSE(a.events(first_half));
+  ASSERT_FALSE(a.events(second_half));
+  ASSERT_FALSE(a.flush(7));
+  ASSERT_FALSE(a.batch(2, 2));
+  ASSERT_FALSE(a.events({start(1, 0, 40), end(1, 0, 50)}));
+  ASSERT_FALSE(a.flush(8));
+  EXPECT_EQ(a.acks(), (std::vector<std::uint64_t>{7, 8}));
+  const json p = report::report_json(*restarted.freeze(), 4242)["processes"][0];
+  EXPECT_EQ(p["events"], 6);  // 4 before the restart, 2 after: none twice
+  EXPECT_EQ(p["dropped"], 0);
+  EXPECT_EQ(restarted.counters().frames_resent_skipped, 2u);
+  // A frame that comes back later still, on another connection, is skipped too.
+  Connection late(restarted, world.spawn(4242, 100, "python3"));
+  ASSERT_FALSE(late.batch(2, 1));
+  ASSERT_FALSE(late.events({start(1, 0, 40), end(1, 0, 50)}));
+  EXPECT_EQ(report::report_json(*restarted.freeze(), 4242)["processes"][0]["events"], 6);
+  EXPECT_EQ(restarted.counters().frames_resent_skipped, 3u);
+  // And the position goes on into the next snapshot.
+  const json again = snapshot_of(restarted);
+  EXPECT_EQ(again["processes"][0]["batch_sequence"], 2);
+  EXPECT_EQ(again["processes"][0]["batch_next"], 2);
+}
+
 // Spans refused past max_span_ns are kept in the snapshot as the process's `refused`
 // drops, and a restarted daemon does not take their records for a crash's loss.
 TEST(SnapshotTest, RefusedSpansSurviveARestartAndAreNotACrash) {
