@@ -33,6 +33,7 @@ constexpr std::size_t kTailReserve =
     kFrameBytes + sizeof(proto::DroppedByCause) + 2 * (kFrameBytes + sizeof(proto::FlushRequest));
 static_assert(sizeof(proto::DroppedByCause) >= sizeof(proto::DroppedReport));
 constexpr std::size_t kLedgerFrame = kFrameBytes + sizeof(proto::LedgerRecord);
+constexpr std::size_t kBatchFrame = kFrameBytes + sizeof(proto::Batch);
 
 bool same_counts(const proto::DroppedByCause& a, const proto::DroppedByCause& b) {
   return std::equal(std::begin(a.count), std::end(a.count), std::begin(b.count));
@@ -92,7 +93,8 @@ Flusher::Flusher(ClientState& state, std::string socket_path, proto::UniqueFd fd
 
 Flusher::~Flusher() {
   stop();
-  if (fd_.valid()) close_connection(false);
+  if (fd_.valid()) close_connection(Close::kHere);
+  drop_resend();  // no daemon will take them any more
 }
 
 void Flusher::start() {
@@ -113,6 +115,10 @@ void Flusher::on_connected(proto::UniqueFd fd) {
   fd_ = std::move(fd);
   decoder_.emplace(proto::Side::kClient);
   version_ = s_.protocol_version.load(std::memory_order_relaxed);
+  numbered_ = version_ >= proto::kBatchProtocolVersion;
+  // A daemon of an earlier version cannot skip what it applied before: resending could
+  // count twice.
+  if (!numbered_) drop_resend();
   need_hello_ = true;
   accepted_ = false;
   steps_sent_ = 0;
@@ -141,17 +147,35 @@ void Flusher::unshare_rings() {
   }
 }
 
-void Flusher::close_connection(bool lost) {
+void Flusher::close_connection(Close how) {
+  const bool lost = how != Close::kHere;
   std::uint64_t dropped = 0;
-  if (lost) {
+  if (how == Close::kLost && numbered_) {
+    // Numbered batches: what the daemon did not acknowledge goes again, oldest first, on
+    // the next connection (it skips what it applied).
+    for (Unacked& batch : unacked_) resend_.push_back(std::move(batch));
+    if (batch_records_ > 0) {
+      current_.flush = batch_flush_;
+      current_.records = batch_records_;
+      current_.events = batch_events_;
+      resend_.push_back(std::move(current_));
+    }
+  } else if (lost) {
     // What the daemon did not acknowledge is lost with the connection.
     dropped = batch_records_;
     for (const Unacked& batch : unacked_) dropped += batch.records;
+    drop_resend();
   } else {
     for (const FrameMark& m : marks_) {
       if (m.end > off_) dropped += m.records;
     }
+    drop_resend();
   }
+  if (how != Close::kLost || !numbered_) {
+    for (Unacked& batch : unacked_) retained_bytes_ -= batch.bytes.size();
+    if (batch_records_ > 0) retained_bytes_ -= current_.bytes.size();
+  }
+  current_ = {};
   if (dropped > 0) s_.count_drops(proto::DropCause::kInFlight, dropped);
   // A daemon that ends the connection drains the rings it mapped before it closes (or it
   // died): the flusher consumes them again from their tails. When this side closes, the
@@ -219,7 +243,12 @@ void Flusher::read_socket() {
           if (nudge_flush_ != 0 && ack->sequence >= nudge_flush_) nudge_flush_ = 0;
           std::uint64_t delivered = 0;
           while (!unacked_.empty() && unacked_.front().flush <= ack->sequence) {
-            delivered += unacked_.front().events;
+            Unacked& batch = unacked_.front();
+            delivered += batch.events;
+            retained_bytes_ -= batch.bytes.size();
+            if (spare_.size() < 4 && batch.bytes.capacity() != 0) {
+              spare_.push_back(std::move(batch.bytes));
+            }
             unacked_.pop_front();
           }
           if (delivered != 0) {
@@ -240,8 +269,9 @@ void Flusher::read_socket() {
           s_.protocol_version.store(static_cast<std::uint16_t>(version_ - 1),
                                     std::memory_order_relaxed);
         }
-        // The daemon closes after an error; reconnect (with backoff) like any loss.
-        close_connection();
+        // The daemon closes after an error; reconnect (with backoff) like any loss, but
+        // resend nothing: it refused this stream.
+        close_connection(Close::kRefused);
         return;
       }
     }
@@ -263,7 +293,13 @@ void Flusher::send_pending() {
     return;
   }
   len_ = off_ = 0;
-  if (batch_records_ > 0) unacked_.push_back({batch_flush_, batch_records_, batch_events_});
+  if (batch_records_ > 0) {
+    current_.flush = batch_flush_;
+    current_.records = batch_records_;
+    current_.events = batch_events_;
+    unacked_.push_back(std::move(current_));
+    current_ = {};
+  }
   batch_records_ = 0;
   batch_events_ = 0;
   marks_.clear();
@@ -301,6 +337,12 @@ bool Flusher::build_batch() {
   if (shm_connection() && clock_dirty_ && tsc && round.enc.clock_sync(s_.converter.sync())) {
     clock_dirty_ = false;
   }
+  // Room for the Batch frame (version 7), filled in or removed by seal_batch().
+  batch_begin_ = SIZE_MAX;
+  if (numbered_) {
+    batch_begin_ = round.enc.size();
+    round.enc.batch(1, 1);
+  }
 
   std::uint64_t flush_seq = 0;
   {
@@ -335,8 +377,73 @@ bool Flusher::build_batch() {
     }
   }
   encode_tail_locked(round, flush_seq);
+  seal_batch();
   last_round_sent_events_ = round.events_sent > 0;
   return busy;
+}
+
+void Flusher::seal_batch() {
+  if (batch_begin_ == SIZE_MAX) return;
+  std::byte* const at = buf_.data() + batch_begin_;
+  if (batch_records_ == 0) {
+    // Nothing to resend (steps, drop counts, a nudge): the frames after the reserved room
+    // move up over it. No record, so no mark.
+    std::memmove(at, at + kBatchFrame, len_ - batch_begin_ - kBatchFrame);
+    len_ -= kBatchFrame;
+    batch_begin_ = SIZE_MAX;
+    return;
+  }
+  std::uint32_t frames = 0;
+  for (std::size_t pos = batch_begin_ + kBatchFrame; pos < batch_end_; ++frames) {
+    proto::FrameHeader header;
+    std::memcpy(&header, buf_.data() + pos, sizeof header);
+    pos += sizeof header + header.size;
+  }
+  proto::Encoder(std::span<std::byte>(at, kBatchFrame)).batch(++batches_, frames);
+  if (!spare_.empty()) {
+    current_.bytes = std::move(spare_.back());
+    spare_.pop_back();
+  }
+  current_.bytes.assign(at, buf_.data() + batch_end_);
+  current_.marks.clear();
+  for (const FrameMark& m : marks_) current_.marks.push_back({m.end - batch_begin_, m.records});
+  retained_bytes_ += current_.bytes.size();
+}
+
+void Flusher::build_resend() {
+  assert(thread_owner_.is_caller());
+  len_ = off_ = 0;
+  marks_.clear();
+  batch_records_ = batch_events_ = 0;
+  const std::uint32_t steps = s_.steps.count();
+  if (steps_sent_ < steps) {
+    // First the custom steps: a restarted daemon may not know them (its snapshot did not
+    // keep the process), and the resent events may name them.
+    proto::Encoder enc(buf_);
+    for (; steps_sent_ < steps; ++steps_sent_) {
+      enc.register_step(proto::kFirstCustomStep + steps_sent_, s_.steps.name(steps_sent_));
+    }
+    len_ = enc.size();
+    return;
+  }
+  current_ = std::move(resend_.front());
+  resend_.pop_front();
+  std::memcpy(buf_.data(), current_.bytes.data(), current_.bytes.size());
+  len_ = current_.bytes.size();
+  marks_ = current_.marks;
+  batch_records_ = current_.records;
+  batch_events_ = current_.events;
+  batch_flush_ = current_.flush;
+}
+
+void Flusher::drop_resend() {
+  std::uint64_t dropped = 0;
+  for (const Unacked& batch : resend_) {
+    dropped += batch.records;
+    retained_bytes_ -= batch.bytes.size();
+  }
+  resend_.clear();
+  if (dropped > 0) s_.count_drops(proto::DropCause::kInFlight, dropped);
 }
 
 void Flusher::encode_hello(proto::Encoder& enc) {
@@ -536,6 +643,7 @@ void Flusher::encode_tail_locked(Round& round, std::uint64_t flush_seq) {
     tail.flush(batch_flush_);  // fits: kTailReserve
     if (nudge) nudge_flush_ = batch_flush_;
   }
+  batch_end_ = used + tail.size();  // a numbered batch ends with its own Flush
   // Everything recorded before the flush call was taken (the heads were read after it);
   // the daemon drains the rings it maps before it answers.
   if (!round.leftovers && !round.ledger_waits && !round.offered && flush_seq > flush_sent_ &&
@@ -691,7 +799,12 @@ void Flusher::run() {
     if (fd_.valid() && off_ < len_) send_pending();
     if (fd_.valid() && off_ == len_ && accepted_ && shm_connection()) offer_rings();
     if (fd_.valid() && off_ == len_) {
-      busy = build_batch();
+      if (accepted_ && !resend_.empty()) {
+        build_resend();  // before anything new, oldest first
+        busy = true;
+      } else if (!numbered_ || need_hello_ || retained_bytes_ + kBatchBytes <= kMaxRetainedBytes) {
+        busy = build_batch();
+      }
       if (len_ > 0) send_pending();
     }
 

@@ -37,6 +37,18 @@
 // fails the call returns -ENOTCONN at once. FlushAck/Error frames are read with
 // proto::Decoder(Side::kClient). Nothing here ever blocks a trainer thread.
 //
+// Resend (protocol version 7): each batch that carries events or ledger records starts
+// with a Batch frame numbering it for the process (1, 2, ... across connections) and
+// counting its frames up to its own Flush; the flusher keeps a copy of it until its
+// FlushAck. When the daemon ends the connection without an Error (a restart, a crash, a
+// reset), the batches not acknowledged are not counted as dropped: the next connection
+// re-registers the custom steps and sends them again, oldest first, before anything new;
+// the daemon skips the frames it applied before (PROTOCOL.md 4.7d). What waits for
+// resending is bounded (kMaxRetainedBytes: no new batch is built past it, the rings fill
+// and count drops as with a slow daemon); it is counted as dropped (in_flight) when the
+// daemon refuses the connection with an Error, when the next connection speaks an
+// earlier version, or when the process stops before a daemon took it.
+//
 // First contact: the first failed connection attempt of the process (whoever started
 // the flusher: steptrace_connect or the auto-connect) prints one line on stderr naming
 // the path and the likely fix (first_contact_notice), never again in the process, and
@@ -61,6 +73,8 @@
 namespace steptrace::client {
 
 inline constexpr std::size_t kBatchBytes = 1024 * 1024;
+// Batches kept for resending (protocol version 7), acknowledged or not yet written.
+inline constexpr std::size_t kMaxRetainedBytes = 8 * kBatchBytes;
 // Set in the sequence of the flusher's own Flush frames (after the hello, after batches).
 inline constexpr std::uint64_t kOwnFlushBit = std::uint64_t{1} << 63;
 
@@ -94,9 +108,12 @@ class Flusher {
   void run();
   void try_connect();
   void on_connected(proto::UniqueFd fd);
-  // `lost`: the daemon ended the connection (or it failed); else this side closes it
-  // (stop) and the daemon still reads everything written.
-  void close_connection(bool lost = true);
+  enum class Close : std::uint8_t {
+    kLost,     // the daemon ended the connection (or it failed): resend what it did not ack
+    kRefused,  // the daemon sent an Error: what it did not ack is dropped
+    kHere,     // this side closes it (stop): the daemon still reads everything written
+  };
+  void close_connection(Close how = Close::kLost);
   void read_socket();
   void send_pending();
   // Protocol version 5: offers the rings nobody consumes yet to the daemon (a RingAttach
@@ -109,6 +126,15 @@ class Flusher {
   bool shm_connection() const { return version_ >= proto::kShmProtocolVersion && s_.shm_rings; }
   // Builds the next batch into buf_; true when more is waiting right away.
   bool build_batch();
+  // Version 7, a new connection: the custom steps, then the oldest batch to resend, into
+  // buf_ (one per call).
+  void build_resend();
+  // Turns the Batch frame reserved at batch_begin_ into the batch's (numbered, its frames
+  // counted up to batch_end_) and keeps a copy for resending; or removes it when the
+  // batch carries no record.
+  void seal_batch();
+  // Counts what waits for resending as dropped (in_flight) and forgets it.
+  void drop_resend();
   // build_batch's steps, over one round (flusher.cpp). The _locked ones require
   // RingRegistry::mu and use heads_, the rings' published heads read under it.
   struct Round;
@@ -193,13 +219,27 @@ class Flusher {
   };
   std::vector<FrameMark> marks_;
   std::uint64_t batch_flush_ = 0;
-  // Batches written completely but not yet acknowledged, oldest first.
+  // Batches written completely but not yet acknowledged, oldest first; on a version-7
+  // connection with their bytes (Batch frame .. own Flush) and the marks_ of their frames
+  // (offsets from the Batch frame), to resend.
   struct Unacked {
     std::uint64_t flush;
     std::uint64_t records;
     std::uint64_t events;  // delivered once acknowledged (RingRegistry::delivered)
+    std::vector<std::byte> bytes{};
+    std::vector<FrameMark> marks{};
   };
   std::deque<Unacked> unacked_;
+  // Version 7: the batch in buf_ (its copy), those to resend on the next connection, the
+  // bytes both and unacked_ hold, and the last batch number given.
+  bool numbered_ = false;        // this connection numbers its batches
+  std::size_t batch_begin_ = 0;  // the Batch frame's offset in buf_ (SIZE_MAX: none)
+  std::size_t batch_end_ = 0;    // the end of the batch's own Flush
+  Unacked current_{};
+  std::deque<Unacked> resend_;
+  std::size_t retained_bytes_ = 0;
+  std::uint64_t batches_ = 0;
+  std::vector<std::vector<std::byte>> spare_;  // buffers of acknowledged batches, reused
   std::vector<std::uint64_t> heads_;
   std::vector<proto::LedgerRecord> ledger_;
   std::vector<proto::LedgerRecord> taken_;    // this round's from the queue

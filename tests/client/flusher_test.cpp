@@ -280,8 +280,8 @@ TEST(Flusher, VersionOneDaemonGetsVersionOneAfterEachNewerVersionIsRefusedAndLos
   steptrace_start(4000);  // unknown step: one invalid drop
   spans(STEPTRACE_MATMUL, 100);
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  // A version-1 daemon refuses the version-6 hello and closes, then versions 5, 4, 3 and 2.
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {6, 5, 4, 3, 2}));
+  // A version-1 daemon refuses the version-7 hello and closes, then versions 6 .. 2.
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {7, 6, 5, 4, 3, 2}));
   // The next connection speaks version 1 (and the daemon decodes it as version 1: a
   // DroppedByCause frame would be a decode error).
   ASSERT_TRUE(daemon.accept_connection(5000));
@@ -326,7 +326,7 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
 TEST(Flusher, AVersionTwoDaemonGetsLeasedReservationsWithoutTheLeaseAndNoRenewals) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {6, 5, 4, 3}));
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {7, 6, 5, 4, 3}));
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), 2u);
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);
@@ -370,12 +370,131 @@ TEST(Flusher, DropCountsAreReportedPerCauseWhenTheyChangeAndAfterEachReconnect) 
   EXPECT_EQ(steptrace_dropped(), 3u);
 }
 
-// Events in a batch the connection could not take when it broke count as in_flight.
-TEST(Flusher, EventsInABrokenConnectionsUnsentFramesCountAsInFlight) {
+// What a daemon applies of numbered batches (protocol version 7), as the collector does:
+// each frame past the last applied position once, whichever connection brings it.
+struct BatchCursor {
+  std::uint64_t sequence = 0;
+  std::uint32_t next = 0;
+  std::uint64_t applied_events = 0;
+  std::uint64_t skipped_frames = 0;
+  std::uint64_t first_sequence = 0;  // of the first Batch frame seen on a connection
+  std::uint64_t batches = 0;         // Batch frames seen
+};
+
+// Reads a connection as the daemon would, acknowledging every Flush when `ack`, until
+// `until(cursor)`, a quiet `timeout_ms`, or (not acknowledging) `stop_after_events` seen.
+template <class Until>
+void read_batches(FakeDaemon& daemon, BatchCursor& cursor, bool ack, Until until,
+                  int timeout_ms = 10000) {
+  cursor.first_sequence = 0;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  std::uint64_t sequence = 0;
+  std::uint32_t index = 0;
+  std::uint32_t left = 0;
+  while (!until(cursor) && Clock::now() < deadline) {
+    const auto m = daemon.next(100);
+    if (!m) {
+      if (daemon.error()) break;
+      continue;
+    }
+    if (const auto* b = std::get_if<proto::Batch>(&*m)) {
+      ++cursor.batches;
+      if (cursor.first_sequence == 0) cursor.first_sequence = b->sequence;
+      sequence = b->sequence;
+      index = 0;
+      left = b->frames;
+      continue;
+    }
+    bool apply = true;
+    if (left > 0) {
+      apply = sequence > cursor.sequence || (sequence == cursor.sequence && index >= cursor.next);
+      if (apply) {
+        cursor.sequence = sequence;
+        cursor.next = index + 1;
+      } else {
+        ++cursor.skipped_frames;
+      }
+      ++index;
+      --left;
+    }
+    if (const auto* events = std::get_if<proto::EventSpan>(&*m)) {
+      if (apply) cursor.applied_events += events->size();
+    } else if (const auto* f = std::get_if<proto::FlushRequest>(&*m)) {
+      if (ack) daemon.send_ack(f->sequence);
+    }
+  }
+}
+
+// Protocol version 7: the batches a daemon did not acknowledge before the connection broke
+// (partly written, written and unread, read and unacknowledged) go again on the next
+// connection, oldest first, keeping their numbers; applied once each, they add up to
+// what was recorded, and nothing counts as in_flight.
+TEST(Flusher, BatchesNotAcknowledgedGoAgainOnTheNextConnection) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  // A daemon that reads (applies) some batches and acknowledges none, then dies: far
+  // more than the socket buffer is recorded, so a batch is left partly written too.
+  spans(STEPTRACE_FORWARD, 120'000);
+  BatchCursor cursor;
+  read_batches(daemon, cursor, false,
+               [](const BatchCursor& c) { return c.applied_events >= 50'000; });
+  ASSERT_GE(cursor.applied_events, 50'000u);
+  EXPECT_EQ(cursor.first_sequence, 1u);
+  daemon.close_connection();
+  // The next daemon (the cursor kept, as a snapshot keeps it) gets them all again.
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  read_batches(daemon, cursor, true,
+               [](const BatchCursor& c) { return c.applied_events >= 240'000; });
+  EXPECT_EQ(cursor.first_sequence, 1u) << "the oldest unacknowledged batch goes first";
+  EXPECT_GT(cursor.skipped_frames, 0u) << "what the first daemon applied came again";
+  // Nothing more comes, and nothing twice.
+  read_batches(
+      daemon, cursor, true, [](const BatchCursor&) { return false; }, 300);
+  EXPECT_EQ(cursor.applied_events, 240'000u);
+  EXPECT_EQ(steptrace_dropped(), 0u);
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_IN_FLIGHT), 0u);
+  steptrace_shutdown();
+}
+
+// A daemon that refuses the stream with an Error gets nothing again: what it did not
+// acknowledge counts as in_flight.
+TEST(Flusher, BatchesRefusedWithAnErrorCountAsInFlight) {
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  spans(STEPTRACE_FORWARD, 1000);
+  BatchCursor cursor;
+  read_batches(daemon, cursor, false,
+               [](const BatchCursor& c) { return c.applied_events >= 2000; });
+  ASSERT_EQ(cursor.applied_events, 2000u);
+  daemon.send_error(proto::ErrorCode::kProtocol, "limit_reached: too many processes");
+  daemon.close_connection();
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (by_cause(STEPTRACE_DROP_IN_FLIGHT) < 2000 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(by_cause(STEPTRACE_DROP_IN_FLIGHT), 2000u);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  BatchCursor again;
+  read_batches(
+      daemon, again, true, [](const BatchCursor&) { return false; }, 300);
+  EXPECT_EQ(again.batches, 0u) << "a refused batch came again";
+  steptrace_shutdown();
+}
+
+// Version 6 and earlier: events in a batch the connection could not take when it broke
+// count as in_flight (nothing is numbered, so nothing can go again).
+TEST(Flusher, EventsInABrokenConnectionsUnsentFramesCountAsInFlightBeforeVersionSeven) {
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {7}));
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), 6u);
   // The daemon stops reading: far more than the socket buffer is recorded (the ring
   // holds 262,144 events), so the flusher is left with a partly written batch.
   spans(STEPTRACE_FORWARD, 120'000);
