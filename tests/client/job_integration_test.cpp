@@ -787,6 +787,7 @@ TEST_F(JobIntegration, ProcessMetricsCarryJobAndRank) {
                                        {{"pid", std::to_string(r1)}, {"step", "Forward"}});
   ASSERT_EQ(r1_forward.size(), 1u);
   EXPECT_EQ(r1_forward[0].labels.at("job_id"), "job-m");
+  EXPECT_EQ(r1_forward[0].labels.at("uid"), uid_);  // a job is (uid, job id)
   EXPECT_EQ(r1_forward[0].labels.at("rank"), "1");
   EXPECT_GT(r1_forward[0].value, 0);
   const auto solo_forward = samples_with(m, "steptrace_process_step_seconds_total",

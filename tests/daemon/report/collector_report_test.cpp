@@ -82,7 +82,7 @@ TEST_F(CollectorReportTest, DropsByCauseShowInJsonTextAndMetrics) {
       << report::report_text(*collector_->freeze(), 1);
   const std::string metrics = report::metrics_text(*collector_->freeze());
   EXPECT_NE(metrics.find("steptrace_process_dropped_events_by_cause_total{pid=\"1\",comm=\"a\","
-                         "cause=\"not_connected\"} 7"),
+                         "uid=\"1000\",cause=\"not_connected\"} 7"),
             std::string::npos);
   EXPECT_NE(
       metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"buffer_full\"} 5"),
@@ -245,7 +245,7 @@ TEST_F(CollectorReportTest, JobCountersOutliveTheirProcesses) {
   text = report::metrics_text(*collector_->freeze());
   EXPECT_EQ(text.find("job_id=\"b\""), std::string::npos) << text;
   EXPECT_NE(text.find("steptrace_limit_hits_total{limit=\"max_jobs\"} 1\n"), std::string::npos);
-  // A live process adds to its job's series, with job_id and rank on its own series.
+  // A live process adds to its job's series, with job_id, uid and rank on its own series.
   DirectClient live(*collector_, world_.spawn(9, 1, "t", 8));
   live.identity("y", 0, 0, 1);
   ASSERT_FALSE(live.events({start(1, kForward, 0), end(1, kForward, 1'000'000'000)}));
@@ -255,7 +255,7 @@ TEST_F(CollectorReportTest, JobCountersOutliveTheirProcesses) {
       std::string::npos)
       << text;
   EXPECT_NE(text.find("steptrace_process_step_seconds_total{pid=\"9\",comm=\"t\",job_id=\"y\","
-                      "rank=\"0\",step=\"Forward\"} 1\n"),
+                      "uid=\"8\",rank=\"0\",step=\"Forward\"} 1\n"),
             std::string::npos)
       << text;
   // reset clears them with the rest.
