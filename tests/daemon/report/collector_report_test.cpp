@@ -146,9 +146,13 @@ TEST_F(CollectorReportTest, JobsAndRanksShowInJsonAndText) {
   EXPECT_EQ(llama["totals"][0]["count"], 3);
   EXPECT_EQ(r["jobs"][2]["uid"], 8);
 
+  // A job is (uid, job id): uid 8's process that sent the same id is not in uid 7's job.
   const auto by_job =
-      report::report_json(*collector_->freeze(), report::ReportFilter{{}, "llama-7"});
-  EXPECT_EQ(by_job["processes"].size(), 4u);  // both uids' processes named so
+      report::report_json(*collector_->freeze(), report::ReportFilter{{}, JobRef{7, "llama-7"}});
+  EXPECT_EQ(by_job["processes"].size(), 3u);
+  ASSERT_EQ(by_job["jobs"].size(), 1u);
+  EXPECT_EQ(by_job["jobs"][0]["uid"], 7);
+  EXPECT_EQ(by_job["totals"][0]["count"], 3);
   const std::string text =
       report::report_text(*collector_->freeze(), report::ReportFilter{std::nullopt, std::nullopt});
   EXPECT_NE(text.find("══ Job llama-7 (uid 7) · 3 processes (3 live) · ranks 0-1 of 2\n"),
@@ -164,8 +168,8 @@ TEST_F(CollectorReportTest, JobsAndRanksShowInJsonAndText) {
   EXPECT_EQ(one.find("| % Self"), one.rfind("| % Self")) << one;
   EXPECT_NE(one.find("── Process 11 (train) · job llama-7 · rank 1/2"), std::string::npos) << one;
   const std::string none =
-      report::report_text(*collector_->freeze(), report::ReportFilter{{}, "nope"});
-  EXPECT_NE(none.find("No process of job nope is tracked."), std::string::npos) << none;
+      report::report_text(*collector_->freeze(), report::ReportFilter{{}, JobRef{9, "llama-7"}});
+  EXPECT_NE(none.find("No process of job llama-7 (uid 9) is tracked."), std::string::npos) << none;
 }
 
 // A view renders the same whatever ingest does after it was taken; the read model's
