@@ -85,7 +85,11 @@ constexpr const char* kReportFooter =
     "or SLURM_JOB_ID, and RANK/LOCAL_RANK/WORLD_SIZE) and per process, followed by the VRAM\n"
     "ledger per GPU. Duration includes nested spans; Self leaves them out. --json: one line,\n"
     "schema steptrace.report/v1 (proto/PROTOCOL.md, section 10.4).\n"
-    "--pid N or --job ID that matches no tracked process exits 1.\n";
+    "A job is a uid's processes that sent one job id: --job ID is your uid's job, --job\n"
+    "UID:ID that uid's (an ID that itself starts with digits and ':' needs its UID: prefix).\n"
+    "Root and the daemon's own user also reach another uid's job by its bare ID when only\n"
+    "one uid runs a job by that id. --pid N or a job that matches no tracked process exits\n"
+    "1 (for a job, the daemon names the uids that run one by that id).\n";
 
 constexpr const char* kResetFooter =
     "Without options: the per-step aggregates of every process; --pid N: of that process\n"
@@ -333,9 +337,9 @@ int run_and_print(const SocketPath& socket, const std::string& line,
   return reply ? print_reply(std::move(*reply)) : kExitFailure;
 }
 
-// `report [--json] [--pid N] [--job ID]`. The daemon answers a pid or job it does not
-// track with an empty report; for the CLI that is a failed lookup (exit 1), whichever
-// form was asked for.
+// `report [--json] [--pid N] [--job [UID:]ID]`. The daemon answers a pid it does not
+// track with an empty report, a job it cannot find with an error; for the CLI both are a
+// failed lookup (exit 1), whichever form was asked for.
 int run_report_filtered(const SocketPath& socket, int pid, const std::string& job, bool json,
                         std::chrono::milliseconds timeout) {
   std::string args;
@@ -529,20 +533,16 @@ Subcommand add_ping(CLI::App& app) {
   return simple(app.add_subcommand("ping", "Check that steptraced answers (prints pong)"), "ping");
 }
 
-// report --job ID: what the daemon takes as a job id.
+// report --job [UID:]ID: what the daemon takes (proto/commands.h's grammar).
 CLI::Validator job_id_check() {
   return CLI::Validator(
       [](const std::string& value) -> std::string {
-        if (value.empty() || value.size() > steptrace::proto::kMaxNameLength) {
-          return "a job id has 1.." + std::to_string(steptrace::proto::kMaxNameLength) +
-                 " characters";
-        }
-        for (const char c : value) {
-          if (c <= 0x20 || c > 0x7e) return "a job id here is printable ASCII without spaces";
-        }
-        return {};
+        if (steptrace::proto::parse_job_option(value)) return {};
+        return "a job is ID (yours) or UID:ID (that uid's); an ID has 1.." +
+               std::to_string(steptrace::proto::kMaxNameLength) +
+               " printable ASCII characters without spaces";
       },
-      "JOB_ID");
+      "[UID:]ID");
 }
 
 Subcommand add_report(CLI::App& app, Options& options) {
@@ -555,9 +555,9 @@ Subcommand add_report(CLI::App& app, Options& options) {
       ->transform(pid_check());
   report
       ->add_option("--job", options.job,
-                   "Only the processes of this job id (STEPTRACE_JOB, TORCHELASTIC_RUN_ID or "
-                   "SLURM_JOB_ID of the trainers)")
-      ->type_name("ID")
+                   "Only the processes of your job with this id (STEPTRACE_JOB, "
+                   "TORCHELASTIC_RUN_ID or SLURM_JOB_ID of the trainers); UID:ID: that uid's")
+      ->type_name("[UID:]ID")
       ->check(job_id_check());
   return {report, [](const Invocation& in) {
             const Options& o = in.options;

@@ -3,15 +3,17 @@
 // and the grammar of their values.
 //
 // Used by, or checked against this header:
-//   daemon/serve/commands.cpp   parses the commands with parse_pid(), parse_seconds() and
-//                               the bounds below (TraceRequest's constants by static_assert)
+//   daemon/serve/commands.cpp   parses the commands with parse_pid(), parse_seconds(),
+//                               parse_job_option() and the bounds below (TraceRequest's
+//                               constants by static_assert)
 //   daemon/serve/config.h       kDefaultSocketPath (the config's default socket)
 //   cli/                        the steptrace CLI's option checks and socket default
 //   client/src/client.cpp       STEPTRACE_DEFAULT_SOCKET of steptrace.h, by static_assert
 //                               (the public C spelling; proto/ includes nothing of client/)
 //   bindings/rust               DEFAULT_SOCKET, by bindings/rust/tests/default_socket.rs
 //   proto/PROTOCOL.md 10        by hand
-// Standard library only; nothing here allocates, throws or does I/O.
+// Standard library (and proto/wire_format.h's name bound) only; nothing here allocates, throws or
+// does I/O.
 #pragma once
 
 #include <charconv>
@@ -21,6 +23,8 @@
 #include <optional>
 #include <string_view>
 #include <system_error>
+
+#include "proto/wire_format.h"
 
 namespace steptrace::proto {
 
@@ -72,6 +76,49 @@ inline std::optional<double> parse_seconds(std::string_view text) {
   const auto [ptr, ec] = std::from_chars(text.data(), end, value, std::chars_format::fixed);
   if (ec != std::errc{} || ptr != end) return std::nullopt;
   return value;
+}
+
+// `--job` of report: `ID`, the asking uid's job, or `UID:ID`, that uid's job (a job is
+// the pair (uid, job id), section 4.7b). ID is 1..kMaxNameLength printable characters
+// without blanks (a word of a command line); UID is decimal digits only, in uint32's
+// range, and ends at the first ':'. So a value with no ':', or whose text before the
+// first ':' is not all digits ("run:7", ":x"), is an ID as it stands; an ID that itself
+// starts with digits and a ':' ("12:30") is written with its uid ("1001:12:30").
+struct JobOption {
+  std::optional<std::uint32_t> uid;  // none: the asking uid's job
+  std::string_view id;
+};
+
+inline constexpr std::size_t kMaxUidDigits = 10;  // 4294967295
+
+// Is `id` a job id `--job` can name: 1..kMaxNameLength printable ASCII characters
+// without blanks (0x21..0x7E)?
+inline bool is_job_id_word(std::string_view id) {
+  if (id.empty() || id.size() > kMaxNameLength) return false;
+  for (const char c : id) {
+    if (c <= 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+// The value of `--job` (a view into `text`), or nullopt when it is not one.
+inline std::optional<JobOption> parse_job_option(std::string_view text) {
+  const std::size_t colon = text.find(':');
+  const std::string_view head = text.substr(0, colon);
+  const bool digits =
+      !head.empty() && head.find_first_not_of("0123456789") == std::string_view::npos;
+  if (colon == std::string_view::npos || !digits) {
+    if (!is_job_id_word(text)) return std::nullopt;
+    return JobOption{std::nullopt, text};
+  }
+  const std::string_view id = text.substr(colon + 1);
+  std::uint64_t uid = 0;
+  const auto [ptr, ec] = std::from_chars(head.data(), head.data() + head.size(), uid);
+  if (head.size() > kMaxUidDigits || ec != std::errc{} || ptr != head.data() + head.size() ||
+      uid > std::numeric_limits<std::uint32_t>::max() || !is_job_id_word(id)) {
+    return std::nullopt;
+  }
+  return JobOption{static_cast<std::uint32_t>(uid), id};
 }
 
 // A SECONDS word whose value is in (0, max]; else nullopt.

@@ -175,13 +175,14 @@ void append_live_process_metrics(std::span<const ProcessFigures> all, std::strin
   struct Live {
     const ProcessFigures* p;
     std::string pid;
+    std::string uid;   // next to job_id: a job is (uid, job id)
     std::string rank;  // "" when not known: the label is left out
   };
   std::vector<Live> live;
   std::size_t pairs = 0;
   for (const ProcessFigures& p : all) {
     if (!p.alive) continue;
-    live.push_back({&p, std::to_string(p.key.pid),
+    live.push_back({&p, std::to_string(p.key.pid), std::to_string(p.uid),
                     p.rank == proto::kNoRank ? std::string() : std::to_string(p.rank)});
     pairs += p.steps.size();
   }
@@ -196,6 +197,7 @@ void append_live_process_metrics(std::span<const ProcessFigures> all, std::strin
         f.sample({{"pid", l.pid},
                   {"comm", l.p->comm},
                   {"job_id", l.p->job},
+                  {"uid", l.uid},
                   {"rank", l.rank},
                   {"step", step.name}},
                  value(step));
@@ -219,7 +221,11 @@ void append_live_process_metrics(std::span<const ProcessFigures> all, std::strin
   MetricFamily f_dropped(out, "steptrace_process_dropped_events_total", "counter",
                          "Events a live process reported it could not deliver.");
   for (const Live& l : live) {
-    f_dropped.sample({{"pid", l.pid}, {"comm", l.p->comm}, {"job_id", l.p->job}, {"rank", l.rank}},
+    f_dropped.sample({{"pid", l.pid},
+                      {"comm", l.p->comm},
+                      {"job_id", l.p->job},
+                      {"uid", l.uid},
+                      {"rank", l.rank}},
                      l.p->dropped);
   }
   MetricFamily f_cause(out, "steptrace_process_dropped_events_by_cause_total", "counter",
@@ -230,6 +236,7 @@ void append_live_process_metrics(std::span<const ProcessFigures> all, std::strin
       f_cause.sample({{"pid", l.pid},
                       {"comm", l.p->comm},
                       {"job_id", l.p->job},
+                      {"uid", l.uid},
                       {"rank", l.rank},
                       {"cause", proto::kReportDropCauseNames[i]}},
                      l.p->dropped_by_cause[i]);

@@ -14,6 +14,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "daemon/state/read_model.h"
+
 namespace steptrace::daemon {
 
 class CollectorView;
@@ -24,10 +26,11 @@ namespace report {
 // open span and how long it has been open, what the CLI's `top` shows), plus
 // "unmatched_ends" and "abandoned" per step; "jobs" groups the processes by (uid, job
 // id) with per-job totals. Schema: proto/PROTOCOL.md section 10.4.
-// Which processes a report covers: all, one pid's, one job id's (of any uid), or both.
+// Which processes a report covers: all, one pid's, one job's (a uid's processes that sent
+// one job id, never another uid's that sent the same), or both.
 struct ReportFilter {
   std::optional<std::int32_t> pid;
-  std::optional<std::string> job;
+  std::optional<JobRef> job;
 };
 nlohmann::json report_json(const CollectorView& view, const ReportFilter& filter);
 std::string report_text(const CollectorView& view, const ReportFilter& filter);

@@ -222,15 +222,19 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
   const auto processes = view.processes(filter.pid, filter.job);
   std::string title = "STEPTRACE REPORT";
   if (filter.pid) title += " (pid " + std::to_string(*filter.pid) + ")";
-  if (filter.job) title += " (job " + proto::printable(*filter.job, 32) + ")";
+  // "job J (uid U)": a job is both, another uid may run one with the same id.
+  const std::string job_name = filter.job ? "job " + proto::printable(filter.job->job, 32) +
+                                                " (uid " + std::to_string(filter.job->uid) + ")"
+                                          : std::string();
+  if (filter.job) title += " (" + job_name + ")";
   std::string out = "\n" + report::boxed_title(title);
   out += durability_warnings(view.counters().durability);
   if (processes.empty()) {
     if (filter.pid) {
       out += "No process with pid " + std::to_string(*filter.pid) + " is tracked";
-      out += filter.job ? " in job " + proto::printable(*filter.job) + ".\n" : ".\n";
+      out += filter.job ? " in " + job_name + ".\n" : ".\n";
     } else if (filter.job) {
-      out += "No process of job " + proto::printable(*filter.job) + " is tracked.\n";
+      out += "No process of " + job_name + " is tracked.\n";
     } else {
       out +=
           "No process has connected yet. Run a trainer linked with libsteptrace "

@@ -171,7 +171,12 @@ void TraceExport::begin_process(std::string& out) {
   name.push_back('[');
   append_int(name, p.key.pid);
   name.push_back(']');
-  if (!p.job.empty()) name.append(" job ").append(p.job);
+  // "job J (uid U)": another uid may run a job with the same id.
+  if (!p.job.empty()) {
+    name.append(" job ").append(p.job).append(" (uid ");
+    append_int(name, p.uid);
+    name.push_back(')');
+  }
   if (p.rank != proto::kNoRank) {
     name.append(" rank ");
     append_int(name, p.rank);

@@ -2,12 +2,14 @@
 #include "daemon/report/report.h"
 
 #include <steptrace/version.h>
+#include <algorithm>
 #include <charconv>
 #include <exception>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <variant>
 
 #include "daemon/report/ledger_report.h"
 #include "daemon/report/trace_export.h"
@@ -184,22 +186,81 @@ const Command<PingRequest>& ping_command() {
   return kCommand;
 }
 
-// ---- report [--json] [--pid N] [--job ID] -------------------------------------------
+// ---- report [--json] [--pid N] [--job ID | --job UID:ID] -----------------------------
 
-// A job id as the wire carries it (PROTOCOL.md 4.7b).
+// `ID` or `UID:ID` (proto::parse_job_option: the grammar the CLI checks too).
 Problem take_job(ReportRequest& r, std::optional<std::string_view> value) {
-  if (!value || value->empty() || value->size() > proto::kMaxNameLength ||
-      !proto::all_printable(*value)) {
+  const auto job = value ? proto::parse_job_option(*value) : std::nullopt;
+  if (!job) {
     return "--job needs a job id of 1.." + std::to_string(proto::kMaxNameLength) +
-           " printable characters";
+           " printable characters, or UID:ID for another uid's" +
+           (value && !value->empty() ? ", got '" + proto::printable(*value, 64) + "'"
+                                     : std::string());
   }
-  r.job = std::string(*value);
+  r.job = std::string(job->id);
+  r.job_uid = job->uid;
   return std::nullopt;
 }
 
-Reply run_report(const ReportRequest& r, const Call&) {
-  return RenderJob([r](const CollectorView& v) {
-    const report::ReportFilter filter{r.pid, r.job};
+// "1001" or "1001, 1002 and 1003".
+std::string uid_list(const std::vector<std::uint32_t>& uids) {
+  std::string out;
+  for (std::size_t i = 0; i < uids.size(); ++i) {
+    if (i > 0) out += i + 1 == uids.size() ? " and " : ", ";
+    out += std::to_string(uids[i]);
+  }
+  return out;
+}
+
+// "; uid 1002 has one: use --job 1002:x" for the uids (but `asked`) that run job `id`.
+std::string job_hint(const std::vector<std::uint32_t>& runners, std::uint32_t asked,
+                     const std::string& id) {
+  std::vector<std::uint32_t> others;
+  for (const std::uint32_t uid : runners) {
+    if (uid != asked) others.push_back(uid);
+  }
+  if (others.empty()) return "";
+  if (others.size() == 1) {
+    const std::string uid = std::to_string(others[0]);
+    return "; uid " + uid + " has one: use --job " + uid + ":" + id;
+  }
+  return "; uids " + uid_list(others) + " have one: use --job UID:" + id;
+}
+
+// The job `--job` names, or the error reply (PROTOCOL.md 10.3): UID:ID is that uid's
+// job; ID the asking uid's. Root and the daemon's own uid, who run no trainers as a
+// rule, also reach another uid's job by its bare ID as before jobs had uids, when
+// exactly one uid runs one by that id; more than one is an error naming them.
+std::variant<JobRef, std::string> resolve_job(const CollectorView& v, const ReportRequest& r,
+                                              std::uint32_t caller, bool privileged) {
+  const std::string& id = *r.job;
+  const std::uint32_t uid = r.job_uid.value_or(caller);
+  const std::vector<std::uint32_t> runners = v.uids_with_job(id);
+  const auto runs = [&](std::uint32_t u) {
+    return std::find(runners.begin(), runners.end(), u) != runners.end();
+  };
+  if (runs(uid)) return JobRef{uid, id};
+  const std::string shown = proto::printable(id);
+  if (!r.job_uid && privileged) {
+    if (runners.size() == 1) return JobRef{runners[0], id};
+    if (runners.empty()) return "error: report: no job '" + shown + "' for any uid\n";
+    return "error: report: job '" + shown + "' is run by uids " + uid_list(runners) +
+           ": name one with --job UID:" + shown + "\n";
+  }
+  return "error: report: no job '" + shown + "' for uid " + std::to_string(uid) +
+         job_hint(runners, uid, shown) + "\n";
+}
+
+Reply run_report(const ReportRequest& r, const Call& call) {
+  const std::uint32_t caller = call.context.peer_uid;
+  const bool privileged = may_reset(caller, call.context.daemon_euid);
+  return RenderJob([r, caller, privileged](const CollectorView& v) -> std::string {
+    report::ReportFilter filter{r.pid, std::nullopt};
+    if (r.job) {
+      auto job = resolve_job(v, r, caller, privileged);
+      if (auto* error = std::get_if<std::string>(&job)) return std::move(*error);
+      filter.job = std::move(std::get<JobRef>(job));
+    }
     return r.json ? json_line(report::report_json(v, filter))
                   : text_reply(report::report_text(v, filter));
   });
@@ -210,10 +271,10 @@ const Command<ReportRequest>& report_command() {
       .name = "report",
       .syntax = {.groups = {{flag("--json", &ReportRequest::json)},
                             {pid_option(&ReportRequest::pid)},
-                            {{"--job", "ID", take_job}}}},
+                            {{"--job", "[UID:]ID", take_job}}}},
       .summary =
-          "per-step timing for all processes (or one pid, or one job's), by job, then "
-          "the VRAM ledger",
+          "per-step timing for all processes (or one pid, or one job's: yours, or UID's), "
+          "by job, then the VRAM ledger",
       .run = run_report,
   };
   return kCommand;

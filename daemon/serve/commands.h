@@ -82,10 +82,13 @@ struct Reply {
 struct PingRequest {
   static Parsed<PingRequest> parse(Args args);
 };
+// `report [--json] [--pid N] [--job ID | --job UID:ID]`: a job is (uid, job id); without
+// a uid, `--job` names the asking uid's job (run_report resolves it, PROTOCOL.md 10.3).
 struct ReportRequest {
   bool json = false;
   std::optional<std::int32_t> pid;
   std::optional<std::string> job;
+  std::optional<std::uint32_t> job_uid;  // --job UID:ID
   static Parsed<ReportRequest> parse(Args args);
 };
 struct LedgerRequest {

@@ -240,6 +240,7 @@ std::shared_ptr<const TraceCapture> Collector::capture_trace(const std::set<std:
     p.alive = it != state_->by_key.end() && state_->slots[it->second]->alive;
     if (it != state_->by_key.end()) {
       const ProcessRecord& rec = *state_->slots[it->second];
+      p.uid = rec.peer.uid;
       p.job = rec.job;
       p.rank = rec.rank;
     }

@@ -62,9 +62,13 @@ class CollectorView {
   std::uint64_t now_ns() const { return now_ns_; }
 
   // ---- the read model (read_model.h; read_model.cpp) ----------------------------------
-  // Processes in (pid, start_time) order: all, one pid's, or one job id's (of any uid).
+  // Processes in (pid, start_time) order: all, one pid's, one job's (that uid's
+  // processes with that job id), or those of both.
   std::vector<ProcessFigures> processes(std::optional<std::int32_t> pid = std::nullopt,
-                                        const std::optional<std::string>& job = {}) const;
+                                        const std::optional<JobRef>& job = {}) const;
+  // The uids with a process in the table that sent job id `job`, ascending: whom a
+  // `--job ID` could mean (commands.cpp resolves it).
+  std::vector<std::uint32_t> uids_with_job(std::string_view job) const;
   // Their steps merged by name, built-ins first in enum order, then custom names
   // alphabetically; steps without data left out.
   std::vector<StepFigures> totals(std::span<const ProcessFigures> processes) const;

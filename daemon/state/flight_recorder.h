@@ -132,7 +132,8 @@ struct TraceCapture {
     ProcessKey key;
     std::string comm;
     bool alive = true;
-    std::string job;                      // from the table at capture ("" none)
+    std::uint32_t uid = 0;                // from the table at capture: a job is (uid, job)
+    std::string job;                      // likewise ("" none)
     std::uint32_t rank = proto::kNoRank;  // likewise
     std::shared_ptr<const StepNames> names;
     std::vector<ChunkRef> chunks;  // oldest first

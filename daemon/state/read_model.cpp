@@ -26,16 +26,17 @@ struct NamedTotals {
   const ProcessRecord* last_process = nullptr;  // so a process counts once
 };
 
-// Processes in (pid, start_time) order; all of them, one pid's, or one job id's (of any
-// uid).
+// Processes in (pid, start_time) order; all of them, one pid's, one job's (uid and job
+// id both match: another uid's processes that claim the same id are another job), or
+// those of both.
 std::vector<const ProcessRecord*> select_processes(const CollectorState& state,
                                                    std::optional<std::int32_t> pid,
-                                                   const std::optional<std::string>& job) {
+                                                   const std::optional<JobRef>& job) {
   std::vector<const ProcessRecord*> out;
   for (const auto& [key, handle] : state.by_key) {
     if (pid && key.pid != *pid) continue;
     const ProcessRecord* rec = state.slots[handle].get();
-    if (job && rec->job != *job) continue;
+    if (job && (rec->peer.uid != job->uid || rec->job != job->job)) continue;
     out.push_back(rec);
   }
   return out;
@@ -108,7 +109,7 @@ std::vector<OpenSpanNow> open_spans_now(const ProcessRecord& rec, std::uint64_t 
 }  // namespace
 
 std::vector<ProcessFigures> CollectorView::processes(std::optional<std::int32_t> pid,
-                                                     const std::optional<std::string>& job) const {
+                                                     const std::optional<JobRef>& job) const {
   std::vector<ProcessFigures> out;
   for (const ProcessRecord* rec : select_processes(*state_, pid, job)) {
     ProcessFigures p;
@@ -150,6 +151,16 @@ std::vector<ProcessFigures> CollectorView::processes(std::optional<std::int32_t>
     p.current = open_spans_now(*rec, now_ns_);
     out.push_back(std::move(p));
   }
+  return out;
+}
+
+std::vector<std::uint32_t> CollectorView::uids_with_job(std::string_view job) const {
+  std::vector<std::uint32_t> out;
+  for (const auto& slot : state_->slots) {
+    if (slot && slot->job == job) out.push_back(slot->peer.uid);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 

@@ -26,6 +26,14 @@ namespace steptrace::daemon {
 
 struct ProcessRecord;
 
+// A job as a command names it (`report --job`): one uid's processes that sent one job
+// id. Two uids that send the same id run two jobs; "" is a uid's processes without one.
+struct JobRef {
+  std::uint32_t uid = 0;
+  std::string job;
+  auto operator<=>(const JobRef&) const = default;
+};
+
 // One step's figures: a process's own, or merged by name over several processes.
 struct StepFigures {
   std::string name;

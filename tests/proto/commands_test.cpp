@@ -7,8 +7,10 @@
 
 #include <steptrace/steptrace.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace steptrace::proto {
 namespace {
@@ -47,6 +49,38 @@ TEST(CommandsPid, DecimalInOneToInt32Max) {
   for (const char* bad : {"", "0", "-1", "+1", " 1", "1 ", "0x10", "1.0", "abc", "2147483648",
                           "99999999999999999999999"}) {
     EXPECT_FALSE(parse_pid(bad).has_value()) << bad;
+  }
+}
+
+// `--job ID` or `--job UID:ID`: the uid is the digits before the first ':'; anything else
+// is the caller's job id as it stands.
+TEST(CommandsJob, IdOrUidColonId) {
+  const auto parsed = [](std::string_view text) {
+    const auto job = parse_job_option(text);
+    return job ? std::optional<std::pair<std::optional<std::uint32_t>, std::string>>(
+                     {job->uid, std::string(job->id)})
+               : std::nullopt;
+  };
+  using Uid = std::optional<std::uint32_t>;
+  EXPECT_EQ(parsed("team-llm"), std::make_pair(Uid{}, std::string("team-llm")));
+  EXPECT_EQ(parsed("1001:team-llm"), std::make_pair(Uid{1001}, std::string("team-llm")));
+  EXPECT_EQ(parsed("0:x"), std::make_pair(Uid{0}, std::string("x")));
+  EXPECT_EQ(parsed("4294967295:x"), std::make_pair(Uid{4294967295u}, std::string("x")));
+  EXPECT_EQ(parsed("0001001:x"), std::make_pair(Uid{1001}, std::string("x")));
+  // The uid ends at the first ':'; the id may hold more.
+  EXPECT_EQ(parsed("1001:12:30"), std::make_pair(Uid{1001}, std::string("12:30")));
+  // A head that is not all digits: the whole value is an id.
+  EXPECT_EQ(parsed("run:7"), std::make_pair(Uid{}, std::string("run:7")));
+  EXPECT_EQ(parsed(":x"), std::make_pair(Uid{}, std::string(":x")));
+  EXPECT_EQ(parsed("-1:x"), std::make_pair(Uid{}, std::string("-1:x")));
+  EXPECT_EQ(parsed("4242"), std::make_pair(Uid{}, std::string("4242")));  // SLURM_JOB_ID
+  EXPECT_EQ(parsed(std::string(63, 'j')), std::make_pair(Uid{}, std::string(63, 'j')));
+  EXPECT_EQ(parsed("7:" + std::string(63, 'j')), std::make_pair(Uid{7}, std::string(63, 'j')));
+  for (const std::string& bad :
+       {std::string(), std::string(64, 'j'), "7:" + std::string(64, 'j'), std::string("1001:"),
+        std::string("4294967296:x"), std::string("99999999999:x"), std::string("a b"),
+        std::string("tab\there"), std::string("x\x7f"), std::string("\xE2\x80\xAE")}) {
+    EXPECT_FALSE(parse_job_option(bad).has_value()) << bad;
   }
 }
 

@@ -82,7 +82,7 @@ TEST_F(CollectorReportTest, DropsByCauseShowInJsonTextAndMetrics) {
       << report::report_text(*collector_->freeze(), 1);
   const std::string metrics = report::metrics_text(*collector_->freeze());
   EXPECT_NE(metrics.find("steptrace_process_dropped_events_by_cause_total{pid=\"1\",comm=\"a\","
-                         "cause=\"not_connected\"} 7"),
+                         "uid=\"1000\",cause=\"not_connected\"} 7"),
             std::string::npos);
   EXPECT_NE(
       metrics.find("steptrace_events_dropped_by_clients_by_cause_total{cause=\"buffer_full\"} 5"),
@@ -146,9 +146,13 @@ TEST_F(CollectorReportTest, JobsAndRanksShowInJsonAndText) {
   EXPECT_EQ(llama["totals"][0]["count"], 3);
   EXPECT_EQ(r["jobs"][2]["uid"], 8);
 
+  // A job is (uid, job id): uid 8's process that sent the same id is not in uid 7's job.
   const auto by_job =
-      report::report_json(*collector_->freeze(), report::ReportFilter{{}, "llama-7"});
-  EXPECT_EQ(by_job["processes"].size(), 4u);  // both uids' processes named so
+      report::report_json(*collector_->freeze(), report::ReportFilter{{}, JobRef{7, "llama-7"}});
+  EXPECT_EQ(by_job["processes"].size(), 3u);
+  ASSERT_EQ(by_job["jobs"].size(), 1u);
+  EXPECT_EQ(by_job["jobs"][0]["uid"], 7);
+  EXPECT_EQ(by_job["totals"][0]["count"], 3);
   const std::string text =
       report::report_text(*collector_->freeze(), report::ReportFilter{std::nullopt, std::nullopt});
   EXPECT_NE(text.find("══ Job llama-7 (uid 7) · 3 processes (3 live) · ranks 0-1 of 2\n"),
@@ -164,8 +168,8 @@ TEST_F(CollectorReportTest, JobsAndRanksShowInJsonAndText) {
   EXPECT_EQ(one.find("| % Self"), one.rfind("| % Self")) << one;
   EXPECT_NE(one.find("── Process 11 (train) · job llama-7 · rank 1/2"), std::string::npos) << one;
   const std::string none =
-      report::report_text(*collector_->freeze(), report::ReportFilter{{}, "nope"});
-  EXPECT_NE(none.find("No process of job nope is tracked."), std::string::npos) << none;
+      report::report_text(*collector_->freeze(), report::ReportFilter{{}, JobRef{9, "llama-7"}});
+  EXPECT_NE(none.find("No process of job llama-7 (uid 9) is tracked."), std::string::npos) << none;
 }
 
 // A view renders the same whatever ingest does after it was taken; the read model's
@@ -245,7 +249,7 @@ TEST_F(CollectorReportTest, JobCountersOutliveTheirProcesses) {
   text = report::metrics_text(*collector_->freeze());
   EXPECT_EQ(text.find("job_id=\"b\""), std::string::npos) << text;
   EXPECT_NE(text.find("steptrace_limit_hits_total{limit=\"max_jobs\"} 1\n"), std::string::npos);
-  // A live process adds to its job's series, with job_id and rank on its own series.
+  // A live process adds to its job's series, with job_id, uid and rank on its own series.
   DirectClient live(*collector_, world_.spawn(9, 1, "t", 8));
   live.identity("y", 0, 0, 1);
   ASSERT_FALSE(live.events({start(1, kForward, 0), end(1, kForward, 1'000'000'000)}));
@@ -255,7 +259,7 @@ TEST_F(CollectorReportTest, JobCountersOutliveTheirProcesses) {
       std::string::npos)
       << text;
   EXPECT_NE(text.find("steptrace_process_step_seconds_total{pid=\"9\",comm=\"t\",job_id=\"y\","
-                      "rank=\"0\",step=\"Forward\"} 1\n"),
+                      "uid=\"8\",rank=\"0\",step=\"Forward\"} 1\n"),
             std::string::npos)
       << text;
   // reset clears them with the rest.

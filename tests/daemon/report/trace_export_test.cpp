@@ -566,6 +566,10 @@ TEST(TraceExportTest, ProcessesAreNamedAndExitedOnesSaySo) {
   add_process(*c, 70, "python", {start(kBase, 70, kForward), end(kBase + 5, 70, kForward)});
   add_process(*c, 71, "", {start(kBase, 72, kForward), end(kBase + 5, 72, kForward)});
   c->processes[0].alive = false;
+  // A job is (uid, job id): the name says both.
+  c->processes[1].uid = 1001;
+  c->processes[1].job = "team-llm";
+  c->processes[1].rank = 3;
   const json j = parse_trace(c);
   std::map<std::int64_t, std::string> names;
   for (const json& m : events_with(j, "M")) {
@@ -573,8 +577,8 @@ TEST(TraceExportTest, ProcessesAreNamedAndExitedOnesSaySo) {
       names[m.at("pid").get<std::int64_t>()] = m.at("args").at("name");
     }
   }
-  EXPECT_EQ(names,
-            (std::map<std::int64_t, std::string>{{70, "python [70] (exited)"}, {71, "[71]"}}));
+  EXPECT_EQ(names, (std::map<std::int64_t, std::string>{
+                       {70, "python [70] (exited)"}, {71, "[71] job team-llm (uid 1001) rank 3"}}));
   EXPECT_EQ(sorted(spans_of(j)),
             sorted({span(70, 70, "Forward", kBase, 5), span(71, 72, "Forward", kBase, 5)}));
 }

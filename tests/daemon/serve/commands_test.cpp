@@ -32,20 +32,28 @@ class CommandsTest : public ::testing::Test {
     return table_.execute(line, context);
   }
 
-  // Attaches process `pid` (uid 1000) named `comm` to the collector.
-  ProcessHandle attach(std::int32_t pid, std::string comm = "t") {
+  // Attaches process `pid` of `uid` named `comm` to the collector.
+  ProcessHandle attach(std::int32_t pid, std::string comm = "t", std::uint32_t uid = 1000) {
     PeerIdentity peer;
     peer.key = {pid, 77};
-    peer.uid = 1000;
+    peer.uid = uid;
     peer.comm = std::move(comm);
     ProcessHandle handle = 0;
     EXPECT_FALSE(collector_.attach(peer, handle));
     return handle;
   }
 
-  // Feeds one process with `pairs` Forward spans of 100 ns.
-  void ingest(std::int32_t pid, int pairs) {
-    const ProcessHandle handle = attach(pid);
+  // Feeds one process (of `uid`, in job `job` unless it is empty) with `pairs` Forward
+  // spans of 100 ns.
+  void ingest(std::int32_t pid, int pairs, std::uint32_t uid = 1000, std::string_view job = {}) {
+    const ProcessHandle handle = attach(pid, "t", uid);
+    if (!job.empty()) {
+      proto::Identity identity{};
+      ASSERT_TRUE(proto::set_field(identity.job, job));
+      identity.rank = proto::kNoRank;
+      identity.local_rank = proto::kNoRank;
+      collector_.identity(handle, identity);
+    }
     std::vector<proto::EventRecord> events;
     for (int i = 0; i < pairs; ++i) {
       const std::uint64_t ts = 1000 + static_cast<std::uint64_t>(i) * 1000;
@@ -167,7 +175,7 @@ TEST_F(CommandsTest, BadArgumentsAreNamed) {
   // A word echoed back in an error is printable, whatever the client sent.
   EXPECT_EQ(run("report --x\x1b[2J"),
             "error: report: unexpected argument '--x?[2J' (usage: report [--json] [--pid N] [--job "
-            "ID])\n");
+            "[UID:]ID])\n");
   EXPECT_EQ(run("report --pid 1\x1b[2J"),
             "error: report: --pid needs a process id in 1..2147483647, got '1?[2J'\n");
   EXPECT_EQ(run("reset --pid \x1b]0;x\x07"),
@@ -185,8 +193,8 @@ TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
             "EXPIRED)\n"
             "  metrics                     Prometheus text exposition (format 0.0.4)\n"
             "  ping                        answers pong\n"
-            "  report [--json] [--pid N] [--job ID] per-step timing for all processes (or one "
-            "pid, or one job's), by job, then the VRAM ledger\n"
+            "  report [--json] [--pid N] [--job [UID:]ID] per-step timing for all processes (or "
+            "one pid, or one job's: yours, or UID's), by job, then the VRAM ledger\n"
             "  reset [--pid N | --ledger | --gpu UUID] clear the aggregates (all, or one pid's), "
             "or the VRAM ledger (all GPUs, or one); root or the daemon's uid only\n"
             "  stats [--json]              the daemon's own counters\n"
@@ -223,13 +231,27 @@ TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
       {"report --pid abc --pid 4",
        "error: report: --pid needs a process id in 1..2147483647, got 'abc'\n"},
       {"report --pid 3 --pid 4", "error: report: --pid given twice\n"},
-      {"report --job", "error: report: --job needs a job id of 1..63 printable characters\n"},
-      {"report --job=", "error: report: --job needs a job id of 1..63 printable characters\n"},
+      {"report --job",
+       "error: report: --job needs a job id of 1..63 printable characters, or UID:ID for "
+       "another uid's\n"},
+      {"report --job=",
+       "error: report: --job needs a job id of 1..63 printable characters, or UID:ID for "
+       "another uid's\n"},
+      {"report --job 1001:",
+       "error: report: --job needs a job id of 1..63 printable characters, or UID:ID for "
+       "another uid's, got '1001:'\n"},
+      {"report --job 4294967296:x",
+       "error: report: --job needs a job id of 1..63 printable characters, or UID:ID for "
+       "another uid's, got '4294967296:x'\n"},
+      {"report --job 7:" + std::string(64, 'x'),
+       "error: report: --job needs a job id of 1..63 printable characters, or UID:ID for "
+       "another uid's, got '7:" +
+           std::string(62, 'x') + "'\n"},
       {"report --job a --job b", "error: report: --job given twice\n"},
       {"report --json --json", "error: report: --json given twice\n"},
       {"report --pidx 3",
        "error: report: unexpected argument '--pidx' (usage: report [--json] [--pid N] [--job "
-       "ID])\n"},
+       "[UID:]ID])\n"},
       {"reset --json",
        "error: reset: unexpected argument '--json' (usage: reset [--pid N | --ledger | --gpu "
        "UUID])\n"},
@@ -307,6 +329,85 @@ TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {
   auto none = StatsRequest::parse({});
   ASSERT_TRUE(std::holds_alternative<StatsRequest>(none));
   EXPECT_FALSE(std::get<StatsRequest>(none).json);
+}
+
+// Issue 26, item 7: a job is (uid, job id). `--job ID` is the caller's own job, whoever
+// else names a job so; `--job UID:ID` reaches another uid's; a job the uid does not run
+// is an error naming the uids that do. Root (and the daemon's uid) keep the old meaning
+// of a bare ID when one uid runs it, and are told which uids when several do.
+TEST_F(CommandsTest, ReportJobIsTheCallersOwnOrNamedByUid) {
+  ingest(101, 3, 1001, "team-llm");
+  ingest(102, 4, 1001, "team-llm");
+  ingest(201, 50, 1002, "team-llm");  // another tenant picks the same id
+  ingest(202, 7, 1002, "solo");
+  const auto pids = [](const json& report) {
+    std::vector<std::int32_t> out;
+    for (const auto& p : report["processes"]) out.push_back(p["pid"]);
+    return out;
+  };
+  const json own = json::parse(run("report --json --job team-llm", 1001));
+  EXPECT_EQ(pids(own), (std::vector<std::int32_t>{101, 102}));
+  ASSERT_EQ(own["jobs"].size(), 1u);
+  EXPECT_EQ(own["jobs"][0]["uid"], 1001);
+  EXPECT_EQ(own["totals"][0]["count"], 7);  // 3 + 4: none of uid 1002's 50
+  EXPECT_EQ(pids(json::parse(run("report --json --job team-llm", 1002))),
+            (std::vector<std::int32_t>{201}));
+  // Explicitly, anyone's: the same as its owner sees.
+  EXPECT_EQ(pids(json::parse(run("report --json --job 1002:team-llm", 1001))),
+            (std::vector<std::int32_t>{201}));
+  EXPECT_EQ(pids(json::parse(run("report --json --job=1001:team-llm", 3000))),
+            (std::vector<std::int32_t>{101, 102}));
+  // With --pid: both must hold.
+  EXPECT_EQ(pids(json::parse(run("report --json --pid 102 --job team-llm", 1001))),
+            (std::vector<std::int32_t>{102}));
+  EXPECT_TRUE(
+      json::parse(run("report --json --pid 201 --job team-llm", 1001))["processes"].empty());
+  EXPECT_NE(run("report --pid 201 --job team-llm", 1001)
+                .find("No process with pid 201 is tracked in job team-llm (uid 1001)."),
+            std::string::npos);
+  // The text report: the title names the job with its uid, the other's 50 spans absent.
+  const std::string text = run("report --job team-llm", 1001);
+  EXPECT_NE(text.find("STEPTRACE REPORT (job team-llm (uid 1001))"), std::string::npos) << text;
+  EXPECT_EQ(text.find("Process 201"), std::string::npos) << text;
+
+  // Not the caller's: an error naming who does run one.
+  EXPECT_EQ(run("report --job solo", 1001),
+            "error: report: no job 'solo' for uid 1001; uid 1002 has one: use --job 1002:solo\n");
+  EXPECT_EQ(run("report --json --job solo", 1001),
+            "error: report: no job 'solo' for uid 1001; uid 1002 has one: use --job 1002:solo\n");
+  EXPECT_EQ(run("report --job team-llm", 3000),
+            "error: report: no job 'team-llm' for uid 3000; uids 1001 and 1002 have one: use "
+            "--job UID:team-llm\n");
+  EXPECT_EQ(run("report --job 1001:solo", 1002),
+            "error: report: no job 'solo' for uid 1001; uid 1002 has one: use --job 1002:solo\n");
+  EXPECT_EQ(run("report --job nope", 1001), "error: report: no job 'nope' for uid 1001\n");
+
+  // Root and the daemon's own uid (1000 here): a bare ID one uid runs is that uid's...
+  EXPECT_EQ(pids(json::parse(run("report --json --job solo", 0))),
+            (std::vector<std::int32_t>{202}));
+  EXPECT_EQ(pids(json::parse(run("report --json --job solo", 1000))),
+            (std::vector<std::int32_t>{202}));
+  // ...several uids' is an error that lists them, and none is said so.
+  EXPECT_EQ(run("report --job team-llm", 0),
+            "error: report: job 'team-llm' is run by uids 1001 and 1002: name one with --job "
+            "UID:team-llm\n");
+  EXPECT_EQ(run("report --job nope", 0), "error: report: no job 'nope' for any uid\n");
+  // Root's explicit UID:ID, and root's own job first when it runs one.
+  EXPECT_EQ(pids(json::parse(run("report --json --job 1002:team-llm", 0))),
+            (std::vector<std::int32_t>{201}));
+  ingest(301, 1, 0, "team-llm");
+  EXPECT_EQ(pids(json::parse(run("report --json --job team-llm", 0))),
+            (std::vector<std::int32_t>{301}));
+
+  // A job id with ':' in it: a head that is not all digits is part of the id; one that
+  // is needs the uid in front.
+  ingest(401, 1, 1001, "run:7");
+  ingest(402, 1, 1001, "12:30");
+  EXPECT_EQ(pids(json::parse(run("report --json --job run:7", 1001))),
+            (std::vector<std::int32_t>{401}));
+  EXPECT_EQ(pids(json::parse(run("report --json --job 1001:12:30", 1002))),
+            (std::vector<std::int32_t>{402}));
+  EXPECT_EQ(run("report --job 12:30", 1001), "error: report: no job '30' for uid 12\n");
 }
 
 TEST_F(CommandsTest, JsonRepliesAreOneLine) {

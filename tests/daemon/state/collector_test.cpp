@@ -897,8 +897,19 @@ TEST_F(CollectorTest, IdentityGroupsProcessesByJob) {
   EXPECT_EQ(llama_totals[0].hist().count(), 3u);
   EXPECT_EQ(jobs[2].uid, 8u);
 
-  // By job id: both uids' processes named so.
-  EXPECT_EQ(seen.view().processes(std::nullopt, "llama-7").size(), 4u);
+  // By job, (uid, job id): uid 7's three, never uid 8's process that claims the same id.
+  const auto uid7 = seen.view().processes(std::nullopt, JobRef{7, "llama-7"});
+  ASSERT_EQ(uid7.size(), 3u);
+  for (const ProcessFigures& p : uid7) EXPECT_EQ(p.uid, 7u);
+  ASSERT_EQ(seen.view().processes(std::nullopt, JobRef{8, "llama-7"}).size(), 1u);
+  EXPECT_EQ(seen.view().processes(std::nullopt, JobRef{8, "llama-7"})[0].key.pid, 12);
+  EXPECT_TRUE(seen.view().processes(std::nullopt, JobRef{9, "llama-7"}).empty());
+  EXPECT_EQ(seen.view().processes(12, JobRef{8, "llama-7"}).size(), 1u);
+  EXPECT_TRUE(seen.view().processes(12, JobRef{7, "llama-7"}).empty());
+  // Whom `--job llama-7` could mean: each uid once.
+  EXPECT_EQ(seen.view().uids_with_job("llama-7"), (std::vector<std::uint32_t>{7, 8}));
+  EXPECT_EQ(seen.view().uids_with_job(""), (std::vector<std::uint32_t>{7}));
+  EXPECT_TRUE(seen.view().uids_with_job("llama-8").empty());
   // How the text report groups them: tests/daemon/report/collector_report_test.cpp.
 }
 
