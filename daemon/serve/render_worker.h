@@ -25,6 +25,7 @@
 // clones that record (one process's aggregates), once per view.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstddef>

@@ -27,12 +27,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -388,6 +390,46 @@ TEST_F(HostileRenderTest, PastItsPendingReplyBytesAUidIsRefusedWhileAnotherIsSer
   const Timed own = parse_timed(innocent.next());
   EXPECT_EQ(own.head.rfind("{", 0), 0u) << own.head;
   EXPECT_GT(own.bytes, report->size() / 2);
+  EXPECT_EQ(daemon_->stop(), 0) << daemon_->log();
+}
+
+// Many scrapers at once share renders: the daemon's memory does not grow with their
+// number (60 keep-alive scrape loops once held 60 copies of the text: 937 MB), and each
+// is answered within the bound.
+TEST_F(HostileRenderTest, ManyScrapersAtOnceShareRendersAndMemoryDoesNotGrowWithThem) {
+  constexpr int kScrapers = 30;  // under the 32 connections one address may hold
+  ASSERT_NO_FATAL_FAILURE(start_daemon(json::object()));
+  ASSERT_NO_FATAL_FAILURE(fill(20, 1000));
+  std::size_t text_bytes = 0;
+  ASSERT_GE(scrape_ms(&text_bytes), 0);
+  const std::uint64_t rss_before = stats()["memory"].value("rss_bytes", std::uint64_t{0});
+  std::vector<long long> took(kScrapers, -1);
+  std::vector<std::thread> scrapers;
+  for (int i = 0; i < kScrapers; ++i) {
+    scrapers.emplace_back([this, &took, i] {
+      long long worst = 0;
+      for (int k = 0; k < 3; ++k) {
+        std::size_t bytes = 0;
+        const long long ms = scrape_ms(&bytes);
+        if (ms < 0) {
+          worst = -1;
+          break;
+        }
+        worst = std::max(worst, ms);
+      }
+      took[static_cast<std::size_t>(i)] = worst;
+    });
+  }
+  for (auto& t : scrapers) t.join();
+  const std::uint64_t rss_after = stats()["memory"].value("rss_bytes", std::uint64_t{0});
+  const long long worst = *std::max_element(took.begin(), took.end());
+  const long long failed = std::count(took.begin(), took.end(), -1);
+  std::cout << kScrapers << " scrapers x 3 of " << text_bytes << " bytes: slowest " << worst
+            << " ms; RSS " << (rss_before >> 20) << " -> " << (rss_after >> 20) << " MiB\n";
+  EXPECT_EQ(failed, 0);
+  EXPECT_LT(worst, kBound.count() * 2);
+  // One copy per scraper would be kScrapers texts; a few renders' worth is the budget.
+  EXPECT_LT(rss_after, rss_before + 8 * text_bytes);
   EXPECT_EQ(daemon_->stop(), 0) << daemon_->log();
 }
 
