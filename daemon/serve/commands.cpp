@@ -334,9 +334,11 @@ const Command<LedgerRequest>& ledger_command() {
 // ---- stats [--json] ------------------------------------------------------------------
 
 Reply run_stats(const StatsRequest& r, const Call&) {
-  return RenderJob([r](const CollectorView& v) {
-    return r.json ? json_line(report::stats_json(v)) : text_reply(report::stats_text(v));
-  });
+  return RenderJob(
+      [r](const CollectorView& v) {
+        return r.json ? json_line(report::stats_json(v)) : text_reply(report::stats_text(v));
+      },
+      RenderLane::kFast);
 }
 
 const Command<StatsRequest>& stats_command() {
@@ -352,7 +354,8 @@ const Command<StatsRequest>& stats_command() {
 // ---- metrics -------------------------------------------------------------------------
 
 Reply run_metrics(const MetricsRequest&, const Call&) {
-  return RenderJob([](const CollectorView& v) { return text_reply(report::metrics_text(v)); });
+  return RenderJob([](const CollectorView& v) { return text_reply(report::metrics_text(v)); },
+                   RenderLane::kFast);
 }
 
 const Command<MetricsRequest>& metrics_command() {

@@ -45,6 +45,11 @@ struct ServerLimits {
   // the recorder's capture open) for up to an hour, so a tenant's forgotten ones cannot
   // take its whole max_connections_per_uid, its own trainers locked out.
   std::size_t max_pending_traces_per_uid = 4;
+  // Reply bytes one uid's connections may have queued and not yet read by their clients:
+  // past it a rendered reply is replaced by `error: busy: ...`, so a tenant that asks for
+  // big reports on many connections and reads none cannot pile up the daemon's memory
+  // (the global bound, ClientStream::kMaxPendingOutputTotal, would refuse everyone).
+  std::size_t max_pending_reply_bytes_per_uid = std::size_t{64} << 20;
 };
 
 struct Timeouts {

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/http/span_body.hpp>
 #include <chrono>
 #include <utility>
 
@@ -22,6 +23,9 @@ std::string describe(const Tcp::endpoint& peer) {
   const std::string host = address.is_v6() ? "[" + address.to_string() + "]" : address.to_string();
   return host + ":" + std::to_string(peer.port());
 }
+
+// Submits one metrics render for every scrape waiting (HttpMetricsServer::Shared).
+void render_scrapes(const std::shared_ptr<HttpMetricsServer::Shared>& shared);
 
 }  // namespace
 
@@ -54,6 +58,18 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   void close_now() {
     release();
     stream_.close();
+  }
+
+  // The metrics text of the render this scrape waited for, shared with the others.
+  void respond_metrics(const std::shared_ptr<const std::string>& text) {
+    if (released_) return;
+    if (head_) {
+      response_.content_length(text->size());
+    } else {
+      set_body(text);
+      response_.prepare_payload();
+    }
+    write(response_.keep_alive());
   }
 
  private:
@@ -136,8 +152,17 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
     handle(parser_->get());
   }
 
+  void set_body(std::shared_ptr<const std::string> text) {
+    body_ = std::move(text);
+    response_.body() = {body_->data(), body_->size()};
+  }
+  void set_body(std::string text) {
+    set_body(std::make_shared<const std::string>(std::move(text)));
+  }
+
   void handle(const http::request<http::string_body>& req) {
     response_ = {};
+    body_.reset();
     response_.version(req.version());
     response_.keep_alive(req.keep_alive());
     response_.set(http::field::server, "steptraced");
@@ -146,36 +171,22 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
     if (target != "/metrics") {
       response_.result(http::status::not_found);
       response_.set(http::field::content_type, "text/plain; charset=utf-8");
-      response_.body() = "not found; try /metrics\n";
+      set_body("not found; try /metrics\n");
       response_.prepare_payload();
     } else if (req.method() != http::verb::get && req.method() != http::verb::head) {
       response_.result(http::status::method_not_allowed);
       response_.set(http::field::allow, "GET, HEAD");
       response_.set(http::field::content_type, "text/plain; charset=utf-8");
-      response_.body() = "method not allowed\n";
+      set_body("method not allowed\n");
       response_.prepare_payload();
     } else {
       response_.result(http::status::ok);
       response_.set(http::field::content_type, kContentType);
-      RenderWorker* renderer = shared_->renderer;
-      if (renderer == nullptr) return;  // shutting down
-      const bool head = req.method() == http::verb::head;
-      renderer->submit([](const CollectorView& view) { return report::metrics_text(view); },
-                       [self = shared_from_this(), head](std::string body) {
-                         self->respond_metrics(head, std::move(body));
-                       });
+      if (shared_->renderer == nullptr) return;  // shutting down
+      head_ = req.method() == http::verb::head;
+      shared_->scrapes_waiting.push_back(shared_from_this());
+      if (!shared_->scrape_rendering) render_scrapes(shared_);
       return;
-    }
-    write(response_.keep_alive());
-  }
-
-  void respond_metrics(bool head, std::string body) {
-    if (released_) return;
-    if (head) {
-      response_.content_length(body.size());
-    } else {
-      response_.body() = std::move(body);
-      response_.prepare_payload();
     }
     write(response_.keep_alive());
   }
@@ -183,11 +194,12 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   void respond_error(http::status status, std::string body) {
     ++shared_->stats->bad_requests;
     response_ = {};
+    body_.reset();
     response_.version(11);
     response_.result(status);
     response_.keep_alive(false);
     response_.set(http::field::content_type, "text/plain; charset=utf-8");
-    response_.body() = std::move(body);
+    set_body(std::move(body));
     response_.prepare_payload();
     write(false);
   }
@@ -228,7 +240,11 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   std::shared_ptr<Shared> shared_;
   beast::flat_buffer buffer_{HttpMetricsServer::kHeaderLimit + HttpMetricsServer::kBodyLimit};
   std::optional<http::request_parser<http::string_body>> parser_;
-  http::response<http::string_body> response_;
+  // The body is a view of body_, which may be the metrics text every scrape waiting for
+  // one render shares.
+  http::response<http::span_body<const char>> response_;
+  std::shared_ptr<const std::string> body_;
+  bool head_ = false;  // the metrics request was HEAD
   Phase phase_ = Phase::kNone;
   std::list<HttpConnection*>::iterator pos_;      // in reading or writing, per phase_
   std::list<HttpConnection*>::iterator all_pos_;  // in shared_->all until released
@@ -236,6 +252,27 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
   std::uint64_t served_ = 0;  // responses written in full
   bool released_ = false;
 };
+
+namespace {
+
+void render_scrapes(const std::shared_ptr<HttpMetricsServer::Shared>& shared) {
+  if (shared->renderer == nullptr || shared->scrapes_waiting.empty()) return;
+  shared->scrape_rendering = true;
+  ++shared->scrape_renders;
+  shared->renderer->submit(
+      RenderJob([](const CollectorView& view) { return report::metrics_text(view); },
+                RenderLane::kFast),
+      [shared, waiting = std::move(shared->scrapes_waiting)](std::string text) {
+        shared->scrape_rendering = false;
+        const auto body = std::make_shared<const std::string>(std::move(text));
+        for (const auto& connection : waiting) connection->respond_metrics(body);
+        render_scrapes(shared);  // those that asked meanwhile
+      },
+      RenderOwner::http());
+  shared->scrapes_waiting.clear();
+}
+
+}  // namespace
 
 HttpMetricsServer::HttpMetricsServer(boost::asio::io_context& io, RenderWorker& renderer,
                                      HttpCounters* counters)

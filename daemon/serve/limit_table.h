@@ -58,12 +58,12 @@ constexpr LimitRow collector(std::string_view key, std::optional<LimitKind> kind
 
 }  // namespace limit_table_detail
 
-inline constexpr std::array<LimitRow, 26> kLimitTable = [] {
+inline constexpr std::array<LimitRow, 27> kLimitTable = [] {
   using limit_table_detail::collector;
   using limit_table_detail::server;
   using K = LimitKind;
   constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
-  return std::array<LimitRow, 26>{
+  return std::array<LimitRow, 27>{
       server<&ServerLimits::max_connections>("max_connections", K::kMaxConnections, 1, 65536),
       server<&ServerLimits::max_connections_per_uid>("max_connections_per_uid",
                                                      K::kMaxConnectionsPerUid, 1, 65536),
@@ -84,6 +84,9 @@ inline constexpr std::array<LimitRow, 26> kLimitTable = [] {
       // 0 refuses every `trace --for` (a plain `trace` still answers).
       server<&ServerLimits::max_pending_traces_per_uid>("max_pending_traces_per_uid",
                                                         K::kMaxPendingTracesPerUid, 0, 4096),
+      server<&ServerLimits::max_pending_reply_bytes_per_uid>("max_pending_reply_bytes_per_uid",
+                                                             K::kMaxPendingReplyBytesPerUid,
+                                                             64 * 1024, std::uint64_t{1} << 40),
       collector<&Limits::max_processes>("max_processes", K::kMaxProcesses, 1, 1'000'000),
       collector<&Limits::max_exited_processes>("max_exited_processes", K::kMaxExitedProcesses, 0,
                                                1'000'000),

@@ -1,25 +1,38 @@
 // Renders reports, metrics and snapshots off the io thread, so that ingest never waits
 // for them (a 100,000-key report takes hundreds of milliseconds; the clients' buffers
-// would fill meanwhile).
+// would fill meanwhile), and fairly between tenants.
+//
+// Two lanes, each a thread of its own (RenderLane, render_job.h): the bulk lane renders
+// reports, the ledger, trace pieces and snapshots; the fast lane stats, metrics and the
+// HTTP scrape, so that those never wait behind anyone's report (a report over a big
+// table takes seconds; a stats reply microseconds, a scrape one metrics render, which
+// HttpMetricsServer shares among every scraper waiting). Within a lane, jobs wait per
+// owner (RenderOwner, render_queue.h: a peer uid, the HTTP scrapers, the daemon) and are
+// served round-robin, at most one job of an owner in progress, FIFO within an owner.
 //
 // Data flow: a text session, the HTTP listener or the snapshot timer calls submit(job,
-// done) on the io thread -> jobs run in order: when the worker is idle the io thread
-// takes every job waiting (up to kMaxBatch), re-checks liveness and freezes the
-// Collector once for all of them (a CollectorView: pointers
-// copied, records shared copy-on-write, see CollectorView in collector.h) and posts the job with
-// its view to the worker thread -> the worker runs each job(view) and posts each result
-// back to the io thread, which calls done(result); then the io thread releases the view
-// (so only the io thread ever touches the records' use counts) and starts the next, at
-// most one view per kMinViewInterval (requests meanwhile wait and share the next view).
+// done, owner) on the io thread -> when its lane is idle the io thread takes a round
+// (the front job of each owner waiting, up to kMaxBatch), freezes the Collector once for
+// all of them (a CollectorView: pointers copied, records shared copy-on-write, see
+// CollectorView in collector.h) and posts the round with its view to the lane's thread
+// -> the thread runs each job(view) and posts each result back to the io thread, which
+// calls done(result) and frees the owner's turn; then the io thread releases the view
+// (so only the io thread ever touches the records' use counts) and starts the lane's
+// next round, at most one view per lane per kMinViewInterval (requests meanwhile wait
+// and share the next view).
 //
-// While a job renders, ingest goes on: the first mutation of a record the view holds
+// While a job renders, ingest goes on: the first mutation of a record a view holds
 // clones that record (one process's aggregates), once per view.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstddef>
-#include <deque>
+#include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,14 +42,38 @@
 #include <boost/asio/thread_pool.hpp>
 
 #include "daemon/serve/render_job.h"
+#include "daemon/serve/render_queue.h"
 #include "daemon/state/collector.h"
 
 namespace steptrace::daemon {
 
+// Reply bytes each peer uid has queued for its clients and the sockets not yet taken
+// (Session::send and its writes keep it), checked against
+// limits.max_pending_reply_bytes_per_uid. io thread only.
+class ReplyBytes {
+ public:
+  void add(std::uint32_t uid, std::size_t n) {
+    if (n != 0) by_uid_[uid] += n;
+  }
+  void remove(std::uint32_t uid, std::size_t n) {
+    const auto it = by_uid_.find(uid);
+    if (it == by_uid_.end()) return;
+    it->second -= std::min(it->second, n);
+    if (it->second == 0) by_uid_.erase(it);
+  }
+  std::size_t of(std::uint32_t uid) const {
+    const auto it = by_uid_.find(uid);
+    return it == by_uid_.end() ? 0 : it->second;
+  }
+
+ private:
+  std::map<std::uint32_t, std::size_t> by_uid_;  // uids with bytes pending only
+};
+
 class RenderWorker {
  public:
   using Done = std::function<void(std::string)>;
-  static constexpr std::size_t kMaxBatch = 64;  // jobs rendered from one view
+  static constexpr std::size_t kMaxBatch = 64;  // jobs (one per owner) rendered from one view
   static constexpr std::chrono::milliseconds kMinViewInterval{10};
 
   // `server`: the server's counters, which every view shows beside the collector's.
@@ -48,32 +85,45 @@ class RenderWorker {
 
   // io thread (asserted in debug builds, io_thread.h). `done` gets the job's text, or "error:
   // internal error: ...\n" when the job threw; it is never called once stop() has run.
-  void submit(RenderJob job, Done done);
+  // The job runs on its lane (job.lane()) in `owner`'s turn.
+  void submit(RenderJob job, Done done, RenderOwner owner = RenderOwner::daemon());
   // The same for work that needs no view (a piece of a streamed reply, which holds its
-  // own capture): run in turn with the jobs, without a freeze or its pacing.
+  // own capture): run on the bulk lane in `owner`'s turn, without a freeze or its pacing.
   using Task = std::function<std::string()>;
-  void submit_task(Task task, Done done);
-  // Waits for the job being rendered and joins the thread; queued jobs are dropped.
+  void submit_task(Task task, Done done, RenderOwner owner = RenderOwner::daemon());
+  // Waits for the jobs being rendered and joins the threads; queued jobs are dropped.
   void stop();
-  // Jobs waiting or rendering (for stats and tests).
-  std::size_t pending() const { return queue_.size() + (busy_ ? 1 : 0); }
+  // Jobs waiting or rendering (for stats and tests), in all or in one lane.
+  std::size_t pending() const { return pending(RenderLane::kBulk) + pending(RenderLane::kFast); }
+  std::size_t pending(RenderLane lane) const;
+  std::size_t waiting(RenderLane lane, RenderOwner owner) const;
+
+  ReplyBytes& reply_bytes() { return reply_bytes_; }
 
  private:
-  void start_next();
-
-  boost::asio::io_context& io_;
-  Collector& collector_;
-  const ServerCounters* server_;
-  boost::asio::steady_timer pace_timer_;
-  std::chrono::steady_clock::time_point last_freeze_{};
-  boost::asio::thread_pool pool_{1};
   struct Queued {
     RenderJob job;  // or
     Task task;
     Done done;
   };
-  std::deque<Queued> queue_;
-  bool busy_ = false;
+  struct Lane {
+    explicit Lane(boost::asio::io_context& io) : pace_timer(io) {}
+    RenderQueue<Queued> queue;
+    boost::asio::steady_timer pace_timer;
+    std::chrono::steady_clock::time_point last_freeze{};
+    bool busy = false;  // a round is out (or its pacing timer waits)
+    boost::asio::thread_pool pool{1};
+  };
+  Lane& lane(RenderLane which) { return *lanes_[static_cast<std::size_t>(which)]; }
+  const Lane& lane(RenderLane which) const { return *lanes_[static_cast<std::size_t>(which)]; }
+  void enqueue(RenderLane which, RenderOwner owner, Queued queued);
+  void start_next(Lane& lane);
+
+  boost::asio::io_context& io_;
+  Collector& collector_;
+  const ServerCounters* server_;
+  std::array<std::unique_ptr<Lane>, 2> lanes_;  // by RenderLane
+  ReplyBytes reply_bytes_;
   bool stopped_ = false;
 };
 

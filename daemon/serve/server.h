@@ -10,8 +10,9 @@
 // error and closed) and runs until a signal -> shutdown: stop accepting, apply what
 // binary clients already sent (bounded time), write the snapshot, close, return.
 // Everything runs on one thread, event-driven: no polling loop; except rendering (reports,
-// metrics, periodic snapshots), which the RenderWorker does on a thread of its own from a
-// copy-on-write view, so that ingest never waits for it.
+// metrics, periodic snapshots), which the RenderWorker does on two threads of its own (a
+// bulk and a fast lane, each fair between uids) from copy-on-write views, so that ingest
+// never waits for it.
 #pragma once
 
 #include <memory>

@@ -157,8 +157,33 @@ void Session::send(std::string bytes) {
   if (closed() || bytes.empty()) return;
   pending_write_bytes_ += bytes.size();
   shared_.pending_output_bytes += bytes.size();
+  if (shared_.renderer != nullptr) shared_.renderer->reply_bytes().add(uid(), bytes.size());
   write_queue_.push_back(std::move(bytes));
   if (!writing_) write_next();
+}
+
+void Session::written(std::size_t n) {
+  pending_write_bytes_ -= std::min(pending_write_bytes_, n);
+  shared_.pending_output_bytes -= std::min(shared_.pending_output_bytes, n);
+  if (shared_.renderer != nullptr) shared_.renderer->reply_bytes().remove(uid(), n);
+}
+
+std::optional<std::string> Session::over_reply_budget(std::size_t more) {
+  if (shared_.renderer == nullptr) return std::nullopt;
+  const std::size_t limit = shared_.config.server_limits.max_pending_reply_bytes_per_uid;
+  const std::size_t waiting = shared_.renderer->reply_bytes().of(uid());
+  // A reply is always sent when none of its uid's waits, however big (as the global
+  // budget does): the cap bounds what one tenant piles up, not what it may ask for.
+  if (waiting == 0 || waiting + more <= limit) return std::nullopt;
+  shared_.collector.count_limit(LimitKind::kMaxPendingReplyBytesPerUid);
+  shared_.log.warn("max_pending_reply_bytes_per_uid", "reply to " + stream_->describe_peer() +
+                                                          " refused: uid " + std::to_string(uid()) +
+                                                          " has " + std::to_string(waiting) +
+                                                          " bytes of replies waiting to be read");
+  return "error: busy: uid " + std::to_string(uid()) + " has " + std::to_string(waiting >> 10) +
+         " KiB of replies waiting for its clients to read them "
+         "(limits.max_pending_reply_bytes_per_uid=" +
+         std::to_string(limit) + "); read them, or retry\n";
 }
 
 void Session::render(RenderJob job) {
@@ -167,12 +192,24 @@ void Session::render(RenderJob job) {
     stream_->rendered(run_render_job(job, *shared_.collector.freeze(&shared_.counters)));
     return;
   }
-  shared_.renderer->submit(std::move(job), [self = shared_from_this()](std::string text) {
-    if (self->closed()) return;
-    self->stream_->rendered(std::move(text));
-    self->stream_->resume();
-    self->after_stream();
-  });
+  // Already at the cap: answer now, without rendering what could not be sent.
+  if (shared_.renderer->reply_bytes().of(uid()) >=
+      shared_.config.server_limits.max_pending_reply_bytes_per_uid) {
+    if (auto busy = over_reply_budget(0)) {
+      stream_->rendered(std::move(*busy));
+      return;
+    }
+  }
+  shared_.renderer->submit(
+      std::move(job),
+      [self = shared_from_this()](std::string text) {
+        if (self->closed()) return;
+        if (auto busy = self->over_reply_budget(text.size())) text = std::move(*busy);
+        self->stream_->rendered(std::move(text));
+        self->stream_->resume();
+        self->after_stream();
+      },
+      RenderOwner::of_uid(uid()));
 }
 
 void Session::render_piece(std::shared_ptr<ReplyStream> stream) {
@@ -204,7 +241,8 @@ void Session::render_piece(std::shared_ptr<ReplyStream> stream) {
         self->stream_->piece_rendered(std::move(text), *more);
         self->stream_->resume();
         self->after_stream();
-      });
+      },
+      RenderOwner::of_uid(uid()));
 }
 
 void Session::defer(std::chrono::milliseconds delay, std::function<void()> fire) {
@@ -266,8 +304,7 @@ void Session::write_next() {
       [self = shared_from_this()](const boost::system::error_code& ec, std::size_t) {
         self->writing_ = false;
         if (self->closed()) return;
-        self->pending_write_bytes_ -= self->write_queue_.front().size();
-        self->shared_.pending_output_bytes -= self->write_queue_.front().size();
+        self->written(self->write_queue_.front().size());
         self->write_queue_.pop_front();
         if (ec) {
           self->close();
@@ -348,8 +385,7 @@ void Session::close() {
   assert(on_io_thread(socket_.get_executor()));
   if (closed()) return;
   // What it still had queued will never be written: no longer waiting for anyone.
-  shared_.pending_output_bytes -= std::min(shared_.pending_output_bytes, pending_write_bytes_);
-  pending_write_bytes_ = 0;
+  written(pending_write_bytes_);
   stream_->closed();
   ++timer_generation_;
   timer_.cancel();

@@ -5,8 +5,11 @@
 // credentials from the kernel (SO_PEERCRED: pid, uid, gid; never a pid the client
 // claims) and its start time and comm from /proc, and makes the stream -> reads go into
 // the stream's read_buffer() -> what the stream sends is written in order, with at most
-// one async_write in flight -> render jobs go to the RenderWorker, their text back to
-// the stream -> when the stream finishes and its output is written, the socket closes.
+// one async_write in flight -> render jobs go to the RenderWorker in the peer uid's turn,
+// their text back to the stream (replaced by `error: busy: ...` when the uid's unread
+// replies would pass limits.max_pending_reply_bytes_per_uid: the worker's ReplyBytes,
+// which send() and the writes keep) -> when the stream finishes and its output is
+// written, the socket closes.
 // One steady_timer serves the stream's deadlines and this session's write deadline (a
 // reply the peer does not read within frame_s closes the connection). Reading pauses
 // while the stream does not want input (output backed up, a reply rendering), so memory
@@ -67,6 +70,12 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   void defer(std::chrono::milliseconds delay, std::function<void()> fire) override;
 
   bool closed() const { return !stream_ || stream_->state() == ClientStream::State::kClosed; }
+  std::uint32_t uid() const { return stream_->peer().uid; }
+  // `n` bytes queued by send() were written, or will never be (closed).
+  void written(std::size_t n);
+  // The `error: busy: ...` reply (counted, logged) when `more` reply bytes would take the
+  // peer's uid past limits.max_pending_reply_bytes_per_uid.
+  std::optional<std::string> over_reply_budget(std::size_t more);
   // After every call into the stream: close when it finished and all is written, else
   // re-arm the timer and read on if it wants input.
   void after_stream();

@@ -103,8 +103,9 @@ enum class LimitKind : std::uint8_t {
   kMaxRings,  // ServerLimits: rings mapped over all connections (each holds a descriptor)
   kMaxPendingTracesPerUid,  // ServerLimits: `trace --for` replies one uid has waiting
   kMaxSpanNs,
+  kMaxPendingReplyBytesPerUid,  // ServerLimits: reply bytes one uid's clients have not read
 };
-inline constexpr std::array<std::string_view, 23> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 24> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -126,8 +127,10 @@ inline constexpr std::array<std::string_view, 23> kLimitNames = {"max_connection
                                                                  "max_ring_bytes_per_uid",
                                                                  "max_rings",
                                                                  "max_pending_traces_per_uid",
-                                                                 "max_span_ns"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxSpanNs) + 1 == kLimitNames.size());
+                                                                 "max_span_ns",
+                                                                 "max_pending_reply_bytes_per_uid"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxPendingReplyBytesPerUid) + 1 ==
+              kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
