@@ -27,11 +27,13 @@ void uncharge_uid(CollectorState& state, std::uint32_t uid, std::size_t bytes) {
 
 namespace {
 
+// At least what one reclaim takes back, as a part of max_state_bytes: so that the next
+// charges after it need no reclaim each.
+constexpr std::size_t kReclaimDivisor = 64;
+
 // Whether `uid` may add `bytes` to max_state_bytes, under the share rule of
 // collector_state.h (reclaiming from others when it is within its share and the budget
 // is full). Not on the hot path: only a new thread, stack slot or custom step charges.
-constexpr std::size_t kReclaimDivisor = 64;
-
 bool admit_state(CollectorState& state, std::uint32_t uid, std::size_t bytes, const Limits& limits,
                  DaemonCounters& counters) {
   const bool privileged = uid == 0 || uid == state.own_uid;
@@ -43,7 +45,9 @@ bool admit_state(CollectorState& state, std::uint32_t uid, std::size_t bytes, co
   const std::size_t own = held == state.charged_by_uid.end() ? 0 : held->second;
   const std::size_t holders =
       state.charged_by_uid.size() + (held == state.charged_by_uid.end() ? 1 : 0);
-  const std::size_t share = limits.max_state_bytes / holders;
+  // Of what this uid may charge (the reserve left out for the unprivileged): two
+  // unprivileged uids at their shares fill exactly what they may use together.
+  const std::size_t share = budget / holders;
   if (own + bytes > share) return false;  // at its share: others may want theirs
   std::set<std::uint32_t> exhausted;      // over their share, with nothing left to take
   while (state.charged + bytes > budget) {
@@ -57,8 +61,8 @@ bool admit_state(CollectorState& state, std::uint32_t uid, std::size_t bytes, co
       }
     }
     if (!victim) return false;  // no one over their share (the reserve, or rounding)
-    // What is missing, or a 64th of the budget so that the next charges need no reclaim
-    // each; never more than the victim holds beyond its share.
+    // What is missing, or a 64th of the budget; never more than the victim holds beyond
+    // its share.
     const std::size_t wanted = std::min(
         furthest,
         std::max(state.charged + bytes - budget, limits.max_state_bytes / kReclaimDivisor));

@@ -245,8 +245,9 @@ struct CollectorState {
 // ingest then cannot keep is counted as the process's `refused` drops, never silently.
 //
 // max_state_bytes is shared fairly between uids (issue 26), as a producer of Perfetto's
-// gets its own buffer: a uid's share is max_state_bytes / the number of uids holding
-// state (itself included). While the budget has room anyone is admitted, so a lone
+// gets its own buffer: a uid's share is what it may charge (max_state_bytes, less the
+// reserve below unless it is root or the daemon) / the number of uids holding state
+// (itself included). While the budget has room anyone is admitted, so a lone
 // tenant may use all of it; once it is full, a uid still within its share is admitted
 // by reclaiming from the uid furthest over its share (reclaim_state()), and a uid at or
 // over its share is refused. So a greedy tenant that filled the budget alone gives back
