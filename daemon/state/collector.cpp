@@ -117,6 +117,10 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
     ProcessRecord& rec = state.write(it->second);
     mark_alive(state, rec);
     ++rec.connections;
+    if (rec.peer.uid != peer.uid) {  // it changed its uid: its state is the new uid's
+      uncharge_uid(state, rec.peer.uid, rec.charged);
+      charge_uid(state, peer.uid, rec.charged);
+    }
     rec.peer.uid = peer.uid;
     rec.peer.gid = peer.gid;
     if (!peer.comm.empty()) rec.peer.comm = peer.comm;
@@ -291,6 +295,7 @@ std::error_code Collector::adopt_restored(RestoredState restored) {
                    (rec->custom_slot ? sizeof(*rec->custom_slot) : 0) +
                    charge_restored_threads(*rec, limits_);
     next->charged += rec->charged;
+    charge_uid(*next, rec->peer.uid, rec->charged);
     if (!rec->alive) {
       ++next->exited;
       max_order = std::max(max_order, rec->exit_order);

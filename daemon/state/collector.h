@@ -240,6 +240,8 @@ class Collector {
   std::uint64_t raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped);
   // Spans of `rec` past max_span_ns, refused at their end: counted (Limits::max_span_ns).
   void refuse_spans(ProcessRecord& rec, std::uint64_t spans);
+  // Events of `rec` the daemon took and keeps nowhere: its `refused` drops.
+  void refuse_events(ProcessRecord& rec, std::uint64_t events);
   // A drop as a TraceMark, stamped `ts_ns` (a client timestamp), else now.
   void mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more,
                  std::optional<std::uint64_t> ts_ns = std::nullopt);

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
+#include <set>
 #include <utility>
 
 #include "daemon/state/collector_state.h"
@@ -12,18 +14,78 @@ namespace steptrace::daemon {
 
 // ---- the state budget (collector_state.h) -----------------------------------------------
 
+void charge_uid(CollectorState& state, std::uint32_t uid, std::size_t bytes) {
+  if (bytes != 0) state.charged_by_uid[uid] += bytes;
+}
+
+void uncharge_uid(CollectorState& state, std::uint32_t uid, std::size_t bytes) {
+  const auto it = state.charged_by_uid.find(uid);
+  if (it == state.charged_by_uid.end()) return;
+  it->second -= std::min(bytes, it->second);
+  if (it->second == 0) state.charged_by_uid.erase(it);  // no longer holds state
+}
+
+namespace {
+
+// At least what one reclaim takes back, as a part of max_state_bytes: so that the next
+// charges after it need no reclaim each.
+constexpr std::size_t kReclaimDivisor = 64;
+
+// Whether `uid` may add `bytes` to max_state_bytes, under the share rule of
+// collector_state.h (reclaiming from others when it is within its share and the budget
+// is full). Not on the hot path: only a new thread, stack slot or custom step charges.
+bool admit_state(CollectorState& state, std::uint32_t uid, std::size_t bytes, const Limits& limits,
+                 DaemonCounters& counters) {
+  const bool privileged = uid == 0 || uid == state.own_uid;
+  const std::size_t budget =
+      privileged ? limits.max_state_bytes
+                 : limits.max_state_bytes - limits.max_state_bytes / kPrivilegedReserveDivisor;
+  if (state.charged + bytes <= budget) return true;
+  const auto held = state.charged_by_uid.find(uid);
+  const std::size_t own = held == state.charged_by_uid.end() ? 0 : held->second;
+  const std::size_t holders =
+      state.charged_by_uid.size() + (held == state.charged_by_uid.end() ? 1 : 0);
+  // Of what this uid may charge (the reserve left out for the unprivileged): two
+  // unprivileged uids at their shares fill exactly what they may use together.
+  const std::size_t share = budget / holders;
+  if (own + bytes > share) return false;  // at its share: others may want theirs
+  std::set<std::uint32_t> exhausted;      // over their share, with nothing left to take
+  while (state.charged + bytes > budget) {
+    std::optional<std::uint32_t> victim;
+    std::size_t furthest = 0;
+    for (const auto& [other, held_bytes] : state.charged_by_uid) {
+      if (other == uid || held_bytes <= share || exhausted.contains(other)) continue;
+      if (held_bytes - share > furthest) {
+        furthest = held_bytes - share;
+        victim = other;
+      }
+    }
+    if (!victim) return false;  // no one over their share (the reserve, or rounding)
+    // What is missing, or a 64th of the budget; never more than the victim holds beyond
+    // its share.
+    const std::size_t wanted = std::min(
+        furthest,
+        std::max(state.charged + bytes - budget, limits.max_state_bytes / kReclaimDivisor));
+    if (reclaim_state(state, *victim, wanted, counters) == 0) exhausted.insert(*victim);
+  }
+  return true;
+}
+
+}  // namespace
+
 bool charge(CollectorState& state, ProcessRecord& rec, std::size_t bytes, const Limits& limits,
             DaemonCounters& counters) {
   if (rec.charged + bytes > limits.max_process_state_bytes) {
     counters.hit(LimitKind::kMaxProcessStateBytes);
     return false;
   }
-  if (state.charged + bytes > limits.max_state_bytes) {
+  if (!admit_state(state, rec.peer.uid, bytes, limits, counters)) {
     counters.hit(LimitKind::kMaxStateBytes);
     return false;
   }
   rec.charged += bytes;
   state.charged += bytes;
+  charge_uid(state, rec.peer.uid, bytes);
   return true;
 }
 
@@ -31,6 +93,7 @@ void uncharge(CollectorState& state, ProcessRecord& rec, std::size_t bytes) {
   bytes = std::min({bytes, rec.charged, state.charged});
   rec.charged -= bytes;
   state.charged -= bytes;
+  uncharge_uid(state, rec.peer.uid, bytes);
 }
 
 namespace {
@@ -246,6 +309,11 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
   rec->events += applied;
   if (losses.spans_refused != 0) [[unlikely]]
     refuse_spans(*rec, losses.spans_refused);
+  // Events whose thread or stack slot the state budget refused were taken (a ring's
+  // tail, a FlushAck) and folded into nothing: the process's `refused` drops, so the
+  // client's count and the report show them (the limit hits were counted by charge()).
+  if (losses.state_lost != 0) [[unlikely]]
+    refuse_events(*rec, losses.state_lost);
   if (losses.depth_hits != 0) counters_.hit(LimitKind::kMaxOpenDepth, losses.depth_hits);
   if (recorder_.on()) [[likely]] {
     const std::uint64_t now = env_.monotonic_now_ns();
@@ -310,10 +378,13 @@ std::uint64_t daemon_drops(const ProcessRecord& rec) {
 
 void Collector::refuse_spans(ProcessRecord& rec, std::uint64_t spans) {
   counters_.hit(LimitKind::kMaxSpanNs, spans);
-  // Their events were taken (a ring's tail, a FlushAck) and are not in any step: out of
+  refuse_events(rec, 2 * spans);
+}
+
+void Collector::refuse_events(ProcessRecord& rec, std::uint64_t lost) {
+  // They were taken (a ring's tail, a FlushAck) and are not in any step: out of
   // `events`, counted as refused, so that events + dropped is still what the client sent
   // (and a Delivered frame does not take them for a crash's loss).
-  const std::uint64_t lost = 2 * spans;
   rec.events -= std::min(rec.events, lost);
   std::uint64_t& refused = rec.dropped_by_cause[proto::kRefusedCause];
   refused = saturating_add(refused, lost);

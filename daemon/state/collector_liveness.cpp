@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -78,8 +79,9 @@ void retire(CollectorState& state, const ProcessRecord& rec) {
   }
 }
 
-// Past max_jobs_per_uid (that uid's) or max_jobs (anyone's) retired jobs, the job
-// retired least recently is forgotten, counted as a hit of that limit. Only jobs with no
+// Past max_jobs_per_uid (that uid's) retired jobs, that uid's job retired least recently
+// is forgotten; past max_jobs (anyone's), that of the uid holding the most (forget_oldest
+// below); each counted as a hit of that limit. Only jobs with no
 // process left in the table count and can be forgotten: forgetting one that still has
 // processes would make its counters go backwards (the table's share stays, the retired
 // share goes). Run after an eviction, when the evicted process's job may have lost its
@@ -101,17 +103,34 @@ void enforce_job_limits(CollectorState& state, std::uint32_t uid) {
     return static_cast<std::size_t>(std::count_if(
         jobs.begin(), jobs.end(), [&](const auto& j) { return forgettable(j, of_uid); }));
   };
-  // False when no job can be forgotten.
+  // `of_uid`: that uid's least recently retired job. Else (max_jobs) the least recently
+  // retired of the uid holding the most forgettable jobs (of two holding as many, the one
+  // whose job retired first), so that other uids' jobs together cannot push out the jobs
+  // of a uid holding no more than max_jobs / the uids holding any. False when no job can
+  // be forgotten.
   const auto forget_oldest = [&](bool of_uid) {
+    struct Held {
+      std::size_t count = 0;
+      RetiredJobs::iterator oldest;
+    };
     RetiredJobs& jobs = state.write_retired_jobs();
-    auto oldest = jobs.end();
+    std::map<std::uint32_t, Held> by_uid;
     for (auto it = jobs.begin(); it != jobs.end(); ++it) {
       if (!forgettable(*it, of_uid)) continue;
-      if (oldest == jobs.end() || it->second.retired_order < oldest->second.retired_order)
-        oldest = it;
+      Held& held = by_uid[it->first.uid];
+      if (held.count++ == 0 || it->second.retired_order < held.oldest->second.retired_order)
+        held.oldest = it;
     }
-    if (oldest == jobs.end()) return false;
-    jobs.erase(oldest);
+    const Held* largest = nullptr;
+    for (const auto& [owner, held] : by_uid) {
+      if (largest == nullptr || held.count > largest->count ||
+          (held.count == largest->count &&
+           held.oldest->second.retired_order < largest->oldest->second.retired_order)) {
+        largest = &held;
+      }
+    }
+    if (largest == nullptr) return false;
+    jobs.erase(largest->oldest);
     return true;
   };
   std::size_t of_uid = count(true), all = count(false);
@@ -155,6 +174,7 @@ void evict(CollectorState& state, ProcessHandle handle) {
   retire_job(state, rec);
   state.ledger.forget_process(rec.key());
   state.charged -= std::min(state.charged, rec.charged);
+  uncharge_uid(state, rec.peer.uid, rec.charged);
   state.by_key.erase(rec.key());
   if (!rec.alive) --state.exited;
   const std::uint32_t uid = rec.peer.uid;
@@ -165,24 +185,97 @@ void evict(CollectorState& state, ProcessHandle handle) {
 
 }  // namespace
 
-// Evicts the exited process that exited first. False when none is exited.
-bool evict_oldest_exited(CollectorState& state) {
-  ProcessHandle oldest = 0;
-  std::uint64_t oldest_order = std::numeric_limits<std::uint64_t>::max();
+namespace {
+
+// The exited process (no connection) of the uid holding the most of them, the one that
+// exited first; of two uids holding as many, the one whose exited first. `only_uid`:
+// that uid's only, and only those still charged to the state budget (evicting the others
+// would give back nothing). None: nothing exited.
+std::optional<ProcessHandle> oldest_exited_of_largest(const CollectorState& state,
+                                                      std::optional<std::uint32_t> only_uid) {
+  struct Held {
+    std::size_t count = 0;
+    std::uint64_t oldest_order = std::numeric_limits<std::uint64_t>::max();
+    ProcessHandle oldest = 0;
+  };
+  std::map<std::uint32_t, Held> by_uid;
   for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
     const ProcessRecord* rec = state.slots[h].get();
-    if (rec && !rec->alive && rec->connections == 0 && rec->exit_order < oldest_order) {
-      oldest = h;
-      oldest_order = rec->exit_order;
+    if (!rec || rec->alive || rec->connections != 0) continue;
+    if (only_uid && (rec->peer.uid != *only_uid || rec->charged == 0)) continue;
+    Held& held = by_uid[rec->peer.uid];
+    ++held.count;
+    if (rec->exit_order < held.oldest_order) {
+      held.oldest_order = rec->exit_order;
+      held.oldest = h;
     }
   }
-  if (oldest_order == std::numeric_limits<std::uint64_t>::max()) return false;
-  evict(state, oldest);
+  const Held* largest = nullptr;
+  for (const auto& [uid, held] : by_uid) {
+    if (largest == nullptr || held.count > largest->count ||
+        (held.count == largest->count && held.oldest_order < largest->oldest_order)) {
+      largest = &held;
+    }
+  }
+  if (largest == nullptr) return std::nullopt;
+  return largest->oldest;
+}
+
+}  // namespace
+
+// Evicts an exited process, of the uid holding the most. False when none is exited.
+bool evict_oldest_exited(CollectorState& state) {
+  const std::optional<ProcessHandle> victim = oldest_exited_of_largest(state, std::nullopt);
+  if (!victim) return false;
+  evict(state, *victim);
   return true;
 }
 
-// Past max_exited_processes the oldest exited process leaves the reports; each one is
-// counted as a hit of that limit.
+std::size_t reclaim_state(CollectorState& state, std::uint32_t uid, std::size_t wanted,
+                          DaemonCounters& counters) {
+  const std::size_t before = state.charged;
+  // Its exited processes first: their reports stay in the retired totals.
+  if (const auto exited = oldest_exited_of_largest(state, uid)) {
+    evict(state, *exited);
+    counters.hit(LimitKind::kMaxStateBytes);
+    return before - state.charged;
+  }
+  // Else its live process holding the most threads' state.
+  std::optional<ProcessHandle> largest;
+  std::size_t largest_bytes = 0;
+  for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
+    const ProcessRecord* rec = state.slots[h].get();
+    if (!rec || rec->peer.uid != uid || rec->threads.empty()) continue;
+    std::size_t bytes = 0;
+    for (const auto& thread : rec->threads) bytes += thread->charged;
+    if (bytes > largest_bytes) {
+      largest_bytes = bytes;
+      largest = h;
+    }
+  }
+  if (!largest) return 0;
+  ProcessRecord& rec = state.write(*largest);
+  // Threads with nothing open: nothing is lost but their slots, made again when they
+  // send. Only when none is idle, the open spans (counted as abandoned). As many as
+  // `wanted` needs, not the process's all: it keeps what is not needed.
+  const bool any_idle = std::any_of(rec.threads.begin(), rec.threads.end(),
+                                    [](const auto& t) { return t->open == 0; });
+  std::erase_if(rec.threads, [&](const auto& t) {
+    if (before - state.charged >= wanted || (any_idle && t->open != 0)) return false;
+    for (std::size_t slot = 0; slot < t->stacks.size(); ++slot)
+      rec.steps[slot].abandoned += t->stacks[slot].size();
+    uncharge(state, rec, t->charged);
+    return true;
+  });
+  rec.thread_index.clear();
+  for (std::uint32_t i = 0; i < rec.threads.size(); ++i) rec.thread_index[rec.threads[i]->tid] = i;
+  rec.last_thread = nullptr;
+  rec.last_tid = 0;
+  return before > state.charged ? before - state.charged : 0;
+}
+
+// Past max_exited_processes an exited process of the uid holding the most leaves the
+// reports, its oldest (evict_oldest_exited); each one is counted as a hit of that limit.
 void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCounters& counters) {
   while (state.exited > limits.max_exited_processes && evict_oldest_exited(state)) {
     counters.hit(LimitKind::kMaxExitedProcesses);

@@ -33,6 +33,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <unistd.h>
+
 #include "daemon/state/collector.h"
 #include "daemon/state/histogram.h"
 #include "daemon/state/ledger_state.h"
@@ -216,6 +218,11 @@ struct CollectorState {
   std::size_t exited = 0;
   std::uint64_t next_exit_order = 1;
   std::size_t charged = 0;  // the state budget in use: the records' `charged` summed
+  // The same by the records' uid, a uid holding none left out: what the share rule of
+  // charge() weighs (how many uids hold state, and who is furthest over its share).
+  std::map<std::uint32_t, std::size_t> charged_by_uid;
+  // The daemon's own uid: with root, the uids whose state keeps a reserve (charge()).
+  std::uint32_t own_uid = ::geteuid();
   LedgerView ledger;
   // Liveness bookkeeping of the ledger's holders (Collector::refresh_liveness): a
   // process's liveness changed since the holders were last checked, and the holders
@@ -239,24 +246,57 @@ struct CollectorState {
 // a thread (its record, index entry and max_open_depth timestamps), each stack slot a
 // thread uses, a custom step (aggregate, name, id-table). Per-step histograms are not
 // charged: they are bounded per step (at most ~15 KiB each) by max_custom_steps.
-// charge() is false, with the limit counted, when either bound would be passed.
+// charge() is false, with the limit counted, when either bound would be passed; what
+// ingest then cannot keep is counted as the process's `refused` drops, never silently.
+//
+// max_state_bytes is shared fairly between uids (issue 26), as a producer of Perfetto's
+// gets its own buffer: a uid's share is what it may charge (max_state_bytes, less the
+// reserve below unless it is root or the daemon) / the number of uids holding state
+// (itself included). While the budget has room anyone is admitted, so a lone
+// tenant may use all of it; once it is full, a uid still within its share is admitted
+// by reclaiming from the uid furthest over its share (reclaim_state()), and a uid at or
+// over its share is refused. So a greedy tenant that filled the budget alone gives back
+// what the next tenant's share needs, and can never push anyone under their share.
+// Within a uid nothing changes: first come, first kept. Root and the daemon's own uid
+// keep a reserve (max_state_bytes / kPrivilegedReserveDivisor) that other uids may not
+// charge, so the operator's tools are never starved even before any reclaim.
+// A share is counted per uid, not per process: a tenant does not get more by starting
+// more processes (max_processes_per_uid bounds those).
 inline constexpr std::size_t kThreadCharge =
     sizeof(ThreadSpans) + sizeof(void*) + 48;  // record, pointer, index node
 inline constexpr std::size_t kStackSlotCharge = sizeof(std::vector<std::uint64_t>);
 inline constexpr std::size_t kCustomStepCharge =
     sizeof(StepAgg) + sizeof(std::uint32_t) + sizeof(std::string) + proto::kNameField;
+inline constexpr std::size_t kPrivilegedReserveDivisor = 16;
 bool charge(CollectorState& state, ProcessRecord& rec, std::size_t bytes, const Limits& limits,
             DaemonCounters& counters);
 void uncharge(CollectorState& state, ProcessRecord& rec, std::size_t bytes);
+// The per-uid side of the budget (CollectorState::charged_by_uid), for the code that
+// adds or removes a whole record's charge (eviction, adopt, a uid that changed).
+void charge_uid(CollectorState& state, std::uint32_t uid, std::size_t bytes);
+void uncharge_uid(CollectorState& state, std::uint32_t uid, std::size_t bytes);
+// Gives back some of `uid`'s state for another uid's share (charge()), cheapest loss
+// first: its exited process that exited first (evicted, into the retired totals, a
+// max_state_bytes hit); else the threads of its largest live process that have nothing
+// open (nothing lost: made again on their next event); else that process's threads with
+// open spans (the spans counted as abandoned, as when a connection closes). Custom steps
+// of a live process hold its aggregates and stay. Threads are taken until `wanted` bytes
+// are free (an exited process goes whole). The bytes freed; 0: nothing to take.
+std::size_t reclaim_state(CollectorState& state, std::uint32_t uid, std::size_t wanted,
+                          DaemonCounters& counters);
 
 // Liveness and eviction, shared by the Collector's ingest, liveness and ledger code.
 // Every /proc probe of the Collector: a failed one is counted.
 Liveness probe_liveness(const Environment& env, const ProcessKey& key, DaemonCounters& counters);
 void mark_exited(CollectorState& state, ProcessRecord& rec, std::uint64_t now);
 void mark_alive(CollectorState& state, ProcessRecord& rec);
-// Evicts the exited process that exited first. False when none is exited.
+// Evicts an exited process: of the uid holding the most exited processes (so one
+// tenant's churn pushes out its own before anyone's), the one that exited first. False
+// when none is exited.
 bool evict_oldest_exited(CollectorState& state);
-// Evicts exited processes past max_exited_processes, oldest first, each a limit hit.
+// Evicts exited processes past max_exited_processes (evict_oldest_exited()), each a
+// limit hit. A uid holding no more than max_exited_processes / the uids holding exited
+// processes is never the one that holds the most while the limit is passed.
 void enforce_exited_limit(CollectorState& state, const Limits& limits, DaemonCounters& counters);
 // Re-flags the ledger's reservations from the table (and a probe of the untracked ones).
 void check_ledger_holders(CollectorState& state, const Environment& env, DaemonCounters& counters);
