@@ -9,8 +9,25 @@
 //      acknowledgement and exits. The daemon is configured to keep that many exited
 //      processes. The report must show all P processes with exact counts, else exit 1.
 //
+//  (3) charged vs held (issue 26, problem 2): a Collector fed through its ingest API, as
+//      serve/ClientStream feeds it, in a forked child per attack, so each starts from its
+//      own baseline. Per attack: the RSS growth (VmRSS after the feed, untrimmed, less
+//      VmRSS before the Collector existed, trimmed), the bytes the state budget charged
+//      (TableFigures::state_bytes_charged), their ratio (target within 25%), limit hits;
+//      then every process disconnects and dies, the Collector evicts them (it keeps no
+//      exited process) and returns freed heap to the kernel itself (malloc_trim,
+//      daemon/state/charge.h): the RSS and charge after 1.5 s of liveness ticks (what
+//      steptraced's 500 ms timer would run), with no malloc_trim of the bench's. Attacks:
+//        histograms  H processes x 1,024 custom steps, each step's spans spread over every
+//                    power of two a span may last (1 ns .. 2^49 ns, under max_span_ns):
+//                    full histograms, recorded a power of two at a time over all steps;
+//        threads     T processes x 1,024 custom steps x 700 thread ids, each thread one
+//                    span of every step (one stack per (thread, step)).
+//
 //   memory_bench [--spans-per-thread M] [--threads N] [--processes P] [--spans-per-step S]
-//     defaults: M = 20,000,000, N = 4, P = 1000, S = 100
+//                [--charge-only] [--hist-processes H] [--thread-processes T]
+//     defaults: M = 20,000,000, N = 4, P = 1000, S = 100, H = 40, T = 8
+#include <malloc.h>
 #include <steptrace/steptrace.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -29,6 +46,7 @@
 #include <vector>
 
 #include "bench/bench_support.h"
+#include "daemon/state/collector.h"
 #include "proto/codec.h"
 #include "tests/support/daemon_process.h"
 
@@ -43,6 +61,9 @@ struct Options {
   int threads = 4;
   int processes = 1000;
   int spans_per_step = 100;
+  bool charge_only = false;
+  int hist_processes = 40;
+  int thread_processes = 8;
 };
 
 // ---- (1) client ------------------------------------------------------------------------
@@ -249,6 +270,176 @@ int daemon_footprint(const Options& opt) {
   return 0;
 }
 
+// ---- (3) charged vs held ---------------------------------------------------------------
+
+namespace daemon = steptrace::daemon;
+
+constexpr std::int32_t kFirstPid = 200000;
+constexpr std::size_t kBatch = 4096;  // events per Collector::events call, as one frame
+constexpr std::uint32_t kCustomSteps = 1024;
+constexpr std::uint32_t kTidsPerProcess = 700;
+constexpr unsigned kTopPower = 49;  // 2^49 ns: the longest power of two under max_span_ns
+
+struct Attack {
+  const char* name;
+  int processes;
+  // Feeds process `p` (its handle) through `fold` (one batch of events).
+  void (*feed)(daemon::Collector&, daemon::ProcessHandle);
+};
+
+bool process_dead = false;  // the attack's processes, once they disconnect
+
+daemon::Environment attack_environment() {
+  daemon::Environment env;
+  env.monotonic_now_ns = [] { return steptrace::bench::monotonic_ns(); };
+  env.probe = [](std::int32_t pid) -> std::optional<daemon::ProcessProbe> {
+    if (process_dead) return std::nullopt;
+    return daemon::ProcessProbe{static_cast<std::uint64_t>(pid), false, "attacker"};
+  };
+  return env;
+}
+
+class Batcher {
+ public:
+  Batcher(daemon::Collector& collector, daemon::ProcessHandle handle)
+      : collector_(collector), handle_(handle) {
+    batch_.reserve(kBatch);
+  }
+  ~Batcher() { fold(); }
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+  void span(std::uint32_t tid, std::uint32_t step, std::uint64_t duration) {
+    const auto id = static_cast<std::uint16_t>(step);
+    batch_.push_back({t_, tid, id, static_cast<std::uint8_t>(proto::EventKind::kStart), 0});
+    batch_.push_back(
+        {t_ + duration, tid, id, static_cast<std::uint8_t>(proto::EventKind::kEnd), 0});
+    t_ += 1000;  // spans overlap in time: only their durations matter here
+    if (batch_.size() >= kBatch) fold();
+  }
+  void fold() {
+    if (batch_.empty()) return;
+    const proto::EventSpan span{reinterpret_cast<const std::byte*>(batch_.data()), batch_.size()};
+    (void)collector_.events(handle_, span);  // refusals are counted as limit hits
+    batch_.clear();
+  }
+
+ private:
+  daemon::Collector& collector_;
+  daemon::ProcessHandle handle_;
+  std::vector<proto::EventRecord> batch_;
+  std::uint64_t t_ = 1'000'000'000;
+};
+
+void register_steps(daemon::Collector& collector, daemon::ProcessHandle handle) {
+  for (std::uint32_t i = 0; i < kCustomSteps; ++i) {
+    proto::RegisterStep reg{};
+    reg.step = proto::kFirstCustomStep + i;
+    proto::set_field(reg.name, "attack/custom_step_" + std::to_string(i));
+    (void)collector.register_step(handle, reg);
+  }
+}
+
+void feed_histograms(daemon::Collector& collector, daemon::ProcessHandle handle) {
+  register_steps(collector, handle);
+  Batcher batcher(collector, handle);
+  // A power of two at a time over all steps: each histogram grows a chunk per round.
+  for (unsigned power = 0; power <= kTopPower; ++power) {
+    for (std::uint32_t i = 0; i < kCustomSteps; ++i) {
+      const std::uint64_t d =
+          (std::uint64_t{1} << power) + (i % 7) * (std::uint64_t{1} << power) / 8;
+      batcher.span(1, proto::kFirstCustomStep + i, d);
+    }
+  }
+}
+
+void feed_threads(daemon::Collector& collector, daemon::ProcessHandle handle) {
+  register_steps(collector, handle);
+  Batcher batcher(collector, handle);
+  for (std::uint32_t tid = 1; tid <= kTidsPerProcess; ++tid) {
+    for (std::uint32_t i = 0; i < kCustomSteps; ++i)
+      batcher.span(tid, proto::kFirstCustomStep + i, 1000);
+  }
+}
+
+double mib_of_kib(std::uint64_t kib) { return static_cast<double>(kib) / 1024.0; }
+double mib_of_bytes(std::uint64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+std::uint64_t state_limit_hits(const daemon::DaemonCounters& counters) {
+  std::uint64_t n = 0;
+  for (const char* name : {"max_process_state_bytes", "max_state_bytes"}) {
+    if (const auto it = counters.limits_hit.find(name); it != counters.limits_hit.end())
+      n += it->second;
+  }
+  return n;
+}
+
+// One attack, in this (forked) process. Exit status 0 when it ran.
+int run_attack(const Attack& attack) {
+  ::malloc_trim(0);
+  const std::uint64_t rss0 = vm_rss_kib().value_or(0);
+  daemon::Limits limits;
+  limits.max_exited_processes = 0;  // evicted as soon as they are found dead
+  daemon::FlightRecorderConfig recorder;
+  recorder.budget_bytes = 0;  // its own budget, not the state's
+  daemon::Collector collector(limits, attack_environment(), recorder);
+  std::vector<daemon::ProcessHandle> handles;
+  for (int p = 0; p < attack.processes; ++p) {
+    const std::int32_t pid = kFirstPid + p;
+    const daemon::PeerIdentity peer{{pid, static_cast<std::uint64_t>(pid)}, 3000, 3000, "attacker"};
+    daemon::ProcessHandle handle = 0;
+    if (auto ec = collector.attach(peer, handle)) {
+      std::fprintf(stderr, "%s: attach %d: %s\n", attack.name, p, ec.message().c_str());
+      return 1;
+    }
+    attack.feed(collector, handle);
+    handles.push_back(handle);
+  }
+  const std::uint64_t rss1 = vm_rss_kib().value_or(0);
+  const auto table = collector.freeze()->table();
+  const double grown = mib_of_kib(rss1 - std::min(rss1, rss0));
+  const double charged = mib_of_bytes(table.state_bytes_charged);
+  std::printf(
+      "charge: %-10s %3d processes: RSS %.1f -> %.1f MiB (+%.1f MiB), charged %.1f MiB: "
+      "charged/RSS growth %.2f; state limit hits %llu\n",
+      attack.name, attack.processes, mib_of_kib(rss0), mib_of_kib(rss1), grown, charged,
+      grown > 0 ? charged / grown : 0.0,
+      static_cast<unsigned long long>(state_limit_hits(collector.counters())));
+  // They exit: the Collector evicts them and hands the heap back by itself.
+  process_dead = true;
+  for (const daemon::ProcessHandle handle : handles) collector.detach(handle);
+  // The daemon's liveness timer ticks every 500 ms: the ticks of the next 1.5 s (a trim
+  // runs at most once a second).
+  for (int tick = 0; tick < 3; ++tick) {
+    collector.refresh_liveness();
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  collector.refresh_liveness();
+  const std::uint64_t rss2 = vm_rss_kib().value_or(0);
+  const auto after = collector.freeze()->table();
+  std::printf(
+      "charge: %-10s after they exited and were evicted: %zu tracked, RSS %.1f MiB "
+      "(+%.1f MiB over the start), charged %.2f MiB (the retired histograms and jobs)\n",
+      attack.name, static_cast<std::size_t>(after.tracked), mib_of_kib(rss2),
+      mib_of_kib(rss2 - std::min(rss2, rss0)), mib_of_bytes(after.state_bytes_charged));
+  std::fflush(stdout);
+  return 0;
+}
+
+int charged_vs_held(const Options& opt) {
+  const Attack attacks[] = {{"histograms", opt.hist_processes, feed_histograms},
+                            {"threads", opt.thread_processes, feed_threads}};
+  int failed = 0;
+  for (const Attack& attack : attacks) {
+    std::fflush(stdout);
+    const pid_t child = ::fork();
+    if (child == 0) std::_Exit(run_attack(attack));
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  return failed == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -264,10 +455,17 @@ int main(int argc, char** argv) {
       opt.processes = std::atoi(argv[++i]);
     } else if (arg == "--spans-per-step" && has_value) {
       opt.spans_per_step = std::atoi(argv[++i]);
+    } else if (arg == "--charge-only") {
+      opt.charge_only = true;
+    } else if (arg == "--hist-processes" && has_value) {
+      opt.hist_processes = std::atoi(argv[++i]);
+    } else if (arg == "--thread-processes" && has_value) {
+      opt.thread_processes = std::atoi(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: %s [--spans-per-thread M] [--threads N] [--processes P] "
-                   "[--spans-per-step S]\n",
+                   "[--spans-per-step S] [--charge-only] [--hist-processes H] "
+                   "[--thread-processes T]\n",
                    argv[0]);
       return 2;
     }
@@ -278,6 +476,7 @@ int main(int argc, char** argv) {
   }
   std::printf("machine: %s\n", steptrace::bench::machine_description().c_str());
   std::fflush(stdout);
+  if (opt.charge_only) return charged_vs_held(opt);
 
   {
     steptrace::testing::TempDir dir;
@@ -303,5 +502,6 @@ int main(int argc, char** argv) {
     daemon.stop();
   }
   std::fflush(stdout);
-  return daemon_footprint(opt);
+  if (const int rc = daemon_footprint(opt); rc != 0) return rc;
+  return charged_vs_held(opt);
 }

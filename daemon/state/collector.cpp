@@ -158,6 +158,10 @@ std::error_code Collector::attach(const PeerIdentity& peer, ProcessHandle& out) 
     }
   }
   auto rec = std::make_shared<ProcessRecord>();
+  // Its record is charged, never refused: the process limits bound how many there are.
+  rec->charged = heap::record_base_bytes();
+  state.charged += rec->charged;
+  charge_uid(state, peer.uid, rec->charged);
   rec->peer = peer;
   rec->connections = 1;
   rec->attached_at_ns = now;
@@ -201,10 +205,15 @@ std::size_t Collector::reset(std::optional<std::int32_t> pid) {
   for (ProcessHandle h = 0; h < state.slots.size(); ++h) {
     const ProcessRecord* slot = state.slots[h].get();
     if (!slot || (pid && slot->key().pid != *pid)) continue;
-    for (auto& step : state.write(h).steps) step.clear();
+    ProcessRecord& rec = state.write(h);
+    for (auto& step : rec.steps) {
+      uncharge(state, rec, heap::histogram_heap_bytes(step.hist));  // its chunks go
+      step.clear();
+    }
     ++cleared;
   }
   if (!pid) {
+    state.remove_retired(state.retired_charged);
     state.retired = std::make_shared<RetiredHistograms>();
     state.retired_jobs = std::make_shared<RetiredJobs>();
   }
@@ -258,9 +267,8 @@ namespace {
 
 // A restored record's open spans under this daemon's limits (they may be lower than the
 // snapshot's writer's): each thread charged as ingest charges one; a thread past
-// max_threads_per_process, or nested deeper than max_open_depth, is abandoned. The bytes.
-std::size_t charge_restored_threads(ProcessRecord& rec, const Limits& limits) {
-  std::size_t charged = 0;
+// max_threads_per_process, or nested deeper than max_open_depth, is abandoned.
+void charge_restored_threads(ProcessRecord& rec, const Limits& limits) {
   std::vector<DeepPtr<ThreadSpans>> kept;
   for (auto& thread : rec.threads) {
     if (kept.size() >= limits.max_threads_per_process || thread->open > limits.max_open_depth) {
@@ -268,15 +276,12 @@ std::size_t charge_restored_threads(ProcessRecord& rec, const Limits& limits) {
         rec.steps[slot].abandoned += thread->stacks[slot].size();
       continue;
     }
-    thread->charged = kThreadCharge + 2 * limits.max_open_depth * sizeof(std::uint64_t) +
-                      thread->stacks.size() * kStackSlotCharge;
-    charged += thread->charged;
+    thread->charged = heap::thread_bytes(*thread);
     kept.push_back(std::move(thread));
   }
   rec.threads = std::move(kept);
   rec.thread_index.clear();
   for (std::uint32_t i = 0; i < rec.threads.size(); ++i) rec.thread_index[rec.threads[i]->tid] = i;
-  return charged;
 }
 
 }  // namespace
@@ -290,10 +295,9 @@ std::error_code Collector::adopt_restored(RestoredState restored) {
   auto next = std::make_unique<State>(limits_, counters_);
   std::uint64_t max_order = 0;
   for (auto& rec : restored.processes) {
-    // Their custom steps and the threads with open spans are what they are charged.
-    rec->charged = rec->custom_ids.size() * kCustomStepCharge +
-                   (rec->custom_slot ? sizeof(*rec->custom_slot) : 0) +
-                   charge_restored_threads(*rec, limits_);
+    // What it holds (charge.h), its threads with open spans included.
+    charge_restored_threads(*rec, limits_);
+    rec->charged = heap::record_bytes(*rec);
     next->charged += rec->charged;
     charge_uid(*next, rec->peer.uid, rec->charged);
     if (!rec->alive) {
@@ -304,6 +308,10 @@ std::error_code Collector::adopt_restored(RestoredState restored) {
     next->slots.push_back(std::move(rec));
   }
   next->next_exit_order = max_order + 1;
+  for (const auto& [name, hist] : restored.retired)
+    next->add_retired(heap::retired_histogram_bytes(name, hist));
+  for (const auto& [key, job] : restored.retired_jobs)
+    next->add_retired(heap::retired_job_bytes(key, job));
   *next->retired = std::move(restored.retired);
   for (const auto& [key, job] : restored.retired_jobs) {
     next->next_retired_order = std::max(next->next_retired_order, job.retired_order + 1);

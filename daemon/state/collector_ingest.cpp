@@ -94,6 +94,7 @@ void uncharge(CollectorState& state, ProcessRecord& rec, std::size_t bytes) {
   rec.charged -= bytes;
   state.charged -= bytes;
   uncharge_uid(state, rec.peer.uid, bytes);
+  state.freed_memory.freed(bytes);
 }
 
 namespace {
@@ -124,8 +125,8 @@ ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_
       return nullptr;
     }
   }
-  // Its record, and room for max_open_depth timestamps in its stacks (their capacity).
-  const std::size_t cost = kThreadCharge + 2 * limits.max_open_depth * sizeof(std::uint64_t);
+  // Its record and index entry; its stacks are charged as they grow.
+  const std::size_t cost = heap::new_thread_bytes();
   if (!charge(state, rec, cost, limits, counters)) return nullptr;
   auto thread = std::make_unique<ThreadSpans>();
   thread->tid = tid;
@@ -183,18 +184,40 @@ struct BatchLosses {
 [[gnu::always_inline]] inline bool grow_stacks(CollectorState& state, ProcessRecord& rec,
                                                ThreadSpans& thread, std::uint32_t slot,
                                                const Limits& limits, DaemonCounters& counters) {
-  const std::size_t cost = (slot + 1 - thread.stacks.size()) * kStackSlotCharge;
+  const std::size_t cost = heap::stack_slots_bytes(thread, slot);
   if (!charge(state, rec, cost, limits, counters)) return false;
   thread.charged += cost;
-  thread.stacks.resize(slot + 1);
+  heap::make_room_for_slot(thread, slot);
   return true;
 }
 
+// The state budget as ingest's hot path sees it: the rare branches that allocate charge
+// through it (a timestamp stack's or depth array's growth, a histogram's chunk).
+struct Budget {
+  CollectorState& state;
+  const Limits& limits;
+  DaemonCounters& counters;
+
+  // Room for one more timestamp in `v`, one of `thread`'s vectors, charged to the thread.
+  [[gnu::noinline]] bool grow(ProcessRecord& rec, ThreadSpans& thread,
+                              std::vector<std::uint64_t>& v) {
+    const std::size_t cost = heap::push_bytes(v);
+    if (!charge(state, rec, cost, limits, counters)) return false;
+    thread.charged += cost;
+    heap::make_room_for_push(v);
+    return true;
+  }
+  // A chunk for `hist`, charged to the process.
+  [[gnu::noinline]] bool chunk(ProcessRecord& rec, const Histogram& hist) {
+    return charge(state, rec, heap::histogram_chunk_bytes(hist), limits, counters);
+  }
+};
+
 // A start: pushes its timestamp on `stack`, the thread's stack for `slot`.
-[[gnu::always_inline]] inline void open_span(ProcessRecord& rec, ThreadSpans& thread,
-                                             std::vector<std::uint64_t>& stack, std::uint32_t slot,
-                                             std::uint64_t ts, std::size_t max_depth,
-                                             BatchLosses& losses) {
+[[gnu::always_inline]] inline void open_span(Budget& budget, ProcessRecord& rec,
+                                             ThreadSpans& thread, std::vector<std::uint64_t>& stack,
+                                             std::uint32_t slot, std::uint64_t ts,
+                                             std::size_t max_depth, BatchLosses& losses) {
   // Bounded per thread over all its steps, so a thread's open spans cost at most
   // max_open_depth timestamps however many steps it nests.
   if (thread.open >= max_depth) [[unlikely]] {
@@ -202,19 +225,26 @@ struct BatchLosses {
     losses.hit_depth(ts);
     return;
   }
-  stack.push_back(ts);
-  if (thread.child_ns.size() <= thread.open) [[unlikely]] {
-    thread.child_ns.resize(thread.open + 1);  // at most max_open_depth entries
+  if (stack.size() == stack.capacity() || thread.child_ns.size() <= thread.open) [[unlikely]] {
+    // Growth, charged first (at most max_open_depth depth entries).
+    if ((stack.size() == stack.capacity() && !budget.grow(rec, thread, stack)) ||
+        (thread.child_ns.size() <= thread.open && !budget.grow(rec, thread, thread.child_ns))) {
+      losses.lose_state(ts);
+      return;
+    }
+    if (thread.child_ns.size() <= thread.open) thread.child_ns.resize(thread.open + 1);
   }
+  stack.push_back(ts);
   thread.child_ns[thread.open] = 0;
   ++thread.open;
 }
 
 // An end: pops the innermost open span of `stack`, the thread's stack for `slot`, into
 // the step's aggregate (and a ledger step's into the ledger view); a span longer than
-// `max_span_ns` goes into nothing and is counted in `losses`.
-[[gnu::always_inline]] inline void close_span(LedgerView& ledger, ProcessRecord& rec,
-                                              ThreadSpans& thread,
+// `max_span_ns` goes into nothing and is counted in `losses`, as is one whose histogram
+// chunk the state budget refused.
+[[gnu::always_inline]] inline void close_span(Budget& budget, LedgerView& ledger,
+                                              ProcessRecord& rec, ThreadSpans& thread,
                                               std::vector<std::uint64_t>& stack, std::uint32_t slot,
                                               const proto::EventRecord& e,
                                               std::uint64_t max_span_ns, BatchLosses& losses) {
@@ -233,6 +263,12 @@ struct BatchLosses {
     return;
   }
   StepAgg& agg = rec.steps[slot];
+  if (agg.hist.needs_chunk(duration)) [[unlikely]] {
+    if (!budget.chunk(rec, agg.hist)) {
+      losses.lose_state(e.timestamp_ns);
+      return;
+    }
+  }
   agg.hist.record(duration);
   // Self time: its duration less what ended one level deeper while it was open (the
   // depth is the thread's, so it is exact when the thread's spans nest).
@@ -269,6 +305,7 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
   LedgerView& ledger = state_->ledger;  // loaded once, not at every end event
   const std::size_t n = events.size();
   BatchLosses losses;
+  Budget budget{*state_, limits_, counters_};
   std::error_code result;
   std::size_t applied = n;  // events before a bad one are kept
   for (std::size_t i = 0; i < n; ++i) {
@@ -297,9 +334,9 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     }
     std::vector<std::uint64_t>& stack = thread->stacks[slot];
     if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
-      open_span(*rec, *thread, stack, slot, e.timestamp_ns, max_depth, losses);
+      open_span(budget, *rec, *thread, stack, slot, e.timestamp_ns, max_depth, losses);
     } else if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) {
-      close_span(ledger, *rec, *thread, stack, slot, e, max_span_ns, losses);
+      close_span(budget, ledger, *rec, *thread, stack, slot, e, max_span_ns, losses);
     } else {
       result = make_error_code(errc::bad_event_kind);
       applied = i;
@@ -351,8 +388,9 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
     counters_.hit(LimitKind::kMaxCustomSteps);
     return make_error_code(errc::limit_reached);
   }
-  const std::size_t cost = kCustomStepCharge + (rec.custom_slot ? 0 : sizeof(*rec.custom_slot));
+  const std::size_t cost = heap::custom_step_bytes(rec, name);
   if (!charge(*state_, rec, cost, limits_, counters_)) return make_error_code(errc::limit_reached);
+  heap::make_room_for_step(rec);
   if (!rec.custom_slot) {
     rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();
     rec.custom_slot->fill(0);

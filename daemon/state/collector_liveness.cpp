@@ -75,7 +75,9 @@ void retire(CollectorState& state, const ProcessRecord& rec) {
       if (retired.size() >= CollectorState::kMaxRetiredNames) name = "(other)";
       it = retired.try_emplace(name).first;
     }
+    const std::size_t before = heap::histogram_heap_bytes(it->second);
     it->second.merge(hist);
+    state.add_retired(heap::histogram_heap_bytes(it->second) - before);
   }
 }
 
@@ -130,6 +132,7 @@ void enforce_job_limits(CollectorState& state, std::uint32_t uid) {
       }
     }
     if (largest == nullptr) return false;
+    state.remove_retired(heap::retired_job_bytes(largest->oldest->first, largest->oldest->second));
     jobs.erase(largest->oldest);
     return true;
   };
@@ -149,7 +152,9 @@ void enforce_job_limits(CollectorState& state, std::uint32_t uid) {
 void retire_job(CollectorState& state, const ProcessRecord& rec) {
   RetiredJobs& jobs = state.write_retired_jobs();
   JobKey key{rec.peer.uid, rec.job};
-  RetiredJob& job = jobs[std::move(key)];
+  const auto [entry, fresh] = jobs.try_emplace(std::move(key));
+  RetiredJob& job = entry->second;
+  if (fresh) state.add_retired(heap::retired_job_bytes(entry->first, job));
   ++job.processes;
   job.dropped = saturating_add(job.dropped, rec.dropped);
   job.retired_order = state.next_retired_order++;
@@ -160,7 +165,9 @@ void retire_job(CollectorState& state, const ProcessRecord& rec) {
     auto step = job.steps.find(name);
     if (step == job.steps.end()) {
       if (job.steps.size() >= RetiredJob::kMaxJobSteps) name = "(other)";
-      step = job.steps.try_emplace(std::string(name)).first;
+      const auto added = job.steps.try_emplace(std::string(name));
+      step = added.first;
+      if (added.second) state.add_retired(heap::retired_job_step_bytes(name));
     }
     step->second.count = saturating_add(step->second.count, agg.hist.count());
     step->second.total_ns = saturating_add(step->second.total_ns, agg.hist.sum());
@@ -175,6 +182,7 @@ void evict(CollectorState& state, ProcessHandle handle) {
   state.ledger.forget_process(rec.key());
   state.charged -= std::min(state.charged, rec.charged);
   uncharge_uid(state, rec.peer.uid, rec.charged);
+  state.freed_memory.freed(rec.charged);
   state.by_key.erase(rec.key());
   if (!rec.alive) --state.exited;
   const std::uint32_t uid = rec.peer.uid;
@@ -327,6 +335,7 @@ void Collector::detach(ProcessHandle process) {
   if (probe_liveness(env_, rec.key(), counters_) == Liveness::kDead)
     mark_exited(state, rec, env_.monotonic_now_ns());
   enforce_exited_limit(state, limits_, counters_);
+  state.freed_memory.release_if_due(env_.monotonic_now_ns());  // its threads, evictions
 }
 
 void Collector::refresh_liveness() {
@@ -358,6 +367,7 @@ void Collector::refresh_liveness() {
   }
   enforce_exited_limit(state, limits_, counters_);
   recorder_.tick(env_.monotonic_now_ns());
+  state.freed_memory.release_if_due(env_.monotonic_now_ns());
 }
 
 }  // namespace steptrace::daemon

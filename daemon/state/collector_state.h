@@ -22,6 +22,7 @@
 // and destroys views and mutates, so the use counts it reads are its own.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <map>
@@ -35,6 +36,7 @@
 
 #include <unistd.h>
 
+#include "daemon/state/charge.h"
 #include "daemon/state/collector.h"
 #include "daemon/state/histogram.h"
 #include "daemon/state/ledger_state.h"
@@ -82,6 +84,15 @@ class DeepPtr : public std::unique_ptr<T> {
 };
 
 struct ThreadSpans {
+  ThreadSpans() = default;
+  // A copy (a record cloned for copy-on-write) keeps every vector's capacity: what a
+  // thread was charged for its stacks is their capacity (charge.h), and a copy that held
+  // less would be charged again as it grew back.
+  ThreadSpans(const ThreadSpans& other);
+  ThreadSpans& operator=(const ThreadSpans&) = delete;
+  ThreadSpans(ThreadSpans&&) noexcept = default;
+  ThreadSpans& operator=(ThreadSpans&&) noexcept = default;
+
   std::uint32_t tid = 0;
   std::uint32_t open = 0;  // spans open on this thread, all steps
   // By step slot: start timestamps. Only as long as the highest slot this thread used.
@@ -209,6 +220,19 @@ struct CollectorState {
     return *retired_jobs;
   }
 
+  // The retired histograms and jobs grew or shrank by `bytes` (charge.h): charged, never
+  // refused (their bounds are counts: kMaxRetiredNames, max_jobs, kMaxJobSteps).
+  void add_retired(std::size_t bytes) {
+    retired_charged += bytes;
+    charged += bytes;
+  }
+  void remove_retired(std::size_t bytes) {
+    bytes = std::min({bytes, retired_charged, charged});
+    retired_charged -= bytes;
+    charged -= bytes;
+    freed_memory.freed(bytes);
+  }
+
   // Counts the mutations (write(), write_retired*(), a record added): with the ledger's
   // changes(), what tells the snapshot timer the state changed since the last one.
   std::uint64_t generation = 0;
@@ -217,9 +241,13 @@ struct CollectorState {
   std::map<ProcessKey, ProcessHandle> by_key;
   std::size_t exited = 0;
   std::uint64_t next_exit_order = 1;
-  std::size_t charged = 0;  // the state budget in use: the records' `charged` summed
-  // The same by the records' uid, a uid holding none left out: what the share rule of
-  // charge() weighs (how many uids hold state, and who is furthest over its share).
+  // The state budget in use: the records' `charged` summed, and retired_charged.
+  std::size_t charged = 0;
+  // The retired histograms' and jobs' heap (charge.h), part of `charged`.
+  std::size_t retired_charged = 0;
+  FreedMemory freed_memory;  // what evictions and closed threads freed, trimmed now and then
+  // The records' `charged` by their uid, a uid holding none left out: what the share rule
+  // of charge() weighs (how many uids hold state, and who is furthest over its share).
   std::map<std::uint32_t, std::size_t> charged_by_uid;
   // The daemon's own uid: with root, the uids whose state keeps a reserve (charge()).
   std::uint32_t own_uid = ::geteuid();
@@ -241,13 +269,11 @@ struct CollectorState {
   DaemonCounters* counters = nullptr;  // the io thread's (a view never writes)
 };
 
-// The state budget (Limits::max_process_state_bytes, max_state_bytes): what a process's
-// input makes the daemon allocate beyond its fixed record, charged before it is made:
-// a thread (its record, index entry and max_open_depth timestamps), each stack slot a
-// thread uses, a custom step (aggregate, name, id-table). Per-step histograms are not
-// charged: they are bounded per step (at most ~15 KiB each) by max_custom_steps.
-// charge() is false, with the limit counted, when either bound would be passed; what
-// ingest then cannot keep is counted as the process's `refused` drops, never silently.
+// The state budget (Limits::max_process_state_bytes, max_state_bytes): the heap a
+// process's input makes the daemon hold, charged before it is allocated, as charge.h
+// estimates it: its record, custom steps (aggregate, name), histogram chunks, threads
+// and their open-span stacks. charge() is false, with the limit counted, when either
+// bound would be passed.
 //
 // max_state_bytes is shared fairly between uids (issue 26), as a producer of Perfetto's
 // gets its own buffer: a uid's share is what it may charge (max_state_bytes, less the
@@ -261,12 +287,9 @@ struct CollectorState {
 // keep a reserve (max_state_bytes / kPrivilegedReserveDivisor) that other uids may not
 // charge, so the operator's tools are never starved even before any reclaim.
 // A share is counted per uid, not per process: a tenant does not get more by starting
-// more processes (max_processes_per_uid bounds those).
-inline constexpr std::size_t kThreadCharge =
-    sizeof(ThreadSpans) + sizeof(void*) + 48;  // record, pointer, index node
-inline constexpr std::size_t kStackSlotCharge = sizeof(std::vector<std::uint64_t>);
-inline constexpr std::size_t kCustomStepCharge =
-    sizeof(StepAgg) + sizeof(std::uint32_t) + sizeof(std::string) + proto::kNameField;
+// more processes (max_processes_per_uid bounds those). What ingest cannot keep is
+// counted as the process's `refused` drops, never silently. The retired histograms and
+// jobs (no uid's alone) count against max_state_bytes, not against any uid's share.
 inline constexpr std::size_t kPrivilegedReserveDivisor = 16;
 bool charge(CollectorState& state, ProcessRecord& rec, std::size_t bytes, const Limits& limits,
             DaemonCounters& counters);

@@ -7,9 +7,10 @@
 // shifts, a table lookup and an increment; no loop, no floating point, no allocation
 // except the first time a power of two is seen (a 128-byte chunk, allocated lazily).
 //
-// Memory bound: 216 bytes fixed + 128 bytes (32 x uint32) per power of two actually
-// seen. A typical step whose spans vary by a factor of 4..100 touches 3..8 chunks:
-// 0.6..1.3 KiB. The worst case (values spread over all 60 powers of two) is 7.9 KiB.
+// Memory bound: 328 bytes fixed + 128 bytes (32 x uint32) per power of two actually
+// seen, in one heap block (16 bytes more: daemon/state/charge.h charges it). A typical step
+// whose spans vary by a factor of 4..100 touches 3..8 chunks: 0.7..1.4 KiB. The worst
+// case (values spread over all 60 powers of two) is 8 KiB.
 //
 // Beside the log-linear buckets it keeps exact counts for the fixed Prometheus bucket
 // bounds kPromBoundsNs (1us .. 10s, +Inf), so exported buckets are exact and add up
@@ -90,6 +91,8 @@ class Histogram {
   static constexpr unsigned kSubBuckets = 1u << kSubBits;  // per power of two
   static constexpr unsigned kChunks = 64 - kSubBits + 1;   // chunk 0: [0,32), 1: [32,64), ...
   static constexpr unsigned kBuckets = kChunks * kSubBuckets;
+  // The heap one chunk (a power of two's 32 counters) takes in chunks_.
+  static constexpr std::size_t kChunkBytes = kSubBuckets * sizeof(std::uint32_t);
 
   static constexpr auto kPromBoundsNs = histogram_detail::kPromBoundsNs;
   static constexpr std::size_t kPromBuckets = kPromBoundsNs.size() + 1;
@@ -115,6 +118,14 @@ class Histogram {
     // after the table lookup finds the bucket.
     const unsigned prom = histogram_detail::kPromBelow[log2];
     ++prom_[prom + (v > histogram_detail::kPromUpper[prom] ? 1u : 0u)];
+  }
+
+  // Whether record(v) would allocate a chunk (the first value in its power of two): the
+  // state budget charges it before (daemon/state/charge.h).
+  bool needs_chunk(std::uint64_t v) const {
+    const unsigned log2 = 63u - static_cast<unsigned>(std::countl_zero(v | kSubBuckets));
+    const unsigned shift = log2 - kSubBits;
+    return chunk_slot_[shift + static_cast<unsigned>((v >> shift) >> kSubBits)] == 0;
   }
 
   void merge(const Histogram& other);
@@ -159,6 +170,7 @@ class Histogram {
   // 32-bit counters halve the memory (and the cache footprint of the hot path); the
   // rare bucket that passes 2^32 keeps its high part in overflow_.
   using Chunk = std::array<std::uint32_t, kSubBuckets>;
+  static_assert(sizeof(Chunk) == kChunkBytes);
 
   std::uint8_t add_chunk(unsigned chunk);
   // Adds `wraps` * 2^32 to bucket `index`'s high part.
