@@ -451,12 +451,12 @@ TEST(ProtoMalformed, BadMagic) {
 }
 
 TEST(ProtoMalformed, UnsupportedVersion) {
-  for (std::uint16_t version : {0, 7, 0x100, 0xffff}) {
+  for (std::uint16_t version : {0, 8, 0x100, 0xffff}) {
     expect_rejected(Side::kDaemon, hello_bytes(version), errc::unsupported_version, 0);
   }
   // The version is checked before the rest of the hello, so a future hello with other
   // flags still gets "unsupported version".
-  expect_rejected(Side::kDaemon, hello_bytes(7, 0xffff, ""), errc::unsupported_version, 0);
+  expect_rejected(Side::kDaemon, hello_bytes(8, 0xffff, ""), errc::unsupported_version, 0);
 }
 
 TEST(ProtoMalformed, BadHello) {
@@ -500,7 +500,7 @@ TEST(ProtoMalformed, ConfiguredSmallerCapIsEnforced) {
 }
 
 TEST(ProtoMalformed, UnknownFrameType) {
-  for (std::uint16_t type : {0, 11, 0x80, 0x84, 0x100, 0xffff}) {
+  for (std::uint16_t type : {0, 12, 0x80, 0x84, 0x100, 0xffff}) {
     SCOPED_TRACE(type);
     expect_daemon_frame_rejected(frame_bytes(type, Bytes(8)), errc::unknown_frame_type);
     expect_rejected(Side::kClient, frame_bytes(type, Bytes(8)), errc::unknown_frame_type, 0);

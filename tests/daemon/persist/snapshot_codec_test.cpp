@@ -124,7 +124,7 @@ constexpr const char* kReservationFieldsSinceV1[] = {"uid", "lease_ms", "lease_d
                                                      "expired"};
 constexpr const char* kRowFieldsSinceV1[] = {"refused", "renews"};
 constexpr const char* kCountersSinceV1[] = {"connections_undrained", "liveness_probe_errors",
-                                            "replies_refused"};
+                                            "replies_refused", "frames_resent_skipped"};
 
 json without_fields_since_v1(json doc) {
   json& ledger = doc.at("ledger");
