@@ -23,7 +23,7 @@ using namespace ledger;
 
 // A GPU's ledger rows in `ledger --json`: [{"step", "count", "total_ns"}, ...],
 // [{"pid", "start_time", "comm", "reserves", "releases", "cleanups", "renews", "refused",
-// "steps"}, ...] and {"reserve": n, "release": n, "cleanup": n, "vram_sample": n,
+// "steps", "exited"}, ...] and {"reserve": n, "release": n, "cleanup": n, "vram_sample": n,
 // "renew": n}. The snapshot writes its own (persist/snapshot_codec.cpp).
 json steps_json(const std::map<std::uint32_t, StepTime>& steps) {
   json out = json::array();
@@ -34,6 +34,9 @@ json steps_json(const std::map<std::uint32_t, StepTime>& steps) {
   }
   return out;
 }
+
+// A uid for the JSON documents: null when unknown (restored from an older snapshot).
+json uid_json(std::uint32_t uid) { return uid == kUnknownUid ? json(nullptr) : json(uid); }
 
 json processes_json(const Gpu& gpu) {
   json processes = json::array();
@@ -46,7 +49,8 @@ json processes_json(const Gpu& gpu) {
                          {"cleanups", row.cleanups},
                          {"renews", row.renews},
                          {"refused", row.refused},
-                         {"steps", steps_json(row.steps)}});
+                         {"steps", steps_json(row.steps)},
+                         {"exited", row.exited_ns != 0}});
   }
   return processes;
 }
@@ -58,9 +62,6 @@ json operations_json(const Gpu& gpu) {
   }
   return operations;
 }
-
-// A uid for the JSON documents: null when unknown (restored from an older snapshot).
-json uid_json(std::uint32_t uid) { return uid == kUnknownUid ? json(nullptr) : json(uid); }
 
 double seconds_between(std::uint64_t from_ns, std::uint64_t to_ns) {
   return to_ns > from_ns ? static_cast<double>(to_ns - from_ns) / 1e9 : 0.0;

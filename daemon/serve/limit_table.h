@@ -58,12 +58,12 @@ constexpr LimitRow collector(std::string_view key, std::optional<LimitKind> kind
 
 }  // namespace limit_table_detail
 
-inline constexpr std::array<LimitRow, 27> kLimitTable = [] {
+inline constexpr std::array<LimitRow, 29> kLimitTable = [] {
   using limit_table_detail::collector;
   using limit_table_detail::server;
   using K = LimitKind;
   constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
-  return std::array<LimitRow, 27>{
+  return std::array<LimitRow, 29>{
       server<&ServerLimits::max_connections>("max_connections", K::kMaxConnections, 1, 65536),
       server<&ServerLimits::max_connections_per_uid>("max_connections_per_uid",
                                                      K::kMaxConnectionsPerUid, 1, 65536),
@@ -115,6 +115,10 @@ inline constexpr std::array<LimitRow, 27> kLimitTable = [] {
                                                    K::kMaxReservationsPerUid, 1, 1'000'000'000),
       // 1 us .. 2^63 ns (292 years: no bound in practice, the sums saturating).
       collector<&Limits::max_span_ns>("max_span_ns", K::kMaxSpanNs, 1'000, std::uint64_t{1} << 63),
+      collector<&Limits::max_ledger_rows_per_uid>("max_ledger_rows_per_uid",
+                                                  K::kMaxLedgerRowsPerUid, 1, 1'000'000),
+      // Up to a year; a row of a live process never ages out.
+      collector<&Limits::max_ledger_row_age_s>("max_ledger_row_age_s", std::nullopt, 1, 31'536'000),
   };
 }();
 

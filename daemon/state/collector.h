@@ -237,6 +237,7 @@ class Collector {
   DaemonCounters counters_;
   std::unique_ptr<State> state_;
   void refresh_holder(const proto::LedgerRecord& record);
+  void age_ledger_rows();  // collector_ledger.cpp; on the liveness tick
   std::uint64_t raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped);
   // Spans of `rec` past max_span_ns, refused at their end: counted (Limits::max_span_ns).
   void refuse_spans(ProcessRecord& rec, std::uint64_t spans);

@@ -62,6 +62,21 @@ void Collector::refresh_holder(const proto::LedgerRecord& record) {
   check_ledger_holders(state, env_, counters_);
 }
 
+// The ledger's activity rows of processes gone age out (LedgerView::age_rows): the table
+// answers for the processes it has, one /proc probe per tick for another still believed
+// alive (a text command's peer, a process restored or evicted), none for one seen gone.
+void Collector::age_ledger_rows() {
+  State& state = *state_;
+  state.ledger.age_rows(
+      [&](const ProcessKey& key) {
+        const auto it = state.by_key.find(key);
+        if (it != state.by_key.end()) return state.slots[it->second]->alive;
+        // Unknown (the probe failed): alive, asked again next tick.
+        return probe_liveness(env_, key, counters_) != Liveness::kDead;
+      },
+      env_.monotonic_now_ns());
+}
+
 CleanupOutcome Collector::operator_cleanup(const PeerIdentity& peer, std::string_view gpu,
                                            std::uint64_t id) {
   using Result = CleanupOutcome::Result;

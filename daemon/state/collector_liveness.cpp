@@ -351,6 +351,7 @@ void Collector::refresh_liveness() {
     if (liveness == Liveness::kDead) mark_exited(state, state.write(h), env_.monotonic_now_ns());
   }
   check_ledger_holders(state, env_, counters_);
+  age_ledger_rows();
   std::vector<LedgerView::ExpiredLease> expired;
   state.ledger.expire_leases(env_.monotonic_now_ns(), recorder_.on() ? &expired : nullptr);
   for (const LedgerView::ExpiredLease& e : expired) {

@@ -52,6 +52,12 @@ enum Anomaly : std::size_t {
   kRenewRefused,
   kBadLease,
   kLeaseExpired,
+  // A uid at max_ledger_rows_per_uid on a GPU needed a row (the record is applied).
+  kMaxLedgerRowsPerUid,
+  // Sanity of the shared view (refused): a Reserve larger than the GPU's known total; a
+  // VramSample whose total contradicts NVML's or the one another uid established.
+  kReservationOverTotal,
+  kVramTotalMismatch,
   kAnomalyCount,
 };
 
@@ -79,7 +85,26 @@ inline constexpr std::array<std::string_view, kAnomalyCount> kAnomalyNames = {
     "renew_refused",
     "bad_lease",
     "lease_expired",
+    "max_ledger_rows_per_uid",
+    "reservation_over_total",
+    "vram_total_mismatch",
 };
+
+// How far a VramSample's total may be from the GPU's known total (NVML's, else the one a
+// client established) before it contradicts it, in percent of the known total; also the
+// slack over a client-established total a single Reserve may have. Two clients of one
+// GPU report the same total, and a client's total (cudaMemGetInfo) is within a few percent
+// of NVML's (memory the driver keeps); a distortion worth refusing is far off.
+inline constexpr std::uint64_t kTotalTolerancePct = 10;
+
+// kTotalTolerancePct of `known` (no overflow).
+constexpr std::uint64_t total_slack(std::uint64_t known) {
+  return known / 100 * kTotalTolerancePct + known % 100 * kTotalTolerancePct / 100;
+}
+// `total` contradicts `known`: it differs by more than kTotalTolerancePct of `known`.
+constexpr bool total_contradicts(std::uint64_t total, std::uint64_t known) {
+  return (total > known ? total - known : known - total) > total_slack(known);
+}
 
 // Applied operations per GPU; a ReserveLease counts as a reserve.
 enum Op : std::size_t { kOpReserve, kOpRelease, kOpCleanup, kOpVramSample, kOpRenew, kOpCount };
@@ -118,9 +143,15 @@ struct ProcessRow {
   std::uint64_t releases = 0;
   std::uint64_t cleanups = 0;
   std::uint64_t renews = 0;
-  // Releases, cleanups and renewals it sent for this GPU that it was not allowed to make.
+  // Releases, cleanups and renewals it sent for this GPU that it was not allowed to make,
+  // once it had a row (a refused record never makes one).
   std::uint64_t refused = 0;
   std::map<std::uint32_t, StepTime> steps;  // ledger step id -> time
+  // The actor's uid (max_ledger_rows_per_uid); kUnknownUid when restored from a snapshot.
+  std::uint32_t uid = kUnknownUid;
+  // When the liveness check first saw the actor's process gone (monotonic; 0: alive, or
+  // not seen gone yet); the row goes max_ledger_row_age_s after. Not kept in snapshots.
+  std::uint64_t exited_ns = 0;
 };
 
 struct VramSample {
@@ -173,6 +204,12 @@ struct Gpu {
   bool overcommitted = false;  // reserved_bytes > the device's total, else the sample's
   // The total NVML reported in its last sample of this GPU (not kept in snapshots).
   std::optional<std::uint64_t> device_total;
+  // The total clients established (without NVML the GPU's known total): the first
+  // applied VramSample's, changed only by a later sample of the same uid, of root, or one
+  // NVML confirmed; a sample of another uid contradicting it is refused. Not kept in
+  // snapshots: a restored GPU takes its sample's total, owned by no uid (kUnknownUid).
+  std::optional<std::uint64_t> client_total;
+  std::uint32_t client_total_uid = kUnknownUid;
   std::uint64_t overcommit_events = 0;
   std::array<std::uint64_t, kOpCount> operations{};
   std::map<ProcessKey, ProcessRow> processes;
@@ -201,6 +238,7 @@ struct Mark {
   std::string gpu;
   std::uint64_t timestamp_ns = 0;
   std::string comm;
+  std::uint32_t uid = kUnknownUid;
 };
 
 // What one uid has in the ledger: GPU entries it created, reservations it holds.
@@ -245,19 +283,27 @@ struct State {
     }
   }
 
-  // The actor's row on `gpu`; nullptr (counted) when the GPU already keeps a row for as
-  // many processes as the collector may hold.
-  ProcessRow* row(Gpu& gpu, const ProcessKey& key, const std::string& comm, std::size_t max_rows) {
+  // The actor's row on `gpu`, made if need be; nullptr (counted) when there is no room.
+  // A uid at limits.max_ledger_rows_per_uid on the GPU gives up its row whose process
+  // exited first, else gets none; a GPU with limits.max_processes rows gives up the row of
+  // any uid whose process exited first, else refuses: rows of exited processes never
+  // crowd out live ones.
+  ProcessRow* row(Gpu& gpu, const ProcessKey& key, const std::string& comm, std::uint32_t uid,
+                  const Limits& limits, DaemonCounters& counters) {
     auto it = gpu.processes.find(key);
     if (it == gpu.processes.end()) {
-      if (gpu.processes.size() >= max_rows) {
-        count(kProcessRowsFull);
-        return nullptr;
-      }
+      if (!make_room(gpu, uid, limits, counters)) return nullptr;
       it = gpu.processes.emplace(key, ProcessRow{}).first;
+      it->second.uid = uid;
     }
     it->second.comm = comm;
+    it->second.exited_ns = 0;  // it sent something: alive
     return &it->second;
+  }
+  // The actor's row on `gpu` if it has one (a refused record makes none).
+  static ProcessRow* existing_row(Gpu& gpu, const ProcessKey& key) {
+    const auto it = gpu.processes.find(key);
+    return it == gpu.processes.end() ? nullptr : &it->second;
   }
 
   // Over-commitment is counted on the transition into it, not on every record.
@@ -272,6 +318,39 @@ struct State {
       count(kOvercommitted);
     }
     gpu.overcommitted = now;
+  }
+
+ private:
+  // Room for one more row of `uid` on `gpu` (row()); false (counted) when there is none.
+  bool make_room(Gpu& gpu, std::uint32_t uid, const Limits& limits, DaemonCounters& counters) {
+    if (uid != kUnknownUid) {
+      const auto mine = [uid](const ProcessRow& r) { return r.uid == uid; };
+      const auto n = static_cast<std::size_t>(
+          std::count_if(gpu.processes.begin(), gpu.processes.end(),
+                        [&mine](const auto& entry) { return mine(entry.second); }));
+      if (n >= limits.max_ledger_rows_per_uid) {
+        count(kMaxLedgerRowsPerUid);
+        counters.hit(LimitKind::kMaxLedgerRowsPerUid);
+        if (!erase_first_exited(gpu, mine)) return false;
+      }
+    }
+    if (gpu.processes.size() < limits.max_processes) return true;
+    if (erase_first_exited(gpu, [](const ProcessRow&) { return true; })) return true;
+    count(kProcessRowsFull);
+    return false;
+  }
+  // Erases the row, among those `which` accepts, whose process was seen exited first.
+  template <typename Which>
+  static bool erase_first_exited(Gpu& gpu, const Which& which) {
+    auto first = gpu.processes.end();
+    for (auto it = gpu.processes.begin(); it != gpu.processes.end(); ++it) {
+      const ProcessRow& r = it->second;
+      if (r.exited_ns == 0 || !which(r)) continue;
+      if (first == gpu.processes.end() || r.exited_ns < first->second.exited_ns) first = it;
+    }
+    if (first == gpu.processes.end()) return false;
+    gpu.processes.erase(first);
+    return true;
   }
 };
 

@@ -72,9 +72,25 @@ void LedgerView::adopt(ledger::State state, std::uint64_t now_ns) {
   // its library. Every lease not expired runs at least one more lease from now before the
   // view may call it expired; one expired before the restart stays expired.
   for (auto& [uuid, gpu] : state.gpus) {
+    // The total the view showed before the restart stays established, owned by no uid.
+    if (gpu.sample && !gpu.client_total) gpu.client_total = gpu.sample->total_bytes;
     for (auto& [id, r] : gpu.reservations) {
       if (r.lease_ms != 0 && !r.expired) {
         r.lease_deadline_ns = std::max(r.lease_deadline_ns, lease_deadline(now_ns, r.lease_ms));
+      }
+    }
+  }
+  // A snapshot does not keep a row's uid (max_ledger_rows_per_uid): a row whose process
+  // holds a reservation takes the holder's; the others count against no uid (they make
+  // no more rows, and age out once their process is seen gone).
+  std::map<ProcessKey, std::uint32_t> holders;
+  for (const auto& [uuid, gpu] : state.gpus) {
+    for (const auto& [id, r] : gpu.reservations) holders.emplace(r.holder, r.uid);
+  }
+  for (auto& [uuid, gpu] : state.gpus) {
+    for (auto& [key, row] : gpu.processes) {
+      if (const auto h = holders.find(key); row.uid == kUnknownUid && h != holders.end()) {
+        row.uid = h->second;
       }
     }
   }
@@ -115,6 +131,10 @@ class Apply {
       s_.count(kDuplicateReservation);
       return true;
     }
+    if (over_known_total(record_.bytes)) {
+      s_.count(kReservationOverTotal);
+      return false;  // dropped: a GPU never holds it, so no tenant's view shows it
+    }
     if ((gpu_ != nullptr ? gpu_->reservations.size() : 0) >= limits_.max_reservations_per_gpu) {
       limit_hit(kMaxReservationsPerGpu, LimitKind::kMaxReservationsPerGpu);
       return false;  // dropped: not even the attribution mark
@@ -139,7 +159,7 @@ class Apply {
     gpu_->reserved_bytes += record_.bytes;
     gpu_->high_water_bytes = std::max(gpu_->high_water_bytes, gpu_->reserved_bytes);
     count_op(kOpReserve);
-    if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) ++row->reserves;
+    if (ProcessRow* row = my_row()) ++row->reserves;
     s_.update_overcommit(*gpu_);
     return true;
   }
@@ -164,9 +184,7 @@ class Apply {
     gpu_->reserved_bytes -= entry->second.bytes;
     gpu_->reservations.erase(entry);
     count_op(cleanup ? kOpCleanup : kOpRelease);
-    if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) {
-      ++(cleanup ? row->cleanups : row->releases);
-    }
+    if (ProcessRow* row = my_row()) ++(cleanup ? row->cleanups : row->releases);
     s_.update_overcommit(*gpu_);
     return true;
   }
@@ -176,7 +194,23 @@ class Apply {
       s_.count(kBadVramSample);
       return true;
     }
+    // NVML's total judges it when the device reports the GPU; else the total a client
+    // established, unless the sender is the uid that established it, or root.
+    const std::optional<std::uint64_t> device = device_total();
+    const bool contradicts = device
+                                 ? total_contradicts(record_.total_bytes, *device)
+                                 : gpu_ != nullptr && gpu_->client_total && actor_.uid != 0 &&
+                                       actor_.uid != gpu_->client_total_uid &&
+                                       total_contradicts(record_.total_bytes, *gpu_->client_total);
+    if (contradicts) {
+      s_.count(kVramTotalMismatch);
+      return false;
+    }
     if (!ensure_gpu()) return false;
+    if (device || !gpu_->client_total || actor_.uid == 0 || actor_.uid == gpu_->client_total_uid) {
+      gpu_->client_total = record_.total_bytes;
+      gpu_->client_total_uid = actor_.uid;
+    }
     // Samples from several processes may arrive out of order: keep the newest.
     if (!gpu_->sample || at_ns_ >= gpu_->sample->at_ns) {
       gpu_->sample = VramSample{record_.bytes, record_.total_bytes, at_ns_};
@@ -198,7 +232,7 @@ class Apply {
     if (!valid_lease()) return true;
     set_lease(r);
     count_op(kOpRenew);
-    if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) ++row->renews;
+    if (ProcessRow* row = my_row()) ++row->renews;
     return true;
   }
 
@@ -224,10 +258,24 @@ class Apply {
       }
       it = threads.emplace(record_.thread_id, Mark{}).first;
     }
-    it->second = Mark{std::string(uuid_), record_.timestamp_ns, comm_};
+    it->second = Mark{std::string(uuid_), record_.timestamp_ns, comm_, actor_.uid};
   }
 
  private:
+  // NVML's total of this GPU when the device reports it.
+  std::optional<std::uint64_t> device_total() const {
+    if (gpu_ != nullptr && gpu_->device_total) return gpu_->device_total;
+    if (const auto d = s_.devices.find(uuid_); d != s_.devices.end()) return d->second.total_bytes;
+    return std::nullopt;
+  }
+  // A single reservation larger than the GPU: NVML's total, else the established client
+  // total and its slack (a client's total may be a little under the device's). Without
+  // either, nothing is known to judge by.
+  bool over_known_total(std::uint64_t bytes) const {
+    if (const auto device = device_total()) return bytes > *device;
+    if (gpu_ == nullptr || !gpu_->client_total) return false;
+    return bytes > saturating_add(*gpu_->client_total, total_slack(*gpu_->client_total));
+  }
   bool valid_lease() {
     if (record_.total_bytes == 0 || record_.total_bytes > proto::kMaxLeaseMs) {
       s_.count(kBadLease);
@@ -244,13 +292,16 @@ class Apply {
     ++gpu_->operations[op];
     applied_ = true;
   }
-  // Counted as `kind` and in the actor's `refused` on this GPU; nothing else changes,
-  // not even the attribution mark.
+  // Counted as `kind`, and in the actor's `refused` on this GPU when it has a row there
+  // already; nothing else changes, not even the attribution mark. A refused record makes
+  // no row: callers that are only ever refused (a CLI's `ledger cleanup` of another uid's
+  // live entry, thousands of times) must not fill the GPU's table.
   bool refuse(Anomaly kind) {
     s_.count(kind);
-    if (ProcessRow* row = s_.row(*gpu_, actor_.key, comm_, limits_.max_processes)) ++row->refused;
+    if (ProcessRow* row = State::existing_row(*gpu_, actor_.key)) ++row->refused;
     return false;
   }
+  ProcessRow* my_row() { return s_.row(*gpu_, actor_.key, comm_, actor_.uid, limits_, counters_); }
   bool holder_side(const Reservation& r) const {
     return actor_.key == r.holder || actor_.uid == 0 ||
            (r.uid != kUnknownUid && actor_.uid == r.uid);
@@ -389,11 +440,54 @@ void LedgerView::attribute_span(const ProcessKey& process, std::uint32_t thread_
   ++all.count;
   // Saturating: the timestamps are the client's (saturating.h).
   all.total_ns = saturating_add(all.total_ns, end_ns - start_ns);
-  ProcessRow* row = s.row(gpu->second, process, m.comm, limits_.max_processes);
+  ProcessRow* row = s.row(gpu->second, process, m.comm, m.uid, limits_, counters_);
   if (row == nullptr) return;
   StepTime& time = row->steps[step];
   ++time.count;
   time.total_ns = saturating_add(time.total_ns, end_ns - start_ns);
+}
+
+std::size_t LedgerView::age_rows(const std::function<bool(const ProcessKey&)>& alive,
+                                 std::uint64_t now_ns) {
+  constexpr std::uint64_t kNsPerS = 1'000'000'000;
+  const std::uint64_t max_age_ns =
+      limits_.max_ledger_row_age_s > std::numeric_limits<std::uint64_t>::max() / kNsPerS
+          ? std::numeric_limits<std::uint64_t>::max()
+          : limits_.max_ledger_row_age_s * kNsPerS;
+  const auto old = [&](const ProcessRow& r) {
+    return r.exited_ns != 0 && now_ns - std::min(now_ns, r.exited_ns) >= max_age_ns;
+  };
+  // Asks once per process believed alive (a process seen exited is never asked again),
+  // and clones a shared state only when a row changes.
+  std::map<ProcessKey, bool> answers;
+  bool changed = false;
+  for (const auto& [uuid, gpu] : state_->gpus) {
+    for (const auto& [key, row] : gpu.processes) {
+      if (row.exited_ns == 0) {
+        auto answer = answers.find(key);
+        if (answer == answers.end()) answer = answers.emplace(key, alive(key)).first;
+        changed = changed || !answer->second;
+      }
+      changed = changed || old(row);
+    }
+  }
+  if (!changed) return 0;
+  std::size_t n = 0;
+  for (auto& [uuid, gpu] : write_state().gpus) {
+    for (auto it = gpu.processes.begin(); it != gpu.processes.end();) {
+      ProcessRow& row = it->second;
+      if (row.exited_ns == 0 && !answers.at(it->first)) {
+        row.exited_ns = std::max<std::uint64_t>(now_ns, 1);  // 0 means alive
+      }
+      if (old(row)) {
+        it = gpu.processes.erase(it);
+        ++n;
+      } else {
+        ++it;
+      }
+    }
+  }
+  return n;
 }
 
 void LedgerView::check_holders(const std::function<bool(const ProcessKey&)>& alive) {

@@ -14,6 +14,11 @@
 // entry likewise (anyone may clean up a dead holder's); refusals are anomalies
 // (release_refused, cleanup_refused) credited to the actor's per-GPU row. Per-uid quotas:
 // Limits::max_gpus_per_uid (GPU entries a uid created) and max_reservations_per_uid.
+// A refused record makes no per-GPU row; rows are capped per uid and GPU
+// (max_ledger_rows_per_uid) and rows of processes seen exited age out (age_rows) and make
+// room first. Sanity: a Reserve larger than the GPU's known total (NVML's, else the one
+// clients established) and a VramSample whose total contradicts it are refused
+// (reservation_over_total, vram_total_mismatch; ledger_state.h kTotalTolerancePct).
 // Owned by the Collector; single-threaded like it. Its state is ledger::State
 // (ledger_state.h); the snapshot codec (daemon/persist/snapshot_codec.h) writes it from
 // state() and restores it through adopt().
@@ -68,6 +73,11 @@ class LedgerView {
     ledger::Reservation reservation;
   };
   std::size_t expire_leases(std::uint64_t now_ns, std::vector<ExpiredLease>* expired = nullptr);
+  // Ages the per-GPU activity rows (the liveness tick calls it): a row whose process
+  // `alive(key)` says is gone is marked exited at `now_ns`, and goes
+  // limits.max_ledger_row_age_s later; until then, it is the first to make room for
+  // another row (ledger::State::row). Returns how many rows went.
+  std::size_t age_rows(const std::function<bool(const ProcessKey&)>& alive, std::uint64_t now_ns);
   // Re-evaluates holder_alive of every reservation with `alive(key)`.
   void check_holders(const std::function<bool(const ProcessKey&)>& alive);
   // The process record is dropped from the collector: forget per-thread attribution state

@@ -75,6 +75,12 @@ struct Limits {
   // events as the process's `refused` drops), so no tenant's durations set everyone's
   // shares of the time.
   std::uint64_t max_span_ns = 604'800'000'000'000;
+  // The ledger's per-GPU activity rows (ledger_state.h): a uid's rows on one GPU, so one
+  // uid's churn of short-lived callers cannot fill the GPU's table (max_processes rows);
+  // and how long a row stays after its process was seen exited, so rows of processes that
+  // are gone (CLI callers, processes of a former daemon) never pile up.
+  std::size_t max_ledger_rows_per_uid = 256;
+  std::uint64_t max_ledger_row_age_s = 3600;
 };
 
 // Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config
@@ -104,8 +110,9 @@ enum class LimitKind : std::uint8_t {
   kMaxPendingTracesPerUid,  // ServerLimits: `trace --for` replies one uid has waiting
   kMaxSpanNs,
   kMaxPendingReplyBytesPerUid,  // ServerLimits: reply bytes one uid's clients have not read
+  kMaxLedgerRowsPerUid,
 };
-inline constexpr std::array<std::string_view, 24> kLimitNames = {"max_connections",
+inline constexpr std::array<std::string_view, 25> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -128,9 +135,9 @@ inline constexpr std::array<std::string_view, 24> kLimitNames = {"max_connection
                                                                  "max_rings",
                                                                  "max_pending_traces_per_uid",
                                                                  "max_span_ns",
-                                                                 "max_pending_reply_bytes_per_uid"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxPendingReplyBytesPerUid) + 1 ==
-              kLimitNames.size());
+                                                                 "max_pending_reply_bytes_per_uid",
+                                                                 "max_ledger_rows_per_uid"};
+static_assert(static_cast<std::size_t>(LimitKind::kMaxLedgerRowsPerUid) + 1 == kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }

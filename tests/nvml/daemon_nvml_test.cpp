@@ -234,9 +234,10 @@ TEST_F(NvmlDaemonTest, DeviceFiguresWinOverClientSample) {
   ASSERT_TRUE(wait_ledger([](const json& l) { return has_device(find_gpu(l, kGpuA)); },
                           "the device of GPU A"));
 
-  // A client's sample with other numbers (free 10 GiB of 16 GiB).
+  // A client's sample with other numbers (free 10 GiB of 76 GiB: a total within 10% of
+  // the device's, else it would be refused as vram_total_mismatch).
   ASSERT_EQ(run_process({STEPTRACE_LEDGER_WORKER, socket(), "sample", kGpuA,
-                         std::to_string(10 * kGiB), std::to_string(16 * kGiB)},
+                         std::to_string(10 * kGiB), std::to_string(76 * kGiB)},
                         {}, 30000),
             0);
   json l;
@@ -495,7 +496,7 @@ TEST_F(NvmlDaemonTest, VanishedGpuLeavesDeviceView) {
                gpu_line(kGpuC, 16 * kGiB, 0, kNameC));
   ASSERT_TRUE(start_daemon(nvml_config(FAKE_NVML_V3)));
   ASSERT_EQ(run_process({STEPTRACE_LEDGER_WORKER, socket(), "sample", kGpuA,
-                         std::to_string(10 * kGiB), std::to_string(16 * kGiB)},
+                         std::to_string(10 * kGiB), std::to_string(76 * kGiB)},
                         {}, 30000),
             0);
   ASSERT_TRUE(wait_ledger(
@@ -518,7 +519,7 @@ TEST_F(NvmlDaemonTest, VanishedGpuLeavesDeviceView) {
   ASSERT_NE(a, nullptr) << "GPU A has ledger entries (a client's sample) and must stay";
   EXPECT_TRUE((*a)["device"].is_null()) << a->dump(2);
   EXPECT_EQ((*a)["capacity_source"], "client");
-  EXPECT_EQ((*a)["total_bytes"], 16 * kGiB);
+  EXPECT_EQ((*a)["total_bytes"], 76 * kGiB);
   EXPECT_EQ((*a)["free_bytes"], 10 * kGiB);
   EXPECT_EQ(find_gpu(l, kGpuB), nullptr) << "device-only GPU B stayed:\n" << l.dump(2);
   const auto metrics = command(socket(), "metrics");
@@ -659,7 +660,10 @@ TEST_F(NvmlDaemonTest, OvercommitJudgedAgainstDeviceTotal) {
   ASSERT_TRUE(start_daemon(nvml_config(FAKE_NVML_V3)));
   ASSERT_TRUE(wait_ledger([](const json& l) { return has_device(find_gpu(l, kGpuA)); },
                           "the device of GPU A"));
-  auto holder = hold(kGpuA, 1, 20 * kGiB);
+  // Two reservations that each fit (one larger than the GPU is refused outright).
+  auto holder = hold(kGpuA, 1, 12 * kGiB);
+  ASSERT_FALSE(HasFatalFailure());
+  auto holder2 = hold(kGpuA, 2, 8 * kGiB);
   ASSERT_FALSE(HasFatalFailure());
   json l;
   ASSERT_TRUE(wait_ledger(

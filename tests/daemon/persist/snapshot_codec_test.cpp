@@ -117,9 +117,17 @@ std::string file_text(const json& doc) { return doc.dump() + "\n"; }
 // them, so the tests of it compare everything else byte for byte, and these fields on their own.
 // Leases (issue 13) added the reservations' lease fields, the rows' renews, the renew
 // operation count and four anomaly kinds.
-constexpr const char* kAnomaliesSinceV1[] = {
-    "release_refused", "cleanup_refused", "max_gpus_per_uid", "max_reservations_per_uid",
-    "unknown_renew",   "renew_refused",   "bad_lease",        "lease_expired"};
+constexpr const char* kAnomaliesSinceV1[] = {"release_refused",
+                                             "cleanup_refused",
+                                             "max_gpus_per_uid",
+                                             "max_reservations_per_uid",
+                                             "unknown_renew",
+                                             "renew_refused",
+                                             "bad_lease",
+                                             "lease_expired",
+                                             "max_ledger_rows_per_uid",
+                                             "reservation_over_total",
+                                             "vram_total_mismatch"};
 constexpr const char* kReservationFieldsSinceV1[] = {"uid", "lease_ms", "lease_deadline_ns",
                                                      "expired"};
 constexpr const char* kRowFieldsSinceV1[] = {"refused", "renews"};
@@ -445,7 +453,8 @@ TEST(SnapshotCodecTest, LedgerUidsAndRefusalsRoundTrip) {
   using namespace ledger_test;
   view.apply(alice, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
   view.apply(bob, reserve("GPU-B", 2, kGiB, "t", kSecond), kNow);
-  view.apply(bob, release("GPU-A", 1, kSecond), kNow);  // refused: another uid
+  view.apply(bob, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);  // a row (a refusal makes none)
+  view.apply(bob, release("GPU-A", 1, kSecond), kNow);             // refused: another uid
   const json encoded = encode_ledger(view);
   EXPECT_EQ(encoded["gpus"][0]["reservations"][0]["uid"], 1000);
   EXPECT_EQ(encoded["gpus"][0]["creator_uid"], 1000);
@@ -469,7 +478,7 @@ TEST(SnapshotCodecTest, LedgerUidsAndRefusalsRoundTrip) {
   EXPECT_TRUE(found);
   // The rules hold after the restore: bob still may not release alice's.
   restored.apply(bob, release("GPU-A", 1, 2 * kSecond), kNow);
-  EXPECT_EQ(restored.state().gpus.at("GPU-A").reservations.size(), 1u);
+  EXPECT_EQ(restored.state().gpus.at("GPU-A").reservations.size(), 2u);
 }
 
 // A process may name itself with escape codes, line breaks or invalid UTF-8: the snapshot

@@ -204,6 +204,7 @@ struct RejectedCase {
 TEST_F(LedgerViewTest, EveryRejectedAnomalyIsCountedAndChangesNothingElse) {
   view_.apply(a_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
   view_.apply(a_, sample("GPU-A", 20 * kGiB, 24 * kGiB, kSecond), kNow);
+  view_.apply(a_, reserve("GPU-B", 1, kGiB, "t", kSecond), kNow);  // no total known
   const std::vector<RejectedCase> cases = {
       {"unknown_release", [] { return release("GPU-A", 99, 2 * kSecond); }},
       {"unknown_release", [] { return release("GPU-NEW", 1, 2 * kSecond); }},
@@ -211,8 +212,11 @@ TEST_F(LedgerViewTest, EveryRejectedAnomalyIsCountedAndChangesNothingElse) {
       {"duplicate_reservation", [] { return reserve("GPU-A", 1, 5 * kGiB, "dup", 2 * kSecond); }},
       {"zero_byte_reserve", [] { return reserve("GPU-A", 2, 0, "zero", 2 * kSecond); }},
       {"zero_byte_reserve", [] { return reserve("GPU-NEW", 2, 0, "zero", 2 * kSecond); }},
-      {"reserved_bytes_overflow",
+      {"reservation_over_total",
        [] { return reserve("GPU-A", 3, ~std::uint64_t{0}, "huge", 2 * kSecond); }},
+      {"reservation_over_total", [] { return reserve("GPU-A", 3, 27 * kGiB, "big", 2 * kSecond); }},
+      {"reserved_bytes_overflow",
+       [] { return reserve("GPU-B", 3, ~std::uint64_t{0}, "huge", 2 * kSecond); }},
       {"bad_vram_sample", [] { return sample("GPU-A", 30 * kGiB, 24 * kGiB, 2 * kSecond); }},
       {"bad_vram_sample", [] { return sample("GPU-A", 0, 0, 2 * kSecond); }},
   };
@@ -412,29 +416,32 @@ TEST_F(LedgerPermissionTest, ReleaseByTheHolderItsUidOrRootIsApplied) {
   EXPECT_EQ(row("GPU-A", root_)->releases, 1u);
 }
 
-TEST_F(LedgerPermissionTest, ReleaseByAnotherUidIsRefusedCountedAndCreditedToTheActor) {
+TEST_F(LedgerPermissionTest, ReleaseByAnotherUidIsRefusedCountedAndMakesNoRow) {
   view_.apply(alice_, reserve("GPU-A", 1, 2 * kGiB, "alice-job", kSecond), kNow);
   const std::string before = ledger();
   view_.apply(bob_, release("GPU-A", 1, 2 * kSecond), kNow);
   EXPECT_EQ(anomaly("release_refused"), 1u);
-  EXPECT_EQ(refused("GPU-A", bob_), 1u);
-  // Nothing else changed: the same reservation, sums and operation counts; bob's row is
-  // the only addition.
-  const ledger::ProcessRow* bob_row = row("GPU-A", bob_);
-  ASSERT_NE(bob_row, nullptr);
-  EXPECT_EQ(bob_row->releases, 0u);
-  EXPECT_EQ(bob_row->comm, "bob");
-  ledger::State after = state();
-  after.gpus.at("GPU-A").processes.erase(bob_.key);
-  EXPECT_EQ(dump(after), before);
+  // Nothing else changed: the same reservation, sums and operation counts, and no row
+  // for bob (issue 26, item 5: refused callers must not fill the GPU's rows).
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);
+  EXPECT_EQ(ledger(), before);
   EXPECT_TRUE(counters_.limits_hit.empty());
 
   // Not even once the holder is dead: a release is the holder side's; others clean up.
   view_.check_holders([&](const ProcessKey& key) { return key != alice_.key; });
   view_.apply(bob_, release("GPU-A", 1, 3 * kSecond), kNow);
   EXPECT_EQ(anomaly("release_refused"), 2u);
-  EXPECT_EQ(refused("GPU-A", bob_), 2u);
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);
   EXPECT_NE(reservation("GPU-A", 1), nullptr);
+
+  // An actor with a row there already (an applied record) has the refusal on it.
+  view_.apply(bob_, reserve("GPU-A", 2, kGiB, "bob-job", 4 * kSecond), kNow);
+  view_.apply(bob_, release("GPU-A", 1, 5 * kSecond), kNow);
+  EXPECT_EQ(anomaly("release_refused"), 3u);
+  ASSERT_NE(row("GPU-A", bob_), nullptr);
+  EXPECT_EQ(refused("GPU-A", bob_), 1u);
+  EXPECT_EQ(row("GPU-A", bob_)->reserves, 1u);
+  EXPECT_EQ(row("GPU-A", bob_)->releases, 0u);
 }
 
 TEST_F(LedgerPermissionTest, CleanupOfALiveHolderOnlyByItsUidOrRoot) {
@@ -446,7 +453,7 @@ TEST_F(LedgerPermissionTest, CleanupOfALiveHolderOnlyByItsUidOrRoot) {
   view_.apply(bob_, cleanup("GPU-A", 1, holder, 2 * kSecond), kNow);
   EXPECT_EQ(anomaly("cleanup_refused"), 1u);
   EXPECT_EQ(anomaly("cleanup_holder_mismatch"), 0u);  // refused before it is looked at
-  EXPECT_EQ(refused("GPU-A", bob_), 1u);
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);             // a refused caller leaves no row
   EXPECT_NE(reservation("GPU-A", 1), nullptr);
   EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpCleanup], 0u);
 
@@ -462,7 +469,7 @@ TEST_F(LedgerPermissionTest, CleanupOfALiveHolderOnlyByItsUidOrRoot) {
   EXPECT_EQ(reservation("GPU-A", 3), nullptr);
   EXPECT_EQ(anomaly("cleanup_refused"), 1u);
   EXPECT_EQ(row("GPU-A", bob_)->cleanups, 1u);
-  EXPECT_EQ(row("GPU-A", bob_)->refused, 1u);
+  EXPECT_EQ(row("GPU-A", bob_)->refused, 0u);
   EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpCleanup], 3u);
   EXPECT_EQ(gpu("GPU-A")->reserved_bytes, 0u);
 }
@@ -471,9 +478,8 @@ TEST_F(LedgerPermissionTest, ARefusedRecordIsNotUsedForAttribution) {
   view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", 100), kNow);
   view_.apply(bob_, release("GPU-A", 1, 200), kNow);
   view_.attribute_span(bob_.key, 1, kLedgerReserve, 150, 250);
-  const ledger::ProcessRow* bob_row = row("GPU-A", bob_);
-  ASSERT_NE(bob_row, nullptr);
-  EXPECT_EQ(bob_row->steps.size(), 0u);
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);
+  EXPECT_TRUE(gpu("GPU-A")->steps.empty());
 }
 
 // A reservation restored from a snapshot that did not keep uids: its holder process and
@@ -761,7 +767,7 @@ TEST_F(LedgerLeaseTest, BadRenewalsAreCountedAndChangeNothing) {
       view_.state().gpus.at("GPU-A").reservations.at(1).lease_deadline_ns;
   view_.apply(bob_, renew("GPU-A", 1, 60000, 11 * kSecond), kNow);  // another uid
   EXPECT_EQ(anomaly("renew_refused"), 1u);
-  EXPECT_EQ(refused("GPU-A", bob_), 1u);
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);
   view_.apply(alice_, renew("GPU-A", 9, 60000, 11 * kSecond), kNow);  // no such reservation
   view_.apply(alice_, renew("GPU-B", 1, 60000, 11 * kSecond), kNow);  // no such GPU
   EXPECT_EQ(anomaly("unknown_renew"), 2u);
@@ -827,6 +833,235 @@ TEST_F(LedgerLeaseTest, ARestoreGivesUnexpiredLeasesOneMoreLeaseAndKeepsExpiredO
   EXPECT_EQ(rs.at(3).lease_deadline_ns, 100 * kSecond);
   EXPECT_EQ(view_.expire_leases(41 * kSecond), 0u);
   EXPECT_EQ(view_.expire_leases(42 * kSecond), 1u);
+}
+
+}  // namespace
+}  // namespace steptrace::daemon
+
+namespace steptrace::daemon {
+namespace {
+
+// ---- per-GPU rows and the view's sanity (issue 26, items 5 and 9) ---------------------
+
+class LedgerRowsTest : public LedgerPermissionTest {
+ protected:
+  // A process of `uid` numbered `n` (pid 10000 + n).
+  static LedgerActor actor(std::uint32_t uid, int n) {
+    return {{10000 + n, static_cast<std::uint64_t>(90000 + n)}, "proc", uid};
+  }
+  std::size_t rows(std::string_view uuid) const { return gpu(uuid)->processes.size(); }
+  // One liveness tick at `now` with `dead` gone.
+  std::size_t tick(const std::vector<ProcessKey>& dead, std::uint64_t now) {
+    return view_.age_rows(
+        [&](const ProcessKey& key) {
+          return std::find(dead.begin(), dead.end(), key) == dead.end();
+        },
+        now);
+  }
+};
+
+TEST_F(LedgerRowsTest, ThousandsOfRefusedCallersLeaveNoRowAndAnotherUidGetsItsRow) {
+  limits_.max_processes = 16;  // the GPU's rows
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  const auto holder = static_cast<std::uint32_t>(alice_.key.pid);
+  for (int i = 0; i < 4096; ++i) {
+    const LedgerActor cli = actor(1001, i);
+    view_.apply(cli, cleanup("GPU-A", 1, holder, 2 * kSecond), kNow);
+    view_.apply(cli, release("GPU-A", 1, 2 * kSecond), kNow);
+    view_.apply(cli, renew("GPU-A", 1, 1000, 2 * kSecond), kNow);
+  }
+  EXPECT_EQ(anomaly("cleanup_refused"), 4096u);
+  EXPECT_EQ(anomaly("release_refused"), 4096u);
+  EXPECT_EQ(anomaly("renew_refused"), 4096u);
+  EXPECT_EQ(rows("GPU-A"), 1u);  // alice's
+  EXPECT_EQ(anomaly("process_rows_full"), 0u);
+
+  const LedgerActor carol{{4001, 9001}, "carol", 1002};
+  view_.apply(carol, reserve("GPU-A", 2, kGiB, "t", 3 * kSecond), kNow);
+  view_.apply(carol, release("GPU-A", 2, 4 * kSecond), kNow);
+  ASSERT_NE(row("GPU-A", carol), nullptr);
+  EXPECT_EQ(row("GPU-A", carol)->reserves, 1u);
+  EXPECT_EQ(row("GPU-A", carol)->releases, 1u);
+  EXPECT_EQ(row("GPU-A", carol)->uid, 1002u);
+}
+
+TEST_F(LedgerRowsTest, RowsOfExitedProcessesAgeOutRowsOfLiveOnesNever) {
+  limits_.max_ledger_row_age_s = 60;
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(bob_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_.apply(bob_, reserve("GPU-B", 3, kGiB, "t", kSecond), kNow);
+  // Nothing gone: nothing changes, not even a clone of a shared state.
+  const std::uint64_t changes = view_.changes();
+  EXPECT_EQ(tick({}, kNow), 0u);
+  EXPECT_EQ(view_.changes(), changes);
+
+  // Bob's process exits: its rows stay, marked, for the age; then go, on every GPU.
+  EXPECT_EQ(tick({bob_.key}, kNow + kSecond), 0u);
+  EXPECT_EQ(row("GPU-A", bob_)->exited_ns, kNow + kSecond);
+  EXPECT_EQ(row("GPU-A", alice_)->exited_ns, 0u);
+  EXPECT_EQ(tick({bob_.key}, kNow + 60 * kSecond), 0u);
+  EXPECT_EQ(tick({bob_.key}, kNow + 61 * kSecond), 2u);
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);
+  EXPECT_EQ(row("GPU-B", bob_), nullptr);
+  // Its reservations stay (they hold VRAM until a release or cleanup), and so do the
+  // GPUs' totals.
+  EXPECT_NE(reservation("GPU-A", 2), nullptr);
+  EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpReserve], 2u);
+  // Alice's, alive, stays whatever the time.
+  EXPECT_EQ(tick({bob_.key}, kNow + 100'000 * kSecond), 0u);
+  EXPECT_NE(row("GPU-A", alice_), nullptr);
+}
+
+TEST_F(LedgerRowsTest, RowsOfExitedProcessesNeverCrowdOutLiveOnes) {
+  limits_.max_processes = 3;
+  limits_.max_ledger_rows_per_uid = 3;
+  const LedgerActor p0 = actor(1000, 0), p1 = actor(1001, 1), p2 = actor(1002, 2);
+  view_.apply(p0, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(p1, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_.apply(p2, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
+  tick({p1.key}, kNow + 1);
+  tick({p1.key, p0.key}, kNow + 2);  // p1 exited first, then p0
+
+  // A new live process takes the row whose process exited first, then the next.
+  const LedgerActor n1 = actor(2000, 3), n2 = actor(2001, 4), n3 = actor(2002, 5);
+  view_.apply(n1, reserve("GPU-A", 4, kGiB, "t", kSecond), kNow);
+  EXPECT_EQ(row("GPU-A", p1), nullptr);
+  EXPECT_NE(row("GPU-A", p0), nullptr);
+  view_.apply(n2, reserve("GPU-A", 5, kGiB, "t", kSecond), kNow);
+  EXPECT_EQ(row("GPU-A", p0), nullptr);
+  EXPECT_NE(row("GPU-A", n1), nullptr);
+  EXPECT_NE(row("GPU-A", n2), nullptr);
+  EXPECT_EQ(anomaly("process_rows_full"), 0u);
+
+  // Every row live: the record is applied without a row, counted.
+  view_.apply(n3, reserve("GPU-A", 6, kGiB, "t", kSecond), kNow);
+  EXPECT_EQ(row("GPU-A", n3), nullptr);
+  EXPECT_NE(reservation("GPU-A", 6), nullptr);
+  EXPECT_EQ(gpu("GPU-A")->operations[ledger::kOpReserve], 6u);
+  EXPECT_EQ(anomaly("process_rows_full"), 1u);
+  EXPECT_EQ(rows("GPU-A"), 3u);
+}
+
+TEST_F(LedgerRowsTest, AUidsRowsPerGpuAreCappedAndCountedOthersStillGetRows) {
+  limits_.max_ledger_rows_per_uid = 2;
+  const LedgerActor g0 = actor(1001, 0), g1 = actor(1001, 1), g2 = actor(1001, 2);
+  view_.apply(g0, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(g1, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_.apply(g2, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);  // applied, no row
+  EXPECT_EQ(row("GPU-A", g2), nullptr);
+  EXPECT_NE(reservation("GPU-A", 3), nullptr);
+  EXPECT_EQ(anomaly("max_ledger_rows_per_uid"), 1u);
+  EXPECT_EQ(counters_.limits_hit["max_ledger_rows_per_uid"], 1u);
+  // Per GPU: the same uid has room on another; another uid has room on this one.
+  view_.apply(g2, reserve("GPU-B", 4, kGiB, "t", kSecond), kNow);
+  EXPECT_NE(row("GPU-B", g2), nullptr);
+  view_.apply(alice_, reserve("GPU-A", 5, kGiB, "t", kSecond), kNow);
+  EXPECT_NE(row("GPU-A", alice_), nullptr);
+  EXPECT_EQ(anomaly("max_ledger_rows_per_uid"), 1u);
+
+  // Within the uid, its row whose process exited makes room (FIFO), still counted.
+  tick({g0.key}, kNow + 1);
+  view_.apply(g2, release("GPU-A", 3, 2 * kSecond), kNow);
+  EXPECT_EQ(row("GPU-A", g0), nullptr);
+  ASSERT_NE(row("GPU-A", g2), nullptr);
+  EXPECT_EQ(row("GPU-A", g2)->releases, 1u);
+  EXPECT_NE(row("GPU-A", alice_), nullptr);
+  EXPECT_EQ(anomaly("max_ledger_rows_per_uid"), 2u);
+  EXPECT_EQ(counters_.limits_hit["max_ledger_rows_per_uid"], 2u);
+}
+
+TEST_F(LedgerRowsTest, AReservationLargerThanTheGpusKnownTotalIsRefused) {
+  // No total known yet: nothing to judge by.
+  view_.apply(alice_, reserve("GPU-A", 1, 100 * kGiB, "t", kSecond), kNow);
+  EXPECT_NE(reservation("GPU-A", 1), nullptr);
+  view_.apply(alice_, release("GPU-A", 1, kSecond), kNow);
+  // The client-established total (80 GiB) and its 10% slack.
+  view_.apply(alice_, sample("GPU-A", 70 * kGiB, 80 * kGiB, kSecond), kNow);
+  const std::string before = ledger();
+  view_.apply(bob_, reserve("GPU-A", 2, ~std::uint64_t{0}, "greedy", 2 * kSecond), kNow);
+  view_.apply(bob_, reserve("GPU-A", 3, 89 * kGiB, "greedy", 2 * kSecond), kNow);
+  view_.apply(root_, reserve("GPU-A", 4, 89 * kGiB, "root", 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("reservation_over_total"), 3u);
+  EXPECT_EQ(ledger(), before);
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);
+  view_.apply(bob_, reserve("GPU-A", 5, 80 * kGiB, "whole", 2 * kSecond), kNow);
+  EXPECT_NE(reservation("GPU-A", 5), nullptr);
+
+  // NVML's total, when the device reports the GPU, exactly; also for a GPU not yet in
+  // the view.
+  ledger::Device device;
+  device.total_bytes = 40 * kGiB;
+  device.at_ns = kNow;
+  std::map<std::string, ledger::Device, std::less<>> devices;
+  devices["GPU-A"] = device;
+  devices["GPU-N"] = device;
+  view_.apply_devices(devices, "", kNow);
+  view_.apply(alice_, reserve("GPU-A", 6, 40 * kGiB + 1, "t", 3 * kSecond), kNow);
+  view_.apply(alice_, reserve("GPU-N", 7, 41 * kGiB, "t", 3 * kSecond), kNow);
+  EXPECT_EQ(anomaly("reservation_over_total"), 5u);
+  EXPECT_EQ(gpu("GPU-N"), nullptr);
+  view_.apply(alice_, reserve("GPU-A", 8, 40 * kGiB, "t", 3 * kSecond), kNow);
+  EXPECT_NE(reservation("GPU-A", 8), nullptr);
+  EXPECT_TRUE(counters_.limits_hit.empty());
+}
+
+TEST_F(LedgerRowsTest, ASampleContradictingAnotherUidsTotalOrNvmlIsRefused) {
+  view_.apply(alice_, sample("GPU-A", 70 * kGiB, 80 * kGiB, kSecond), kNow);
+  EXPECT_EQ(gpu("GPU-A")->client_total, 80 * kGiB);
+  EXPECT_EQ(gpu("GPU-A")->client_total_uid, 1000u);
+  const std::string before = ledger();
+  view_.apply(bob_, sample("GPU-A", 0, 1, 2 * kSecond), kNow);                  // "total 1"
+  view_.apply(bob_, sample("GPU-A", 0, 89 * kGiB, 2 * kSecond), kNow);          // > 10% over
+  view_.apply(bob_, sample("GPU-A", 0, 71 * kGiB, 2 * kSecond), kNow);          // > 10% under
+  view_.apply(bob_, sample("GPU-A", 0, ~std::uint64_t{0}, 2 * kSecond), kNow);  // no wrap
+  EXPECT_EQ(anomaly("vram_total_mismatch"), 4u);
+  EXPECT_EQ(ledger(), before);
+  EXPECT_EQ(row("GPU-A", bob_), nullptr);
+  // Within 10% it is a sample like any other, and does not take the total over.
+  view_.apply(bob_, sample("GPU-A", 10 * kGiB, 79 * kGiB, 3 * kSecond), kNow);
+  EXPECT_EQ(gpu("GPU-A")->sample->total_bytes, 79 * kGiB);
+  EXPECT_EQ(gpu("GPU-A")->client_total_uid, 1000u);
+  // The uid that established it may change it (its own word), and root may.
+  view_.apply(alice2_, sample("GPU-A", 10 * kGiB, 40 * kGiB, 4 * kSecond), kNow);
+  EXPECT_EQ(gpu("GPU-A")->client_total, 40 * kGiB);
+  view_.apply(root_, sample("GPU-A", 10 * kGiB, 80 * kGiB, 5 * kSecond), kNow);
+  EXPECT_EQ(gpu("GPU-A")->client_total, 80 * kGiB);
+  EXPECT_EQ(gpu("GPU-A")->client_total_uid, 0u);
+  EXPECT_EQ(anomaly("vram_total_mismatch"), 4u);
+
+  // With NVML reporting the GPU, its total judges every sample, root's and the
+  // establishing uid's too; one it confirms establishes the total.
+  ledger::Device device;
+  device.total_bytes = 48 * kGiB;
+  device.at_ns = kNow;
+  std::map<std::string, ledger::Device, std::less<>> devices;
+  devices["GPU-A"] = device;
+  view_.apply_devices(devices, "", kNow);
+  view_.apply(root_, sample("GPU-A", 10 * kGiB, 80 * kGiB, 6 * kSecond), kNow);
+  EXPECT_EQ(anomaly("vram_total_mismatch"), 5u);
+  view_.apply(bob_, sample("GPU-A", 10 * kGiB, 47 * kGiB, 6 * kSecond), kNow);
+  EXPECT_EQ(anomaly("vram_total_mismatch"), 5u);
+  EXPECT_EQ(gpu("GPU-A")->client_total, 47 * kGiB);
+  EXPECT_EQ(gpu("GPU-A")->client_total_uid, 1001u);
+}
+
+TEST_F(LedgerRowsTest, ARestoredGpuKeepsItsTotalAndItsRowsAgeOut) {
+  ledger::State saved;
+  ledger::Gpu g;
+  g.sample = ledger::VramSample{10 * kGiB, 80 * kGiB, kSecond};
+  g.processes[actor(1000, 1).key] = ledger::ProcessRow{};  // from a former daemon
+  saved.gpus.emplace("GPU-A", g);
+  view_.adopt(std::move(saved), kNow);
+  EXPECT_EQ(gpu("GPU-A")->client_total, 80 * kGiB);
+  view_.apply(alice_, sample("GPU-A", 0, 1, 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("vram_total_mismatch"), 1u);
+  view_.apply(alice_, reserve("GPU-A", 1, 100 * kGiB, "t", 2 * kSecond), kNow);
+  EXPECT_EQ(anomaly("reservation_over_total"), 1u);
+
+  limits_.max_ledger_row_age_s = 1;
+  tick({actor(1000, 1).key}, kNow);
+  EXPECT_EQ(tick({actor(1000, 1).key}, kNow + kSecond), 1u);
+  EXPECT_TRUE(gpu("GPU-A")->processes.empty());
 }
 
 }  // namespace
