@@ -16,6 +16,8 @@
 // already freed.
 #pragma once
 
+#include <time.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -145,6 +147,21 @@ struct ClientState {
   // daemon answered a hello with ErrorCode::kUnsupportedVersion, down to 1; it never goes
   // up again (PROTOCOL.md section 6).
   std::atomic<std::uint16_t> protocol_version{proto::kProtocolVersion};
+  // Protocol version 7: the number of the process's next socket batch (flusher thread
+  // only; every Flusher of the process continues it). It starts at the wall clock in ns,
+  // so that a library loaded again in the same process (exec keeps the pid and start
+  // time the daemon knows it by) numbers its batches after the last image's: the daemon
+  // would skip lower numbers as already applied.
+  std::uint64_t next_batch_number = 0;
+  std::uint64_t next_batch() {
+    if (next_batch_number == 0) {
+      timespec now{};
+      ::clock_gettime(CLOCK_REALTIME, &now);
+      next_batch_number = static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u +
+                          static_cast<std::uint64_t>(now.tv_nsec) + 1;
+    }
+    return next_batch_number++;
+  }
   // STEPTRACE_QUIET=1 (read at load): no first-contact notice on stderr.
   bool quiet = false;
   // Rings in memfds the daemon maps (protocol version 5); STEPTRACE_SHM_RINGS=0 (read at

@@ -153,18 +153,26 @@ void Flusher::close_connection(Close how) {
   if (how == Close::kLost && numbered_) {
     // Numbered batches: what the daemon did not acknowledge goes again, oldest first, on
     // the next connection (it skips what it applied).
-    for (Unacked& batch : unacked_) resend_.push_back(std::move(batch));
+    // This connection's batches are older than those still waiting to be resent (it was
+    // resending them oldest first): they go first, so the daemon never sees a batch after
+    // a later one of the same process (it would skip it).
+    std::deque<Unacked> again = std::move(unacked_);
     if (batch_records_ > 0) {
       current_.flush = batch_flush_;
       current_.records = batch_records_;
       current_.events = batch_events_;
-      resend_.push_back(std::move(current_));
+      again.push_back(std::move(current_));
     }
+    for (Unacked& batch : resend_) again.push_back(std::move(batch));
+    resend_ = std::move(again);
+    unacked_.clear();
   } else if (lost) {
-    // What the daemon did not acknowledge is lost with the connection.
+    // What the daemon did not acknowledge is lost with the connection. Batches waiting to
+    // be resent stay (a refusal such as max_connections_per_uid is no reason to give them
+    // up): an earlier version's daemon drops them at the next connection (on_connected).
     dropped = batch_records_;
     for (const Unacked& batch : unacked_) dropped += batch.records;
-    drop_resend();
+    if (!numbered_) drop_resend();
   } else {
     for (const FrameMark& m : marks_) {
       if (m.end > off_) dropped += m.records;
@@ -399,7 +407,7 @@ void Flusher::seal_batch() {
     std::memcpy(&header, buf_.data() + pos, sizeof header);
     pos += sizeof header + header.size;
   }
-  proto::Encoder(std::span<std::byte>(at, kBatchFrame)).batch(++batches_, frames);
+  proto::Encoder(std::span<std::byte>(at, kBatchFrame)).batch(s_.next_batch(), frames);
   if (!spare_.empty()) {
     current_.bytes = std::move(spare_.back());
     spare_.pop_back();
@@ -797,7 +805,11 @@ void Flusher::run() {
     bool busy = false;
     if (fd_.valid()) read_socket();
     if (fd_.valid() && off_ < len_) send_pending();
-    if (fd_.valid() && off_ == len_ && accepted_ && shm_connection()) offer_rings();
+    // Rings wait until the resent batches are out: the daemon would fold their newer
+    // events before the older ones of the same threads.
+    if (fd_.valid() && off_ == len_ && accepted_ && shm_connection() && resend_.empty()) {
+      offer_rings();
+    }
     if (fd_.valid() && off_ == len_) {
       if (accepted_ && !resend_.empty()) {
         build_resend();  // before anything new, oldest first

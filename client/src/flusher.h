@@ -238,7 +238,6 @@ class Flusher {
   Unacked current_{};
   std::deque<Unacked> resend_;
   std::size_t retained_bytes_ = 0;
-  std::uint64_t batches_ = 0;
   std::vector<std::vector<std::byte>> spare_;  // buffers of acknowledged batches, reused
   std::vector<std::uint64_t> heads_;
   std::vector<proto::LedgerRecord> ledger_;

@@ -291,8 +291,8 @@ bool read_process(JsonObject p, ProcessImage& out) {
   if (events != kAbsent) out.events = events;
   p.optional_unsigned("batch_sequence", out.batch_sequence, 1, kAbsent);
   p.optional_unsigned("batch_next", out.batch_next, 1, std::numeric_limits<std::uint32_t>::max());
-  if (out.batch_sequence != 0 && out.batch_next == 0) {
-    return p.fail_at("batch_next", "a batch cursor needs one (nonzero)");
+  if ((out.batch_sequence != 0) != (out.batch_next != 0)) {
+    return p.fail_at("batch_next", "a batch cursor needs both batch_sequence and batch_next");
   }
   p.optional_string("job", out.job, kJobRule);
   p.optional_unsigned("world_size", out.world_size, 1, proto::kNoRank - 1);

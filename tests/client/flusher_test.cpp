@@ -441,14 +441,15 @@ TEST(Flusher, BatchesNotAcknowledgedGoAgainOnTheNextConnection) {
   read_batches(daemon, cursor, false,
                [](const BatchCursor& c) { return c.applied_events >= 50'000; });
   ASSERT_GE(cursor.applied_events, 50'000u);
-  EXPECT_EQ(cursor.first_sequence, 1u);
+  const std::uint64_t first = cursor.first_sequence;
+  EXPECT_NE(first, 0u);
   daemon.close_connection();
   // The next daemon (the cursor kept, as a snapshot keeps it) gets them all again.
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
   read_batches(daemon, cursor, true,
                [](const BatchCursor& c) { return c.applied_events >= 240'000; });
-  EXPECT_EQ(cursor.first_sequence, 1u) << "the oldest unacknowledged batch goes first";
+  EXPECT_EQ(cursor.first_sequence, first) << "the oldest unacknowledged batch goes first";
   EXPECT_GT(cursor.skipped_frames, 0u) << "what the first daemon applied came again";
   // Nothing more comes, and nothing twice.
   read_batches(
@@ -459,8 +460,39 @@ TEST(Flusher, BatchesNotAcknowledgedGoAgainOnTheNextConnection) {
   steptrace_shutdown();
 }
 
-// A daemon that refuses the stream with an Error gets nothing again: what it did not
-// acknowledge counts as in_flight.
+// A connection lost in the middle of a resend: what it did not acknowledge goes again
+// before the batches that were still waiting, so no batch comes after a later one (a
+// daemon would skip it as applied).
+TEST(Flusher, AResendCutShortGoesAgainInOrder) {
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  spans(STEPTRACE_FORWARD, 120'000);
+  BatchCursor cursor;
+  read_batches(daemon, cursor, false,
+               [](const BatchCursor& c) { return c.applied_events >= 60'000; });
+  daemon.close_connection();
+  // The next daemon applies a little of the resend (none acknowledged), and goes too.
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  read_batches(daemon, cursor, false,
+               [](const BatchCursor& c) { return c.applied_events >= 100'000; });
+  ASSERT_GE(cursor.applied_events, 100'000u);
+  daemon.close_connection();
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  read_batches(daemon, cursor, true,
+               [](const BatchCursor& c) { return c.applied_events >= 240'000; });
+  read_batches(
+      daemon, cursor, true, [](const BatchCursor&) { return false; }, 300);
+  EXPECT_EQ(cursor.applied_events, 240'000u);
+  EXPECT_EQ(steptrace_dropped(), 0u);
+  steptrace_shutdown();
+}
+
+// A daemon that refuses the stream with an Error (say it could not apply the batch's first
+// frame) gets nothing again: what it did not acknowledge counts as in_flight.
 TEST(Flusher, BatchesRefusedWithAnErrorCountAsInFlight) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
