@@ -77,55 +77,10 @@ std::string read_line(int fd, int timeout_ms) {
   return line;
 }
 
-// A process forked from the test that runs `body` as `user` (setgroups, setgid, setuid:
-// its connections are that uid's) and reports lines to the test through a pipe. SIGKILLed
-// and reaped by the destructor unless it ended: the kernel then closes its sockets, as
-// when a client crashes or its user presses ^C.
-class ClientAs {
- public:
-  using Body = std::function<int(int report_fd)>;
-  ClientAs(const TemporaryUser& user, const Body& body) {
-    int pipe_fds[2];
-    if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return;
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::close(pipe_fds[0]);
-      if (::setgroups(0, nullptr) != 0 || ::setgid(user.gid()) != 0 || ::setuid(user.uid()) != 0 ||
-          ::setuid(0) == 0) {
-        ::_exit(126);  // could not drop root (or could get it back)
-      }
-      ::_exit(body(pipe_fds[1]));
-    }
-    ::close(pipe_fds[1]);
-    report_ = pipe_fds[0];
-  }
-  ~ClientAs() {
-    kill();
-    if (report_ >= 0) ::close(report_);
-  }
-  ClientAs(const ClientAs&) = delete;
-  ClientAs& operator=(const ClientAs&) = delete;
-
-  // The next line the client reported ("" at its end or after `timeout_ms`).
-  std::string next(int timeout_ms = 10000) { return read_line(report_, timeout_ms); }
-  // Its exit status (128+signal), -1 when it did not end within `timeout_ms`.
-  int wait(int timeout_ms = 10000) {
-    if (pid_ <= 0) return -1;
-    const int status = wait_or_kill(pid_, timeout_ms);
-    pid_ = -1;
-    return status;
-  }
-  void kill() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  int report_ = -1;
-};
+// The next line `client` reported ("" at its end or after `timeout_ms`).
+std::string next_line(ClientAs& client, int timeout_ms = 10000) {
+  return read_line(client.report_fd(), timeout_ms);
+}
 
 // Body: `n` connections each asking `trace --for 3600`; those with an odd index then shut
 // down their writing side, as the CLI does. Reports "ready" and waits to be killed.
@@ -209,13 +164,13 @@ TEST_F(HostileDeferredTest, TracesWhoseClientDiedFreeTheirConnectionsAtOnce) {
   const std::uint64_t base = connections_now();  // root's stats connection
 
   auto holder = std::make_unique<ClientAs>(*greedy_, hold_traces(socket(), kTraces));
-  ASSERT_EQ(holder->next(), "ready\n");
+  ASSERT_EQ(next_line(*holder), "ready\n");
   ASSERT_TRUE(eventually([&] { return captures_active() == kTraces; }, 5000)) << stats().dump();
   EXPECT_EQ(connections_now(), base + kTraces);
   // The uid's slots are all taken: its next client (a trainer, a command) is refused.
   {
     ClientAs locked_out(*greedy_, one_command(socket(), "ping"));
-    EXPECT_EQ(locked_out.next(),
+    EXPECT_EQ(next_line(locked_out),
               "error: too many connections from uid " + std::to_string(greedy_->uid()) +
                   " (max_connections_per_uid=" + std::to_string(kTraces) + ")\n");
   }
@@ -233,7 +188,7 @@ TEST_F(HostileDeferredTest, TracesWhoseClientDiedFreeTheirConnectionsAtOnce) {
             static_cast<std::uint64_t>(kTraces));
   // The uid is served again at once, not in an hour.
   ClientAs after(*greedy_, one_command(socket(), "ping"));
-  EXPECT_EQ(after.next(), "pong\n");
+  EXPECT_EQ(next_line(after), "pong\n");
   EXPECT_EQ(daemon_->stop(), 0) << daemon_->log();
 }
 
@@ -242,7 +197,7 @@ TEST_F(HostileDeferredTest, PastItsPendingTraceCapAUidIsRefusedWhileAnotherIsSer
   ASSERT_NO_FATAL_FAILURE(
       start_daemon({{"max_connections_per_uid", 16}, {"max_pending_traces_per_uid", kCap}}));
   auto holder = std::make_unique<ClientAs>(*greedy_, hold_traces(socket(), kCap));
-  ASSERT_EQ(holder->next(), "ready\n");
+  ASSERT_EQ(next_line(*holder), "ready\n");
   ASSERT_TRUE(eventually([&] { return captures_active() == kCap; }, 5000)) << stats().dump();
 
   // One more of that uid: refused at once with a line that says why; its connection
@@ -255,18 +210,18 @@ TEST_F(HostileDeferredTest, PastItsPendingTraceCapAUidIsRefusedWhileAnotherIsSer
     if (!send_all(fd, "ping\n")) return 1;
     return send_all(report, read_line(fd, 5000)) ? 0 : 1;
   });
-  EXPECT_EQ(refused.next(), "error: busy: uid " + std::to_string(greedy_->uid()) + " has " +
-                                std::to_string(kCap) +
-                                " trace --for replies waiting "
-                                "(limits.max_pending_traces_per_uid=" +
-                                std::to_string(kCap) + "); close one, or retry when one is done\n");
-  EXPECT_EQ(refused.next(), "pong\n");
+  EXPECT_EQ(next_line(refused),
+            "error: busy: uid " + std::to_string(greedy_->uid()) + " has " + std::to_string(kCap) +
+                " trace --for replies waiting "
+                "(limits.max_pending_traces_per_uid=" +
+                std::to_string(kCap) + "); close one, or retry when one is done\n");
+  EXPECT_EQ(next_line(refused), "pong\n");
   EXPECT_EQ(refused.wait(), 0);
   EXPECT_EQ(stats()["limits_hit"].value("max_pending_traces_per_uid", std::uint64_t{0}), 1u);
 
   // Another uid is unaffected: its `trace --for` waits its 0.3 s and is answered.
   ClientAs innocent(*other_, one_command(socket(), "trace --for 0.3"));
-  EXPECT_EQ(innocent.next().rfind("{\"traceEvents\":[", 0), 0u);
+  EXPECT_EQ(next_line(innocent).rfind("{\"traceEvents\":[", 0), 0u);
   EXPECT_EQ(innocent.wait(), 0);
   EXPECT_EQ(captures_active(), static_cast<std::uint64_t>(kCap));
 
@@ -274,7 +229,7 @@ TEST_F(HostileDeferredTest, PastItsPendingTraceCapAUidIsRefusedWhileAnotherIsSer
   holder->kill();
   ASSERT_TRUE(eventually([&] { return captures_active() == 0; }, 3000)) << stats().dump();
   ClientAs again(*greedy_, one_command(socket(), "trace --for 0.1"));
-  EXPECT_EQ(again.next().rfind("{\"traceEvents\":[", 0), 0u);
+  EXPECT_EQ(next_line(again).rfind("{\"traceEvents\":[", 0), 0u);
   EXPECT_EQ(daemon_->stop(), 0) << daemon_->log();
 }
 

@@ -104,45 +104,10 @@ std::optional<std::string> read_reply(int fd, milliseconds timeout, bool line = 
   }
 }
 
-// A process forked from the test that runs `body` as `user` and reports lines to the
-// test through a pipe; SIGKILLed and reaped by the destructor unless it ended.
-class ClientAs {
- public:
-  using Body = std::function<int(int report_fd)>;
-  ClientAs(const TemporaryUser& user, const Body& body) {
-    int pipe_fds[2];
-    if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return;
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::close(pipe_fds[0]);
-      if (::setgroups(0, nullptr) != 0 || ::setgid(user.gid()) != 0 || ::setuid(user.uid()) != 0 ||
-          ::setuid(0) == 0) {
-        ::_exit(126);  // could not drop root (or could get it back)
-      }
-      ::_exit(body(pipe_fds[1]));
-    }
-    ::close(pipe_fds[1]);
-    report_ = pipe_fds[0];
-  }
-  ~ClientAs() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (report_ >= 0) ::close(report_);
-  }
-  ClientAs(const ClientAs&) = delete;
-  ClientAs& operator=(const ClientAs&) = delete;
-
-  // The next line the client reported ("" at its end or after `timeout`).
-  std::string next(milliseconds timeout = milliseconds(60000)) {
-    return read_reply(report_, timeout, true).value_or("");
-  }
-
- private:
-  pid_t pid_ = -1;
-  int report_ = -1;
-};
+// The next line `client` reported ("" at its end or after `timeout`).
+std::string next_line(ClientAs& client, milliseconds timeout = milliseconds(60000)) {
+  return read_reply(client.report_fd(), timeout, true).value_or("");
+}
 
 // Body: `n` connections, each asking `report --json` again as soon as its reply is in,
 // until killed. Reports "flooding" once every connection has asked.
@@ -312,14 +277,14 @@ TEST_F(HostileRenderTest, AnotherUidsCommandsAndScrapesAreAnsweredWhileOneFloods
   std::cout << "report --json alone: " << alone_ms << " ms, " << report->size() << " bytes\n";
 
   ClientAs flood(*greedy_, flood_reports(socket(), kFloodConnections));
-  ASSERT_EQ(flood.next(), "flooding\n");
+  ASSERT_EQ(next_line(flood), "flooding\n");
   std::this_thread::sleep_for(milliseconds(500));  // its reports queue up
 
   ClientAs innocent(*other_,
                     timed_commands(socket(), {"ping", "stats --json", "metrics"}, kBound * 4));
-  const Timed ping = parse_timed(innocent.next());
-  const Timed stats_reply = parse_timed(innocent.next());
-  const Timed metrics = parse_timed(innocent.next());
+  const Timed ping = parse_timed(next_line(innocent));
+  const Timed stats_reply = parse_timed(next_line(innocent));
+  const Timed metrics = parse_timed(next_line(innocent));
   std::size_t scrape_bytes = 0;
   const long long scrape = scrape_ms(&scrape_bytes);
   std::cout << "while flooded: ping " << ping.ms << " ms, stats " << stats_reply.ms
@@ -338,7 +303,7 @@ TEST_F(HostileRenderTest, AnotherUidsCommandsAndScrapesAreAnsweredWhileOneFloods
 
   // Its own report completes, after at most one of the greedy uid's per round.
   ClientAs own(*other_, timed_commands(socket(), {"report --json"}, kReportBound));
-  const Timed own_report = parse_timed(own.next(kReportBound * 2));
+  const Timed own_report = parse_timed(next_line(own, kReportBound * 2));
   std::cout << "innocent report --json while flooded: " << own_report.ms << " ms\n";
   EXPECT_GE(own_report.ms, 0);
   EXPECT_LT(own_report.ms, kReportBound.count());
@@ -376,18 +341,18 @@ TEST_F(HostileRenderTest, PastItsPendingReplyBytesAUidIsRefusedWhileAnotherIsSer
     }
     while (true) ::pause();
   });
-  const std::string refused = greedy.next();
+  const std::string refused = next_line(greedy);
   EXPECT_EQ(refused.rfind("error: busy: uid " + std::to_string(greedy_->uid()) + " has ", 0), 0u)
       << refused;
   EXPECT_NE(refused.find("(limits.max_pending_reply_bytes_per_uid=" + std::to_string(kCap) + ")"),
             std::string::npos)
       << refused;
-  EXPECT_EQ(greedy.next(), "pong\n");  // the connection stays usable
+  EXPECT_EQ(next_line(greedy), "pong\n");  // the connection stays usable
   EXPECT_EQ(stats()["limits_hit"].value("max_pending_reply_bytes_per_uid", std::uint64_t{0}), 1u);
 
   // Another uid's report is sent whole.
   ClientAs innocent(*other_, timed_commands(socket(), {"report --json"}, kReportBound));
-  const Timed own = parse_timed(innocent.next());
+  const Timed own = parse_timed(next_line(innocent));
   EXPECT_EQ(own.head.rfind("{", 0), 0u) << own.head;
   EXPECT_GT(own.bytes, report->size() / 2);
   EXPECT_EQ(daemon_->stop(), 0) << daemon_->log();

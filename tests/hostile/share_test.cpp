@@ -142,7 +142,7 @@ class HostileShareTest : public ::testing::Test {
 // spans were nowhere (no steps, no drop).
 TEST_F(HostileShareTest, AGreedyUidsStateLeavesAnotherUidItsShareAndNothingGoesUncounted) {
   // 2 MiB: each greedy process's 1,024 thread ids cost about 1.2 MiB of thread state.
-  start_daemon({{"max_state_bytes", 2u << 20}});
+  start_daemon({{"max_state_bytes", 1u << 20}});
   constexpr int kGreedyProcesses = 3;
   constexpr std::uint64_t kGreedyThreads = 1024;
   for (int n = 0; n < kGreedyProcesses; ++n) {

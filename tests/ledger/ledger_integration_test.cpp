@@ -70,6 +70,10 @@ std::uint64_t reservation_sum(const json& gpu) {
 json stable_gpu(json gpu) {
   gpu.erase("sample_age_s");
   for (auto& r : gpu["reservations"]) r.erase("age_s");
+  // A row learns its process exited at the next liveness tick (up to
+  // liveness_interval_ms later), and a restarted daemon probes every row's process at
+  // once: when it flips is timing, not state (the holders' liveness is checked above).
+  for (auto& p : gpu["processes"]) p.erase("exited");
   return gpu;
 }
 

@@ -72,7 +72,7 @@ std::uint64_t hits(const Collector& collector, const std::string& limit) {
 // uid's trainer then still keeps every span (its share is taken back from the greedy
 // one), and what the greedy one can no longer keep is counted, never lost silently.
 TEST_F(CollectorShareTest, AGreedyUidGivesBackWhatAnotherUidsShareNeeds) {
-  limits_.max_state_bytes = 4u << 20;
+  limits_.max_state_bytes = 1u << 20;
   make();
   std::vector<std::unique_ptr<DirectClient>> greedy;
   std::uint64_t greedy_sent = 0;
@@ -129,7 +129,7 @@ TEST_F(CollectorShareTest, AGreedyUidGivesBackWhatAnotherUidsShareNeeds) {
 // each at their half, the budget full, neither may take the other's half; a third that
 // comes gets its third.
 TEST_F(CollectorShareTest, NoUidIsPushedUnderItsShare) {
-  limits_.max_state_bytes = 2u << 20;
+  limits_.max_state_bytes = 512u << 10;
   make();
   DirectClient a(*collector_, world_.spawn(1, 1, "a", 1001));
   DirectClient b(*collector_, world_.spawn(2, 1, "b", 1002));
@@ -164,7 +164,7 @@ TEST_F(CollectorShareTest, NoUidIsPushedUnderItsShare) {
 // Root's (and the daemon's own uid's) reserve: the other uids may not charge the last
 // 1/16 of the budget, so root's threads are kept without taking anyone's state.
 TEST_F(CollectorShareTest, RootKeepsAReserveNoOtherUidMayCharge) {
-  limits_.max_state_bytes = 2u << 20;
+  limits_.max_state_bytes = 512u << 10;
   make();
   DirectClient greedy(*collector_, world_.spawn(1, 1, "greedy", kGreedy));
   DirectClient greedy2(*collector_, world_.spawn(3, 1, "greedy", kGreedy));
