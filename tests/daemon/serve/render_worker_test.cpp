@@ -87,17 +87,17 @@ class RenderWorkerTest : public ::testing::Test {
   bool run_until(Pred done) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!done() && std::chrono::steady_clock::now() < deadline) {
-      io.run_for(std::chrono::milliseconds(5));
+      io_.run_for(std::chrono::milliseconds(5));
     }
     return done();
   }
 
-  test::FakeWorld world;
-  Collector collector{Limits{}, world.env()};
-  boost::asio::io_context io;
-  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work =
-      boost::asio::make_work_guard(io);
-  RenderWorker renderer{io, collector};
+  test::FakeWorld world_;
+  Collector collector_{Limits{}, world_.env()};
+  boost::asio::io_context io_;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_ =
+      boost::asio::make_work_guard(io_);
+  RenderWorker renderer_{io_, collector_};
 };
 
 // A report that takes long holds the bulk lane; stats and metrics (the fast lane) are
@@ -107,13 +107,13 @@ TEST_F(RenderWorkerTest, TheFastLaneDoesNotWaitBehindAReport) {
   std::shared_future<void> released = release.get_future().share();
   bool report_done = false;
   bool stats_done = false;
-  renderer.submit(
+  renderer_.submit(
       [released](const CollectorView&) {
         released.wait();
         return std::string("report\n");
       },
       [&](std::string) { report_done = true; }, RenderOwner::of_uid(1001));
-  renderer.submit(
+  renderer_.submit(
       RenderJob([](const CollectorView&) { return std::string("stats\n"); }, RenderLane::kFast),
       [&](std::string text) {
         EXPECT_EQ(text, "stats\n");
@@ -122,11 +122,11 @@ TEST_F(RenderWorkerTest, TheFastLaneDoesNotWaitBehindAReport) {
       RenderOwner::of_uid(1002));
   EXPECT_TRUE(run_until([&] { return stats_done; }));
   EXPECT_FALSE(report_done);
-  EXPECT_EQ(renderer.pending(RenderLane::kBulk), 1u);
+  EXPECT_EQ(renderer_.pending(RenderLane::kBulk), 1u);
   release.set_value();
   EXPECT_TRUE(run_until([&] { return report_done; }));
-  EXPECT_EQ(renderer.pending(), 0u);
-  renderer.stop();
+  EXPECT_EQ(renderer_.pending(), 0u);
+  renderer_.stop();
 }
 
 // A greedy uid's burst of reports: another uid's report goes in the next round, after
@@ -142,33 +142,33 @@ TEST_F(RenderWorkerTest, AnotherUidsReportGoesAfterOneOfTheGreedyUids) {
     };
   };
   for (int i = 0; i < 6; ++i) {
-    renderer.submit(
+    renderer_.submit(
         job("greedy" + std::to_string(i)), [&](std::string text) { order.push_back(text); },
         RenderOwner::of_uid(1001));
   }
-  renderer.submit(
+  renderer_.submit(
       job("innocent"), [&](std::string text) { order.push_back(text); }, RenderOwner::of_uid(1002));
-  EXPECT_EQ(renderer.waiting(RenderLane::kBulk, RenderOwner::of_uid(1001)), 5u);
+  EXPECT_EQ(renderer_.waiting(RenderLane::kBulk, RenderOwner::of_uid(1001)), 5u);
   release.set_value();
   EXPECT_TRUE(run_until([&] { return order.size() == 7; }));
   ASSERT_EQ(order.size(), 7u);
   EXPECT_EQ(order[0], "greedy0");
   EXPECT_EQ(order[1], "innocent");
   for (int i = 1; i < 6; ++i) EXPECT_EQ(order[i + 1], "greedy" + std::to_string(i));
-  renderer.stop();
+  renderer_.stop();
 }
 
 // Tasks (pieces of a streamed reply) take their owner's turn on the bulk lane too.
 TEST_F(RenderWorkerTest, TasksTakeTheirOwnersTurn) {
   std::vector<std::string> order;
   for (int i = 0; i < 3; ++i) {
-    renderer.submit_task([i] { return "piece" + std::to_string(i); },
-                         [&](std::string text) { order.push_back(text); },
-                         RenderOwner::of_uid(1001));
+    renderer_.submit_task([i] { return "piece" + std::to_string(i); },
+                          [&](std::string text) { order.push_back(text); },
+                          RenderOwner::of_uid(1001));
   }
   EXPECT_TRUE(run_until([&] { return order.size() == 3; }));
   EXPECT_EQ(order, (std::vector<std::string>{"piece0", "piece1", "piece2"}));
-  renderer.stop();
+  renderer_.stop();
 }
 
 TEST(ReplyBytes, CountsPerUidAndForgetsAUidAtZero) {
