@@ -241,6 +241,9 @@ std::error_code ClientStream::apply(const proto::Message& message, proto::BatchP
   // Flush is answered again, since the client waits for its ack to let the batch go.
   if (at.sequence != 0 && !collector.batch_frame(handle, at.sequence, at.index) &&
       !std::holds_alternative<proto::FlushRequest>(message)) {
+    if (const auto* events = std::get_if<proto::EventSpan>(&message)) {
+      collector.resent_events_skipped(handle, events->size());
+    }
     return {};
   }
   return std::visit(

@@ -158,6 +158,10 @@ class Collector {
   // cursor moves past it); false for a frame applied before (a batch the client resent
   // after a lost connection, or one that overtook it on another connection), counted.
   bool batch_frame(ProcessHandle process, std::uint64_t sequence, std::uint32_t index);
+  // The `events` of a skipped batch frame: they are in what the daemon had when the
+  // Delivered frame came and not in that frame's count, so its daemon_crash comparison
+  // is made again with them.
+  void resent_events_skipped(ProcessHandle process, std::uint64_t events);
   // The daemon is stopping gracefully: the connections it closes from now on keep their
   // processes' open spans (for the final snapshot) instead of abandoning them.
   void stopping() { stopping_ = true; }
@@ -243,6 +247,8 @@ class Collector {
   void refuse_spans(ProcessRecord& rec, std::uint64_t spans);
   // Events of `rec` the daemon took and keeps nowhere: its `refused` drops.
   void refuse_events(ProcessRecord& rec, std::uint64_t events);
+  // daemon_crash becomes `lost` if that is more (cumulative, the maximum kept).
+  void raise_crash(ProcessRecord& rec, std::uint64_t lost);
   // A drop as a TraceMark, stamped `ts_ns` (a client timestamp), else now.
   void mark_drop(const ProcessKey& sender, std::uint8_t cause, std::uint64_t more,
                  std::optional<std::uint64_t> ts_ns = std::nullopt);

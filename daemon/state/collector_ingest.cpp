@@ -492,7 +492,16 @@ void Collector::delivered(ProcessHandle process, std::uint64_t delivered) {
   // maximum seen.
   const std::uint64_t taken =
       saturating_add(rec.events, rec.dropped_by_cause[proto::kRefusedCause]);
-  const std::uint64_t lost = delivered > taken ? delivered - taken : 0;
+  // Kept for resent_events_skipped(): what this daemon has may hold batches the process
+  // sends again (version 7) because no daemon acknowledged them, so not in `delivered`.
+  rec.hello_delivered = delivered;
+  rec.hello_taken = taken;
+  rec.resent_skipped = 0;
+  rec.hello_known = true;
+  raise_crash(rec, delivered > taken ? delivered - taken : 0);
+}
+
+void Collector::raise_crash(ProcessRecord& rec, std::uint64_t lost) {
   std::uint64_t& crash = rec.dropped_by_cause[proto::kDaemonCrashCause];
   if (lost <= crash) return;
   const std::uint64_t more = lost - crash;
@@ -501,6 +510,19 @@ void Collector::delivered(ProcessHandle process, std::uint64_t delivered) {
   total = saturating_add(total, more);
   raise_dropped(rec, saturating_add(rec.dropped, more));
   mark_drop(rec.key(), static_cast<std::uint8_t>(proto::kDaemonCrashCause), more);
+}
+
+void Collector::resent_events_skipped(ProcessHandle process, std::uint64_t events) {
+  if (process >= state_->slots.size() || !state_->slots[process]) return;
+  if (!state_->slots[process]->hello_known) return;
+  ProcessRecord& rec = state_->write(process);
+  // Events of a batch sent again that this daemon already has (from its snapshot, or an
+  // earlier connection): in what it had at the hello, not in what the process said it
+  // delivered. So the hello's comparison under-counted a crash's loss by them (when a
+  // dead daemon took later events it did not keep, e.g. from a ring): count the rest now.
+  rec.resent_skipped = saturating_add(rec.resent_skipped, events);
+  const std::uint64_t seen = saturating_add(rec.hello_delivered, rec.resent_skipped);
+  raise_crash(rec, seen > rec.hello_taken ? seen - rec.hello_taken : 0);
 }
 
 bool Collector::batch_frame(ProcessHandle process, std::uint64_t sequence, std::uint32_t index) {

@@ -123,6 +123,13 @@ struct ProcessRecord {
   // In the snapshot with the totals it describes.
   std::uint64_t batch_sequence = 0;
   std::uint32_t batch_next = 0;
+  // The last Delivered frame's count and what the daemon had then (events + refused), and
+  // the events of resent batch frames skipped since: Collector::resent_events_skipped.
+  // Not in snapshots (each connection sends its own Delivered).
+  std::uint64_t hello_delivered = 0;
+  std::uint64_t hello_taken = 0;
+  std::uint64_t resent_skipped = 0;
+  bool hello_known = false;
   // From the Identity frame (protocol version 4); empty / proto::kNoRank / 0: not sent.
   std::string job;
   std::uint32_t rank = proto::kNoRank;
