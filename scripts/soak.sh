@@ -3,16 +3,21 @@
 # steptraced, for SECONDS seconds.
 #
 # Starts the steptraced of BUILD_DIR on a temporary socket and state dir with the shipped
-# defaults (config/steptraced.json; only socket, socket_mode and state_dir differ), then
+# defaults (config/steptraced.json; only socket, socket_mode, state_dir and metrics_listen
+# differ), then
 # runs at the same time:
-#   honest tenant (the script's own uid):
+#   honest tenant (with root: uid 60005, an unprivileged tenant with no share but its own;
+#   without root the script's own uid):
 #     - py-trainer: a Python trainer (bindings/python) on 2 threads, ~1,000 spans/s, a
 #       burst of 20,000 spans every 5 s, steptrace.flush every second (its own drops,
 #       flush failures and slowest flush are read from its status file);
 #     - sim_trainer (examples/sim_trainer) in a loop: 2 workers sharing a VRAM ledger
 #       file, 1,000 steps a run (a run that fails, e.g. a flush timing out, is counted);
 #     - a pinger: a `ping` text command on a new connection every 0.5 s, timed.
-#   hostile tenants (with root: two other uids, 60001 and 60002, via setpriv, so the
+#     - a scraper: `GET /metrics` over HTTP (metrics_listen on a free loopback port) and
+#       `stats --json` on the socket every second, each timed; `stats` also gives the
+#       daemon's charged state bytes, set beside its RSS (issue 26: within 25%).
+#   hostile tenants (with root: four other uids, 60001 to 60004, via setpriv, so the
 #   per-uid quotas are what protects the honest one; without root every client shares
 #   the script's uid and the quotas apply to all of them together):
 #     uid 60001, connection hogs:
@@ -31,17 +36,35 @@
 #       - state, every 3 s in turn: raw_client good with 1,024 thread ids and a custom
 #         step, or a Python client registering 1,100 custom steps (past
 #         max_custom_steps) and recording each on 2 threads.
+#     uid 60003, the state-size bomb: up to BOMB_PROCS (default 48) processes at once
+#       (raw_client good --customs), each registering 1,024 custom steps and recording
+#       each on 256 thread ids (262,144 per-thread step states and 1,024 histograms a
+#       process), then staying connected 2 minutes; a new one every second. Together
+#       more than limits.max_state_bytes (1 GiB): the uid's share refuses the rest
+#       (counted as `refused`), never another uid's spans.
+#     uid 60004, the render flood and the trace lock-out:
+#       - 16 connections each looping `report --json` (reading every reply) and 8
+#         keep-alive HTTP connections looping `GET /metrics`;
+#       - `trace --for 3600` on a new connection every 0.2 s, closed 0.3 s later (each
+#         must end its wait at once, not hold a slot for the hour);
+#       - the same uid's own trainer (raw_client good, 4 threads x 50 pairs) every 2 s:
+#         it must connect and get its FlushAck every time (a lock-out fails the run).
 # Every 10 s one line: elapsed s, the machine's 1-minute load average, daemon RSS
 # (VmRSS), daemon CPU % of one core over the interval (utime+stime), the slowest ping of
 # the interval and the last one, how long the sampler's `report --json` took, the honest
 # tenant's dropped events (daemon's view, max per process seen; and the py-trainer's own
 # count), py-trainer flush failures, sim_trainer failed runs, connections now / rejected
-# in total, limit hits in total, processes tracked, leaked reservations. Then a summary.
+# in total, limit hits in total, processes tracked, leaked reservations, the slowest
+# HTTP scrape and `stats` of the interval, the charged state MiB and charged/RSS, the
+# lock-out uid's failed trainer runs. Then a summary.
 #
 # Exit status: 0 when the daemon stayed up (and stopped cleanly on SIGTERM), the honest
-# tenant dropped nothing and lost no flush or run, and the slowest ping stayed under
-# PING_BOUND_MS (default 2000); 1 otherwise, with the reasons; 2 bad usage.
-# Environment: PING_BOUND_MS, INTERVAL_S (default 10), KEEP_DIR=1 (keep the temp dir).
+# tenant dropped nothing and lost no flush or run, the slowest ping stayed under
+# PING_BOUND_MS (default 2000), the slowest scrape and `stats` under SCRAPE_BOUND_MS
+# (default 5000), and the lock-out uid's trainer never failed; 1 otherwise, with the
+# reasons; 2 bad usage.
+# Environment: PING_BOUND_MS, SCRAPE_BOUND_MS, BOMB_PROCS (default 48), INTERVAL_S
+# (default 10), KEEP_DIR=1 (keep the temp dir).
 set -euo pipefail
 
 usage() {
@@ -51,7 +74,8 @@ usage: scripts/soak.sh SECONDS [--build-dir DIR]
 Runs steptraced (from DIR, default build/) with honest trainers and hostile clients
 together for SECONDS seconds, printing every 10 s the daemon's RSS, CPU, ping latency,
 the honest trainers' drops, connections and limit hits, then a summary.
-Exit 0: daemon up, no honest drops, max ping < PING_BOUND_MS (2000). Else 1.
+Exit 0: daemon up, no honest drops, max ping < PING_BOUND_MS (2000), max scrape and
+stats < SCRAPE_BOUND_MS (5000), the lock-out uid's trainer never failed. Else 1.
 EOF
 }
 
@@ -98,6 +122,12 @@ fi
 }
 build_dir=$(cd "$build_dir" && pwd)
 ping_bound_ms=${PING_BOUND_MS:-2000}
+scrape_bound_ms=${SCRAPE_BOUND_MS:-5000}
+bomb_procs=${BOMB_PROCS:-48}
+[[ $bomb_procs =~ ^[0-9]+$ ]] || {
+  printf 'soak.sh: BOMB_PROCS must be a number, not %s\n' "$bomb_procs" >&2
+  exit 2
+}
 interval=${INTERVAL_S:-10}
 
 steptraced=$build_dir/daemon/steptraced
@@ -120,13 +150,19 @@ python=$(command -v python3) || {
 hostile_python=/usr/bin/python3
 [[ -x $hostile_python ]] || hostile_python=$python
 
-honest_uid=$(id -u)
-if ((honest_uid == 0)); then
+script_uid=$(id -u)
+if ((script_uid == 0)); then
+  honest_uid=60005
   hog_uid=60001
   junk_uid=60002
+  bomb_uid=60003
+  flood_uid=60004
 else
+  honest_uid=$script_uid
   hog_uid=$honest_uid
   junk_uid=$honest_uid
+  bomb_uid=$honest_uid
+  flood_uid=$honest_uid
   echo "soak.sh: not root: every client runs as uid $honest_uid, so the per-uid quotas" \
     "apply to honest and hostile clients together" >&2
 fi
@@ -163,13 +199,18 @@ chmod 711 "$tmp"
 socket=$tmp/steptraced.sock
 state_dir=$tmp/state
 mkdir -m 700 "$state_dir" "$tmp/honest"
+chown "$honest_uid" "$tmp/honest" # its trainers, pinger and scraper write there
 mkdir -m 1777 "$tmp/results" # the hog writes its status there as its own uid
 log=$tmp/steptraced.log
 export STEPTRACE_SOCKET=$socket
-"$python" - "$repo/config/steptraced.json" "$tmp/steptraced.json" "$socket" "$state_dir" <<'EOF'
+# A free loopback port for metrics_listen (free when asked; the daemon fails to start,
+# and the script says so, in the unlikely case another program takes it meanwhile).
+metrics_port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$python" - "$repo/config/steptraced.json" "$tmp/steptraced.json" "$socket" "$state_dir" "$metrics_port" <<'EOF'
 import json, sys
 config = json.load(open(sys.argv[1]))
-config.update(socket=sys.argv[3], state_dir=sys.argv[4], socket_mode="0666")
+config.update(socket=sys.argv[3], state_dir=sys.argv[4], socket_mode="0666",
+              metrics_listen="127.0.0.1:" + sys.argv[5])
 json.dump(config, open(sys.argv[2], "w"), indent=2)
 EOF
 
@@ -304,6 +345,130 @@ while True:
         closed += 1
 EOF
 
+# The scraper: every second `GET /metrics` over HTTP (a new connection each time) and
+# `stats --json` on the socket; one line per round:
+# "EPOCH_S SCRAPE_MS STATS_MS CHARGED_BYTES RSS_BYTES" (MS = -1: no complete answer in 30 s).
+cat >"$tmp/scraper.py" <<'EOF'
+import http.client, json, socket, sys, time
+path, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def scrape():
+    t0 = time.monotonic()
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.request("GET", "/metrics")
+        r = c.getresponse()
+        body = r.read()
+        c.close()
+        if r.status == 200 and b"steptrace_" in body:
+            return (time.monotonic() - t0) * 1000
+    except (OSError, http.client.HTTPException):
+        pass
+    return -1.0
+def stats():
+    t0 = time.monotonic()
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(b"stats --json\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        s.close()
+        memory = json.loads(reply).get("memory", {})
+        return ((time.monotonic() - t0) * 1000, memory.get("state_bytes_charged", 0),
+                memory.get("rss_bytes", 0))
+    except (OSError, ValueError):
+        return (-1.0, 0, 0)
+with open(out, "a", buffering=1) as f:
+    while True:
+        t0 = time.monotonic()
+        scrape_ms = scrape()
+        stats_ms, charged, rss = stats()
+        f.write("%.3f %.2f %.2f %d %d\n" % (time.time(), scrape_ms, stats_ms, charged, rss))
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+EOF
+
+# The render flood: 16 socket connections looping `report --json` and 8 keep-alive HTTP
+# connections looping `GET /metrics`, each reading every reply whole; reopened when the
+# daemon closes or refuses one. Counts replies in a status file.
+cat >"$tmp/flood.py" <<'EOF'
+import http.client, os, socket, sys, threading, time
+path, port, status = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+counts = {"reports": 0, "scrapes": 0, "failures": 0}
+lock = threading.Lock()
+def bump(key):
+    with lock:
+        counts[key] += 1
+def reports():
+    while True:
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(120)
+            s.connect(path)
+            while True:
+                s.sendall(b"report --json\n")
+                reply = b""
+                while not reply.endswith(b"\n"):
+                    chunk = s.recv(1 << 20)
+                    if not chunk:
+                        raise OSError("closed")
+                    reply += chunk
+                bump("reports")
+        except OSError:
+            bump("failures")
+            time.sleep(0.5)
+def scrapes():
+    while True:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            while True:
+                c.request("GET", "/metrics")
+                c.getresponse().read()
+                bump("scrapes")
+        except (OSError, http.client.HTTPException):
+            bump("failures")
+            time.sleep(0.5)
+for target, n in ((reports, 16), (scrapes, 8)):
+    for _ in range(n):
+        threading.Thread(target=target, daemon=True).start()
+while True:
+    time.sleep(1)
+    with lock:
+        line = " ".join("%s=%d" % kv for kv in sorted(counts.items()))
+    with open(status + ".tmp", "w") as f:
+        f.write(line + "\n")
+    os.replace(status + ".tmp", status)
+EOF
+
+# The trace lock-out: `trace --for 3600` on a new connection every 0.2 s, closed 0.3 s
+# later without reading. Counts sent in a status file.
+cat >"$tmp/trace_lockout.py" <<'EOF'
+import os, socket, sys, time
+path, status = sys.argv[1], sys.argv[2]
+open_conns = []  # (close at, socket)
+sent = failed = 0
+while True:
+    now = time.monotonic()
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.sendall(b"trace --for 3600\n")
+        open_conns.append((now + 0.3, s))
+        sent += 1
+    except OSError:
+        failed += 1
+    while open_conns and open_conns[0][0] <= now:
+        open_conns.pop(0)[1].close()
+    with open(status + ".tmp", "w") as f:
+        f.write("trace_for_sent=%d connect_failed=%d\n" % (sent, failed))
+    os.replace(status + ".tmp", status)
+    time.sleep(0.2)
+EOF
+
 # Many custom steps: registers 1,100 (past max_custom_steps) and records each on 2 threads.
 cat >"$tmp/many_steps.py" <<'EOF'
 import threading
@@ -386,7 +551,7 @@ spawn() {
 as_uid() { # UID CMD...: runs CMD as UID (when root), STEPTRACE_SOCKET kept
   local uid=$1
   shift
-  if ((honest_uid == 0 && uid != 0)); then
+  if ((script_uid == 0 && uid != 0)); then
     setpriv --reuid="$uid" --regid="$uid" --clear-groups -- "$@"
   else
     "$@"
@@ -398,13 +563,13 @@ note() { echo "$1 $2" >>"$tmp/results/$1"; }
 export PYTHONPATH=$repo/bindings/python STEPTRACE_LIBRARY=$libsteptrace
 
 # Honest tenant.
-spawn "$python" "$tmp/honest_trainer.py" "$tmp/honest/py-trainer.status"
+spawn as_uid "$honest_uid" "$hostile_python" "$tmp/honest_trainer.py" "$tmp/honest/py-trainer.status"
 sim_loop() {
   local run=0 rc
   while :; do
     run=$((run + 1))
     rc=0
-    "$sim_trainer" --gpu GPU-00000000-soak-0000-0000-000000000000 --workers 2 --steps 1000 \
+    as_uid "$honest_uid" "$sim_trainer" --gpu GPU-00000000-soak-0000-0000-000000000000 --workers 2 --steps 1000 \
       --ledger "$tmp/honest/ledger.txt" --vram-total $((8 << 30)) --reserve $((3 << 30)) \
       >"$tmp/honest/sim.out" 2>&1 || rc=$?
     echo "$run $rc" >>"$tmp/honest/sim.runs"
@@ -413,7 +578,8 @@ sim_loop() {
   done
 }
 spawn sim_loop
-spawn "$python" "$tmp/pinger.py" "$socket" "$tmp/pings"
+spawn as_uid "$honest_uid" "$hostile_python" "$tmp/pinger.py" "$socket" "$tmp/honest/pings"
+spawn as_uid "$honest_uid" "$hostile_python" "$tmp/scraper.py" "$socket" "$metrics_port" "$tmp/honest/scrapes"
 
 # Hostile tenant 1: connection hogs.
 spawn as_uid "$hog_uid" "$hostile_python" "$tmp/hog.py" "$socket" 300 8 "$tmp/results/hog.status.$hog_uid"
@@ -499,6 +665,44 @@ spawn bad_loop
 spawn reader_loop
 spawn state_loop
 
+# Hostile tenant 3: the state-size bomb (holders stay connected 2 minutes; a new one
+# every second while fewer than BOMB_PROCS are alive).
+bomb_loop() {
+  local holders=() alive p
+  while :; do
+    alive=()
+    for p in "${holders[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done
+    holders=("${alive[@]}")
+    if ((${#holders[@]} < bomb_procs)); then
+      {
+        rc=0
+        as_uid "$bomb_uid" "$raw_client" "$socket" good --threads 256 --pairs 1 --custom bomb \
+          --customs 1024 --hold-ms 120000 2>/dev/null || rc=$?
+        note bomb "$rc"
+      } &
+      holders+=("$!")
+    fi
+    sleep 1
+  done
+}
+((bomb_procs == 0)) || spawn bomb_loop
+
+# Hostile tenant 4: the render flood, the trace lock-out, and the same uid's own trainer.
+spawn as_uid "$flood_uid" "$hostile_python" "$tmp/flood.py" "$socket" "$metrics_port" \
+  "$tmp/results/flood.status.$flood_uid"
+spawn as_uid "$flood_uid" "$hostile_python" "$tmp/trace_lockout.py" "$socket" \
+  "$tmp/results/trace-lockout.status.$flood_uid"
+own_trainer_loop() {
+  local rc
+  while :; do
+    rc=0
+    as_uid "$flood_uid" "$raw_client" "$socket" good --threads 4 --pairs 50 2>/dev/null || rc=$?
+    echo "$rc" >>"$tmp/honest/own-trainer.runs"
+    sleep 2
+  done
+}
+spawn own_trainer_loop
+
 # ---------------------------------------------------------------------------------------
 # Sampling.
 clk_tck=$(getconf CLK_TCK)
@@ -513,14 +717,16 @@ cpu_ticks() { # utime + stime of the daemon (fields 14, 15; after the ")" of com
 rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$daemon_pid/status"; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
-printf '%6s %5s %8s %6s %9s %9s %9s %7s %7s %7s %8s %10s %7s %6s %6s\n' \
+printf '%6s %5s %8s %6s %9s %9s %9s %7s %7s %7s %8s %10s %7s %6s %6s %9s %9s %8s %7s %7s\n' \
   t_s load1 rss_MiB cpu_% ping_max ping_last report_ms h_drop py_drop flush_f sim_fail conns/rej \
-  limits procs leaked
+  limits procs leaked scrape_ms stats_ms chg_MiB chg/rss own_f
 start_ms=$(now_ms)
 end_ms=$((start_ms + seconds * 1000))
 last_ticks=$(cpu_ticks)
 last_ms=$start_ms
 ping_lines=0
+scrape_lines=0 max_scrape=0 max_stats=0 scrape_miss=0 own_fail=0 own_runs=0
+min_ratio="" max_ratio=""
 max_rss=0 max_cpu=0 cpu_sum=0 samples=0 max_ping=0 max_report=0
 honest_drop=0 py_drop=0 py_max_flush=0 flush_fail=0 sim_fail=0 sim_runs=0 no_answer=0
 reasons=()
@@ -546,12 +752,32 @@ while :; do
   last_ms=$now
   rss=$(rss_kib || echo 0)
   # pings since the last line
-  mapfile -t new_pings < <(tail -n "+$((ping_lines + 1))" "$tmp/pings" 2>/dev/null)
+  mapfile -t new_pings < <(tail -n "+$((ping_lines + 1))" "$tmp/honest/pings" 2>/dev/null)
   ping_lines=$((ping_lines + ${#new_pings[@]}))
   read -r pmax plast pmiss < <(printf '%s\n' "${new_pings[@]}" | awk '
     NF == 2 { if ($2 < 0) miss++; else { if ($2 > max) max = $2; last = $2 } }
     END { printf "%.1f %.1f %d\n", max, last, miss }') || true
   no_answer=$((no_answer + pmiss))
+  # scrapes and stats since the last line; the last charged/RSS pair
+  mapfile -t new_scrapes < <(tail -n "+$((scrape_lines + 1))" "$tmp/honest/scrapes" 2>/dev/null)
+  scrape_lines=$((scrape_lines + ${#new_scrapes[@]}))
+  read -r smax stmax smiss charged drss < <(printf '%s\n' "${new_scrapes[@]}" | awk '
+    NF == 5 { if ($2 < 0 || $3 < 0) miss++
+              if ($2 > smax) smax = $2; if ($3 > stmax) stmax = $3
+              if ($5 > 0) { charged = $4; rss = $5 } }
+    END { printf "%.1f %.1f %d %d %d\n", smax, stmax, miss, charged, rss }') || true
+  scrape_miss=$((scrape_miss + smiss))
+  ratio=$(awk -v c="$charged" -v r="$drss" 'BEGIN { if (r > 0) printf "%.2f", c / r; else print "?" }')
+  if [[ $ratio != "?" ]]; then
+    [[ -n $min_ratio ]] && awk -v a="$ratio" -v b="$min_ratio" 'BEGIN { exit !(a >= b) }' || min_ratio=$ratio
+    [[ -n $max_ratio ]] && awk -v a="$ratio" -v b="$max_ratio" 'BEGIN { exit !(a <= b) }' || max_ratio=$ratio
+  fi
+  awk -v a="$smax" -v b="$max_scrape" 'BEGIN { exit !(a > b) }' && max_scrape=$smax
+  awk -v a="$stmax" -v b="$max_stats" 'BEGIN { exit !(a > b) }' && max_stats=$stmax
+  if [[ -s $tmp/honest/own-trainer.runs ]]; then
+    own_runs=$(wc -l <"$tmp/honest/own-trainer.runs")
+    own_fail=$(awk '$1 != 0' "$tmp/honest/own-trainer.runs" | wc -l)
+  fi
   t0=$(now_ms)
   report=$("$steptrace" --timeout 30 report --json 2>/dev/null) || report=""
   report_ms=$(($(now_ms) - t0))
@@ -567,10 +793,11 @@ while :; do
   py_drop=$own_drop
   flush_fail=$flushf
   elapsed=$(((now - start_ms) / 1000))
-  printf '%6d %5s %8.1f %6s %9s %9s %9d %7d %7d %7d %8s %10s %7s %6s %6s\n' \
+  printf '%6d %5s %8.1f %6s %9s %9s %9d %7d %7d %7d %8s %10s %7s %6s %6s %9s %9s %8.1f %7s %7s\n' \
     "$elapsed" "$(cut -d' ' -f1 /proc/loadavg)" "$(awk -v k="$rss" 'BEGIN { print k / 1024 }')" "$((cpu / 10)).$((cpu % 10))" \
     "$pmax" "$plast" "$report_ms" "$hdrop" "$own_drop" "$flushf" "$sim_fail/$sim_runs" \
-    "$conns/$rejected" "$limits" "$procs" "$leaked"
+    "$conns/$rejected" "$limits" "$procs" "$leaked" "$smax" "$stmax" \
+    "$(awk -v b="$charged" 'BEGIN { print b / 1048576 }')" "$ratio" "$own_fail/$own_runs"
   ((rss > max_rss)) && max_rss=$rss
   ((cpu > max_cpu)) && max_cpu=$cpu
   cpu_sum=$((cpu_sum + cpu))
@@ -622,6 +849,10 @@ if ((samples > 0)); then
 fi
 printf '  max ping: %s ms (pings every 0.5 s: %d, unanswered: %d); slowest report --json: %d ms\n' \
   "$max_ping" "$ping_lines" "$no_answer" "$max_report"
+printf '  HTTP scrape: max %s ms; stats: max %s ms (every 1 s: %d, failed or unanswered: %d)\n' \
+  "$max_scrape" "$max_stats" "$scrape_lines" "$scrape_miss"
+printf '  charged state bytes / RSS: %s .. %s over the samples\n' "${min_ratio:-?}" "${max_ratio:-?}"
+printf '  lock-out uid %s: its own trainer failed %d of %d runs\n' "$flood_uid" "$own_fail" "$own_runs"
 printf '  honest: dropped %d events (daemon view), py-trainer: %d dropped (own count), %d failed flushes (slowest %s ms); sim_trainer: %d failed of %d runs\n' \
   "$honest_drop" "$py_drop" "$flush_fail" "$py_max_flush" "$sim_fail" "$sim_runs"
 echo "  hostile clients, how each ended (kind: exit status x count):"
@@ -629,8 +860,8 @@ for f in "$tmp"/results/*; do
   [[ -f $f && $f != *.status.* ]] || continue
   printf '    %-16s %s\n' "$(basename "$f"):" "$(sort "$f" | uniq -c | awk '{ printf "%s x %s  ", $3, $1 }')"
 done
-for f in "$tmp"/results/hog.status.*; do
-  [[ -f $f ]] && printf '    %-16s %s\n' "hog:" "$(cat "$f")"
+for f in "$tmp"/results/*.status.*; do
+  [[ -f $f ]] && printf '    %-16s %s\n' "$(basename "${f%%.status.*}"):" "$(cat "$f")"
 done
 echo "  daemon stats at the end (non-zero limits, anomalies, errors):"
 grep -E '^(limits_hit|ledger_anomalies|protocol_errors|connections|processes|memory|liveness)' \
@@ -647,9 +878,16 @@ tail -n 3 "$log" | sed 's/^/    /'
 ((no_answer == 0)) || reasons+=("$no_answer pings got no answer within 30 s")
 awk -v a="$max_ping" -v b="$ping_bound_ms" 'BEGIN { exit !(a >= b) }' &&
   reasons+=("max ping $max_ping ms >= $ping_bound_ms ms")
+((scrape_miss == 0)) || reasons+=("$scrape_miss scrapes or stats failed or got no answer within 30 s")
+awk -v a="$max_scrape" -v b="$scrape_bound_ms" 'BEGIN { exit !(a >= b) }' &&
+  reasons+=("max HTTP scrape $max_scrape ms >= $scrape_bound_ms ms")
+awk -v a="$max_stats" -v b="$scrape_bound_ms" 'BEGIN { exit !(a >= b) }' &&
+  reasons+=("max stats $max_stats ms >= $scrape_bound_ms ms")
+((own_fail == 0)) || reasons+=("the lock-out uid's own trainer failed $own_fail of $own_runs runs")
 if ((${#reasons[@]} > 0)); then
   echo "FAIL:"
   printf '  - %s\n' "${reasons[@]}"
   exit 1
 fi
-echo "PASS: daemon up, no honest drops, max ping $max_ping ms < $ping_bound_ms ms"
+echo "PASS: daemon up, no honest drops, max ping $max_ping ms < $ping_bound_ms ms," \
+  "max scrape $max_scrape ms and stats $max_stats ms < $scrape_bound_ms ms, the lock-out uid's trainer never failed"

@@ -10,6 +10,9 @@
 //       bytes on GPU-raw (reservation id = own pid, task "raw-task"); --dropped: report K
 //       dropped; then Flush and wait for its FlushAck (exit 0), then stay connected MS ms.
 //       --sent-file PATH: create PATH once every frame has been written to the socket.
+//       --customs K (with --custom NAME): register K steps NAME-0000 .. as 256.. instead
+//       of one, and record a pair of each in every pair of every thread (the soak's
+//       state-size bomb: threads x K per-thread step states and K histograms).
 //   raw_client SOCKET garbage|oversize|badversion|badstep
 //       send a bad stream; exit 0 when the daemon answers with an Error frame and closes.
 //   raw_client SOCKET truncated   hello plus half a frame, then close (exit 0).
@@ -138,6 +141,7 @@ struct GoodOptions {
   std::uint64_t dur = 1000;
   bool nest = false;
   std::string custom;
+  int customs = 1;  // with custom: how many steps (named NAME-%04d when more than one)
   bool ledger = false;
   long long dropped = -1;
   int hold_ms = 0;
@@ -150,7 +154,13 @@ int run_good(int fd, const GoodOptions& o) {
   proto::Encoder encoder(buf);
   if (!send_bytes(fd, hello_bytes())) return fail("send hello");
   if (!o.custom.empty()) {
-    encoder.register_step(proto::kFirstCustomStep, o.custom);
+    for (int k = 0; k < o.customs; ++k) {
+      char name[64];
+      std::snprintf(name, sizeof name, "%.40s-%04d", o.custom.c_str(), k);
+      const auto step = static_cast<std::uint16_t>(proto::kFirstCustomStep + k);
+      if (!encoder.register_step(step, o.customs == 1 ? o.custom : std::string(name)))
+        return fail("register the custom steps");
+    }
   }
   std::vector<proto::EventRecord> events;
   std::uint64_t ts = 1'000'000;
@@ -163,11 +173,10 @@ int run_good(int fd, const GoodOptions& o) {
         events.push_back(event(ts + 10 + o.dur / 2, tid, 2, proto::EventKind::kEnd));
       }
       events.push_back(event(ts + o.dur, tid, 0, proto::EventKind::kEnd));
-      if (!o.custom.empty()) {
-        events.push_back(
-            event(ts + o.dur + 5, tid, proto::kFirstCustomStep, proto::EventKind::kStart));
-        events.push_back(
-            event(ts + o.dur + 5 + o.dur, tid, proto::kFirstCustomStep, proto::EventKind::kEnd));
+      for (int k = 0; !o.custom.empty() && k < o.customs; ++k) {
+        const auto step = static_cast<std::uint16_t>(proto::kFirstCustomStep + k);
+        events.push_back(event(ts + o.dur + 5, tid, step, proto::EventKind::kStart));
+        events.push_back(event(ts + o.dur + 5 + o.dur, tid, step, proto::EventKind::kEnd));
       }
       ts += 3 * o.dur + 100;
     }
@@ -246,6 +255,8 @@ int main(int argc, char** argv) {
       o.nest = true;
     else if (a == "--custom")
       o.custom = value();
+    else if (a == "--customs")
+      o.customs = std::atoi(value());
     else if (a == "--ledger")
       o.ledger = true;
     else if (a == "--dropped")
@@ -260,6 +271,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "raw_client: unknown option %s\n", a.c_str());
       return 1;
     }
+  }
+  if (o.customs < 1 || o.customs > 4096) {
+    std::fprintf(stderr, "raw_client: --customs takes 1 .. 4096\n");
+    return 1;
   }
   const int fd = connect_to(argv[1]);
   if (fd < 0) {
