@@ -70,6 +70,7 @@ std::size_t ProcessRecord::memory_bytes() const {
   bytes += custom_ids.capacity() * sizeof(std::uint32_t);
   for (const auto& name : custom_names) bytes += sizeof(std::string) + name.capacity();
   if (custom_slot) bytes += sizeof(*custom_slot);
+  if (refused_custom) bytes += sizeof(*refused_custom);
   for (const auto& thread : threads) {
     bytes += sizeof(DeepPtr<ThreadSpans>) + sizeof(ThreadSpans) +
              thread->stacks.capacity() * sizeof(std::vector<std::uint64_t>);

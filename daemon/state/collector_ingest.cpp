@@ -179,6 +179,12 @@ struct BatchLosses {
   return slot;
 }
 
+// Whether custom step `step` is one whose registration a limit refused.
+inline bool refused_step(const ProcessRecord& rec, std::uint32_t step) {
+  const std::uint32_t index = step - proto::kFirstCustomStep;
+  return rec.refused_custom && index < proto::kMaxCustomSteps && rec.refused_custom->test(index);
+}
+
 // A thread's stacks reach only as far as the highest step slot it used: room up to
 // `slot`, charged to the state budget (false: refused by it).
 [[gnu::always_inline]] inline bool grow_stacks(CollectorState& state, ProcessRecord& rec,
@@ -314,6 +320,11 @@ std::error_code Collector::events(ProcessHandle process, proto::EventSpan events
     if (slot >= kBuiltinStepCount) [[unlikely]] {
       slot = custom_slot_of(*rec, slot, result);
       if (slot == 0) {
+        if (refused_step(*rec, e.step)) {  // a limit refused its registration: counted
+          result = {};
+          losses.lose_state(e.timestamp_ns);
+          continue;
+        }
         applied = i;
         break;
       }
@@ -384,12 +395,21 @@ std::error_code Collector::register_step(ProcessHandle process, const proto::Reg
     return rec.step_name((*rec.custom_slot)[index]) == name ? std::error_code{}
                                                             : make_error_code(errc::bad_string);
   }
-  if (rec.custom_ids.size() >= limits_.max_custom_steps) {
-    counters_.hit(LimitKind::kMaxCustomSteps);
-    return make_error_code(errc::limit_reached);
-  }
+  // Refused by a limit: the step's events are refused and counted as they come
+  // (refused_custom), so the client's own count and the report show them; the
+  // connection, and every other step, go on. Asked again (the next connection), it is
+  // tried again: the budget may have room by then.
+  const auto refuse = [&](LimitKind limit) {
+    if (limit == LimitKind::kMaxCustomSteps) counters_.hit(limit);  // charge() counts its own
+    if (!rec.refused_custom)
+      rec.refused_custom = std::make_unique<std::bitset<proto::kMaxCustomSteps>>();
+    rec.refused_custom->set(index);
+    return std::error_code{};
+  };
+  if (rec.custom_ids.size() >= limits_.max_custom_steps) return refuse(LimitKind::kMaxCustomSteps);
   const std::size_t cost = heap::custom_step_bytes(rec, name);
-  if (!charge(*state_, rec, cost, limits_, counters_)) return make_error_code(errc::limit_reached);
+  if (!charge(*state_, rec, cost, limits_, counters_)) return refuse(LimitKind::kMaxStateBytes);
+  if (rec.refused_custom) rec.refused_custom->reset(index);
   heap::make_room_for_step(rec);
   if (!rec.custom_slot) {
     rec.custom_slot = std::make_unique<std::array<std::uint16_t, proto::kMaxCustomSteps>>();

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bitset>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -140,6 +141,11 @@ struct ProcessRecord {
   std::vector<std::uint32_t> custom_ids;  // slot - kBuiltinStepCount -> step id
   std::vector<std::string> custom_names;  // slot - kBuiltinStepCount -> name
   DeepPtr<std::array<std::uint16_t, proto::kMaxCustomSteps>> custom_slot;  // id -> slot
+  // Custom step ids whose RegisterStep a limit refused (max_custom_steps, the state
+  // budget): their events are refused and counted, the connection goes on (ending it
+  // would only make the client reconnect and register them again, in a loop). Not kept
+  // in snapshots: a client registers its steps again on its next connection.
+  DeepPtr<std::bitset<proto::kMaxCustomSteps>> refused_custom;
 
   std::vector<DeepPtr<ThreadSpans>> threads;
   std::size_t charged = 0;  // state budget bytes: its threads' and custom steps' (charge())

@@ -298,18 +298,38 @@ TEST_F(CollectorTest, EventForUnregisteredCustomStepFailsAndKeepsEarlierEvents) 
   EXPECT_EQ(seen.process(100).steps.size(), 1u);
 }
 
-TEST_F(CollectorTest, CustomStepLimitIsCounted) {
+// A registration past max_custom_steps is counted and its step's events refused (the
+// process's `refused` drops), while the connection and its other steps go on: ending the
+// connection only made the client reconnect and register the step again, in a loop.
+TEST_F(CollectorTest, CustomStepLimitRefusesThatStepsEventsAndCountsThem) {
   limits_.max_custom_steps = 2;
   make();
   DirectClient c(*collector_, world_.spawn(100, 5, "a"));
   EXPECT_FALSE(c.register_step(256, "s1"));
   EXPECT_FALSE(c.register_step(257, "s2"));
-  EXPECT_EQ(c.register_step(258, "s3"), make_error_code(errc::limit_reached));
+  EXPECT_FALSE(c.register_step(258, "s3"));
   EXPECT_EQ(collector_->counters().limits_hit.at("max_custom_steps"), 1u);
-  // The error ends that connection in steptraced; the process's known ids are still fine
-  // on another.
+  EXPECT_FALSE(c.events({start(1, 256, 0), start(1, 258, 10), end(1, 258, 20), end(1, 256, 30),
+                         start(1, 258, 40), end(1, 258, 50)}));
+  {
+    const Seen seen(*collector_);
+    EXPECT_EQ(seen.step(100, "s1").count, 1u);
+    EXPECT_EQ(seen.process(100).steps.size(), 1u);  // nothing under s3
+    EXPECT_EQ(seen.process(100).events, 2u);
+    EXPECT_EQ(seen.process(100).dropped_by_cause[proto::kRefusedCause], 4u);
+    EXPECT_EQ(seen.process(100).dropped, 4u);
+  }
+  // Registered again on another connection (as a client does after a reconnect): still
+  // past the bound, still refused; the process's known ids are still fine.
   DirectClient again(*collector_, world_.spawn(100, 5, "a"));
   EXPECT_FALSE(again.register_step(257, "s2"));
+  EXPECT_FALSE(again.register_step(258, "s3"));
+  EXPECT_FALSE(again.events({start(1, 258, 60), end(1, 258, 70)}));
+  EXPECT_EQ(collector_->counters().limits_hit.at("max_custom_steps"), 2u);
+  const Seen seen(*collector_);
+  EXPECT_EQ(seen.process(100).dropped_by_cause[proto::kRefusedCause], 6u);
+  // An id never registered at all is still a protocol error.
+  EXPECT_EQ(again.events({start(1, 259, 80)}), make_error_code(errc::unregistered_step));
 }
 
 TEST_F(CollectorTest, OpenDepthLimitDropsTheStartAndCountsIt) {
