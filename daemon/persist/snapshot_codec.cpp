@@ -122,6 +122,7 @@ json process_json(const ProcessImage& p) {
               {"steps", std::move(steps)}};
   // The Identity's fields, when the process sent them (absent: not known).
   if (p.events) out["events"] = *p.events;  // absent: restored from a file without it
+  if (p.ledger_refused != 0) out["ledger_refused"] = p.ledger_refused;  // absent: none
   // The socket-batch cursor (protocol version 7): absent while the process sent none.
   if (p.batch_sequence != 0) {
     out["batch_sequence"] = p.batch_sequence;
@@ -289,6 +290,7 @@ bool read_process(JsonObject p, ProcessImage& out) {
   std::uint64_t events = kAbsent;
   p.optional_unsigned("events", events, 0, kAbsent - 1);
   if (events != kAbsent) out.events = events;
+  p.optional_unsigned("ledger_refused", out.ledger_refused, 0, kAbsent);
   p.optional_unsigned("batch_sequence", out.batch_sequence, 1, kAbsent);
   p.optional_unsigned("batch_next", out.batch_next, 1, std::numeric_limits<std::uint32_t>::max());
   if ((out.batch_sequence != 0) != (out.batch_next != 0)) {

@@ -87,6 +87,7 @@ nlohmann::json process_json(const ProcessFigures& p, std::uint64_t now) {
       {"dropped_by_cause", drop_causes_json(p.dropped_by_cause)},
       {"unmatched_ends", p.unmatched_ends},
       {"abandoned", p.abandoned},
+      {"ledger_refused", p.ledger_refused},
       {"steps", std::move(steps)},
       {"current", current_json(p.current)}};
   if (!p.alive) {

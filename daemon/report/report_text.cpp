@@ -153,7 +153,12 @@ std::string process_header(const ProcessFigures& rec, std::uint64_t now, bool wi
          identity_text(rec, with_job) + " · " + state + " · dropped " +
          std::to_string(rec.dropped) + drop_causes_text(rec) + " · unmatched ends " +
          std::to_string(rec.unmatched_ends) + " · abandoned " + std::to_string(rec.abandoned) +
-         " · open " + std::to_string(rec.open) + "\n";
+         " · open " + std::to_string(rec.open) +
+         (rec.ledger_refused == 0
+              ? ""
+              : " · ledger records refused " + std::to_string(rec.ledger_refused) +
+                    " (`steptrace stats`)") +
+         "\n";
 }
 
 // `stats` as "a.b.c: value" lines; keys and string values sanitised (kinds are the

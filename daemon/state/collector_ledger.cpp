@@ -20,6 +20,10 @@ void Collector::ledger(ProcessHandle process, const proto::LedgerRecord& record)
   const std::uint64_t now = env_.monotonic_now_ns();
   const bool applied =
       state_->ledger.apply(LedgerActor{rec.key(), rec.peer.comm, rec.peer.uid}, record, now);
+  if (!applied) {
+    ProcessRecord& w = state_->write(process);
+    w.ledger_refused = saturating_add(w.ledger_refused, 1);
+  }
   if (!recorder_.on()) return;
   TraceMark mark;
   mark.kind = TraceMark::Kind::kLedger;

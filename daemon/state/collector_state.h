@@ -130,6 +130,10 @@ struct ProcessRecord {
   std::uint64_t hello_delivered = 0;
   std::uint64_t hello_taken = 0;
   std::uint64_t resent_skipped = 0;
+  // Ledger records of this process the shared view did not apply (refused, or an anomaly
+  // only: each also in stats' ledger_anomalies by kind). The trainer is not answered per
+  // record, so its report says it.
+  std::uint64_t ledger_refused = 0;
   bool hello_known = false;
   // From the Identity frame (protocol version 4); empty / proto::kNoRank / 0: not sent.
   std::string job;

@@ -129,6 +129,7 @@ std::vector<ProcessFigures> CollectorView::processes(std::optional<std::int32_t>
     p.exited_at_ns = rec->exited_at_ns;
     p.dropped = rec->dropped;
     p.dropped_by_cause = rec->dropped_by_cause;
+    p.ledger_refused = rec->ledger_refused;
     if (rec->events_known) p.events = rec->events;
     const auto open = rec->open_per_slot();
     for (std::size_t slot = 0; slot < rec->steps.size(); ++slot) {

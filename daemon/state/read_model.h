@@ -86,6 +86,7 @@ struct ProcessFigures {
   std::uint64_t unmatched_ends = 0;
   std::uint64_t abandoned = 0;
   std::uint64_t open = 0;
+  std::uint64_t ledger_refused = 0;  // its Ledger records the shared view did not apply
   std::vector<StepFigures> steps;    // with data or open spans, built-ins first
   std::vector<OpenSpanNow> current;  // per thread with an open span, by thread id
 

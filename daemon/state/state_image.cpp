@@ -48,6 +48,7 @@ ProcessImage process_image(const ProcessRecord& rec) {
   p.dropped = rec.dropped;
   p.dropped_by_cause = rec.dropped_by_cause;
   if (rec.events_known) p.events = rec.events;
+  p.ledger_refused = rec.ledger_refused;
   p.batch_sequence = rec.batch_sequence;
   p.batch_next = rec.batch_next;
   p.job = rec.job;
@@ -155,6 +156,7 @@ std::shared_ptr<ProcessRecord> make_record(ProcessImage p) {
   rec->dropped_by_cause = p.dropped_by_cause;
   rec->events = p.events.value_or(0);
   rec->events_known = p.events.has_value();
+  rec->ledger_refused = p.ledger_refused;
   rec->batch_sequence = p.batch_sequence;
   rec->batch_next = p.batch_next;
   rec->job = std::move(p.job);

@@ -72,6 +72,7 @@ struct ProcessImage {
   std::array<std::uint64_t, proto::kReportDropCauseCount> dropped_by_cause{};
   // Event records folded for it; none when a snapshot of an older build did not say.
   std::optional<std::uint64_t> events;
+  std::uint64_t ledger_refused = 0;  // ProcessRecord::ledger_refused
   // The process's socket-batch cursor (ProcessRecord::batch_sequence, batch_next).
   std::uint64_t batch_sequence = 0;
   std::uint32_t batch_next = 0;

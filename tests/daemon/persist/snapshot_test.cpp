@@ -49,6 +49,7 @@ void populate(Collector& c, FakeWorld& world) {
   ASSERT_FALSE(a.events({start(1, 0, 0), end(1, 0, 1500), start(1, 256, 0), end(1, 256, 90'000),
                          end(2, 2, 10), start(1, 7, 100)}));
   a.ledger(test::reserve_record("GPU-1", 9, 1 << 20, "qlora-7b", 1, 150));
+  a.ledger(test::reserve_record("GPU-1", 10, 0, "zero", 1, 160));  // refused: 0 bytes
   ASSERT_FALSE(a.events({end(1, 7, 400)}));
   a.dropped(11);
   a.dropped_by_cause({{3, 9, 1, 2}});  // 15 in all
@@ -75,6 +76,7 @@ TEST(SnapshotTest, RestoreIntoANewCollectorGivesTheSameReport) {
             comparable(report::report_json(*original.freeze(), std::nullopt)));
   EXPECT_EQ(report::ledger_json(*restored.freeze()), report::ledger_json(*original.freeze()));
   EXPECT_EQ(restored.counters().events_received, original.counters().events_received);
+  EXPECT_EQ(report::report_json(*restored.freeze(), 4242)["processes"][0]["ledger_refused"], 1);
   // And through text, as a file would carry it.
   Collector again(Limits{}, world.env());
   ASSERT_FALSE(restore_from_snapshot(again, json::parse(doc.dump())));

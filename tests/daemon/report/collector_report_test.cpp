@@ -114,6 +114,22 @@ TEST_F(CollectorReportTest, RefusedSpansShowInJsonTextAndMetrics) {
   EXPECT_NE(metrics.find("steptrace_limit_hits_total{limit=\"max_span_ns\"} 1"), std::string::npos);
 }
 
+// A Ledger record the shared view did not apply is counted for its process, in the JSON
+// report and on the process's line of the text (nothing when there is none).
+TEST_F(CollectorReportTest, RefusedLedgerRecordsShowInJsonAndText) {
+  DirectClient a(*collector_, world_.spawn(1, 1, "a"));
+  a.ledger(test::reserve_record("GPU-x", 1, 4096, "t", 1, 150));
+  EXPECT_EQ(
+      process_of(report::report_json(*collector_->freeze(), std::nullopt), 1)["ledger_refused"], 0);
+  EXPECT_EQ(report::report_text(*collector_->freeze(), 1).find("ledger records refused"),
+            std::string::npos);
+  a.ledger(test::reserve_record("GPU-x", 2, 0, "zero", 1, 160));  // 0 bytes: refused
+  const json r = report::report_json(*collector_->freeze(), std::nullopt);
+  EXPECT_EQ(process_of(r, 1)["ledger_refused"], 1);
+  const std::string text = report::report_text(*collector_->freeze(), 1);
+  EXPECT_NE(text.find("ledger records refused 1"), std::string::npos) << text;
+}
+
 // PROTOCOL.md 4.7b: the Identity's job and ranks in the JSON report and the text.
 TEST_F(CollectorReportTest, JobsAndRanksShowInJsonAndText) {
   DirectClient r0(*collector_, world_.spawn(10, 1, "train", 7));

@@ -526,6 +526,20 @@ TEST_F(CollectorTest, DroppedByCauseKeepsTheMaximumPerCauseAndTheirSumIsTheTotal
   EXPECT_EQ(Seen(*collector_, 1).process(1).dropped, ~0ull);
 }
 
+// A Ledger record the shared view does not apply is not answered (the frame has no
+// reply), so the process's own figures say it.
+TEST_F(CollectorTest, LedgerRecordsTheViewRefusesAreCountedForTheirProcess) {
+  DirectClient a(*collector_, world_.spawn(1, 1, "a"));
+  a.ledger(test::reserve_record("GPU-x", 1, 4096, "t", 1, 150));
+  EXPECT_EQ(Seen(*collector_).process(1).ledger_refused, 0u);
+  a.ledger(test::reserve_record("GPU-x", 2, 0, "zero", 1, 160));    // 0 bytes: refused
+  a.ledger(test::reserve_record("GPU-x", 1, 1024, "dup", 1, 170));  // duplicate id
+  const Seen seen(*collector_);
+  EXPECT_EQ(seen.process(1).ledger_refused, 2u);
+  EXPECT_EQ(seen.view().ledger().gpus.at("GPU-x").reserved_bytes, 4096u);
+  // How the reports say it: tests/daemon/report/collector_report_test.cpp.
+}
+
 TEST_F(CollectorTest, AViewStaysAsFrozenWhileIngestGoesOn) {
   DirectClient a(*collector_, world_.spawn(1, 1, "a"));
   ASSERT_FALSE(a.events({start(1, kMatmul, 0), end(1, kMatmul, 100), start(1, kForward, 100)}));
