@@ -290,7 +290,7 @@ class VenvTest(unittest.TestCase):
         self.assertEqual(self.daemon.steps(out["pid"])["PyPackage"]["count"], 3)
         return out
 
-    def check_record(self, wheel):
+    def check_record(self, wheel, bundled=True):
         """Every file of the wheel is in its RECORD with its sha256 and size (PEP 427)."""
         import zipfile
 
@@ -308,7 +308,34 @@ class VenvTest(unittest.TestCase):
                 data = z.read(name)
                 digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
                 self.assertEqual(rows[name], ["sha256=" + digest.decode(), str(len(data))])
-            self.assertIn(f"steptrace/{SONAME}", names)
+            self.assertEqual(f"steptrace/{SONAME}" in names, bundled)
+
+    def test_metadata_is_pyprojects(self):
+        # The backend writes METADATA itself: it must say what pyproject.toml's [project]
+        # says (tomllib: Python >= 3.11).
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("no tomllib (Python < 3.11)")
+        import zipfile
+
+        with open(os.path.join(BINDINGS, "pyproject.toml"), "rb") as f:
+            project = tomllib.load(f)["project"]
+        out = tempfile.mkdtemp(dir=self.tmp)
+        wheel = self.run_ok(sys.executable, "-B", os.path.join(
+            BINDINGS, "build_backend", "steptrace_build.py"), "--outdir", out).strip()
+        self.assertEqual(os.path.basename(wheel), f"steptrace-{VERSION}-py3-none-any.whl")
+        self.check_record(wheel, bundled=False)
+        with zipfile.ZipFile(wheel) as z:
+            meta = z.read(f"steptrace-{VERSION}.dist-info/METADATA").decode()
+        headers = meta.split("\n\n", 1)[0].splitlines()
+        self.assertIn(f"Name: {project['name']}", headers)
+        self.assertIn(f"Summary: {project['description']}", headers)
+        self.assertIn(f"Requires-Python: {project['requires-python']}", headers)
+        for classifier in project["classifiers"]:
+            self.assertIn(f"Classifier: {classifier}", headers)
+        self.assertEqual(project["dependencies"], [])
+        self.assertEqual(project["dynamic"], ["version"])
 
     def test_wheel_and_source_in_plain_venvs(self):
         if not WHEEL:
