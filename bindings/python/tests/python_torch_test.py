@@ -2,8 +2,10 @@
 """steptrace.torch against the real steptraced, with a stub module in place of a
 torch.nn.Module (torch is not needed, and not imported).
 
-The stub has the four register_* methods instrument() uses and calls the hooks the way
-torch.nn.Module does: forward pre-hooks, forward, forward hooks (also when forward raises,
+The stub has the register_* methods instrument() uses and calls the hooks the way
+torch.nn.Module does (a subclass without register_full_backward_pre_hook stands for torch
+1.13, its outputs with register_hook for tensors; python_torch_real_test.py runs the real
+torch): forward pre-hooks, forward, forward hooks (also when forward raises,
 for hooks registered with always_call=True); in backward, the full backward pre-hooks
 when the gradient reaches the module's output, then the module's own backward work, then
 the full backward hooks. When none of the module's inputs requires grad, PyTorch calls
