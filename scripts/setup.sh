@@ -26,7 +26,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev clang-format clang-tidy
   socat python3 systemd
-  python3-pip python3-setuptools python3-wheel
+  python3-pip python3-setuptools python3-wheel python3-venv
   dpkg-dev file prometheus
 )
 # The Rust binding's tests (tests/rust) need cargo: Debian's, unless one is on PATH

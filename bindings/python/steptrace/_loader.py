@@ -4,13 +4,15 @@ Where it looks, in this order (the first that loads wins):
 
 1. ``$STEPTRACE_LIBRARY``, when set: that file and nothing else (an explicit choice
    that fails is an error, never silently replaced by another copy of the library).
-2. The installed prefix: the library directory recorded in ``_install_paths.py`` when
+2. The copy a platform wheel carries: ``libsteptrace.so.0`` next to this file (the
+   build's wheel, bindings/python/build_backend; a pip install needs nothing else).
+3. The installed prefix: the library directory recorded in ``_install_paths.py`` when
    CMake installed this package (``cmake --install``, the .deb): first relative to this
    package (so a relocated prefix still works), then as the absolute path.
-3. The system's search: ``dlopen("libsteptrace.so.0")`` (LD_LIBRARY_PATH, the ld.so
+4. The system's search: ``dlopen("libsteptrace.so.0")`` (LD_LIBRARY_PATH, the ld.so
    cache, the default directories), then whatever ``ctypes.util.find_library``
    finds.
-4. A source checkout: when this package is ``bindings/python/steptrace`` of one,
+5. A source checkout: when this package is ``bindings/python/steptrace`` of one,
    ``build*/client/libsteptrace.so.0`` of that checkout (``build`` first).
 
 When none loads, ImportError lists every place tried with the loader's reason.
@@ -61,6 +63,9 @@ def candidates(environ=None, package_dir=PACKAGE_DIR):
     if explicit:
         yield "$STEPTRACE_LIBRARY", explicit
         return
+    bundled = os.path.join(package_dir, SONAME)
+    if os.path.exists(bundled):
+        yield "wheel", bundled
     for d in _installed_dirs(package_dir):
         yield "installed prefix", os.path.join(d, SONAME)
     yield "system search", SONAME

@@ -11,9 +11,16 @@
     steptrace.torch.end_step()
     hooks.remove()                                 # or `with steptrace.torch.instrument(m):`
 
-This module never imports torch by itself: instrument() needs only an object with the
-four register_* methods of torch.nn.Module (so it works, and is tested, without torch),
-and torch is imported only for instrument(..., synchronize=True).
+    # per-module spans too: Linear/Conv -> Matmul, MultiheadAttention -> Attention, ...
+    hooks = steptrace.torch.instrument(model, modules=True)
+
+Works on every torch from 1.13: where a module has no register_full_backward_pre_hook
+(torch < 2.0), the Backward span starts from a hook on the forward output's tensors
+(Tensor.register_hook), which runs when the gradient reaches the output, as the pre-hook
+would. This module never imports torch by itself: instrument() needs only an object with
+torch.nn.Module's register_* methods (so it works, and is tested, without torch), and
+torch is imported only for synchronize=True and for modules=True (the default map is
+made of torch.nn classes).
 
 Spans measure host time. On a GPU, forward() returns once its kernels are queued, and
 backward's hooks run when the autograd engine has queued that module's gradient kernels:
@@ -29,17 +36,33 @@ import threading
 import warnings
 import weakref
 
-from . import Step, _c_end, _c_start, register_step
+from . import Step, _c_end, _c_start, register_step, step_id
 
-__all__ = ["instrument", "Instrumentation", "step", "end_step", "STEP_NAME"]
+__all__ = ["instrument", "Instrumentation", "step", "end_step", "default_modules",
+           "STEP_NAME"]
 
 FORWARD = int(Step.Forward)
 BACKWARD = int(Step.Backward)
 # The custom step step() records, one span per iteration.
 STEP_NAME = "Step"
 
-_HOOK_METHODS = ("register_forward_pre_hook", "register_forward_hook",
-                 "register_full_backward_pre_hook", "register_full_backward_hook")
+_FORWARD_METHODS = ("register_forward_pre_hook", "register_forward_hook")
+_BACKWARD_PRE_HOOK = "register_full_backward_pre_hook"  # torch >= 2.0
+_BACKWARD_HOOK = "register_full_backward_hook"  # torch >= 1.8
+
+# modules=True: which torch.nn classes get which span (subclasses too). Matmul and
+# Attention are built-in steps, the compute side of the report's 50% rule; the others are
+# custom steps. Names missing from an older torch are skipped.
+_DEFAULT_MODULES = (
+    ("Linear", "Matmul"), ("Bilinear", "Matmul"),
+    ("Conv1d", "Matmul"), ("Conv2d", "Matmul"), ("Conv3d", "Matmul"),
+    ("ConvTranspose1d", "Matmul"), ("ConvTranspose2d", "Matmul"),
+    ("ConvTranspose3d", "Matmul"),
+    ("MultiheadAttention", "Attention"),
+    ("Embedding", "Embedding"), ("EmbeddingBag", "Embedding"),
+    ("LayerNorm", "Norm"), ("GroupNorm", "Norm"), ("RMSNorm", "Norm"),
+    ("BatchNorm1d", "Norm"), ("BatchNorm2d", "Norm"), ("BatchNorm3d", "Norm"),
+)
 
 _instrumented = weakref.WeakSet()  # modules with hooks in place
 _instrumented_lock = threading.Lock()
@@ -152,27 +175,161 @@ class _Backward:
             _c_end(BACKWARD)
 
 
-def instrument(module, *, forward=True, backward=True, synchronize=False):
-    """Records a Forward span around every call of `module` (forward pre-hook to forward
-    hook) and a Backward span around its part of every backward pass (full backward
-    pre-hook to full backward hook, or to the end of the pass when none of its inputs
-    requires grad). Returns an Instrumentation holding the hook handles.
+def _output_tensors(output, depth=0):
+    """The tensors of a forward output that will receive a gradient: the output itself, or
+    those in a tuple, list or dict of it (a few levels: ModelOutput-like results)."""
+    if callable(getattr(output, "register_hook", None)):
+        if getattr(output, "requires_grad", False):
+            yield output
+    elif depth < 3:
+        if isinstance(output, dict):
+            output = output.values()
+        elif not isinstance(output, (tuple, list)):
+            return
+        for item in output:
+            yield from _output_tensors(item, depth + 1)
 
-    `module`: a torch.nn.Module, or any object with its register_forward_pre_hook,
-    register_forward_hook, register_full_backward_pre_hook and
-    register_full_backward_hook (torch >= 2.0). Instrument the top-level model for one
-    Forward/Backward pair per iteration; submodules nest inside it.
+
+class _BackwardStartFromOutput:
+    """The Backward span's start without register_full_backward_pre_hook (torch < 2.0): a
+    forward hook puts a tensor hook on each output tensor that requires grad; the first of
+    them to run in a pass (the gradient has reached the output) starts the span, as the
+    pre-hook would. No output requiring grad (torch.no_grad(), eval): no span."""
+
+    def __init__(self, backward):
+        self.backward = backward
+
+    def forward_hook(self, module, args, output):
+        tensors = list(_output_tensors(output))
+        if not tensors:
+            return None
+        fired = []  # one start per forward call, however many outputs get a gradient
+
+        def tensor_hook(grad):
+            if not fired:
+                fired.append(True)
+                self.backward.pre_hook(module, (grad,))
+            return None
+
+        for tensor in tensors:
+            tensor.register_hook(tensor_hook)
+        return None
+
+
+def default_modules():
+    """modules=True's map, {torch.nn class: step name} (imports torch)."""
+    import torch.nn  # only here: the default map is made of torch.nn classes
+
+    mapping = {}
+    for class_name, step_name in _DEFAULT_MODULES:
+        cls = getattr(torch.nn, class_name, None)
+        if isinstance(cls, type):
+            mapping[cls] = step_name
+    return mapping
+
+
+def _module_step(mapping, module):
+    """The step of `module` in `mapping` (its class or the nearest base class listed), or
+    None."""
+    for cls in type(module).__mro__:
+        if cls in mapping:
+            return mapping[cls]
+    return None
+
+
+def _register_forward_span(module, sid, sync, handles):
+    def pre_hook(mod, args):
+        if sync is not None:
+            sync()
+        _c_start(sid)
+
+    def hook(mod, args, output):
+        if sync is not None:
+            sync()
+        _c_end(sid)
+
+    handles.append(module.register_forward_pre_hook(pre_hook))
+    try:  # torch >= 2.1: the hook runs even when forward() raises
+        handles.append(module.register_forward_hook(hook, always_call=True))
+    except TypeError:
+        handles.append(module.register_forward_hook(hook))
+
+
+def _missing(module, names):
+    return [name for name in names if not callable(getattr(module, name, None))]
+
+
+def instrument(module, *, forward=True, backward=True, synchronize=False, modules=None):
+    """Records a Forward span around every call of `module` (forward pre-hook to forward
+    hook) and a Backward span around its part of every backward pass (from when the
+    gradient reaches its output to when the gradients for its inputs are computed, or to
+    the end of the pass when none of its inputs requires grad). Returns an
+    Instrumentation holding the hook handles.
+
+    `module`: a torch.nn.Module (torch >= 1.13), or any object with its
+    register_forward_pre_hook and register_forward_hook (forward), and
+    register_full_backward_hook plus either register_full_backward_pre_hook (torch >= 2.0)
+    or, for the fallback, register_forward_hook on a module whose outputs are tensors
+    with register_hook (backward). Instrument the top-level model for one Forward/Backward
+    pair per iteration; submodules nest inside it.
     `synchronize`: True calls torch.cuda.synchronize() (when CUDA is available) before
     each span starts and ends, so spans cover the device's work; a callable is called
     instead. A module can be instrumented once at a time (ValueError otherwise).
+    `modules`: spans around the calls of submodules (module.modules(), the module itself
+    included) by class: a dict {class: step} (a step name, a Step or an id; None leaves
+    that class out), or True for default_modules() (Linear and Conv -> Matmul,
+    MultiheadAttention -> Attention, Embedding -> "Embedding", LayerNorm and BatchNorm ->
+    "Norm"). A submodule takes the step of its class or of its nearest listed base class.
 
     Full backward hooks make PyTorch wrap the module's inputs and outputs: an in-place
     operation on the model's output (`out.relu_()`) then raises, as with any full
     backward hook."""
-    missing = [name for name in _HOOK_METHODS if not callable(getattr(module, name, None))]
+    needed = []
+    if forward:
+        needed += _FORWARD_METHODS
+    if backward:
+        needed.append(_BACKWARD_HOOK)
+        if not callable(getattr(module, _BACKWARD_PRE_HOOK, None)):
+            needed.append("register_forward_hook")  # the fallback's start
+    missing = _missing(module, dict.fromkeys(needed))
     if missing:
-        raise TypeError(f"instrument() needs a torch.nn.Module (torch >= 2.0); "
-                        f"{type(module).__name__} has no {', '.join(missing)}")
+        what = []
+        if forward:
+            what.append("forward=True needs " + ", ".join(_FORWARD_METHODS))
+        if backward:
+            what.append(f"backward=True needs {_BACKWARD_HOOK} (torch >= 1.8) and "
+                        f"{_BACKWARD_PRE_HOOK} (torch >= 2.0) or register_forward_hook")
+        raise TypeError(f"instrument() needs a torch.nn.Module (torch >= 1.13): "
+                        f"{type(module).__name__} has no {', '.join(missing)} "
+                        f"({'; '.join(what)})")
+    if modules is True:
+        mapping = default_modules()
+    elif modules is None or modules is False:
+        mapping = {}
+    elif isinstance(modules, dict):
+        mapping = dict(modules)
+        for cls in mapping:
+            if not isinstance(cls, type):
+                raise TypeError(f"modules: keys are classes, not {type(cls).__name__}")
+    else:
+        raise TypeError(f"modules must be a dict, True or None, not {type(modules).__name__}")
+    submodules = []
+    if mapping:
+        if not callable(getattr(module, "modules", None)):
+            raise TypeError(f"modules= needs a torch.nn.Module: {type(module).__name__} "
+                            "has no modules()")
+        ids = {}  # step -> id, resolved (and custom names registered) once
+        for sub in module.modules():
+            step = _module_step(mapping, sub)
+            if step is None:
+                continue
+            key = (type(step), step)
+            if key not in ids:
+                ids[key] = step_id(step)
+            missing = _missing(sub, _FORWARD_METHODS)
+            if missing:
+                raise TypeError(f"modules: {type(sub).__name__} has no {', '.join(missing)}")
+            submodules.append((sub, ids[key]))
     sync = _synchronizer(synchronize)
     with _instrumented_lock:
         try:
@@ -186,25 +343,17 @@ def instrument(module, *, forward=True, backward=True, synchronize=False):
     handles = []
     try:
         if forward:
-            def forward_pre_hook(mod, args):
-                if sync is not None:
-                    sync()
-                _c_start(FORWARD)
-
-            def forward_hook(mod, args, output):
-                if sync is not None:
-                    sync()
-                _c_end(FORWARD)
-
-            handles.append(module.register_forward_pre_hook(forward_pre_hook))
-            try:  # torch >= 2.1: the hook runs even when forward() raises
-                handles.append(module.register_forward_hook(forward_hook, always_call=True))
-            except TypeError:
-                handles.append(module.register_forward_hook(forward_hook))
+            _register_forward_span(module, FORWARD, sync, handles)
         if backward:
             state = _Backward(sync)
-            handles.append(module.register_full_backward_pre_hook(state.pre_hook))
-            handles.append(module.register_full_backward_hook(state.hook))
+            if callable(getattr(module, _BACKWARD_PRE_HOOK, None)):
+                handles.append(getattr(module, _BACKWARD_PRE_HOOK)(state.pre_hook))
+            else:
+                start = _BackwardStartFromOutput(state)
+                handles.append(module.register_forward_hook(start.forward_hook))
+            handles.append(getattr(module, _BACKWARD_HOOK)(state.hook))
+        for sub, sid in submodules:
+            _register_forward_span(sub, sid, sync, handles)
     except BaseException:
         Instrumentation(module, handles).remove()
         raise

@@ -8,6 +8,13 @@
 - CMake: `cmake --install <build> --component python --prefix P` (the rules the .deb
   uses) with the build's library copied where the install puts it (P/<libdir>, as the
   full install would), found through the install's _install_paths.py, also once P moved.
+- The build's wheel (STEPTRACE_PYTHON_WHEEL: py3-none-<platform>, carrying
+  libsteptrace.so.0) into a plain venv (`python -m venv`, then setuptools and wheel taken
+  out: what a venv of Python >= 3.12 has) with `pip install --no-index FILE.whl`: found in
+  the wheel, with no environment variable; its RECORD holds every file's hash. Then
+  `pip install --no-index --no-build-isolation bindings/python` in the same venv (the
+  in-tree build backend needs only the standard library) and `pip install -e`. With the
+  configured python and with /usr/bin/python3 (Debian's) when it is another one.
 - A source checkout with neither STEPTRACE_LIBRARY nor LD_LIBRARY_PATH: the build tree.
 - Nothing found, or STEPTRACE_LIBRARY naming a missing file: ImportError listing the
   places tried.
@@ -17,6 +24,10 @@ STEPTRACE_LIBRARY (the build's library; the children do not inherit it), STEPTRA
 STEPTRACE_SOURCE_DIR, STEPTRACE_VERSION, and for the CMake case STEPTRACE_BUILD_DIR,
 STEPTRACE_CMAKE and STEPTRACE_INSTALL_LIBDIR."""
 
+import base64
+import csv
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -32,6 +43,7 @@ BINDINGS = os.path.join(SOURCE_DIR, "bindings", "python")
 LIBRARY = os.path.realpath(os.environ["STEPTRACE_LIBRARY"])
 VERSION = os.environ["STEPTRACE_VERSION"]
 SONAME = "libsteptrace.so.0"
+WHEEL = os.environ.get("STEPTRACE_PYTHON_WHEEL")
 
 # What the child prints: where the package and the library came from.
 PROBE = """
@@ -73,13 +85,9 @@ def system_has_library():
 
 
 def pip_python():
-    """A python that can build this package offline: pip, setuptools, and wheel (which
-    setuptools before 70.1 needs to build wheels). The one running the test first, then
-    Debian's (python3-pip, python3-setuptools, python3-wheel); None when neither can."""
-    check = ("import importlib.util, sys, setuptools\n"
-             "if importlib.util.find_spec('pip') is None:\n    sys.exit(1)\n"
-             "v = tuple(int(p) for p in setuptools.__version__.split('.')[:2])\n"
-             "sys.exit(0 if v >= (70, 1) or importlib.util.find_spec('wheel') else 1)\n")
+    """A python with pip, which is all this package's build backend needs: the one running
+    the test first, then Debian's (python3-pip); None when neither has it."""
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('pip') is None)"
     for python in (sys.executable, "/usr/bin/python3"):
         if os.path.exists(python) and subprocess.run(
                 [python, "-c", check], capture_output=True, timeout=60).returncode == 0:
@@ -105,8 +113,7 @@ class PackageTest(unittest.TestCase):
             return PackageTest._pip_target
         python = pip_python()
         if python is None:
-            self.skipTest("no python here has pip, setuptools and wheel (Debian: "
-                          "python3-pip python3-setuptools python3-wheel)")
+            self.skipTest("no python here has pip (Debian: python3-pip)")
         work = tempfile.mkdtemp(dir=self.tmp)
         # A copy: building writes build/ and steptrace.egg-info/ next to pyproject.toml.
         src = os.path.join(work, "src")
@@ -216,6 +223,163 @@ class PackageTest(unittest.TestCase):
         self.assertEqual(rc, 0, err)
         self.assertEqual(out["found_by"], "installed prefix")
         self.assertEqual(out["library"], os.path.realpath(os.path.join(moved, libdir, SONAME)))
+
+
+def pythons():
+    """The pythons to make venvs of: the configured one, and Debian's when it differs."""
+    found = []
+    for python in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(python) and os.path.realpath(python) not in map(
+                os.path.realpath, found):
+            found.append(python)
+    return found
+
+
+def pip_env():
+    """pip's environment: no index, no user configuration, no ASan preload."""
+    env = child_env(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1",
+                    PIP_NO_INDEX="1", PIP_NO_CACHE_DIR="1")
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+class VenvTest(unittest.TestCase):
+    """pip into plain venvs, offline; the package imported from the venv with nothing
+    in the environment pointing at it or at the library."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="steptrace-pyvenv-")
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.close()
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def run_ok(self, *args, cwd=None):
+        r = subprocess.run(args, env=pip_env(), cwd=cwd or self.tmp, capture_output=True,
+                           text=True, timeout=240)
+        self.assertEqual(r.returncode, 0, f"{' '.join(args)}:\n{r.stdout}{r.stderr}")
+        return r.stdout
+
+    def plain_venv(self, python):
+        """A new venv of `python` with pip only (setuptools and wheel taken out)."""
+        venv = tempfile.mkdtemp(dir=self.tmp)
+        r = subprocess.run([python, "-m", "venv", venv], env=pip_env(), capture_output=True,
+                           text=True, timeout=240)
+        if r.returncode != 0:
+            self.skipTest(f"{python} -m venv: {r.stderr.strip()} (Debian: python3-venv)")
+        vpython = os.path.join(venv, "bin", "python")
+        installed = json.loads(self.run_ok(vpython, "-m", "pip", "list", "--format=json"))
+        extra = [p["name"] for p in installed if p["name"].lower() in ("setuptools", "wheel")]
+        if extra:
+            self.run_ok(vpython, "-m", "pip", "uninstall", "-y", *extra)
+        names = {p["name"].lower() for p in json.loads(
+            self.run_ok(vpython, "-m", "pip", "list", "--format=json"))}
+        self.assertEqual(names, {"pip"})
+        return vpython
+
+    def probe_in(self, vpython):
+        r = subprocess.run([vpython, "-c", PROBE, self.daemon.socket], env=child_env(),
+                           cwd=self.tmp, capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        out = json.loads(r.stdout)
+        self.assertEqual(out["version"], VERSION)
+        self.assertEqual(out["rc"], 0)
+        self.assertEqual(self.daemon.steps(out["pid"])["PyPackage"]["count"], 3)
+        return out
+
+    def check_record(self, wheel, bundled=True):
+        """Every file of the wheel is in its RECORD with its sha256 and size (PEP 427)."""
+        import zipfile
+
+        with zipfile.ZipFile(wheel) as z:
+            names = z.namelist()
+            record = [n for n in names if n.endswith(".dist-info/RECORD")]
+            self.assertEqual(len(record), 1, names)
+            rows = {row[0]: row[1:] for row in csv.reader(
+                io.StringIO(z.read(record[0]).decode()))}
+            self.assertEqual(sorted(rows), sorted(names))
+            for name in names:
+                if name == record[0]:
+                    self.assertEqual(rows[name], ["", ""])
+                    continue
+                data = z.read(name)
+                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+                self.assertEqual(rows[name], ["sha256=" + digest.decode(), str(len(data))])
+            self.assertEqual(f"steptrace/{SONAME}" in names, bundled)
+
+    def test_metadata_is_pyprojects(self):
+        # The backend writes METADATA itself: it must say what pyproject.toml's [project]
+        # says (tomllib: Python >= 3.11).
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("no tomllib (Python < 3.11)")
+        import zipfile
+
+        with open(os.path.join(BINDINGS, "pyproject.toml"), "rb") as f:
+            project = tomllib.load(f)["project"]
+        out = tempfile.mkdtemp(dir=self.tmp)
+        wheel = self.run_ok(sys.executable, "-B", os.path.join(
+            BINDINGS, "build_backend", "steptrace_build.py"), "--outdir", out).strip()
+        self.assertEqual(os.path.basename(wheel), f"steptrace-{VERSION}-py3-none-any.whl")
+        self.check_record(wheel, bundled=False)
+        with zipfile.ZipFile(wheel) as z:
+            meta = z.read(f"steptrace-{VERSION}.dist-info/METADATA").decode()
+        headers = meta.split("\n\n", 1)[0].splitlines()
+        self.assertIn(f"Name: {project['name']}", headers)
+        self.assertIn(f"Summary: {project['description']}", headers)
+        self.assertIn(f"Requires-Python: {project['requires-python']}", headers)
+        for classifier in project["classifiers"]:
+            self.assertIn(f"Classifier: {classifier}", headers)
+        self.assertEqual(project["dependencies"], [])
+        self.assertEqual(project["dynamic"], ["version"])
+
+    def test_wheel_and_source_in_plain_venvs(self):
+        if not WHEEL:
+            self.skipTest("no STEPTRACE_PYTHON_WHEEL (no python3 at configure time)")
+        self.assertTrue(os.path.basename(WHEEL).startswith(f"steptrace-{VERSION}-py3-none-"))
+        self.check_record(WHEEL)
+        for python in pythons():
+            with self.subTest(python=python):
+                vpython = self.plain_venv(python)
+                site = self.run_ok(vpython, "-c", "import sysconfig; "
+                                   "print(sysconfig.get_paths()['platlib'])").strip()
+
+                # The wheel: the library it carries, nothing else needed.
+                self.run_ok(vpython, "-m", "pip", "install", WHEEL)
+                out = self.probe_in(vpython)
+                self.assertEqual(out["found_by"], "wheel")
+                self.assertEqual(out["library"],
+                                 os.path.realpath(os.path.join(site, "steptrace", SONAME)))
+                self.run_ok(vpython, "-m", "pip", "uninstall", "-y", "steptrace")
+                self.assertFalse(os.path.exists(os.path.join(site, "steptrace")))
+
+                # The source tree, no build isolation, nothing but the standard library to
+                # build it: a pure wheel; the library from the system's search here.
+                src = os.path.join(tempfile.mkdtemp(dir=self.tmp), "src")
+                shutil.copytree(BINDINGS, src, ignore=shutil.ignore_patterns(
+                    "__pycache__", "_install_paths.py"))
+                self.run_ok(vpython, "-m", "pip", "install", "--no-build-isolation", src)
+                self.assertFalse(os.path.exists(os.path.join(site, "steptrace", SONAME)))
+                self.assertEqual(sorted(os.listdir(src)), sorted(os.listdir(BINDINGS)))
+                r = subprocess.run([vpython, "-c", PROBE, self.daemon.socket],
+                                   env=child_env(LD_LIBRARY_PATH=os.path.dirname(LIBRARY)),
+                                   cwd=self.tmp, capture_output=True, text=True, timeout=60)
+                self.assertEqual(r.returncode, 0, r.stderr)
+                self.assertEqual(json.loads(r.stdout)["found_by"], "system search")
+                self.run_ok(vpython, "-m", "pip", "uninstall", "-y", "steptrace")
+
+                # Editable (PEP 660), with build isolation (no requirement to fetch): the
+                # checkout itself, its build tree's library.
+                self.run_ok(vpython, "-m", "pip", "install", "-e", BINDINGS)
+                out = self.probe_in(vpython)
+                self.assertEqual(os.path.dirname(out["file"]),
+                                 os.path.join(BINDINGS, "steptrace"))
+                self.run_ok(vpython, "-m", "pip", "uninstall", "-y", "steptrace")
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -2,8 +2,10 @@
 """steptrace.torch against the real steptraced, with a stub module in place of a
 torch.nn.Module (torch is not needed, and not imported).
 
-The stub has the four register_* methods instrument() uses and calls the hooks the way
-torch.nn.Module does: forward pre-hooks, forward, forward hooks (also when forward raises,
+The stub has the register_* methods instrument() uses and calls the hooks the way
+torch.nn.Module does (a subclass without register_full_backward_pre_hook stands for torch
+1.13, its outputs with register_hook for tensors; python_torch_real_test.py runs the real
+torch): forward pre-hooks, forward, forward hooks (also when forward raises,
 for hooks registered with always_call=True); in backward, the full backward pre-hooks
 when the gradient reaches the module's output, then the module's own backward work, then
 the full backward hooks. When none of the module's inputs requires grad, PyTorch calls
@@ -243,6 +245,79 @@ class TorchStubTest(unittest.TestCase):
             model(1.0)
         self.assertEqual(self.steps()["Forward"]["count"], 1)
 
+    def test_backward_start_without_pre_hook(self):
+        # torch < 2.0 (1.13): no register_full_backward_pre_hook; the span starts from a
+        # hook on the output's tensors, run when the gradient reaches the output.
+        class StubTensor:
+            def __init__(self, requires_grad=True):
+                self.requires_grad, self.hooks = requires_grad, []
+
+            def register_hook(self, hook):
+                self.hooks.append(hook)
+
+        class OldModule(StubModule):
+            register_full_backward_pre_hook = None
+
+            def __call__(self, x):
+                self.output = (StubTensor(), [StubTensor(), StubTensor(False)], 3)
+                for hook in list(self.forward_hooks.values()):
+                    hook(self, (x,), self.output)
+                return self.output
+
+            def backward(self, inputs_require_grad=True, engine=None):
+                for tensor in (self.output[0], *self.output[1]):
+                    for hook in tensor.hooks:  # two tensors get a gradient: one start
+                        hook(1.0)
+                time.sleep(self.backward_work)
+                for hook in list(self.backward_hooks.values()):
+                    hook(self, (2.0,), (1.0,))
+
+        model = OldModule()
+        with st_torch.instrument(model) as hooks:
+            self.assertEqual(len(hooks), 4)  # forward pre-hook and hook, the start, the end
+            for i in range(3):
+                model(float(i))
+                self.assertEqual([len(t.hooks) for t in (model.output[0], *model.output[1])],
+                                 [1, 1, 0])
+                model.backward()
+        steps = self.steps()
+        self.assertEqual(steps["Backward"]["count"], 3)
+        self.assertEqual(steps["Backward"]["open"], 0)
+        self.assertEqual(steps["Backward"]["unmatched_ends"], 0)
+        self.assertGreaterEqual(steps["Backward"]["min_ns"], WORK_NS)
+
+    def test_module_spans(self):
+        class Linear(StubModule):
+            pass
+
+        class Conv(Linear):  # a subclass takes its base class's step
+            pass
+
+        class Model(StubModule):
+            def __init__(self):
+                super().__init__(forward_work=0, backward_work=0)
+                self.layers = [Linear(0, 0), Conv(0, 0), StubModule(0, 0)]
+
+            def modules(self):
+                return [self, *self.layers]
+
+            def __call__(self, x):
+                return super().__call__(sum(layer(x) for layer in self.layers))
+
+        model = Model()
+        with st_torch.instrument(model, backward=False,
+                                 modules={Linear: "Matmul", Model: None}) as hooks:
+            self.assertEqual(len(hooks), 2 + 2 * 2)
+            for _ in range(3):
+                model(1.0)
+        steps = self.steps()
+        self.assertEqual(steps["Matmul"]["count"], 6)
+        self.assertEqual(steps["Forward"]["count"], 3)
+        with self.assertRaisesRegex(TypeError, "modules must be"):
+            st_torch.instrument(model, modules="Linear")
+        with self.assertRaisesRegex(TypeError, "has no modules"):
+            st_torch.instrument(StubModule(), modules={Linear: "Matmul"})
+
     def test_synchronize(self):
         calls = []
         model = StubModule(forward_work=0, backward_work=0)
@@ -256,6 +331,14 @@ class TorchStubTest(unittest.TestCase):
     def test_instrument_checks(self):
         with self.assertRaisesRegex(TypeError, "register_full_backward_pre_hook"):
             st_torch.instrument(object())
+        # What is missing is named: here only the backward end's hook.
+        class NoBackwardHook(StubModule):
+            register_full_backward_hook = None
+
+        with self.assertRaisesRegex(TypeError, "NoBackwardHook has no "
+                                    "register_full_backward_hook \\("):
+            st_torch.instrument(NoBackwardHook())
+        st_torch.instrument(NoBackwardHook(), backward=False).remove()
         model = StubModule()
         hooks = st_torch.instrument(model)
         with self.assertRaises(ValueError):
@@ -279,7 +362,7 @@ class TorchStubTest(unittest.TestCase):
         self.assertEqual(steps["Step"]["count"], 3)  # three steps, the last ended by end_step()
         self.assertEqual(steps["Step"]["open"], 0)
 
-    def test_torch_not_imported(self):
+    def test_torch_not_imported(self):  # modules=True would import it
         self.assertNotIn("torch", sys.modules)
 
 
