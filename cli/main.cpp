@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -294,13 +295,56 @@ CLI::Validator pid_check() {
       [](std::string& text) -> std::string {
         const auto pid = steptrace::proto::parse_pid(text);
         if (!pid) {
-          return fmt::format("'{}' is not a process id (decimal, {} to {})", text,
+          return fmt::format("'{}' is not a pid (a process id: decimal, {} to {})", text,
                              steptrace::proto::kMinPid, steptrace::proto::kMaxPid);
         }
         text = std::to_string(*pid);
         return "";
       },
       fmt::format("INT in [{} - {}]", steptrace::proto::kMinPid, steptrace::proto::kMaxPid));
+}
+
+// A number of seconds in [min, max] (--timeout, --interval), said the way the user wrote
+// it when it is not one; CLI11's own range check says "Value abc not in range".
+CLI::Validator seconds_range(double min, double max) {
+  return CLI::Validator(
+      [=](const std::string& text) -> std::string {
+        double value = 0;
+        std::size_t used = 0;
+        try {
+          value = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size() || !std::isfinite(value)) {
+          return fmt::format("'{}' is not a number of seconds (e.g. 2 or 0.5)", text);
+        }
+        if (value < min || value > max) {
+          return fmt::format("{} s is out of range: from {:g} to {:g} s", text, min, max);
+        }
+        return "";
+      },
+      fmt::format("SECONDS in [{:g} - {:g}]", min, max));
+}
+
+// A whole count in [0, max] (--iterations).
+CLI::Validator count_range(long long max) {
+  return CLI::Validator(
+      [=](const std::string& text) -> std::string {
+        long long value = -1;
+        std::size_t used = 0;
+        try {
+          value = std::stoll(text, &used, 10);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size()) {
+          return fmt::format("'{}' is not a whole number", text);
+        }
+        if (value < 0 || value > max) return fmt::format("{} is out of range: 0 to {}", text, max);
+        return "";
+      },
+      fmt::format("N in [0 - {}]", max));
 }
 
 // The daemon's reply to `line`, or nullopt after saying on stderr why there is none
@@ -518,7 +562,7 @@ void add_global_options(CLI::App& app, Options& options) {
   app.add_option("--timeout", options.timeout_s, "Seconds to wait for the daemon's reply")
       ->type_name("SECONDS")
       ->capture_default_str()
-      ->check(CLI::Range(0.01, 3600.0));
+      ->check(seconds_range(0.01, 3600.0));
 }
 
 // A subcommand that sends one fixed command, with " --json" when `json` is set.
@@ -662,11 +706,11 @@ Subcommand add_top(CLI::App& app, Options& options) {
   top->add_option("--interval", options.interval_s, "Seconds between refreshes")
       ->type_name("SECONDS")
       ->capture_default_str()
-      ->check(CLI::Range(0.05, 3600.0));
+      ->check(seconds_range(0.05, 3600.0));
   top->add_option("--iterations", options.iterations, "Exit after N refreshes (0: run until ^C)")
       ->type_name("N")
       ->capture_default_str()
-      ->check(CLI::Range(0, 1 << 30));
+      ->check(count_range(1 << 30));
   return {top, [](const Invocation& in) { return run_top(in.socket, in.options); }};
 }
 

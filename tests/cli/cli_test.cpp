@@ -21,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tests/support/daemon_process.h"
@@ -170,9 +171,52 @@ TEST(CliNoDaemon, UnreachableSocketExitsOneNamingThePath) {
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out, "");
   EXPECT_THAT(r.err, HasSubstr(socket));
-  EXPECT_THAT(r.err, HasSubstr("No such file or directory"));
+  EXPECT_THAT(r.err, HasSubstr("no such file"));
   EXPECT_THAT(r.err, HasSubstr("systemctl start steptraced.socket"));
   EXPECT_EQ(count_lines(r.err), 1u) << r.err;
+}
+
+// A --socket that is no socket at all is named as such, not as "Connection refused"
+// (what connect() says for a regular file and a directory alike).
+TEST(CliNoDaemon, ASocketPathThatIsNoSocketIsNamedForWhatItIs) {
+  TempDir dir;
+  const std::string file = dir.file("plain-file");
+  { std::ofstream(file) << "not a socket\n"; }
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {file, "not a socket (" + file + " is a regular file)"},
+      {dir.path(), "not a socket (" + dir.path() + " is a directory)"},
+      {dir.file("missing.sock"), "no such file"},
+      {file + "/below.sock", "no such file"},
+  };
+  for (const auto& [path, said] : cases) {
+    const Output r = run(dir, {STEPTRACE_CLI_BIN, "--socket", path, "ping"});
+    EXPECT_EQ(r.status, 1) << path;
+    EXPECT_THAT(r.err, HasSubstr(said)) << path;
+    EXPECT_THAT(r.err, Not(HasSubstr("Connection refused"))) << path;
+    EXPECT_EQ(count_lines(r.err), 1u) << r.err;
+  }
+}
+
+// Bad values are named by what they should have been, not by CLI11's "Value abc not in
+// range".
+TEST(CliNoDaemon, BadValuesSayWhatIsWrong) {
+  TempDir dir;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"report", "--pid", "abc"}, "'abc' is not a pid"},
+      {{"reset", "--pid", "-3"}, "'-3' is not a pid"},
+      {{"top", "--interval", "abc"}, "'abc' is not a number of seconds"},
+      {{"top", "--interval", "0"}, "out of range"},
+      {{"top", "--iterations", "lots"}, "'lots' is not a whole number"},
+      {{"--timeout", "soon", "ping"}, "'soon' is not a number of seconds"},
+  };
+  for (const auto& [args, said] : cases) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const Output r = run(dir, argv);
+    EXPECT_EQ(r.status, 2) << args.front();
+    EXPECT_THAT(r.err, HasSubstr(said)) << r.err;
+    EXPECT_THAT(r.err, Not(HasSubstr("not in range"))) << r.err;
+  }
 }
 
 TEST(CliNoDaemon, SocketPathComesFromTheEnvironmentWithoutFlag) {
