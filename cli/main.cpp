@@ -3,7 +3,9 @@
 // Each subcommand is one of the daemon's text commands: the CLI resolves the socket path
 // (--socket, else $STEPTRACE_SOCKET, else the default), sends the command over one Unix
 // stream connection (cli/control_client.h) and prints the reply. `top` polls
-// `report --json` and renders it (cli/top_view.h); `trace` streams the daemon's timeline
+// `report --json` and renders it (cli/top_view.h): with a terminal on both ends as an
+// interactive screen (raw keys, SIGWINCH, the terminal restored on every way out),
+// else as plain frames; `trace` streams the daemon's timeline
 // to a file (cli/trace_command.h). `help` and no subcommand at all list the subcommands.
 //
 // Exit status, the same for every subcommand: 0 success; 1 a daemon or lookup failure
@@ -214,12 +216,15 @@ bool use_ansi() {
 // once instead of racing the flag.
 volatile std::sig_atomic_t g_top_quit = 0;
 volatile std::sig_atomic_t g_top_resized = 0;
+volatile std::sig_atomic_t g_top_suspend = 0;  // Ctrl-Z: give the terminal back, then stop
 int g_wake_read = -1;
 int g_wake_write = -1;
 
 extern "C" void on_top_signal(int signal_number) {
   if (signal_number == SIGWINCH) {
     g_top_resized = 1;
+  } else if (signal_number == SIGTSTP) {
+    g_top_suspend = 1;
   } else {
     g_top_quit = 1;
   }
@@ -627,25 +632,38 @@ int run_top_once(const SocketPath& socket, const Options& options) {
 class TerminalSession {
  public:
   explicit TerminalSession(bool ansi) : ansi_(ansi) {
-    if (::tcgetattr(STDIN_FILENO, &saved_) == 0) {
+    have_saved_ = ::tcgetattr(STDIN_FILENO, &saved_) == 0;
+    enter();
+  }
+  ~TerminalSession() { leave(); }
+  TerminalSession(const TerminalSession&) = delete;
+  TerminalSession& operator=(const TerminalSession&) = delete;
+
+  // Ctrl-Z: the shell gets its terminal back as it was, and top its own on `fg`.
+  void suspend() {
+    leave();
+    ::raise(SIGSTOP);
+    enter();
+  }
+
+ private:
+  void enter() {
+    if (have_saved_) {
       termios raw = saved_;
       raw.c_lflag &= ~static_cast<tcflag_t>(ICANON | ECHO);
       raw.c_cc[VMIN] = 0;
       raw.c_cc[VTIME] = 0;
-      restore_ = ::tcsetattr(STDIN_FILENO, TCSANOW, &raw) == 0;
+      ::tcsetattr(STDIN_FILENO, TCSANOW, &raw);
     }
     if (ansi_) write_stdout("\x1b[?1049h\x1b[?25l");  // alternate screen, cursor hidden
   }
-  ~TerminalSession() {
+  void leave() {
     if (ansi_) write_stdout("\x1b[?25h\x1b[?1049l");  // cursor shown, main screen back
-    if (restore_) ::tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
+    if (have_saved_) ::tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
   }
-  TerminalSession(const TerminalSession&) = delete;
-  TerminalSession& operator=(const TerminalSession&) = delete;
 
- private:
   bool ansi_;
-  bool restore_ = false;
+  bool have_saved_ = false;
   termios saved_{};
 };
 
@@ -667,7 +685,12 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
   screen.keys = kTopKeys;
   int refreshes = 1;
 
-  const TerminalSession session(ansi);
+  TerminalSession session(ansi);
+  // Only while the session lasts: elsewhere Ctrl-Z stops top the default way.
+  struct sigaction suspend_action {};
+  suspend_action.sa_handler = on_top_signal;
+  sigemptyset(&suspend_action.sa_mask);
+  ::sigaction(SIGTSTP, &suspend_action, nullptr);
   const auto draw = [&]() {
     const auto [width, height] = terminal_size();
     screen.width = width;
@@ -691,6 +714,11 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
   bool redraw = true;
   for (;;) {
     if (g_top_quit != 0) return kExitOk;
+    if (g_top_suspend != 0) {
+      g_top_suspend = 0;
+      session.suspend();
+      redraw = true;  // the terminal may have been resized meanwhile, or drawn over
+    }
     if (g_top_resized != 0) {
       g_top_resized = 0;
       redraw = true;

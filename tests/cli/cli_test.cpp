@@ -282,6 +282,17 @@ TEST(CliNoDaemon, HelpDescribesEverySubcommand) {
 const std::vector<std::string> kSubcommands = {"ping",  "report",  "ledger", "stats", "metrics",
                                                "reset", "version", "top",    "trace", "help"};
 
+// Issue 28: `steptraced --help` named neither top nor trace.
+TEST(CliNoDaemon, DaemonHelpNamesEveryCommandOfTheCli) {
+  TempDir dir;
+  const Output r = run(dir, {STEPTRACED_BIN, "--help"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  for (const std::string& sub : kSubcommands) {
+    EXPECT_THAT(r.out, HasSubstr(" " + sub + " ")) << sub << " in\n" << r.out;
+  }
+  EXPECT_THAT(r.out, HasSubstr("steptrace help COMMAND"));
+}
+
 TEST(CliNoDaemon, WithoutArgumentsListsTheSubcommandsAndExitsTwo) {
   TempDir dir;
   const Output r = run(dir, {STEPTRACE_CLI_BIN});
