@@ -112,7 +112,7 @@ constexpr const char* kTopFooter =
     "process polling for VRAM shows WAITING FOR VRAM), the rest summarised in one line, then\n"
     "the VRAM ledger per GPU. Refreshed every --interval seconds (or --iterations N times).\n"
     "Keys: q quit (Ctrl-C too; exit 0), t/n/p sort by time/name/pid, j next job, a all\n"
-    "jobs, space refresh now.\n"
+    "jobs, space refresh now, Ctrl-Z suspend (fg resumes).\n"
     "--once: one screen and exit, for scripts (as wide as the terminal, or unlimited when\n"
     "piped; no escape codes unless on a terminal). Piped without --once: a detailed frame\n"
     "per refresh (each thread's open span, each step's totals) as plain text; when the\n"
