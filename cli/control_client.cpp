@@ -1,5 +1,6 @@
 #include "cli/control_client.h"
 
+#include <sys/stat.h>
 #include <sys/un.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
+#include <cerrno>
 #include <cstdlib>
 #include <optional>
 
@@ -165,6 +167,26 @@ std::optional<CommandFailure> run_exchange(const std::string& socket_path, const
 
 }  // namespace
 
+std::optional<std::string> socket_path_problem(const std::string& path) {
+  // lstat's answer says what the user gave; connect()'s errno does not (a regular file
+  // or a directory both give "Connection refused").
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int error = errno;
+    if (error == ENOENT) return "no such file (" + path + " does not exist)";
+    if (error == ENOTDIR) return "no such file (a part of " + path + " is not a directory)";
+    return std::nullopt;  // EACCES and the like: connect() says it as well
+  }
+  if (S_ISSOCK(st.st_mode)) return std::nullopt;
+  const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISREG(st.st_mode)  ? "a regular file"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                                            : "some other kind of file";
+  return std::string("not a socket (") + path + " is " + kind + ")";
+}
+
 SocketPath resolve_socket_path(const std::string& flag) {
   if (!flag.empty()) return {flag, SocketSource::kFlag};
   const char* env = std::getenv("STEPTRACE_SOCKET");
@@ -237,6 +259,11 @@ std::string describe_failure(const CommandFailure& failure, const SocketPath& so
     if (failure.error == std::errc::filename_too_long) {
       return "steptrace: socket path " + where + " is empty or longer than " +
              std::to_string(kMaxSocketPath) + " bytes; pass a shorter path with --socket";
+    }
+    if (auto wrong = socket_path_problem(socket.path)) {
+      return "steptrace: cannot reach steptraced at " + where + ": " + *wrong +
+             "; point --socket / STEPTRACE_SOCKET at the socket of a running steptraced (or "
+             "start the daemon: systemctl start steptraced.socket)";
     }
     std::string extra;
     if (failure.error == std::errc::permission_denied) {

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -32,6 +33,11 @@ struct SocketPath {
 // `flag` (from --socket) when set, else $STEPTRACE_SOCKET when set and non-empty, else
 // proto::kDefaultSocketPath (proto/commands.h; STEPTRACE_DEFAULT_SOCKET of steptrace.h).
 SocketPath resolve_socket_path(const std::string& flag);
+
+// What is wrong with `path` as a socket to connect to, said for the user ("no such file
+// (...)", "not a socket (PATH is a directory)"), or nullopt when it is a socket or
+// cannot be looked at (connect() then says why).
+std::optional<std::string> socket_path_problem(const std::string& path);
 
 // Replies larger than this are refused rather than buffered without bound.
 inline constexpr std::size_t kMaxReplyBytes = 64 * 1024 * 1024;

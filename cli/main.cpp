@@ -3,7 +3,9 @@
 // Each subcommand is one of the daemon's text commands: the CLI resolves the socket path
 // (--socket, else $STEPTRACE_SOCKET, else the default), sends the command over one Unix
 // stream connection (cli/control_client.h) and prints the reply. `top` polls
-// `report --json` and renders it (cli/top_view.h); `trace` streams the daemon's timeline
+// `report --json` and renders it (cli/top_view.h): with a terminal on both ends as an
+// interactive screen (raw keys, SIGWINCH, the terminal restored on every way out),
+// else as plain frames; `trace` streams the daemon's timeline
 // to a file (cli/trace_command.h). `help` and no subcommand at all list the subcommands.
 //
 // Exit status, the same for every subcommand: 0 success; 1 a daemon or lookup failure
@@ -14,11 +16,14 @@
 //
 // ANSI sequences (colour, clearing the screen: only `top` emits any) go to a terminal
 // only, and never when NO_COLOR is set to a non-empty value or TERM is `dumb`.
+#include <fcntl.h>
 #include <fmt/chrono.h>
 #include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
 #include <steptrace/version.h>
+#include <sys/ioctl.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -26,10 +31,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -38,6 +45,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -98,12 +106,18 @@ constexpr const char* kResetFooter =
     "The daemon's counters stay. Allowed for root and the daemon's own user only.\n";
 
 constexpr const char* kTopFooter =
-    "Polls `report --json` every --interval seconds until interrupted (or --iterations N)\n"
-    "and shows, per live process, the span each thread is in and for how long (a worker\n"
-    "polling for VRAM is marked WAITING FOR VRAM), its step totals, and the VRAM ledger.\n"
-    "On a terminal the screen is redrawn in place with highlighting; piped, or with NO_COLOR\n"
-    "set, frames follow each other as plain text. When the reader of its output goes away\n"
-    "(steptrace top | head -3) it ends at once.\n";
+    "On a terminal: a screen like htop's that fits the terminal and follows its size: a\n"
+    "header that stays, one line per live process, busiest first (pid, uid, job, rank with\n"
+    "! on a straggler of its job, comm, traced time, busiest step, what it does now; a\n"
+    "process polling for VRAM shows WAITING FOR VRAM), the rest summarised in one line, then\n"
+    "the VRAM ledger per GPU. Refreshed every --interval seconds (or --iterations N times).\n"
+    "Keys: q quit (Ctrl-C too; exit 0), t/n/p sort by time/name/pid, j next job, a all\n"
+    "jobs, space refresh now, Ctrl-Z suspend (fg resumes).\n"
+    "--once: one screen and exit, for scripts (as wide as the terminal, or unlimited when\n"
+    "piped; no escape codes unless on a terminal). Piped without --once: a detailed frame\n"
+    "per refresh (each thread's open span, each step's totals) as plain text; when the\n"
+    "reader goes away (steptrace top | head -3) it ends at once. NO_COLOR or TERM=dumb: no\n"
+    "escape codes at all (the screens follow each other, keys still work).\n";
 
 constexpr const char* kVersionFooter =
     "Human-readable: the CLI's version, and the daemon's version and protocol when it\n"
@@ -149,7 +163,9 @@ struct Options {
   std::string gpu;                      // reset --gpu UUID, ledger cleanup GPU
   std::string reservation;              // ledger cleanup GPU ID
   std::vector<std::string> help_topic;  // help SUBCOMMAND [SUBCOMMAND...]
-  std::string job;                      // report --job ID
+  std::string job;                      // report --job ID, top --job ID
+  bool once = false;                    // top --once
+  std::string sort = "time";            // top --sort
   steptrace::cli::TraceRequest trace;   // trace's options
 };
 
@@ -195,20 +211,76 @@ bool use_ansi() {
   return term == nullptr || std::string_view(term) != "dumb";
 }
 
+// top's signals (SIGINT, SIGTERM, SIGHUP: quit; SIGWINCH: redraw) set these and write a
+// byte to the wake pipe, so a poll() that waits for a key or the next refresh returns at
+// once instead of racing the flag.
+volatile std::sig_atomic_t g_top_quit = 0;
+volatile std::sig_atomic_t g_top_resized = 0;
+volatile std::sig_atomic_t g_top_suspend = 0;  // Ctrl-Z: give the terminal back, then stop
+int g_wake_read = -1;
+int g_wake_write = -1;
+
+extern "C" void on_top_signal(int signal_number) {
+  if (signal_number == SIGWINCH) {
+    g_top_resized = 1;
+  } else if (signal_number == SIGTSTP) {
+    g_top_suspend = 1;
+  } else {
+    g_top_quit = 1;
+  }
+  const int saved = errno;
+  if (g_wake_write >= 0) {
+    const char byte = 0;
+    [[maybe_unused]] const ssize_t n = ::write(g_wake_write, &byte, 1);
+  }
+  errno = saved;
+}
+
+// Installs the handlers above (once): Ctrl-C ends `top` with status 0, like q, after the
+// terminal is restored, instead of killing it with 130.
+void catch_top_signals() {
+  if (g_wake_read >= 0) return;
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) == 0) {
+    g_wake_read = fds[0];
+    g_wake_write = fds[1];
+  }
+  struct sigaction action {};
+  action.sa_handler = on_top_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = 0;  // no SA_RESTART: poll() returns EINTR
+  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGWINCH}) {
+    ::sigaction(signal_number, &action, nullptr);
+  }
+}
+
+void drain_wake_pipe() {
+  char buffer[64];
+  while (g_wake_read >= 0 && ::read(g_wake_read, buffer, sizeof buffer) > 0) {
+  }
+}
+
 // Sleeps until `deadline`, or returns false as soon as standard output reports an error or
 // hang-up (a pipe whose reader exited reports POLLERR), so `top | head` ends at once even
-// with a long interval. Terminals, files and /dev/null never report either.
+// with a long interval, or a quitting signal comes. Terminals, files and /dev/null never
+// report either.
 bool sleep_unless_reader_gone(std::chrono::steady_clock::time_point deadline) {
   for (;;) {
+    if (g_top_quit != 0) return false;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return true;
-    pollfd out{STDOUT_FILENO, 0, 0};  // no events: only POLLERR, POLLHUP, POLLNVAL come back
+    // stdout: no events asked, only POLLERR, POLLHUP, POLLNVAL come back.
+    pollfd fds[2] = {{STDOUT_FILENO, 0, 0}, {g_wake_read, POLLIN, 0}};
     const int wait_ms =
         static_cast<int>(std::min<long long>(left.count() + 1, std::numeric_limits<int>::max()));
-    const int n = ::poll(&out, 1, wait_ms);
+    const int n = ::poll(fds, g_wake_read >= 0 ? 2 : 1, wait_ms);
     if (n < 0 && errno == EINTR) continue;
-    if (n > 0 && (out.revents & (POLLERR | POLLHUP)) != 0) return false;
+    if (n > 0 && (fds[0].revents & (POLLERR | POLLHUP)) != 0) return false;
+    if (n > 0 && (fds[1].revents & POLLIN) != 0) {
+      drain_wake_pipe();
+      continue;
+    }
     if (n != 0) {  // POLLNVAL or a failed poll: sleep without watching
       std::this_thread::sleep_until(deadline);
       return true;
@@ -294,13 +366,56 @@ CLI::Validator pid_check() {
       [](std::string& text) -> std::string {
         const auto pid = steptrace::proto::parse_pid(text);
         if (!pid) {
-          return fmt::format("'{}' is not a process id (decimal, {} to {})", text,
+          return fmt::format("'{}' is not a pid (a process id: decimal, {} to {})", text,
                              steptrace::proto::kMinPid, steptrace::proto::kMaxPid);
         }
         text = std::to_string(*pid);
         return "";
       },
       fmt::format("INT in [{} - {}]", steptrace::proto::kMinPid, steptrace::proto::kMaxPid));
+}
+
+// A number of seconds in [min, max] (--timeout, --interval), said the way the user wrote
+// it when it is not one; CLI11's own range check says "Value abc not in range".
+CLI::Validator seconds_range(double min, double max) {
+  return CLI::Validator(
+      [=](const std::string& text) -> std::string {
+        double value = 0;
+        std::size_t used = 0;
+        try {
+          value = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size() || !std::isfinite(value)) {
+          return fmt::format("'{}' is not a number of seconds (e.g. 2 or 0.5)", text);
+        }
+        if (value < min || value > max) {
+          return fmt::format("{} s is out of range: from {:g} to {:g} s", text, min, max);
+        }
+        return "";
+      },
+      fmt::format("[{:g} - {:g}]", min, max));
+}
+
+// A whole count in [0, max] (--iterations).
+CLI::Validator count_range(long long max) {
+  return CLI::Validator(
+      [=](const std::string& text) -> std::string {
+        long long value = -1;
+        std::size_t used = 0;
+        try {
+          value = std::stoll(text, &used, 10);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size()) {
+          return fmt::format("'{}' is not a whole number", text);
+        }
+        if (value < 0 || value > max) return fmt::format("{} is out of range: 0 to {}", text, max);
+        return "";
+      },
+      fmt::format("[0 - {}]", max));
 }
 
 // The daemon's reply to `line`, or nullopt after saying on stderr why there is none
@@ -436,29 +551,261 @@ struct Frame {
   bool ok = false;
 };
 
-Frame top_frame(const SocketPath& socket, const Options& options, bool color) {
-  const std::string line = "report --json";
+// `report --json` as top asks it: with --job, the daemon picks the job (its rules for
+// ID and UID:ID), and says so when there is none.
+std::string top_report_line(const Options& options) {
+  return options.job.empty() ? "report --json" : "report --json --job " + options.job;
+}
+
+// The daemon's report for top, or the line that says why there is none.
+std::variant<nlohmann::json, std::string> fetch_report(const SocketPath& socket,
+                                                       const Options& options) {
+  const std::string line = top_report_line(options);
   const auto timeout = to_ms(options.timeout_s);
   auto result = steptrace::cli::run_command(socket.path, line, timeout);
   if (const auto* failure = std::get_if<CommandFailure>(&result)) {
-    return {steptrace::cli::describe_failure(*failure, socket, line, timeout), false};
+    return steptrace::cli::describe_failure(*failure, socket, line, timeout);
   }
-  const std::string& reply = std::get<std::string>(result);
-  if (reply.rfind("error:", 0) == 0) return {kDaemonAnswered + reply, false};
-  const nlohmann::json report = nlohmann::json::parse(reply, nullptr, /*allow_exceptions=*/false);
+  std::string& reply = std::get<std::string>(result);
+  if (reply.rfind("error:", 0) == 0) {
+    while (!reply.empty() && reply.back() == '\n') reply.pop_back();
+    return kDaemonAnswered + reply;
+  }
+  nlohmann::json report = nlohmann::json::parse(reply, nullptr, /*allow_exceptions=*/false);
   if (report.is_discarded() || !report.is_object()) {
-    return {"steptrace: steptraced at " + socket.path +
-                " answered `report --json` with something that is not a JSON object",
-            false};
+    return "steptrace: steptraced at " + socket.path + " answered `" + line +
+           "` with something that is not a JSON object";
   }
+  return report;
+}
+
+Frame top_frame(const SocketPath& socket, const Options& options, bool color) {
+  auto fetched = fetch_report(socket, options);
+  if (auto* problem = std::get_if<std::string>(&fetched)) return {std::move(*problem), false};
   steptrace::cli::TopStyle style;
   style.color = color;
   style.note = fmt::format("{}, every {:g} s, {}", wall_clock(), options.interval_s, socket.path);
-  return {steptrace::cli::render_top(report, style), true};
+  return {steptrace::cli::render_top(std::get<nlohmann::json>(fetched), style), true};
+}
+
+// The terminal's size, or 0x0 when standard output is none (or does not say).
+std::pair<std::size_t, std::size_t> terminal_size() {
+  winsize size{};
+  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) != 0) return {0, 0};
+  return {size.ws_col, size.ws_row};
+}
+
+steptrace::cli::TopSort parse_sort(const std::string& name) {
+  if (name == "name") return steptrace::cli::TopSort::kName;
+  if (name == "pid") return steptrace::cli::TopSort::kPid;
+  return steptrace::cli::TopSort::kTime;
+}
+
+constexpr const char* kTopKeys =
+    "q quit  t/n/p sort by time/name/pid  j next job  a all jobs  space refresh";
+
+// `top --once`: one screen, for scripts: as wide as the terminal when it is one, every
+// process and GPU; escape sequences only where use_ansi() allows them.
+int run_top_once(const SocketPath& socket, const Options& options) {
+  auto fetched = fetch_report(socket, options);
+  if (const auto* problem = std::get_if<std::string>(&fetched)) {
+    write_line(stderr, *problem);
+    return kExitFailure;
+  }
+  steptrace::cli::TopScreen screen;
+  screen.width = ::isatty(STDOUT_FILENO) == 1 ? terminal_size().first : 0;
+  screen.sort = parse_sort(options.sort);
+  screen.color = use_ansi();
+  screen.note = fmt::format("{}, {}", wall_clock(), socket.path);
+  std::string text;
+  for (const std::string& line :
+       steptrace::cli::render_top_screen(std::get<nlohmann::json>(fetched), screen)) {
+    text += line + "\n";
+  }
+  return exit_status(write_stdout(text));
+}
+
+// The terminal as an interactive top needs it, for as long as this lives: keys one at a
+// time without echo (Ctrl-C still a signal), and, where escape sequences may be used, the
+// alternate screen with the cursor hidden. The destructor puts everything back, on every
+// way out (q, a signal, an error).
+class TerminalSession {
+ public:
+  explicit TerminalSession(bool ansi) : ansi_(ansi) {
+    have_saved_ = ::tcgetattr(STDIN_FILENO, &saved_) == 0;
+    enter();
+  }
+  ~TerminalSession() { leave(); }
+  TerminalSession(const TerminalSession&) = delete;
+  TerminalSession& operator=(const TerminalSession&) = delete;
+
+  // Ctrl-Z: the shell gets its terminal back as it was, and top its own on `fg`.
+  void suspend() {
+    leave();
+    ::raise(SIGSTOP);
+    enter();
+  }
+
+ private:
+  void enter() {
+    if (have_saved_) {
+      termios raw = saved_;
+      raw.c_lflag &= ~static_cast<tcflag_t>(ICANON | ECHO);
+      raw.c_cc[VMIN] = 0;
+      raw.c_cc[VTIME] = 0;
+      ::tcsetattr(STDIN_FILENO, TCSANOW, &raw);
+    }
+    if (ansi_) write_stdout("\x1b[?1049h\x1b[?25l");  // alternate screen, cursor hidden
+  }
+  void leave() {
+    if (ansi_) write_stdout("\x1b[?25h\x1b[?1049l");  // cursor shown, main screen back
+    if (have_saved_) ::tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
+  }
+
+  bool ansi_;
+  bool have_saved_ = false;
+  termios saved_{};
+};
+
+// `top` with a terminal on both ends: a screen that fits the terminal, redrawn in place
+// at every refresh, on every key and on every resize; q, Ctrl-C (or SIGTERM, SIGHUP)
+// end it with status 0. Without escape sequences (NO_COLOR, TERM=dumb) the screens
+// follow each other as plain text, still fitted and still driven by the keys.
+int run_top_interactive(const SocketPath& socket, const Options& options, bool ansi) {
+  auto fetched = fetch_report(socket, options);
+  if (const auto* problem = std::get_if<std::string>(&fetched)) {
+    write_line(stderr, *problem);  // nothing to show yet: fail like every other subcommand
+    return kExitFailure;
+  }
+  nlohmann::json report = std::move(std::get<nlohmann::json>(fetched));
+  std::string problem;  // the last refresh's failure, shown until one succeeds
+  steptrace::cli::TopScreen screen;
+  screen.sort = parse_sort(options.sort);
+  screen.color = ansi;
+  screen.keys = kTopKeys;
+  int refreshes = 1;
+
+  TerminalSession session(ansi);
+  // Only while the session lasts: elsewhere Ctrl-Z stops top the default way.
+  struct sigaction suspend_action {};
+  suspend_action.sa_handler = on_top_signal;
+  sigemptyset(&suspend_action.sa_mask);
+  ::sigaction(SIGTSTP, &suspend_action, nullptr);
+  const auto draw = [&]() {
+    const auto [width, height] = terminal_size();
+    screen.width = width;
+    screen.height = height;
+    screen.note = problem.empty() ? fmt::format("{}, every {:g} s, {}", wall_clock(),
+                                                options.interval_s, socket.path)
+                                  : "retrying: " + problem;
+    const std::vector<std::string> lines = steptrace::cli::render_top_screen(report, screen);
+    std::string text = ansi ? "\x1b[H" : "\n";
+    for (std::size_t i = 0; i < lines.size(); ++i) {
+      text += lines[i];
+      // No line break after the last row: it would scroll the screen by one.
+      if (ansi) text += i + 1 < lines.size() ? "\x1b[K\r\n" : "\x1b[K";
+      if (!ansi) text += "\n";
+    }
+    if (ansi) text += "\x1b[J";  // rows below the last line, from a taller screen before
+    return write_stdout(text);
+  };
+
+  auto next = std::chrono::steady_clock::now() + to_ms(options.interval_s);
+  bool redraw = true;
+  for (;;) {
+    if (g_top_quit != 0) return kExitOk;
+    if (g_top_suspend != 0) {
+      g_top_suspend = 0;
+      session.suspend();
+      redraw = true;  // the terminal may have been resized meanwhile, or drawn over
+    }
+    if (g_top_resized != 0) {
+      g_top_resized = 0;
+      redraw = true;
+    }
+    if (redraw) {
+      redraw = false;
+      const Written written = draw();
+      if (written != Written::kOk) return exit_status(written);
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        next - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      if (options.iterations > 0 && refreshes >= options.iterations) return kExitOk;
+      auto again = fetch_report(socket, options);
+      if (auto* fresh = std::get_if<nlohmann::json>(&again)) {
+        report = std::move(*fresh);
+        problem.clear();
+      } else {
+        problem = std::get<std::string>(again);
+      }
+      ++refreshes;
+      next = std::chrono::steady_clock::now() + to_ms(options.interval_s);
+      redraw = true;
+      continue;
+    }
+    pollfd fds[2] = {{STDIN_FILENO, POLLIN, 0}, {g_wake_read, POLLIN, 0}};
+    const int n = ::poll(fds, g_wake_read >= 0 ? 2 : 1,
+                         static_cast<int>(std::min<long long>(left.count() + 1, 60'000)));
+    if (n < 0) continue;  // EINTR: a signal, seen at the top of the loop
+    if (g_wake_read >= 0 && (fds[1].revents & POLLIN) != 0) drain_wake_pipe();
+    if ((fds[0].revents & (POLLHUP | POLLERR | POLLNVAL)) != 0 && (fds[0].revents & POLLIN) == 0) {
+      return kExitOk;  // the terminal is gone
+    }
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    char keys[64];
+    const ssize_t got = ::read(STDIN_FILENO, keys, sizeof keys);
+    if (got == 0) return kExitOk;  // end of input
+    for (ssize_t i = 0; i < got; ++i) {
+      switch (keys[i]) {
+        case 'q':
+        case 'Q':
+        case 3:  // Ctrl-C with ISIG off (some terminals' raw mode)
+          return kExitOk;
+        case 't':
+          screen.sort = steptrace::cli::TopSort::kTime;
+          break;
+        case 'n':
+          screen.sort = steptrace::cli::TopSort::kName;
+          break;
+        case 'p':
+          screen.sort = steptrace::cli::TopSort::kPid;
+          break;
+        case 'j': {
+          // all -> each job in turn -> all
+          const std::vector<std::string> jobs = steptrace::cli::top_jobs(report);
+          const auto at = std::find(jobs.begin(), jobs.end(), screen.job);
+          if (screen.job.empty()) {
+            screen.job = jobs.empty() ? "" : jobs.front();
+          } else if (at == jobs.end() || at + 1 == jobs.end()) {
+            screen.job.clear();
+          } else {
+            screen.job = *(at + 1);
+          }
+          break;
+        }
+        case 'a':
+          screen.job.clear();
+          break;
+        case ' ':
+        case 'r':
+          next = std::chrono::steady_clock::now();
+          break;
+        default:
+          continue;  // other keys (arrows' escape sequences too) do nothing
+      }
+      redraw = true;
+    }
+  }
 }
 
 int run_top(const SocketPath& socket, const Options& options) {
+  catch_top_signals();
+  if (options.once) return run_top_once(socket, options);
   const bool ansi = use_ansi();
+  if (::isatty(STDIN_FILENO) == 1 && ::isatty(STDOUT_FILENO) == 1) {
+    return run_top_interactive(socket, options, ansi);
+  }
   const auto interval = to_ms(options.interval_s);
   auto next = std::chrono::steady_clock::now();
   bool last_ok = false;
@@ -518,7 +865,7 @@ void add_global_options(CLI::App& app, Options& options) {
   app.add_option("--timeout", options.timeout_s, "Seconds to wait for the daemon's reply")
       ->type_name("SECONDS")
       ->capture_default_str()
-      ->check(CLI::Range(0.01, 3600.0));
+      ->check(seconds_range(0.01, 3600.0));
 }
 
 // A subcommand that sends one fixed command, with " --json" when `json` is set.
@@ -662,11 +1009,26 @@ Subcommand add_top(CLI::App& app, Options& options) {
   top->add_option("--interval", options.interval_s, "Seconds between refreshes")
       ->type_name("SECONDS")
       ->capture_default_str()
-      ->check(CLI::Range(0.05, 3600.0));
+      ->check(seconds_range(0.05, 3600.0));
   top->add_option("--iterations", options.iterations, "Exit after N refreshes (0: run until ^C)")
       ->type_name("N")
       ->capture_default_str()
-      ->check(CLI::Range(0, 1 << 30));
+      ->check(count_range(1 << 30));
+  top->add_flag("--once", options.once,
+                "Print one screen and exit (for scripts: no escape codes unless on a terminal)");
+  top->add_option("--sort", options.sort, "Order of the processes: time (busiest first), name, pid")
+      ->type_name("KEY")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](const std::string& key) -> std::string {
+            if (key == "time" || key == "name" || key == "pid") return "";
+            return "'" + key + "' is not a sort key: time, name or pid";
+          },
+          "{time,name,pid}"));
+  top->add_option("--job", options.job,
+                  "Only the processes of your job with this id; UID:ID: that uid's")
+      ->type_name("[UID:]ID")
+      ->check(job_id_check());
   return {top, [](const Invocation& in) { return run_top(in.socket, in.options); }};
 }
 

@@ -11,8 +11,10 @@
 // chosen by clients and must not drive the terminal.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -24,5 +26,30 @@ struct TopStyle {
 };
 
 std::string render_top(const nlohmann::json& report, const TopStyle& style);
+
+// The interactive screen (htop-like): a header that always stays (title, daemon counters,
+// a summary with the sort and the job shown, the stragglers of jobs[].stragglers when the
+// daemon sends them, the column heads), then one line per live process, busiest first by
+// default (pid, uid, job, rank with '!' on a straggler, comm, traced time, busiest step,
+// the span open longest now), then one line per GPU of the ledger, then `keys`. What does
+// not fit in `height` rows is summarised in one line ("+ N more processes"); every line is
+// cut to `width` columns before highlighting is added, so nothing wraps.
+enum class TopSort { kTime, kName, kPid };
+
+struct TopScreen {
+  std::size_t width = 0;   // columns; 0: no limit
+  std::size_t height = 0;  // rows; 0: no limit (every process and GPU)
+  TopSort sort = TopSort::kTime;
+  std::string job;  // only this job's processes, as "UID:ID" (top_jobs()); "": all
+  bool color = false;
+  std::string note;  // after the title, e.g. the wall-clock time and interval
+  std::string keys;  // the last line, e.g. the keys' help; "": none
+};
+
+// One string per screen line, without line breaks.
+std::vector<std::string> render_top_screen(const nlohmann::json& report, const TopScreen& screen);
+
+// The jobs of a report as "UID:ID", in the daemon's order (jobs[], else the processes').
+std::vector<std::string> top_jobs(const nlohmann::json& report);
 
 }  // namespace steptrace::cli

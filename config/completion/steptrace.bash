@@ -1,5 +1,5 @@
 # bash completion for steptrace (the CLI) and steptraced (the daemon): subcommands, their
-# flags, the values of --log-level and --nvml, and file names after -o/--output,
+# flags, the values of top --sort, --log-level and --nvml, and file names after -o/--output,
 # --socket and --config (directories after --state-dir).
 #
 # The package installs this file as /usr/share/bash-completion/completions/steptrace and
@@ -51,8 +51,12 @@ _steptrace() {
       _steptrace_paths "$cur"
       return
       ;;
-    --timeout | --pid | --gpu | --interval | --iterations | --last | --for)
-      return # a number or a UUID: nothing to offer
+    --timeout | --pid | --gpu | --interval | --iterations | --last | --for | --job)
+      return # a number, a UUID or a job id: nothing to offer
+      ;;
+    --sort)
+      _steptrace_words "time name pid" "$cur"
+      return
       ;;
   esac
 
@@ -96,7 +100,7 @@ _steptrace() {
       ;;
     stats | version) flags="--json" ;;
     reset) flags="--pid --ledger --gpu" ;;
-    top) flags="--interval --iterations" ;;
+    top) flags="--interval --iterations --once --sort --job" ;;
     trace) flags="--pid --last --for -o --output --force" ;;
     help)
       if ((COMP_CWORD == sub_at + 1)) && [[ $cur != -* ]]; then

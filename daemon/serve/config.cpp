@@ -305,7 +305,9 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       "steptraced - the steptrace daemon. Collects span events and VRAM-ledger annotations "
       "from training processes (libsteptrace) over a Unix socket, aggregates them per process "
       "and step, and answers text commands (ping, report, ledger, stats, metrics, reset, "
-      "version, help) on the same socket.",
+      "version, trace, help) on the same socket. Ask it with the steptrace CLI: steptrace "
+      "ping | report | ledger [cleanup] | stats | metrics | reset | version | top | trace | "
+      "help (`steptrace help COMMAND`, man steptrace).",
       "steptraced"};
   std::string socket, config_file, state_dir, metrics_listen, log_level, nvml;
   auto* socket_opt = app.add_option("--socket", socket,

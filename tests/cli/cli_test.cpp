@@ -4,15 +4,19 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -21,6 +25,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tests/support/daemon_process.h"
@@ -170,9 +175,52 @@ TEST(CliNoDaemon, UnreachableSocketExitsOneNamingThePath) {
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out, "");
   EXPECT_THAT(r.err, HasSubstr(socket));
-  EXPECT_THAT(r.err, HasSubstr("No such file or directory"));
+  EXPECT_THAT(r.err, HasSubstr("no such file"));
   EXPECT_THAT(r.err, HasSubstr("systemctl start steptraced.socket"));
   EXPECT_EQ(count_lines(r.err), 1u) << r.err;
+}
+
+// A --socket that is no socket at all is named as such, not as "Connection refused"
+// (what connect() says for a regular file and a directory alike).
+TEST(CliNoDaemon, ASocketPathThatIsNoSocketIsNamedForWhatItIs) {
+  TempDir dir;
+  const std::string file = dir.file("plain-file");
+  { std::ofstream(file) << "not a socket\n"; }
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {file, "not a socket (" + file + " is a regular file)"},
+      {dir.path(), "not a socket (" + dir.path() + " is a directory)"},
+      {dir.file("missing.sock"), "no such file"},
+      {file + "/below.sock", "no such file"},
+  };
+  for (const auto& [path, said] : cases) {
+    const Output r = run(dir, {STEPTRACE_CLI_BIN, "--socket", path, "ping"});
+    EXPECT_EQ(r.status, 1) << path;
+    EXPECT_THAT(r.err, HasSubstr(said)) << path;
+    EXPECT_THAT(r.err, Not(HasSubstr("Connection refused"))) << path;
+    EXPECT_EQ(count_lines(r.err), 1u) << r.err;
+  }
+}
+
+// Bad values are named by what they should have been, not by CLI11's "Value abc not in
+// range".
+TEST(CliNoDaemon, BadValuesSayWhatIsWrong) {
+  TempDir dir;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"report", "--pid", "abc"}, "'abc' is not a pid"},
+      {{"reset", "--pid", "-3"}, "'-3' is not a pid"},
+      {{"top", "--interval", "abc"}, "'abc' is not a number of seconds"},
+      {{"top", "--interval", "0"}, "out of range"},
+      {{"top", "--iterations", "lots"}, "'lots' is not a whole number"},
+      {{"--timeout", "soon", "ping"}, "'soon' is not a number of seconds"},
+  };
+  for (const auto& [args, said] : cases) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const Output r = run(dir, argv);
+    EXPECT_EQ(r.status, 2) << args.front();
+    EXPECT_THAT(r.err, HasSubstr(said)) << r.err;
+    EXPECT_THAT(r.err, Not(HasSubstr("not in range"))) << r.err;
+  }
 }
 
 TEST(CliNoDaemon, SocketPathComesFromTheEnvironmentWithoutFlag) {
@@ -233,6 +281,17 @@ TEST(CliNoDaemon, HelpDescribesEverySubcommand) {
 // Every subcommand, in the order `steptrace help` lists them.
 const std::vector<std::string> kSubcommands = {"ping",  "report",  "ledger", "stats", "metrics",
                                                "reset", "version", "top",    "trace", "help"};
+
+// Issue 28: `steptraced --help` named neither top nor trace.
+TEST(CliNoDaemon, DaemonHelpNamesEveryCommandOfTheCli) {
+  TempDir dir;
+  const Output r = run(dir, {STEPTRACED_BIN, "--help"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  for (const std::string& sub : kSubcommands) {
+    EXPECT_THAT(r.out, HasSubstr(" " + sub + " ")) << sub << " in\n" << r.out;
+  }
+  EXPECT_THAT(r.out, HasSubstr("steptrace help COMMAND"));
+}
 
 TEST(CliNoDaemon, WithoutArgumentsListsTheSubcommandsAndExitsTwo) {
   TempDir dir;
@@ -680,6 +739,220 @@ TEST_F(CliLive, TopEndsAtOnceWhenTheReaderGoesAwayBetweenRefreshes) {
   reaper.pids.clear();
   EXPECT_EQ(status, 0) << read_file(dir_.file("top-head.err"));
   EXPECT_LT(Clock::now() - closed, std::chrono::seconds(5));
+}
+
+// `top --once`, for scripts: one screen, no escape byte when piped, exit 0; a job the
+// daemon does not know fails like report's (exit 1); a bad sort key is bad usage.
+TEST_F(CliLive, TopOncePrintsOneScreenForScripts) {
+  const Output once = cli({"top", "--once"});
+  EXPECT_EQ(once.status, 0) << once.err;
+  EXPECT_EQ(once.out.find('\x1b'), std::string::npos) << once.out;
+  EXPECT_EQ(once.out.rfind("steptrace top", 0), 0u) << once.out;
+  EXPECT_EQ(once.out.find("steptrace top", 1), std::string::npos) << "one screen only";
+  EXPECT_THAT(once.out, HasSubstr("PID"));
+  EXPECT_THAT(once.out, HasSubstr("sort: time; job: all"));
+  EXPECT_THAT(once.out, Not(HasSubstr("q quit")));  // no keys to press
+
+  const Output by_name = cli({"top", "--once", "--sort", "name"});
+  EXPECT_EQ(by_name.status, 0) << by_name.err;
+  EXPECT_THAT(by_name.out, HasSubstr("sort: name"));
+
+  const Output no_job = cli({"top", "--once", "--job", "no-such-job"});
+  EXPECT_EQ(no_job.status, 1) << no_job.out;
+  EXPECT_THAT(no_job.err, HasSubstr("no-such-job"));
+
+  const Output bad_sort = cli({"top", "--once", "--sort", "size"});
+  EXPECT_EQ(bad_sort.status, 2);
+  EXPECT_THAT(bad_sort.err, HasSubstr("'size' is not a sort key"));
+}
+
+// ---- top on a terminal it drives (stdin and stdout a pseudo-terminal) ----------------
+
+// A pseudo-terminal of `columns` x `rows` with `argv` running on it as the session's
+// controlling terminal (so the kernel sends it SIGWINCH on a resize and SIGINT for a
+// typed Ctrl-C), and everything it wrote so far.
+class TerminalRun {
+ public:
+  TerminalRun(std::vector<std::string> argv, unsigned short columns, unsigned short rows) {
+    master_ = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (master_ < 0 || ::grantpt(master_) != 0 || ::unlockpt(master_) != 0) return;
+    resize(columns, rows);
+    const std::string slave_path = ::ptsname(master_);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::setsid();
+      const int slave = ::open(slave_path.c_str(), O_RDWR);  // becomes the controlling tty
+      if (slave < 0) std::_Exit(126);
+      ::ioctl(slave, TIOCSCTTY, 0);
+      for (const int fd : {STDIN_FILENO, STDOUT_FILENO, STDERR_FILENO}) ::dup2(slave, fd);
+      exec_child(argv, {"TERM=xterm", "NO_COLOR"});
+    }
+  }
+  ~TerminalRun() {
+    if (pid_ > 0 && status_ < 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (master_ >= 0) ::close(master_);
+  }
+  TerminalRun(const TerminalRun&) = delete;
+  TerminalRun& operator=(const TerminalRun&) = delete;
+
+  bool started() const { return pid_ > 0; }
+  void resize(unsigned short columns, unsigned short rows) {
+    winsize size{};
+    size.ws_col = columns;
+    size.ws_row = rows;
+    ::ioctl(master_, TIOCSWINSZ, &size);
+  }
+  void type(const std::string& keys) {
+    [[maybe_unused]] const ssize_t n = ::write(master_, keys.data(), keys.size());
+  }
+  // Reads until `done(output)` holds or `timeout` passes; whether it held.
+  bool read_until(const std::function<bool(const std::string&)>& done,
+                  std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+    const auto deadline = Clock::now() + timeout;
+    while (!done(out_)) {
+      if (Clock::now() >= deadline) return false;
+      pollfd in{master_, POLLIN, 0};
+      if (::poll(&in, 1, 50) > 0 && (in.revents & POLLIN) != 0) {
+        char buffer[4096];
+        const ssize_t n = ::read(master_, buffer, sizeof buffer);
+        if (n > 0) out_.append(buffer, static_cast<std::size_t>(n));
+      }
+    }
+    return true;
+  }
+  // The exit status once it exits (reading what it writes meanwhile), or -1.
+  int wait_exit(std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+    read_until(
+        [&](const std::string&) {
+          int status = 0;
+          if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
+          status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+          return true;
+        },
+        timeout);
+    read_until([](const std::string&) { return false; }, std::chrono::milliseconds(100));
+    return status_;
+  }
+  const std::string& output() const { return out_; }
+
+ private:
+  int master_ = -1;
+  pid_t pid_ = -1;
+  int status_ = -1;
+  std::string out_;
+};
+
+// The complete screens in `raw` (each starts with the cursor sent home, ESC [ H, and is
+// followed by another; the last one may still be on its way), as lines of text without
+// escape sequences.
+std::vector<std::vector<std::string>> screens_of(const std::string& raw) {
+  std::vector<std::vector<std::string>> screens;
+  std::size_t at = raw.find("\x1b[H");
+  while (at != std::string::npos) {
+    const std::size_t next = raw.find("\x1b[H", at + 3);
+    const std::string body = raw.substr(at + 3, next == std::string::npos ? next : next - at - 3);
+    std::vector<std::string> lines(1);
+    for (std::size_t i = 0; i < body.size(); ++i) {
+      if (body[i] == '\x1b' && i + 1 < body.size() && body[i + 1] == '[') {
+        i += 2;  // a CSI sequence: parameters, then one final byte in @..~
+        while (i < body.size() && (body[i] < '@' || body[i] > '~')) ++i;
+      } else if (body[i] == '\n') {
+        lines.emplace_back();
+      } else if (body[i] != '\r') {
+        lines.back() += body[i];
+      }
+    }
+    if (next != std::string::npos) screens.push_back(std::move(lines));
+    at = next;
+  }
+  return screens;
+}
+
+std::size_t text_columns(const std::string& line) {
+  std::size_t n = 0;
+  for (const char c : line) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80 ? 1 : 0;
+  return n;
+}
+
+// Issue 28: at 70x18 the header scrolled away and lines wrapped, q did nothing and Ctrl-C
+// exited 130. Now: a header that stays, no line wider than the terminal at 70x18 and at
+// 160x50 (a resize redraws at once), q and Ctrl-C end it with 0 and give the terminal
+// back (alternate screen left, cursor shown).
+TEST_F(CliLive, TopOnATerminalFitsItFollowsResizesAndQuitsWithQOrCtrlC) {
+  const pid_t trainer = steptrace::testing::spawn_process(
+      {SIM_TRAINER_BIN, "--workers", "2", "--steps", "1000000000", "--ledger", dir_.file("ledger"),
+       "--vram-total", std::to_string(8 * kGiB), "--reserve", std::to_string(5 * kGiB), "--poll-ms",
+       "50", "--max-wait-ms", "60000"},
+      {"STEPTRACE_SOCKET=" + daemon_.socket(), "STEPTRACE_JOB=pty-job", "RANK=1", "WORLD_SIZE=2"});
+  ASSERT_GT(trainer, 0);
+  Reaper reaper{{trainer}};
+  const auto workers_known = [&] {
+    const json report = cli_json({"report", "--json"});
+    std::size_t n = 0;
+    for (const auto& p : report["processes"]) {
+      if (p.value("comm", "").rfind("sim-worker-", 0) == 0 && p.value("alive", false)) {
+        reaper.pids.push_back(p.value("pid", 0));
+        ++n;
+      }
+    }
+    return n >= 2;
+  };
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (!workers_known() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+
+  for (const std::string quit : {"q", "\x03"}) {
+    TerminalRun top({STEPTRACE_CLI_BIN, "--socket", daemon_.socket(), "top", "--interval", "0.2"},
+                    70, 18);
+    ASSERT_TRUE(top.started());
+    const auto fitted = [](const std::vector<std::string>& screen, std::size_t width) {
+      return std::all_of(screen.begin(), screen.end(),
+                         [&](const std::string& line) { return text_columns(line) <= width; });
+    };
+    // Two screens at 70x18 with the workers on them.
+    ASSERT_TRUE(top.read_until([](const std::string& out) {
+      const auto screens = screens_of(out);
+      return screens.size() >= 2 && out.find("pty-job") != std::string::npos;
+    })) << top.output();
+    EXPECT_THAT(top.output(), HasSubstr("\x1b[?1049h"));  // the alternate screen
+    for (const auto& screen : screens_of(top.output())) {
+      ASSERT_LE(screen.size(), 18u);
+      EXPECT_TRUE(fitted(screen, 70)) << top.output();
+      EXPECT_THAT(screen.front(), HasSubstr("steptrace top"));
+      EXPECT_THAT(screen.back(), HasSubstr("q quit"));
+    }
+    const std::string small = screens_of(top.output()).back()[4];
+    EXPECT_THAT(small, HasSubstr("pty-job")) << top.output();
+    EXPECT_THAT(small, HasSubstr("1/2")) << top.output();
+
+    // Resized: the next screen is as wide as the new terminal allows, and wider columns
+    // (UID, BUSIEST STEP) come back.
+    const std::size_t before = top.output().size();
+    top.resize(160, 50);
+    ASSERT_TRUE(top.read_until([&](const std::string& out) {
+      const auto wide = out.find("BUSIEST STEP", before);
+      return wide != std::string::npos && out.find("\x1b[H", wide) != std::string::npos;
+    })) << top.output();
+    const auto wide = screens_of(top.output().substr(before));
+    ASSERT_FALSE(wide.empty());
+    for (const auto& screen : wide) {
+      EXPECT_LE(screen.size(), 50u);
+      EXPECT_TRUE(fitted(screen, 160));
+      EXPECT_THAT(screen.front(), HasSubstr("steptrace top"));
+    }
+
+    top.type(quit);
+    EXPECT_EQ(top.wait_exit(), 0) << (quit == "q" ? "q" : "Ctrl-C") << ": " << top.output();
+    const std::string& out = top.output();
+    const auto left = out.rfind("\x1b[?1049l");
+    ASSERT_NE(left, std::string::npos) << "the alternate screen was not left";
+    EXPECT_NE(out.find("\x1b[?25h", out.rfind("\x1b[?25l")), std::string::npos)
+        << "the cursor was not shown again";
+  }
 }
 
 // On a terminal top highlights and redraws with ANSI sequences; NO_COLOR (any non-empty

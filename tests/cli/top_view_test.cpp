@@ -258,5 +258,142 @@ TEST(TopView, NumbersReadAsInTheReports) {
   EXPECT_EQ(units::age(3ULL * 86400 * 1'000'000'000 + 4ULL * 3600 * 1'000'000'000), "3d 04h");
 }
 
+// ---- the interactive screen (render_top_screen) -----------------------------------
+
+// Columns of a screen line: escape sequences take none, a UTF-8 code point one.
+std::size_t columns(const std::string& line) {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    if (line[i] == '\x1b') {
+      while (i < line.size() && line[i] != 'm') ++i;
+      continue;
+    }
+    if ((static_cast<unsigned char>(line[i]) & 0xC0) != 0x80) ++n;
+  }
+  return n;
+}
+
+json ranked(int pid, const char* comm, const char* job, int rank, int world, std::uint64_t busy_ns,
+            json current = json::array()) {
+  json p = process(pid, comm, true, std::move(current), json::array({step("Forward", 1, busy_ns)}));
+  p["job"] = job;
+  p["rank"] = rank;
+  p["world_size"] = world;
+  return p;
+}
+
+json many_processes(int n) {
+  json processes = json::array();
+  for (int i = 0; i < n; ++i) {
+    processes.push_back(
+        ranked(1000 + i, "trainer", "train", i, n, static_cast<std::uint64_t>(i + 1) * 1'000'000));
+  }
+  return processes;
+}
+
+std::string joined(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& line : lines) out += line + "\n";
+  return out;
+}
+
+TEST(TopScreen, FitsTheTerminalWithTheHeaderKeptAndTheRestSummarised) {
+  const json doc = report(many_processes(80), json::array());
+  for (const auto& [width, height] : {std::pair<std::size_t, std::size_t>{70, 18}, {160, 50}}) {
+    for (const bool color : {false, true}) {
+      TopScreen screen;
+      screen.width = width;
+      screen.height = height;
+      screen.color = color;
+      screen.note = "12:00:00, every 1 s, /run/steptrace/steptraced.sock";
+      screen.keys = "q quit  t/n/p sort by time/name/pid  j next job  a all jobs  space refresh";
+      const auto lines = render_top_screen(doc, screen);
+      ASSERT_EQ(lines.size(), height) << joined(lines);
+      for (const std::string& line : lines) {
+        EXPECT_LE(columns(line), width) << line;
+        EXPECT_EQ(line.find('\n'), std::string::npos);
+      }
+      EXPECT_THAT(lines[0], HasSubstr("steptrace top"));
+      EXPECT_THAT(joined(lines), HasSubstr("PID"));
+      EXPECT_THAT(lines.back(), HasSubstr("q quit"));
+      // Busiest first: pid 1039 has the most time; the last ones are summarised.
+      EXPECT_THAT(lines[4], HasSubstr("1079")) << joined(lines);
+      EXPECT_THAT(joined(lines), HasSubstr("more processes")) << joined(lines);
+      EXPECT_THAT(joined(lines), Not(HasSubstr("\n1000 "))) << joined(lines);  // the idlest
+    }
+  }
+}
+
+TEST(TopScreen, ShowsJobAndRankAndMarksStragglers) {
+  json doc = report(json::array({ranked(501, "rank0", "llm", 0, 2, 5'000'000),
+                                 ranked(502, "rank1", "llm", 1, 2, 9'000'000)}),
+                    json::array());
+  TopScreen screen;
+  screen.width = 160;
+  std::string out = joined(render_top_screen(doc, screen));
+  EXPECT_THAT(out, HasSubstr("llm")) << out;
+  EXPECT_THAT(out, HasSubstr("0/2")) << out;
+  EXPECT_THAT(out, HasSubstr("1/2 ")) << out;
+  EXPECT_THAT(out, Not(HasSubstr("!"))) << out;  // no jobs[].stragglers: no marker
+  EXPECT_THAT(out, Not(HasSubstr("stragglers"))) << out;
+
+  doc["jobs"] =
+      json::array({{{"job", "llm"},
+                    {"uid", 1000},
+                    {"ranks", {0, 1}},
+                    {"stragglers", json::array({{{"rank", 1}, {"step", "Backward"}, {"ratio", 1.8}},
+                                                "garbage",
+                                                {{"rank", "x"}}})}}});
+  out = joined(render_top_screen(doc, screen));
+  EXPECT_THAT(out, HasSubstr("1/2!")) << out;
+  EXPECT_THAT(out, Not(HasSubstr("0/2!"))) << out;
+  EXPECT_THAT(out, HasSubstr("stragglers: 1000:llm rank 1 Backward x1.80")) << out;
+
+  doc["jobs"][0]["stragglers"] = "not an array";
+  EXPECT_NO_THROW(out = joined(render_top_screen(doc, screen)));
+  EXPECT_THAT(out, Not(HasSubstr("!"))) << out;
+}
+
+TEST(TopScreen, SortsAndFiltersByJob) {
+  const json doc = report(json::array({ranked(30, "bravo", "a", 0, 1, 1'000'000),
+                                       ranked(10, "charlie", "b", 0, 1, 3'000'000),
+                                       ranked(20, "alpha", "a", 1, 2, 2'000'000)}),
+                          json::array());
+  const auto order = [&](TopSort sort, const std::string& job) {
+    TopScreen screen;
+    screen.sort = sort;
+    screen.job = job;
+    std::string out;
+    for (const std::string& line : render_top_screen(doc, screen)) {
+      for (const char* comm : {"alpha", "bravo", "charlie"}) {
+        if (line.find(comm) != std::string::npos) out += std::string(comm) + " ";
+      }
+    }
+    return out;
+  };
+  EXPECT_EQ(order(TopSort::kTime, ""), "charlie alpha bravo ");
+  EXPECT_EQ(order(TopSort::kName, ""), "alpha bravo charlie ");
+  EXPECT_EQ(order(TopSort::kPid, ""), "charlie alpha bravo ");
+  EXPECT_EQ(order(TopSort::kPid, "1000:a"), "alpha bravo ");
+  EXPECT_EQ(top_jobs(doc), (std::vector<std::string>{"1000:a", "1000:b"}));
+}
+
+TEST(TopScreen, WaitingForVramIsShownFirstAndFieldsOfTheWrongTypeDoNotThrow) {
+  const json doc = report(
+      json::array(
+          {ranked(7, "worker", "j", 0, 1, 1000,
+                  json::array({{{"thread", 1}, {"step", "Forward"}, {"open_for_ns", 5'000'000'000}},
+                               {{"thread", 2}, {"step", "WaitPoll"}, {"open_for_ns", 2000}}}))}),
+      json::array());
+  TopScreen screen;
+  screen.width = 70;
+  const std::string out = joined(render_top_screen(doc, screen));
+  EXPECT_THAT(out, HasSubstr("WAITING FOR VRAM 2.00µs")) << out;
+  for (const json& odd : {json(nullptr), json::array({1}), json{{"processes", 3}},
+                          json{{"processes", {{{"pid", "x"}, {"rank", -1}, {"job", 5}}}}}}) {
+    EXPECT_NO_THROW(render_top_screen(odd, screen));
+  }
+}
+
 }  // namespace
 }  // namespace steptrace::cli
