@@ -89,10 +89,13 @@ fi
 
 tmp=$(mktemp -d /tmp/steptrace-fleet.XXXXXX)
 pids=()
+rank_pids=()
 cleanup() {
   local status=$?
   # Only the processes this script started, by pid.
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  # The ranks the measurement stopped (SIGSTOP) get their SIGTERM when continued.
+  for pid in "${rank_pids[@]}"; do kill -CONT "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   if (( keep )); then echo "fleet.sh: kept $tmp" >&2; else rm -rf "$tmp"; fi
   exit "$status"
@@ -144,6 +147,7 @@ for ((n = 0; n < nodes; n++)); do
       LOCAL_RANK=$i WORLD_SIZE=$world STEPTRACE_QUIET=1 \
       "$rank_bin" "$steps" "$span_ms" 0 "${slow[@]}" >"$tmp/node$n/rank$rank.log" 2>&1 &
     pids+=($!)
+    rank_pids+=($!)
   done
 done
 
@@ -206,10 +210,10 @@ pids+=($!)
 
 # Watch the alerts until the slow rank's fires, then a few more evaluations (another
 # rank firing late would be a false positive), then measure.
-FLEET_DIR=$tmp python3 - "$prom_port" "$slow_rank" "$series_budget" "$deadline" \
+RANK_PIDS="${rank_pids[*]}" python3 - "$prom_port" "$slow_rank" "$series_budget" "$deadline" \
   "$started" "$nodes" "$ranks" "$steps" "$rank_source" "${for_duration:-as shipped}" \
   "$interval" <<'EOF'
-import json, os, sys, time, urllib.parse, urllib.request
+import json, os, signal, sys, time, urllib.parse, urllib.request
 (port, slow_rank, budget, deadline, started, nodes, ranks, steps, source, for_duration,
  interval) = sys.argv[1:]
 slow_rank, budget, deadline, started = int(slow_rank), int(budget), int(deadline), int(started)
@@ -243,18 +247,31 @@ while time.time() < started + deadline:
     time.sleep(1)
 if fired_at is None:
     failures.append(f"SteptraceStragglerRank did not fire for rank {slow_rank} within {deadline} s")
-# Rule evaluation time, per group, as Prometheus measured it: its last evaluation, read
-# once a second for ten seconds (ten more evaluations at 1 s, in which another rank
-# firing late would show too); the median and the slowest of the ten.
-samples = {}
-for _ in range(10):
-    for g in get("rules")["groups"]:
-        samples.setdefault(g["name"], []).append(g["evaluationTime"] * 1000)
-        for r in g["rules"] if g["name"] == "steptrace.ranks" else []:
-            samples.setdefault("  " + r["name"], []).append(r["evaluationTime"] * 1000)
-    time.sleep(1)
-eval_ms = {name: {"median": round(sorted(v)[len(v) // 2], 2), "max": round(max(v), 2)}
-           for name, v in samples.items()}
+# Rule evaluation time, per group, as Prometheus measured it: each distinct evaluation
+# over max(10 s, 4 intervals), the median and the slowest. Taken twice: with the ranks
+# running (on the same cores as Prometheus), then with them stopped (SIGSTOP: the
+# daemons go idle, the series stay the same, so this is the rules' own cost). The first
+# pass also gives another rank time to fire late (a false positive would show below).
+def interval_s(text):
+    return float(text[:-1]) * {"s": 1, "m": 60}[text[-1]] if text[-2:] != "ms" else float(text[:-2]) / 1000
+
+def eval_times():
+    samples, seen = {}, set()
+    end = time.time() + max(10.0, 4 * interval_s(interval))
+    while time.time() < end:
+        for g in get("rules")["groups"]:
+            rules = g["rules"] if g["name"] == "steptrace.ranks" else []
+            if (g["name"], g["lastEvaluation"]) in seen:
+                continue
+            seen.add((g["name"], g["lastEvaluation"]))
+            samples.setdefault(g["name"], []).append(g["evaluationTime"] * 1000)
+            for r in rules:
+                samples.setdefault("  " + r["name"], []).append(r["evaluationTime"] * 1000)
+        time.sleep(0.5)
+    return {name: {"median": round(sorted(v)[len(v) // 2], 2), "max": round(max(v), 2),
+                   "evaluations": len(v)} for name, v in samples.items()}
+
+eval_ms = eval_times()
 alerts = stragglers()
 others = sorted({(a["labels"].get("rank"), a["labels"].get("step"), a["state"]) for a in alerts
                  if a["labels"].get("rank") != str(slow_rank)})
@@ -277,6 +294,20 @@ scrape_ms = max((float(r["value"][1]) * 1000 for r in
                  query('scrape_duration_seconds{job="steptrace"}')), default=0)
 
 series_total = get("status/tsdb")["headStats"]["numSeries"]
+# What one node's series are: the largest families of the first node.
+# (The shim's series are recorded by Prometheus, not exposed by the node: left out.)
+shim = '|steptrace_job_rank_step_(seconds|spans)_total' if source == "shim" else ''
+by_family = {r["metric"]["__name__"]: int(float(r["value"][1])) for r in query(
+    'sort_desc(topk(12, count by (__name__) '
+    f'({{job="steptrace", node="fleet-00", __name__!~"scrape_.*|up{shim}"}})))')}
+
+for pid in os.environ.get("RANK_PIDS", "").split():
+    try:
+        os.kill(int(pid), signal.SIGSTOP)
+    except OSError:
+        pass
+time.sleep(2)
+eval_ms_stopped = eval_times()
 
 result = {
     "nodes": int(nodes), "ranks_per_node": int(ranks), "steps": int(steps),
@@ -291,6 +322,8 @@ result = {
     "series_budget": budget, "prometheus_head_series": series_total,
     "scrape_duration_ms_max": round(scrape_ms, 2),
     "rule_eval_ms": eval_ms,  # groups, then the steptrace.ranks rules (indented)
+    "series_per_node_by_family": by_family,
+    "rule_eval_ms_ranks_stopped": eval_ms_stopped,
     "failures": failures,
 }
 if not slow:
