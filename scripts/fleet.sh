@@ -19,7 +19,9 @@
 # Prometheus: the shipped prometheus.yml with its targets replaced by a file_sd list of
 # the N daemons (label node="fleet-NN"), scrape and rule evaluation every --interval,
 # and the shipped steptrace.rules.yml with only the straggler alert's `for:` set to
-# --for (default: as shipped, 3m; CI passes 20s to finish in about a minute).
+# --for (default: as shipped, 3m; CI passes 70s). It must outlast the rules' 1-minute
+# window, or one slow iteration (the start of 160 ranks at once on a loaded machine
+# makes some) still fills that window when `for` runs out and fires: shorter is refused.
 # Before the daemon exports steptrace_job_rank_step_*_total (the contract of issue 27,
 # another branch), a shim rule records them from the per-process series
 # (steptrace_process_step_*_total without pid and comm); the script says which it used.
@@ -82,6 +84,10 @@ if (( nodes * ranks < 3 )); then
   exit 2
 fi
 world=$((nodes * ranks))
+if [[ -n "$for_duration" ]]; then
+  for_s=$(python3 -c 'import re,sys; m=re.fullmatch(r"(\d+)(s|m)", sys.argv[1]); print(int(m[1])*(60 if m[2]=="m" else 1) if m else -1)' "$for_duration")
+  (( for_s >= 70 )) || { echo "fleet.sh: --for must be 70s or more (NNs or NNm): see the header" >&2; exit 2; }
+fi
 if [[ -z "$slow_rank" ]]; then
   slow_rank=$(( (nodes / 2) * ranks + (ranks > 1 ? 1 : 0) ))
 fi
@@ -273,10 +279,14 @@ def eval_times():
 
 eval_ms = eval_times()
 alerts = stragglers()
-others = sorted({(a["labels"].get("rank"), a["labels"].get("step"), a["state"]) for a in alerts
-                 if a["labels"].get("rank") != str(slow_rank)})
+# Firing for another rank fails. Pending ones are listed, not failed: with hundreds of
+# ranks sleeping 10 ms spans on a loaded 2-core machine, the scheduler's noise lifts a
+# (rank, step) past 1.5 x now and then, and the alert's `for:` is what keeps that from
+# firing (it is part of what is checked here).
+others = sorted({(a["labels"].get("rank"), a["labels"].get("step")) for a in alerts
+                 if a["labels"].get("rank") != str(slow_rank) and a["state"] == "firing"})
 if others:
-    failures.append(f"the alert names other ranks too: {others}")
+    failures.append(f"the alert fires for other ranks too: {others}")
 slow = [a for a in alerts if a["labels"].get("rank") == str(slow_rank)]
 
 # Series per node: what each scrape exposed (samples per scrape = series on that node).
