@@ -22,6 +22,7 @@ PROMETHEUS_SERIES = {"ALERTS", "ALERTS_FOR_STATE", "up", "scrape_duration_second
 VARIABLE_VALUES = {
     "node": "gpu-node-01",
     "job_id": "llama-7b",
+    "step": "Forward",
     "__rate_interval": "1m",
     "__rate_interval_ms": "60000",
     "__interval": "30s",
@@ -120,6 +121,24 @@ def defined_rules():
         return set(re.findall(r"^\s*-\s*record:\s*(\S+)\s*$", f.read(), re.M))
 
 
+def defined_alerts():
+    with open(RULES) as f:
+        return set(re.findall(r"^\s*-\s*alert:\s*(\S+)\s*$", f.read(), re.M))
+
+
+def straggler_thresholds():
+    """The ratios to the median past which SteptraceStragglerRank fires: (above, below)."""
+    with open(RULES) as f:
+        text = f.read()
+    start = text.index("- alert: SteptraceStragglerRank")
+    expr = text[start:text.index("for:", start)]
+    above = {float(m) for m in re.findall(r"ratio_median[15]m(?:\{[^}]*\})? > ([\d.]+)", expr)}
+    below = {m for m in re.findall(r"ratio_median[15]m(?:\{[^}]*\})? < ([\d. /]+?)\n", expr)}
+    assert len(above) == 1 and len(below) == 1, (above, below)
+    num, _, den = below.pop().partition("/")
+    return above.pop(), float(num) / float(den or 1)
+
+
 class DashboardStructureTest(unittest.TestCase):
     def setUp(self):
         self.dashboard = load_dashboard()
@@ -188,7 +207,7 @@ class DashboardStructureTest(unittest.TestCase):
 
     def test_node_and_job_variables_come_from_recording_rules(self):
         variables = {v["name"]: v for v in self.dashboard["templating"]["list"]}
-        for name in ("node", "job_id"):
+        for name in ("node", "job_id", "step"):
             with self.subTest(variable=name):
                 v = variables[name]
                 self.assertEqual(v["type"], "query")
@@ -229,6 +248,67 @@ class DashboardStructureTest(unittest.TestCase):
         # The list stays exactly what the panels read (prometheus_test.py checks it
         # against a live daemon).
         self.assertEqual(set(DASHBOARD_INPUTS) - used, set())
+
+    def test_alert_queries_name_defined_alerts(self):
+        alerts = defined_alerts()
+        self.assertIn("SteptraceStragglerRank", alerts)
+        named = set()
+        for where, expr in dashboard_queries(self.dashboard):
+            for name in re.findall(r'alertname="(\w+)"', expr):
+                with self.subTest(where=where):
+                    self.assertIn(name, alerts, expr)
+                named.add(name)
+        self.assertIn("SteptraceStragglerRank", named)
+
+    def test_ranks_row_shows_what_the_straggler_alert_reads(self):
+        panels = all_panels(self.dashboard)
+        rows = [p for p in panels if p["type"] == "row" and p["title"].startswith("Ranks")]
+        self.assertEqual(len(rows), 1, [p["title"] for p in panels if p["type"] == "row"])
+        row_y = rows[0]["gridPos"]["y"]
+        next_row_y = min((p["gridPos"]["y"] for p in self.dashboard["panels"]
+                          if p["type"] == "row" and p["gridPos"]["y"] > row_y), default=10**6)
+        in_row = [p for p in self.dashboard["panels"]
+                  if p["type"] != "row" and row_y < p["gridPos"]["y"] < next_row_y]
+        exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in in_row}
+        reads = set().union(*(series_names(substitute(e)) for e in exprs.values()))
+        for rule in ("rank:steptrace_job_rank_step_seconds:mean5m",
+                     "job:steptrace_job_rank_step_seconds:median5m",
+                     "rank:steptrace_job_rank_step_seconds:ratio_median5m", "ALERTS"):
+            with self.subTest(rule=rule):
+                self.assertIn(rule, reads)
+        # Per rank: the panels keep the labels the alert names.
+        for title, expr in exprs.items():
+            if "rank:" in expr:
+                with self.subTest(panel=title):
+                    legends = " ".join(t.get("legendFormat", "") for t in
+                                       next(p for p in in_row if p["title"] == title)["targets"])
+                    for label in ("job_id", "uid", "rank", "step"):
+                        self.assertIn(label, legends + expr)
+        # The ratio panel draws the alert's thresholds, read from the rules.
+        above, below = straggler_thresholds()
+        ratio = [p for p in in_row if "ratio_median" in exprs[p["title"]]
+                 and p["type"] == "timeseries"]
+        self.assertEqual(len(ratio), 1)
+        steps = [s["value"] for s in ratio[0]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+                 if s["value"] is not None]
+        self.assertEqual(ratio[0]["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"],
+                         "line")
+        self.assertIn(above, steps)
+        self.assertTrue(any(abs(v - below) < 0.001 for v in steps), (steps, below))
+        # The rank panels follow the dashboard's job filter.
+        for title, expr in exprs.items():
+            if "rank:" in expr or "job:" in expr:
+                with self.subTest(panel=title):
+                    self.assertIn("$job_id", expr)
+
+    def test_job_legends_name_the_uid(self):
+        # A job is (uid, job_id): two users' "llama" must not share a legend entry.
+        for panel in all_panels(self.dashboard):
+            for target in panel.get("targets", []):
+                legend = target.get("legendFormat", "")
+                if "{{job_id}}" in legend:
+                    with self.subTest(panel=panel["title"]):
+                        self.assertIn("{{uid}}", legend)
 
     def test_series_names_parser(self):
         self.assertEqual(series_names(
