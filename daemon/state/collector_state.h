@@ -186,12 +186,20 @@ struct JobStepTotals {
 // counters keep counting after them. Jobs with no process left in the table are bounded
 // by Limits::max_jobs / max_jobs_per_uid; a job that still has one is kept (forgetting it
 // would make its counters go backwards), and there are at most max_processes of those.
+using JobStepMap = std::map<std::string, JobStepTotals, std::less<>>;
 struct RetiredJob {
-  std::map<std::string, JobStepTotals, std::less<>> steps;  // at most kMaxJobSteps names
+  JobStepMap steps;  // at most kMaxJobSteps names
+  // The same per rank, for the evicted processes that sent one, so that per-rank
+  // counters (steptrace_job_rank_step_*) keep counting across a rank's restarts (a new
+  // pid, the same rank) and its old pid's eviction. At most kMaxJobRanks ranks (beyond:
+  // not kept per rank, still in `steps`), each at most kMaxJobSteps names. Not in
+  // snapshots yet: a daemon restart forgets them (the counters then reset).
+  std::map<std::uint32_t, JobStepMap> ranks;
   std::uint64_t processes = 0;
   std::uint64_t dropped = 0;
   std::uint64_t retired_order = 0;                  // increasing: the least recent goes first
   static constexpr std::size_t kMaxJobSteps = 256;  // beyond: merged into "(other)"
+  static constexpr std::size_t kMaxJobRanks = 1024;
 };
 using RetiredJobs = std::map<JobKey, RetiredJob, std::less<>>;
 // The most retired jobs the state can hold (see RetiredJob), for a snapshot's reader.

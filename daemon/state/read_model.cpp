@@ -237,6 +237,14 @@ std::vector<JobFigures> CollectorView::jobs_and_retired(
     r.steps.reserve(retired.steps.size());
     for (const auto& [name, t] : retired.steps)
       r.steps.push_back({name, t.count, t.total_ns, t.self_ns});
+    r.ranks.reserve(retired.ranks.size());
+    for (const auto& [rank, steps] : retired.ranks) {
+      RetiredRankFigures& rr = r.ranks.emplace_back();
+      rr.rank = rank;
+      rr.steps.reserve(steps.size());
+      for (const auto& [name, t] : steps)
+        rr.steps.push_back({name, t.count, t.total_ns, t.self_ns});
+    }
   }
   for (; next != in_table.end(); ++next) out.push_back(std::move(*next));
   return out;
