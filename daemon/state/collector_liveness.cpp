@@ -380,6 +380,7 @@ void Collector::refresh_liveness() {
     recorder_.mark(mark);
   }
   enforce_exited_limit(state, limits_, counters_);
+  sample_rank_windows(state, env_.monotonic_now_ns());
   recorder_.tick(env_.monotonic_now_ns());
   state.freed_memory.release_if_due(env_.monotonic_now_ns());
 }

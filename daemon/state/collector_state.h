@@ -41,6 +41,7 @@
 #include "daemon/state/histogram.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/ledger_view.h"
+#include "daemon/state/rank_window.h"
 #include "daemon/state/saturating.h"
 
 namespace steptrace::daemon {
@@ -280,7 +281,13 @@ struct CollectorState {
   // Per job, the same for per-job counters (max_jobs, max_jobs_per_uid).
   std::shared_ptr<RetiredJobs> retired_jobs;
   std::uint64_t next_retired_order = 1;
-  Limits job_limits;                   // max_jobs, max_jobs_per_uid
+  // Per (uid, job, rank) with a process in the table, a ring of cumulative per-step
+  // samples (rank_window.h), replaced whole at each sample; its heap (charged like the
+  // retired totals, part of retired_charged) and when it was last sampled.
+  std::shared_ptr<const RankWindows> rank_windows = std::make_shared<const RankWindows>();
+  std::size_t rank_windows_charged = 0;
+  std::uint64_t rank_windows_sampled_ns = 0;
+  Limits job_limits;                   // max_jobs, max_jobs_per_uid, rank_skew
   DaemonCounters* counters = nullptr;  // the io thread's (a view never writes)
 };
 
