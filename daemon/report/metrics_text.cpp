@@ -135,6 +135,58 @@ void append_job_metrics(const CollectorView& view, std::span<const ProcessFigure
   for (const JobSeries& j : jobs) f_dropped.sample({{"job_id", j.job}, {"uid", j.uid}}, j.dropped);
 }
 
+// Per job and rank (the processes that sent one): per step, its processes in the table
+// (live and exited: a rank restarted is a new pid with the same rank) plus what its
+// evicted ones left, with no pid label, so a rank's series keep counting across its
+// restarts. Bounded by max_jobs (retired) and the process table (live); per job by
+// RetiredJob::kMaxJobRanks ranks kept after eviction and kMaxSteps step names per rank.
+void append_job_rank_metrics(const CollectorView& view, std::span<const ProcessFigures> all,
+                             std::string& out) {
+  struct RankSeries {
+    std::string job;
+    std::string uid;
+    std::string rank;
+    std::map<std::string, JobSeries::Step, std::less<>> steps;
+  };
+  std::vector<RankSeries> series;
+  for (const JobFigures& group : view.jobs_and_retired(all)) {
+    std::map<std::uint32_t, JobSeries> by_rank;
+    if (group.retired) {
+      for (const RetiredRankFigures& r : group.retired->ranks) {
+        for (const RetiredStepTotals& t : r.steps)
+          by_rank[r.rank].add(t.name, t.count, t.total_ns, t.self_ns);
+      }
+    }
+    for (const ProcessFigures* p : group.processes) {
+      if (p->rank == proto::kNoRank) continue;
+      JobSeries& j = by_rank[p->rank];
+      for (const StepFigures& step : p->steps) {
+        const Histogram& h = step.hist();
+        if (h.count() != 0) j.add(step.name, h.count(), h.sum(), step.self_ns);
+      }
+    }
+    for (auto& [rank, j] : by_rank) {
+      series.push_back(
+          {group.job, std::to_string(group.uid), std::to_string(rank), std::move(j.steps)});
+    }
+  }
+  const auto per_step = [&](std::string_view name, std::string_view help, auto&& value) {
+    MetricFamily f(out, name, "counter", help);
+    for (const RankSeries& r : series) {
+      for (const auto& [step, t] : r.steps)
+        f.sample({{"job_id", r.job}, {"uid", r.uid}, {"rank", r.rank}, {"step", step}}, value(t));
+    }
+  };
+  using Step = JobSeries::Step;
+  per_step("steptrace_job_rank_step_seconds_total",
+           "Total time of ended spans per job, rank and step, over the rank's restarts "
+           "(no pid label).",
+           [](const Step& t) { return seconds(t.total_ns); });
+  per_step("steptrace_job_rank_step_spans_total",
+           "Ended spans per job, rank and step, over the rank's restarts (no pid label).",
+           [](const Step& t) { return t.count; });
+}
+
 // steptrace_step_duration_seconds: per step, every process of this node, the evicted ones
 // included.
 void append_step_histograms(const CollectorView& view, std::string& out) {
@@ -384,6 +436,7 @@ std::string report::metrics_text(const CollectorView& view) {
   append_step_histograms(view, out);
   append_live_process_metrics(processes, out);
   append_job_metrics(view, processes, out);
+  append_job_rank_metrics(view, processes, out);
   append_ingest_metrics(c, out);
   append_http_metrics(c.http, out);
   append_connection_metrics(c, out);

@@ -32,8 +32,15 @@ struct ReportFilter {
   std::optional<std::int32_t> pid;
   std::optional<JobRef> job;
 };
-nlohmann::json report_json(const CollectorView& view, const ReportFilter& filter);
-std::string report_text(const CollectorView& view, const ReportFilter& filter);
+// What else a report shows: rank skew over the last `window_s` seconds too (`report
+// --window N`; the run's is always there), and its thresholds.
+struct ReportOptions {
+  std::optional<std::uint64_t> window_s;
+};
+nlohmann::json report_json(const CollectorView& view, const ReportFilter& filter,
+                           const ReportOptions& options = {});
+std::string report_text(const CollectorView& view, const ReportFilter& filter,
+                        const ReportOptions& options = {});
 // All processes or one pid's.
 nlohmann::json report_json(const CollectorView& view, std::optional<std::int32_t> pid);
 std::string report_text(const CollectorView& view, std::optional<std::int32_t> pid);

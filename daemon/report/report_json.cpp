@@ -109,6 +109,68 @@ nlohmann::json totals_json(const std::vector<StepFigures>& totals) {
 }
 
 // Unix seconds, or null.
+// Rank skew (PROTOCOL.md 10.4, jobs[].rank_skew): one rank's figures in one step.
+nlohmann::json rank_figure_json(const RankStepFigure& f) {
+  return {{"rank", f.rank}, {"spans", f.spans}, {"mean_ns", f.mean_ns}, {"ratio", f.ratio}};
+}
+
+nlohmann::json step_skew_json(const StepSkew& s) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const RankStepFigure& f : s.ranks) ranks.push_back(rank_figure_json(f));
+  return {{"step", s.step},
+          {"waiting", s.waiting},
+          {"median_ns", s.median_ns},
+          {"mad_ns", s.mad_ns},
+          {"slowest", rank_figure_json(s.slowest)},
+          {"fastest", rank_figure_json(s.fastest)},
+          {"ranks", std::move(ranks)}};
+}
+
+nlohmann::json steps_skew_json(const std::vector<StepSkew>& steps) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const StepSkew& s : steps) out.push_back(step_skew_json(s));
+  return out;
+}
+
+// jobs[].rank_skew: null below two ranks.
+nlohmann::json rank_skew_json(const JobFigures& group, const JobRankSkew& skew) {
+  if (group.ranks.size() < 2) return nullptr;
+  const auto seconds = [](std::uint64_t ns) { return static_cast<double>(ns) / 1e9; };
+  return {{"run", steps_skew_json(skew.run)},
+          {"window_s", skew.window_ns ? nlohmann::json(*skew.window_ns / 1'000'000'000)
+                                      : nlohmann::json(nullptr)},
+          {"window_covered_s",
+           skew.window_ns ? nlohmann::json(seconds(skew.covered_ns)) : nlohmann::json(nullptr)},
+          {"window", skew.window_ns ? steps_skew_json(skew.window) : nlohmann::json(nullptr)}};
+}
+
+// jobs[].stragglers: the window's first (what is slow now), then the run's; each with
+// the live pids of that rank among the report's processes.
+nlohmann::json stragglers_json(const JobFigures& group, const JobRankSkew& skew) {
+  nlohmann::json out = nlohmann::json::array();
+  const auto add = [&](const std::vector<StepSkew>& steps, const char* scope) {
+    for (const StepSkew& s : steps) {
+      if (!s.straggler) continue;
+      nlohmann::json pids = nlohmann::json::array();
+      for (const ProcessFigures* p : group.processes) {
+        if (p->alive && p->rank == s.straggler->rank) pids.push_back(p->key.pid);
+      }
+      out.push_back({{"rank", s.straggler->rank},
+                     {"step", s.step},
+                     {"scope", scope},
+                     {"waiting", s.waiting},
+                     {"mean_ns", s.straggler->mean_ns},
+                     {"median_ns", s.median_ns},
+                     {"ratio", s.straggler->ratio},
+                     {"spans", s.straggler->spans},
+                     {"pids", std::move(pids)}});
+    }
+  };
+  add(skew.window, "window");
+  add(skew.run, "run");
+  return out;
+}
+
 nlohmann::json unix_or_null(const std::optional<std::int64_t>& unix_s) {
   return unix_s ? nlohmann::json(*unix_s) : nlohmann::json(nullptr);
 }
@@ -135,13 +197,18 @@ std::uint64_t rss_bytes() {
 
 }  // namespace
 
-nlohmann::json report::report_json(const CollectorView& view, const ReportFilter& filter) {
+nlohmann::json report::report_json(const CollectorView& view, const ReportFilter& filter,
+                                   const ReportOptions& options) {
   const std::uint64_t now = view.now_ns();
   const auto processes = view.processes(filter.pid, filter.job);
   nlohmann::json procs = nlohmann::json::array();
   for (const ProcessFigures& p : processes) procs.push_back(process_json(p, now));
   nlohmann::json jobs = nlohmann::json::array();
+  const std::optional<std::uint64_t> window_ns =
+      options.window_s ? std::optional<std::uint64_t>(*options.window_s * 1'000'000'000)
+                       : std::nullopt;
   for (const JobFigures& group : view.jobs(processes)) {
+    const JobRankSkew skew = view.rank_skew(group, window_ns);
     jobs.push_back(
         {{"job", group.job.empty() ? nlohmann::json(nullptr) : nlohmann::json(group.job)},
          {"uid", group.uid},
@@ -150,7 +217,9 @@ nlohmann::json report::report_json(const CollectorView& view, const ReportFilter
          {"ranks", group.ranks},
          {"world_size",
           group.world_size == 0 ? nlohmann::json(nullptr) : nlohmann::json(group.world_size)},
-         {"totals", totals_json(view.totals(group.processes))}});
+         {"totals", totals_json(view.totals(group.processes))},
+         {"rank_skew", rank_skew_json(group, skew)},
+         {"stragglers", stragglers_json(group, skew)}});
   }
   return {{"schema", "steptrace.report/v1"},
           {"processes", std::move(procs)},

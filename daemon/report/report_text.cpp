@@ -220,9 +220,71 @@ std::string job_header(const JobFigures& group) {
   return out + "\n";
 }
 
+// "×1.32" for a ratio to the median.
+std::string times(double ratio) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "\u00d7%.2f", ratio);
+  return buf;
+}
+
+std::string mean_text(double ns) {
+  return report::format_duration(static_cast<std::uint64_t>(std::max(0.0, ns)));
+}
+
+// One scope's rows: per step the median rank's mean span, the slowest and the fastest
+// rank against it; then one line per straggler.
+void skew_rows(const std::vector<StepSkew>& steps, std::string_view scope, std::string& out) {
+  for (const StepSkew& s : steps) {
+    out += "  " + report::pad_right(proto::printable(s.step, 24), 24) + " " +
+           report::pad_left(std::to_string(s.ranks.size()), 5) + "  " +
+           report::pad_left(mean_text(s.median_ns), 10) + "  " +
+           report::pad_right(
+               "rank " + std::to_string(s.slowest.rank) + " " + times(s.slowest.ratio), 16) +
+           "  rank " + std::to_string(s.fastest.rank) + " " + times(s.fastest.ratio) +
+           (s.waiting ? "  (waiting)" : "") + "\n";
+  }
+  for (const StepSkew& s : steps) {
+    if (!s.straggler) continue;
+    const RankStepFigure& r = *s.straggler;
+    out += "  \u26a0 straggler (" + std::string(scope) + "): rank " + std::to_string(r.rank) +
+           " in " + proto::printable(s.step, 32) + ": mean " + mean_text(r.mean_ns) + ", " +
+           times(r.ratio) + " the median " + mean_text(s.median_ns) +
+           (s.waiting ? " (waits least: the others wait for it)" : "") + "\n";
+  }
+}
+
+// [Ranks]: a job's rank skew, run and window (empty below two ranks).
+std::string ranks_section(const JobFigures& group, const JobRankSkew& skew) {
+  if (group.ranks.size() < 2) return "";
+  std::string out = "\n[Ranks] mean span per rank against the median over ranks\n";
+  const std::string header = "  " + report::pad_right("Step", 24) + " " +
+                             report::pad_left("Ranks", 5) + "  " + report::pad_left("Median", 10) +
+                             "  " + report::pad_right("Slowest", 16) + "  Fastest\n";
+  out += "Whole run:\n";
+  if (skew.run.empty())
+    out += "  (no step ended by two ranks yet)\n";
+  else
+    out += header;
+  skew_rows(skew.run, "run", out);
+  if (skew.window_ns) {
+    out += "Last " + std::to_string(*skew.window_ns / 1'000'000'000) + " s";
+    if (skew.covered_ns < *skew.window_ns) {
+      out += " (samples cover " + std::to_string(skew.covered_ns / 1'000'000'000) + " s)";
+    }
+    out += ":\n";
+    if (skew.window.empty())
+      out += "  (no step ended by two ranks in the window)\n";
+    else
+      out += header;
+    skew_rows(skew.window, "window", out);
+  }
+  return out;
+}
+
 }  // namespace
 
-std::string report::report_text(const CollectorView& view, const ReportFilter& filter) {
+std::string report::report_text(const CollectorView& view, const ReportFilter& filter,
+                                const ReportOptions& options) {
   const std::uint64_t now = view.now_ns();
   const auto processes = view.processes(filter.pid, filter.job);
   std::string title = "STEPTRACE REPORT";
@@ -233,6 +295,9 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
                                           : std::string();
   if (filter.job) title += " (" + job_name + ")";
   std::string out = "\n" + report::boxed_title(title);
+  const std::optional<std::uint64_t> window_ns =
+      options.window_s ? std::optional<std::uint64_t>(*options.window_s * 1'000'000'000)
+                       : std::nullopt;
   out += durability_warnings(view.counters().durability);
   if (processes.empty()) {
     if (filter.pid) {
@@ -261,6 +326,7 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
         out += "\n" + job_header(group);
         // A job of one process: its own section says it all.
         if (group.processes.size() > 1) out += step_table(view.totals(group.processes));
+        out += ranks_section(group, view.rank_skew(group, window_ns));
       }
       for (const ProcessFigures* rec : group.processes) {
         out += "\n" + process_header(*rec, now, false);

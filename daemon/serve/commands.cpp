@@ -202,6 +202,22 @@ Problem take_job(ReportRequest& r, std::optional<std::string_view> value) {
   return std::nullopt;
 }
 
+// `--window N`: seconds, 1..kMaxWindowS (a day; the rank windows keep less, and say
+// what they cover).
+constexpr std::uint64_t kMaxWindowS = 86'400;
+Problem take_window(ReportRequest& r, std::optional<std::string_view> value) {
+  std::uint64_t s = 0;
+  const std::string_view text = value.value_or("");
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), s);
+  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || s == 0 ||
+      s > kMaxWindowS) {
+    return "--window needs seconds in 1.." + std::to_string(kMaxWindowS) +
+           (value ? ", got '" + proto::printable(*value, 64) + "'" : std::string());
+  }
+  r.window_s = s;
+  return std::nullopt;
+}
+
 // "1001" or "1001, 1002 and 1003".
 std::string uid_list(const std::vector<std::uint32_t>& uids) {
   std::string out;
@@ -261,8 +277,9 @@ Reply run_report(const ReportRequest& r, const Call& call) {
       if (auto* error = std::get_if<std::string>(&job)) return std::move(*error);
       filter.job = std::move(std::get<JobRef>(job));
     }
-    return r.json ? json_line(report::report_json(v, filter))
-                  : text_reply(report::report_text(v, filter));
+    const report::ReportOptions options{r.window_s};
+    return r.json ? json_line(report::report_json(v, filter, options))
+                  : text_reply(report::report_text(v, filter, options));
   });
 }
 
@@ -271,10 +288,11 @@ const Command<ReportRequest>& report_command() {
       .name = "report",
       .syntax = {.groups = {{flag("--json", &ReportRequest::json)},
                             {pid_option(&ReportRequest::pid)},
-                            {{"--job", "[UID:]ID", take_job}}}},
+                            {{"--job", "[UID:]ID", take_job}},
+                            {{"--window", "N", take_window}}}},
       .summary =
           "per-step timing for all processes (or one pid, or one job's: yours, or UID's), "
-          "by job, then the VRAM ledger",
+          "by job with rank skew (over the last N s too with --window), then the VRAM ledger",
       .run = run_report,
   };
   return kCommand;

@@ -88,7 +88,8 @@ struct ReportRequest {
   bool json = false;
   std::optional<std::int32_t> pid;
   std::optional<std::string> job;
-  std::optional<std::uint32_t> job_uid;  // --job UID:ID
+  std::optional<std::uint32_t> job_uid;   // --job UID:ID
+  std::optional<std::uint64_t> window_s;  // --window N: rank skew over the last N s too
   static Parsed<ReportRequest> parse(Args args);
 };
 struct LedgerRequest {

@@ -111,6 +111,30 @@ void read_timeouts(JsonObject timeouts, Config& c) {
   timeouts.finish();
 }
 
+// "rank_skew": when a rank is flagged a straggler (state/rank_skew.h). The JSON reader
+// takes integers only: the ratio is in percent of the median, the spread in MADs.
+void read_rank_skew(JsonObject o, Config& c) {
+  RankSkewRules& r = c.limits.rank_skew;
+  std::uint64_t ratio_pct = static_cast<std::uint64_t>(r.ratio * 100.0 + 0.5);
+  if (o.optional_unsigned("straggler_ratio_pct", ratio_pct, 101, 10000)) {
+    r.ratio = static_cast<double>(ratio_pct) / 100.0;
+  }
+  std::uint64_t mads = static_cast<std::uint64_t>(r.mad_factor + 0.5);
+  if (o.optional_unsigned("straggler_mads", mads, 0, 100)) r.mad_factor = static_cast<double>(mads);
+  o.optional_unsigned("straggler_min_spans", r.min_spans, 1, 1'000'000);
+  o.optional_unsigned("sample_interval_ms", r.sample_interval_ms, 100, 3'600'000);
+  o.optional_unsigned("window_samples", r.window_samples, 0, 1024);
+  if (o.has("waiting_steps")) {
+    JsonArray steps = o.array("waiting_steps", 64);
+    std::vector<std::string> names(steps.size());
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      if (!steps.get_string(i, names[i], kConfigString)) return;
+    }
+    r.waiting_steps = std::move(names);
+  }
+  o.finish();
+}
+
 // Every key is optional: one left out keeps the value `c` has.
 void read_config(JsonObject top, Config& c) {
   read_string_key(top, "socket", [&c](const std::string& path) -> Problem {
@@ -152,6 +176,7 @@ void read_config(JsonObject top, Config& c) {
   }
   if (auto limits = top.optional_object("limits")) read_limits(std::move(*limits), c);
   if (auto timeouts = top.optional_object("timeouts")) read_timeouts(std::move(*timeouts), c);
+  if (auto skew = top.optional_object("rank_skew")) read_rank_skew(std::move(*skew), c);
   top.finish();
 }
 
@@ -297,6 +322,13 @@ json config_to_json(const Config& c) {
        {{"handshake_s", c.timeouts.handshake_s},
         {"frame_s", c.timeouts.frame_s},
         {"text_idle_ms", c.timeouts.text_idle_ms}}},
+      {"rank_skew",
+       {{"straggler_ratio_pct", static_cast<std::uint64_t>(c.limits.rank_skew.ratio * 100.0 + 0.5)},
+        {"straggler_mads", static_cast<std::uint64_t>(c.limits.rank_skew.mad_factor + 0.5)},
+        {"straggler_min_spans", c.limits.rank_skew.min_spans},
+        {"waiting_steps", c.limits.rank_skew.waiting_steps},
+        {"sample_interval_ms", c.limits.rank_skew.sample_interval_ms},
+        {"window_samples", c.limits.rank_skew.window_samples}}},
   };
 }
 

@@ -98,7 +98,15 @@ std::size_t retired_job_bytes(const JobKey& key, const RetiredJob& job) {
   std::size_t bytes =
       tree_node_bytes<RetiredJobs::value_type>() + string_heap_bytes(key.job.size());
   for (const auto& [name, totals] : job.steps) bytes += retired_job_step_bytes(name);
+  for (const auto& [rank, steps] : job.ranks) {
+    bytes += retired_job_rank_bytes();
+    for (const auto& [name, totals] : steps) bytes += retired_job_step_bytes(name);
+  }
   return bytes;
+}
+
+std::size_t retired_job_rank_bytes() {
+  return tree_node_bytes<std::pair<const std::uint32_t, JobStepMap>>();
 }
 
 std::size_t retired_job_step_bytes(std::string_view name) {

@@ -157,6 +157,7 @@ std::size_t record_bytes(const ProcessRecord& rec);
 std::size_t retired_histogram_bytes(std::string_view name, const Histogram& hist);
 std::size_t retired_job_bytes(const JobKey& key, const RetiredJob& job);
 std::size_t retired_job_step_bytes(std::string_view name);  // one of its steps
+std::size_t retired_job_rank_bytes();  // one of its ranks (its steps: retired_job_step_bytes)
 
 // Room for one more timestamp (a stack push, a depth entry): the growth's bytes, and the
 // growth itself, the way it was charged.

@@ -217,6 +217,8 @@ std::size_t Collector::reset(std::optional<std::int32_t> pid) {
     state.remove_retired(state.retired_charged);
     state.retired = std::make_shared<RetiredHistograms>();
     state.retired_jobs = std::make_shared<RetiredJobs>();
+    state.rank_windows = std::make_shared<const RankWindows>();  // its charge went above
+    state.rank_windows_charged = 0;
   }
   return cleared;
 }

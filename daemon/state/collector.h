@@ -90,6 +90,9 @@ class CollectorView {
   // the table's without an ended span is left out. (The order decides which names a
   // renderer that bounds its series keeps.)
   std::vector<StepHistogram> step_histograms() const;
+  // Rank skew of a job (rank_skew.h): over its processes given (a report's) and, with
+  // `window_ns`, over the rank windows (rank_window.h). Empty below two ranks.
+  JobRankSkew rank_skew(const JobFigures& job, std::optional<std::uint64_t> window_ns) const;
   TableFigures table() const;
   const ledger::State& ledger() const;
   // What a snapshot keeps of it, as plain values (state_image.h; state_image.cpp). Spans

@@ -158,20 +158,33 @@ void retire_job(CollectorState& state, const ProcessRecord& rec) {
   ++job.processes;
   job.dropped = saturating_add(job.dropped, rec.dropped);
   job.retired_order = state.next_retired_order++;
-  for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
-    const StepAgg& agg = rec.steps[slot];
-    if (agg.hist.count() == 0) continue;
-    std::string_view name = rec.step_name(slot);
-    auto step = job.steps.find(name);
-    if (step == job.steps.end()) {
-      if (job.steps.size() >= RetiredJob::kMaxJobSteps) name = "(other)";
-      const auto added = job.steps.try_emplace(std::string(name));
+  JobStepMap* rank_steps = nullptr;
+  if (rec.rank != proto::kNoRank) {
+    auto it = job.ranks.find(rec.rank);
+    if (it == job.ranks.end() && job.ranks.size() < RetiredJob::kMaxJobRanks) {
+      it = job.ranks.try_emplace(rec.rank).first;
+      state.add_retired(heap::retired_job_rank_bytes());
+    }
+    if (it != job.ranks.end()) rank_steps = &it->second;
+  }
+  const auto add_to = [&](JobStepMap& steps, std::string_view name, const StepAgg& agg) {
+    auto step = steps.find(name);
+    if (step == steps.end()) {
+      if (steps.size() >= RetiredJob::kMaxJobSteps) name = "(other)";
+      const auto added = steps.try_emplace(std::string(name));
       step = added.first;
       if (added.second) state.add_retired(heap::retired_job_step_bytes(name));
     }
     step->second.count = saturating_add(step->second.count, agg.hist.count());
     step->second.total_ns = saturating_add(step->second.total_ns, agg.hist.sum());
     step->second.self_ns = saturating_add(step->second.self_ns, agg.self_ns);
+  };
+  for (std::size_t slot = 0; slot < rec.steps.size(); ++slot) {
+    const StepAgg& agg = rec.steps[slot];
+    if (agg.hist.count() == 0) continue;
+    const std::string_view name = rec.step_name(slot);
+    add_to(job.steps, name, agg);
+    if (rank_steps != nullptr) add_to(*rank_steps, name, agg);
   }
 }
 
@@ -367,6 +380,7 @@ void Collector::refresh_liveness() {
     recorder_.mark(mark);
   }
   enforce_exited_limit(state, limits_, counters_);
+  sample_rank_windows(state, env_.monotonic_now_ns());
   recorder_.tick(env_.monotonic_now_ns());
   state.freed_memory.release_if_due(env_.monotonic_now_ns());
 }

@@ -42,6 +42,7 @@
 #include "daemon/state/histogram.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/ledger_view.h"
+#include "daemon/state/rank_window.h"
 #include "daemon/state/saturating.h"
 
 namespace steptrace::daemon {
@@ -196,12 +197,20 @@ struct JobStepTotals {
 // counters keep counting after them. Jobs with no process left in the table are bounded
 // by Limits::max_jobs / max_jobs_per_uid; a job that still has one is kept (forgetting it
 // would make its counters go backwards), and there are at most max_processes of those.
+using JobStepMap = std::map<std::string, JobStepTotals, std::less<>>;
 struct RetiredJob {
-  std::map<std::string, JobStepTotals, std::less<>> steps;  // at most kMaxJobSteps names
+  JobStepMap steps;  // at most kMaxJobSteps names
+  // The same per rank, for the evicted processes that sent one, so that per-rank
+  // counters (steptrace_job_rank_step_*) keep counting across a rank's restarts (a new
+  // pid, the same rank) and its old pid's eviction. At most kMaxJobRanks ranks (beyond:
+  // not kept per rank, still in `steps`), each at most kMaxJobSteps names. Not in
+  // snapshots yet: a daemon restart forgets them (the counters then reset).
+  std::map<std::uint32_t, JobStepMap> ranks;
   std::uint64_t processes = 0;
   std::uint64_t dropped = 0;
   std::uint64_t retired_order = 0;                  // increasing: the least recent goes first
   static constexpr std::size_t kMaxJobSteps = 256;  // beyond: merged into "(other)"
+  static constexpr std::size_t kMaxJobRanks = 1024;
 };
 using RetiredJobs = std::map<JobKey, RetiredJob, std::less<>>;
 // The most retired jobs the state can hold (see RetiredJob), for a snapshot's reader.
@@ -282,7 +291,13 @@ struct CollectorState {
   // Per job, the same for per-job counters (max_jobs, max_jobs_per_uid).
   std::shared_ptr<RetiredJobs> retired_jobs;
   std::uint64_t next_retired_order = 1;
-  Limits job_limits;                   // max_jobs, max_jobs_per_uid
+  // Per (uid, job, rank) with a process in the table, a ring of cumulative per-step
+  // samples (rank_window.h), replaced whole at each sample; its heap (charged like the
+  // retired totals, part of retired_charged) and when it was last sampled.
+  std::shared_ptr<const RankWindows> rank_windows = std::make_shared<const RankWindows>();
+  std::size_t rank_windows_charged = 0;
+  std::uint64_t rank_windows_sampled_ns = 0;
+  Limits job_limits;                   // max_jobs, max_jobs_per_uid, rank_skew
   DaemonCounters* counters = nullptr;  // the io thread's (a view never writes)
 };
 

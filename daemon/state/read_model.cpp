@@ -3,6 +3,7 @@
 #include "daemon/state/read_model.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <string_view>
 #include <tuple>
@@ -238,8 +239,81 @@ std::vector<JobFigures> CollectorView::jobs_and_retired(
     r.steps.reserve(retired.steps.size());
     for (const auto& [name, t] : retired.steps)
       r.steps.push_back({name, t.count, t.total_ns, t.self_ns});
+    r.ranks.reserve(retired.ranks.size());
+    for (const auto& [rank, steps] : retired.ranks) {
+      RetiredRankFigures& rr = r.ranks.emplace_back();
+      rr.rank = rank;
+      rr.steps.reserve(steps.size());
+      for (const auto& [name, t] : steps)
+        rr.steps.push_back({name, t.count, t.total_ns, t.self_ns});
+    }
   }
   for (; next != in_table.end(); ++next) out.push_back(std::move(*next));
+  return out;
+}
+
+JobRankSkew CollectorView::rank_skew(const JobFigures& job,
+                                     std::optional<std::uint64_t> window_ns) const {
+  JobRankSkew out;
+  out.window_ns = window_ns;
+  if (job.ranks.size() < 2) return out;
+  const RankSkewRules& rules = state_->job_limits.rank_skew;
+  // The run: per step and rank, its processes' spans, and their merged histogram for the
+  // rank's median span (what makes a slow rank "sustained": one slow iteration moves the
+  // mean, not the median).
+  struct Acc {
+    std::uint64_t spans = 0;
+    std::uint64_t total_ns = 0;
+    Histogram hist;
+  };
+  std::map<std::string, std::map<std::uint32_t, Acc>, std::less<>> run;
+  for (const ProcessFigures* p : job.processes) {
+    if (p->rank == proto::kNoRank) continue;
+    for (const StepFigures& step : p->steps) {
+      const Histogram& h = step.hist();
+      if (h.count() == 0) continue;
+      Acc& acc = run[step.name][p->rank];
+      acc.spans = saturating_add(acc.spans, h.count());
+      acc.total_ns = saturating_add(acc.total_ns, h.sum());
+      acc.hist.merge(h);
+    }
+  }
+  for (const auto& [name, ranks] : run) {
+    std::vector<RankStepInput> inputs;
+    for (const auto& [rank, acc] : ranks) {
+      inputs.push_back(
+          {rank, acc.spans, acc.total_ns, {static_cast<double>(acc.hist.percentile(0.5))}});
+    }
+    auto skew = step_skew(name, is_waiting_step(name, rules), inputs, rules);
+    if (skew) out.run.push_back(std::move(*skew));
+  }
+  if (!window_ns) return out;
+  // The window: per rank its ring's figures, the interval means aligned on the newest
+  // sample (a rank whose ring began later has fewer intervals).
+  std::map<std::uint32_t, RankWindowFigures> windows;
+  std::size_t intervals = 0;
+  for (const std::uint32_t rank : job.ranks) {
+    const auto ring = state_->rank_windows->find(RankWindowKey{job.uid, job.job, rank});
+    if (ring == state_->rank_windows->end()) continue;
+    RankWindowFigures f = window_figures(ring->second, *window_ns);
+    out.covered_ns = std::max(out.covered_ns, f.covered_ns);
+    for (const auto& [name, step] : f.steps)
+      intervals = std::max(intervals, step.interval_means.size());
+    windows.emplace(rank, std::move(f));
+  }
+  std::map<std::string, std::vector<RankStepInput>, std::less<>> by_step;
+  for (auto& [rank, f] : windows) {
+    for (auto& [name, step] : f.steps) {
+      std::vector<double> pieces(intervals - step.interval_means.size(),
+                                 std::numeric_limits<double>::quiet_NaN());
+      pieces.insert(pieces.end(), step.interval_means.begin(), step.interval_means.end());
+      by_step[name].push_back({rank, step.spans, step.total_ns, std::move(pieces)});
+    }
+  }
+  for (const auto& [name, inputs] : by_step) {
+    auto skew = step_skew(name, is_waiting_step(name, rules), inputs, rules);
+    if (skew) out.window.push_back(std::move(*skew));
+  }
   return out;
 }
 

@@ -106,10 +106,17 @@ struct RetiredStepTotals {
 // What the processes of a job that left the table (evicted) had, kept so that per-job
 // counters keep counting after them. The state bounds these jobs (Limits::max_jobs,
 // max_jobs_per_uid, for jobs with no process left in the table) and their step names.
-struct RetiredJobFigures {
+// One rank's step totals that a job's evicted processes with that rank left.
+struct RetiredRankFigures {
+  std::uint32_t rank = 0;
   std::vector<RetiredStepTotals> steps;  // by name
-  std::uint64_t processes = 0;           // evicted
-  std::uint64_t dropped = 0;             // events they could not deliver
+};
+
+struct RetiredJobFigures {
+  std::vector<RetiredStepTotals> steps;   // by name
+  std::vector<RetiredRankFigures> ranks;  // by rank, those that sent one (a share of steps)
+  std::uint64_t processes = 0;            // evicted
+  std::uint64_t dropped = 0;              // events they could not deliver
   // Step names kept per job; beyond, merged into "(other)".
   static constexpr std::size_t kMaxSteps = 256;
 };

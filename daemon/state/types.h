@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "daemon/state/rank_skew.h"
 #include "proto/codec.h"
 
 namespace steptrace::daemon {
@@ -81,6 +82,9 @@ struct Limits {
   // are gone (CLI callers, processes of a former daemon) never pile up.
   std::size_t max_ledger_rows_per_uid = 256;
   std::uint64_t max_ledger_row_age_s = 3600;
+  // Not a bound: when a rank of a job is flagged a straggler, and the rank windows'
+  // sampling (config "rank_skew"; state/rank_skew.h, rank_window.h).
+  RankSkewRules rank_skew;
 };
 
 // Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config

@@ -175,7 +175,7 @@ TEST_F(CommandsTest, BadArgumentsAreNamed) {
   // A word echoed back in an error is printable, whatever the client sent.
   EXPECT_EQ(run("report --x\x1b[2J"),
             "error: report: unexpected argument '--x?[2J' (usage: report [--json] [--pid N] [--job "
-            "[UID:]ID])\n");
+            "[UID:]ID] [--window N])\n");
   EXPECT_EQ(run("report --pid 1\x1b[2J"),
             "error: report: --pid needs a process id in 1..2147483647, got '1?[2J'\n");
   EXPECT_EQ(run("reset --pid \x1b]0;x\x07"),
@@ -193,8 +193,9 @@ TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
             "EXPIRED)\n"
             "  metrics                     Prometheus text exposition (format 0.0.4)\n"
             "  ping                        answers pong\n"
-            "  report [--json] [--pid N] [--job [UID:]ID] per-step timing for all processes (or "
-            "one pid, or one job's: yours, or UID's), by job, then the VRAM ledger\n"
+            "  report [--json] [--pid N] [--job [UID:]ID] [--window N] per-step timing for all "
+            "processes (or one pid, or one job's: yours, or UID's), by job with rank skew (over "
+            "the last N s too with --window), then the VRAM ledger\n"
             "  reset [--pid N | --ledger | --gpu UUID] clear the aggregates (all, or one pid's), "
             "or the VRAM ledger (all GPUs, or one); root or the daemon's uid only\n"
             "  stats [--json]              the daemon's own counters\n"
@@ -251,7 +252,7 @@ TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
       {"report --json --json", "error: report: --json given twice\n"},
       {"report --pidx 3",
        "error: report: unexpected argument '--pidx' (usage: report [--json] [--pid N] [--job "
-       "[UID:]ID])\n"},
+       "[UID:]ID] [--window N])\n"},
       {"reset --json",
        "error: reset: unexpected argument '--json' (usage: reset [--pid N | --ledger | --gpu "
        "UUID])\n"},
