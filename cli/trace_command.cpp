@@ -309,16 +309,20 @@ int resolve_processes(const SocketPath& socket, const TraceRequest& request,
     if (!all) return kExitFailure;
     const std::set<int> known(all->begin(), all->end());
     for (const int pid : request.pids) {
-      if (known.count(pid) == 0) {
-        say("steptrace: steptraced at " + socket.path + " tracks no process with pid " +
-            std::to_string(pid) + " (`steptrace report` lists those it does); nothing was written");
-        return kExitFailure;
+      const std::size_t before = pids.size();
+      if (known.count(pid) != 0) pids.push_back(pid);
+      if (request.children) {
+        // Untraced descendants have nothing in the window: leave them out. The pid itself
+        // may be an untraced launcher (torchrun) of traced workers.
+        for (const int child : descendants_of(pid)) {
+          if (known.count(child) != 0) pids.push_back(child);
+        }
       }
-      pids.push_back(pid);
-      if (!request.children) continue;
-      // Untraced descendants have nothing in the window: leave them out.
-      for (const int child : descendants_of(pid)) {
-        if (known.count(child) != 0) pids.push_back(child);
+      if (pids.size() == before) {
+        say("steptrace: steptraced at " + socket.path + " tracks no process with pid " +
+            std::to_string(pid) + (request.children ? " nor any process it forked" : "") +
+            " (`steptrace report` lists those it does); nothing was written");
+        return kExitFailure;
       }
     }
   }
