@@ -152,7 +152,7 @@ constexpr const char* kTraceFooter =
 constexpr const char* kTraceMergeFooter =
     "Joins `steptrace trace` files of several nodes (one per node, e.g. --job ID on each)\n"
     "into one timeline. Files are aligned on their wall-clock anchors\n"
-    "(otherData.ts_origin_unix_ns); when the nodes' clocks differ by more than the spans, \n"
+    "(otherData.ts_origin_unix_ns); when the nodes' clocks differ by more than the spans,\n"
     "--align-step NAME[:K] makes the K-th span (from 1, default 1) of step NAME start at the\n"
     "same time in every file. Tracks are named `node / rank N / comm [pid]`, ranks in order.\n"
     "Each file is read whole into memory.\n"
@@ -740,7 +740,7 @@ Subcommand add_trace(CLI::App& app, Options& options) {
             if (steptrace::proto::parse_job_option(value)) return {};
             return "'" + value + "' is not a job id (ID or UID:ID)";
           },
-          "[UID:]ID"));
+          ""));
   trace->add_flag("--children", request.children,
                   "With --pid: the processes it forked (its workers) too");
   trace
