@@ -52,6 +52,7 @@
 #include "cli/control_client.h"
 #include "cli/top_view.h"
 #include "cli/trace_command.h"
+#include "cli/trace_merge.h"
 #include "proto/commands.h"
 #include "proto/printable.h"
 #include "proto/text_safety.h"
@@ -140,17 +141,42 @@ constexpr const char* kTraceFooter =
     "--timeout bounds each wait for more of the reply; with --for S the first byte may take\n"
     "S seconds more.\n"
     "\n"
-    "Open it in https://ui.perfetto.dev (\"Open trace file\"), chrome://tracing (\"Load\") or\n"
-    "Speedscope (https://www.speedscope.app): a track per process, named `comm [pid]`, and\n"
-    "per thread, with the spans as slices named after their steps.\n"
+    "Which processes: all of them; --pid PID (repeat it), with --children the processes each\n"
+    "one forked (its workers); --job ID (yours) or UID:ID, every rank and worker of the job\n"
+    "on this node. A pid or job steptraced does not track is an error (exit 1, no file).\n"
+    "Processes with nothing in the window are left out. A trace past --max-mb (default 50)\n"
+    "is refused, not written: viewers struggle past it; narrow it or pass --max-mb 0.\n"
+    "\n"
+    "Open it in https://ui.perfetto.dev (\"Open trace file\") or https://www.speedscope.app\n"
+    "(current Chromium no longer opens chrome://tracing): a track per process, named\n"
+    "`comm [pid]`, and per thread, with the spans as slices named after their steps. Times\n"
+    "are since the trace's start; otherData.ts_origin_unix_ns says when that was.\n"
+    "`steptrace trace merge` joins the files of several nodes into one timeline.\n"
     "\n"
     "Examples:\n"
     "  steptrace trace                                    everything in the window now\n"
     "  steptrace trace --pid 4242 --last 10 -o step.json  one process, the last 10 s\n"
+    "  steptrace trace --pid 4242 --children              a trainer and its workers\n"
+    "  steptrace trace --job run7 -o node3.json           every rank of job run7 here\n"
     "  steptrace trace --for 30                           record the next 30 s\n"
     "\n"
-    "Exit status: 0 written, 1 daemon unreachable, error reply or write failure, 2 bad usage\n"
-    "or FILE exists.\n";
+    "Exit status: 0 written, 1 daemon unreachable, error reply, unknown pid or job, trace\n"
+    "past --max-mb or write failure, 2 bad usage or FILE exists.\n";
+
+constexpr const char* kTraceMergeFooter =
+    "Joins `steptrace trace` files of several nodes (one per node, e.g. --job ID on each)\n"
+    "into one timeline. Files are aligned on their wall-clock anchors\n"
+    "(otherData.ts_origin_unix_ns); when the nodes' clocks differ by more than the spans,\n"
+    "--align-step NAME[:K] makes the K-th span (from 1, default 1) of step NAME start at the\n"
+    "same time in every file. Tracks are named `node / rank N / comm [pid]`, ranks in order.\n"
+    "Each file is read whole into memory.\n"
+    "\n"
+    "Examples:\n"
+    "  steptrace trace merge node1.json node2.json -o job.json\n"
+    "  steptrace trace merge node*.json --align-step Forward:10 -o job.json\n"
+    "\n"
+    "Exit status: 0 written, 1 unreadable or invalid file (nothing written), 2 bad usage or\n"
+    "FILE exists.\n";
 
 struct Options {
   std::string socket_flag;
@@ -159,14 +185,15 @@ struct Options {
   int pid = 0;
   double interval_s = 1.0;
   int iterations = 0;
-  bool ledger = false;                  // reset --ledger
-  std::string gpu;                      // reset --gpu UUID, ledger cleanup GPU
-  std::string reservation;              // ledger cleanup GPU ID
-  std::vector<std::string> help_topic;  // help SUBCOMMAND [SUBCOMMAND...]
-  std::string job;                      // report --job ID, top --job ID
-  bool once = false;                    // top --once
-  std::string sort = "time";            // top --sort
-  steptrace::cli::TraceRequest trace;   // trace's options
+  bool ledger = false;                       // reset --ledger
+  std::string gpu;                           // reset --gpu UUID, ledger cleanup GPU
+  std::string reservation;                   // ledger cleanup GPU ID
+  std::vector<std::string> help_topic;       // help SUBCOMMAND [SUBCOMMAND...]
+  std::string job;                           // report --job ID, top --job ID
+  bool once = false;                         // top --once
+  std::string sort = "time";                 // top --sort
+  steptrace::cli::TraceRequest trace;        // trace's options
+  steptrace::cli::MergeRequest trace_merge;  // trace merge's
 };
 
 std::chrono::milliseconds to_ms(double seconds) {
@@ -1032,9 +1059,16 @@ Subcommand add_top(CLI::App& app, Options& options) {
   return {top, [](const Invocation& in) { return run_top(in.socket, in.options); }};
 }
 
-// `trace`: what CLI11 cannot check, then the trace itself.
-int run_trace_subcommand(const Invocation& in, const CLI::Option& output) {
+// `trace`: what CLI11 cannot check, then the trace itself; or `trace merge`.
+int run_trace_subcommand(const Invocation& in, const CLI::Option& output, const CLI::App& merge) {
+  if (merge.parsed()) return steptrace::cli::run_trace_merge(in.options.trace_merge);
   const steptrace::cli::TraceRequest& request = in.options.trace;
+  if (request.children && request.pids.empty()) {
+    std::fprintf(stderr,
+                 "steptrace: trace: --children takes the workers of each --pid along; "
+                 "name one with --pid\n");
+    return kExitUsage;
+  }
   if (request.pids.size() > steptrace::proto::kMaxTracePids) {
     std::fprintf(stderr, "steptrace: trace: at most %zu --pid options, not %zu\n",
                  steptrace::proto::kMaxTracePids, request.pids.size());
@@ -1050,7 +1084,7 @@ int run_trace_subcommand(const Invocation& in, const CLI::Option& output) {
 Subcommand add_trace(CLI::App& app, Options& options) {
   steptrace::cli::TraceRequest& request = options.trace;
   auto* trace = app.add_subcommand(
-      "trace", "Save a timeline (Chrome trace JSON) for ui.perfetto.dev or chrome://tracing");
+      "trace", "Save a timeline (Chrome trace JSON) for ui.perfetto.dev or speedscope");
   trace->footer(kTraceFooter);
   trace
       ->add_option("--pid", request.pids,
@@ -1059,6 +1093,25 @@ Subcommand add_trace(CLI::App& app, Options& options) {
       ->type_name("PID")
       ->transform(pid_check())
       ->allow_extra_args(false);
+  trace
+      ->add_option("--job", request.job,
+                   "Every process of job ID (yours) or UID:ID on this node, ranks and workers")
+      ->type_name("[UID:]ID")
+      ->check(CLI::Validator(
+          [](const std::string& value) -> std::string {
+            if (steptrace::proto::parse_job_option(value)) return {};
+            return "'" + value + "' is not a job id (ID or UID:ID)";
+          },
+          ""));
+  trace->add_flag("--children", request.children,
+                  "With --pid: the processes it forked (its workers) too");
+  trace
+      ->add_option("--max-mb", request.max_mb,
+                   "Refuse a trace larger than this many MB (0: no bound); viewers struggle "
+                   "past it")
+      ->type_name("MB")
+      ->capture_default_str()
+      ->check(CLI::Range(std::uint64_t{0}, std::uint64_t{1} << 30));
   auto* last =
       trace
           ->add_option(
@@ -1082,7 +1135,28 @@ Subcommand add_trace(CLI::App& app, Options& options) {
                                   "steptrace-trace-HOST-YYYYmmdd-HHMMSS.json")
                      ->type_name("FILE");
   trace->add_flag("--force", request.force, "Replace FILE if it exists");
-  return {trace, [output](const Invocation& in) { return run_trace_subcommand(in, *output); }};
+
+  steptrace::cli::MergeRequest& merge_request = options.trace_merge;
+  auto* merge = trace->add_subcommand(
+      "merge",
+      "Join the traces of several nodes into one timeline: merge A.json B.json -o JOB.json");
+  merge->footer(kTraceMergeFooter);
+  merge->add_option("files", merge_request.inputs, "The nodes' trace files")
+      ->type_name("FILE")
+      ->required()
+      ->check(CLI::ExistingFile);
+  merge->add_option("-o,--output", merge_request.output, "The merged file (- for standard output)")
+      ->type_name("FILE")
+      ->required();
+  merge
+      ->add_option("--align-step", merge_request.align_step,
+                   "Align the files on the start of the K-th span (from 1) of step NAME "
+                   "instead of their wall clocks")
+      ->type_name("NAME[:K]");
+  merge->add_flag("--force", merge_request.force, "Replace FILE if it exists");
+  return {trace, [output, merge](const Invocation& in) {
+            return run_trace_subcommand(in, *output, *merge);
+          }};
 }
 
 Subcommand add_help(CLI::App& app, Options& options) {

@@ -6,11 +6,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <variant>
 
 #include "proto/commands.h"
@@ -21,7 +27,7 @@ namespace {
 constexpr std::string_view kErrorPrefix = "error:";
 constexpr std::size_t kMaxErrorText = 4096;  // an error reply is one line; keep that much
 constexpr const char* kOpenHint =
-    "open it in https://ui.perfetto.dev (\"Open trace file\") or chrome://tracing";
+    "open it in https://ui.perfetto.dev (\"Open trace file\") or https://www.speedscope.app";
 
 void say(const std::string& text) {
   std::fputs(text.c_str(), stderr);
@@ -188,7 +194,9 @@ class TraceOutput {
 // to the output and scanned as it passes).
 class ReplyReader {
  public:
-  explicit ReplyReader(TraceOutput& output) : output_(output) {}
+  // `max_bytes`: a document longer than this stops the reading (0: no bound).
+  ReplyReader(TraceOutput& output, std::uint64_t max_bytes)
+      : output_(output), max_bytes_(max_bytes) {}
 
   bool feed(std::string_view piece) {
     if (kind_ == Kind::kUnknown) {
@@ -231,11 +239,16 @@ class ReplyReader {
   }
   const TraceDocumentScanner& scanner() const { return scanner_; }
   std::uint64_t written() const { return written_; }
+  bool too_big() const { return too_big_; }
 
  private:
   enum class Kind { kUnknown, kError, kDocument };
 
   bool write(std::string_view piece) {
+    if (max_bytes_ != 0 && written_ + piece.size() > max_bytes_) {
+      too_big_ = true;
+      return false;
+    }
     scanner_.feed(piece);
     if (!output_.write(piece)) return false;
     written_ += piece.size();
@@ -248,7 +261,83 @@ class ReplyReader {
   std::string error_;
   TraceDocumentScanner scanner_;
   std::uint64_t written_ = 0;
+  std::uint64_t max_bytes_ = 0;
+  bool too_big_ = false;
 };
+
+// ---- which processes -------------------------------------------------------------
+
+// The pids of the `report --json` reply to `line`; nullopt with the reason said.
+std::optional<std::vector<int>> ask_report(const SocketPath& socket, const std::string& line,
+                                           std::chrono::milliseconds timeout) {
+  CommandResult result = run_command(socket.path, line, timeout);
+  if (const auto* failure = std::get_if<CommandFailure>(&result)) {
+    say(describe_failure(*failure, socket, line, timeout));
+    return std::nullopt;
+  }
+  const std::string& reply = std::get<std::string>(result);
+  if (reply.rfind(kErrorPrefix, 0) == 0) {
+    say(std::string(kDaemonAnswered) + reply.substr(0, reply.find('\n')));
+    return std::nullopt;
+  }
+  auto pids = pids_of_report(reply);
+  if (!pids) {
+    say("steptrace: steptraced at " + socket.path + " answered `" + line +
+        "` with something that is not a report");
+  }
+  return pids;
+}
+
+// The pids to trace: --pid (each one tracked), --job's processes, --children's tracked
+// descendants; empty for every process. kExitOk, or the exit status with the reason said
+// (nothing is written then).
+int resolve_processes(const SocketPath& socket, const TraceRequest& request,
+                      std::chrono::milliseconds timeout, std::vector<int>& pids) {
+  pids.clear();
+  if (!request.job.empty()) {
+    const auto job = ask_report(socket, "report --json --job " + request.job, timeout);
+    if (!job) return kExitFailure;
+    if (job->empty()) {
+      say("steptrace: steptraced at " + socket.path + " tracks no process of job " + request.job +
+          " (`steptrace report` lists those it does); nothing was written");
+      return kExitFailure;
+    }
+    pids = *job;
+  }
+  if (!request.pids.empty()) {
+    const auto all = ask_report(socket, "report --json", timeout);
+    if (!all) return kExitFailure;
+    const std::set<int> known(all->begin(), all->end());
+    for (const int pid : request.pids) {
+      const std::size_t before = pids.size();
+      if (known.count(pid) != 0) pids.push_back(pid);
+      if (request.children) {
+        // Untraced descendants have nothing in the window: leave them out. The pid itself
+        // may be an untraced launcher (torchrun) of traced workers.
+        for (const int child : descendants_of(pid)) {
+          if (known.count(child) != 0) pids.push_back(child);
+        }
+      }
+      if (pids.size() == before) {
+        say("steptrace: steptraced at " + socket.path + " tracks no process with pid " +
+            std::to_string(pid) + (request.children ? " nor any process it forked" : "") +
+            " (`steptrace report` lists those it does); nothing was written");
+        return kExitFailure;
+      }
+    }
+  }
+  std::set<int> seen;
+  pids.erase(std::remove_if(pids.begin(), pids.end(),
+                            [&seen](int pid) { return !seen.insert(pid).second; }),
+             pids.end());
+  if (pids.size() > proto::kMaxTracePids) {
+    say("steptrace: trace: " + std::to_string(pids.size()) + " processes, more than the " +
+        std::to_string(proto::kMaxTracePids) +
+        " a trace names; trace them all (no --pid or --job) or fewer at a time");
+    return kExitFailure;
+  }
+  return kExitOk;
+}
 
 std::string host_name() {
   char buffer[HOST_NAME_MAX + 1] = {};
@@ -267,6 +356,56 @@ std::string trace_command_line(const TraceRequest& request) {
   if (!request.last.empty()) line += " --last " + request.last;
   if (!request.for_s.empty()) line += " --for " + request.for_s;
   return line;
+}
+
+std::optional<std::vector<int>> pids_of_report(std::string_view reply) {
+  const nlohmann::json doc = nlohmann::json::parse(reply, nullptr, false);
+  if (!doc.is_object()) return std::nullopt;
+  const auto processes = doc.find("processes");
+  if (processes == doc.end() || !processes->is_array()) return std::nullopt;
+  std::vector<int> pids;
+  for (const nlohmann::json& p : *processes) {
+    const auto pid = p.is_object() ? p.find("pid") : p.end();
+    if (pid == p.end() || !pid->is_number_integer()) return std::nullopt;
+    pids.push_back(pid->get<int>());
+  }
+  return pids;
+}
+
+std::vector<int> descendants_of(int pid, const std::string& proc_root) {
+  // Every process's parent, from PROC/N/stat ("N (comm) S PPID ..."; comm may hold
+  // spaces and parentheses, so the fields start after the last ')').
+  std::map<int, std::vector<int>> children;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(proc_root, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(it->path() / "stat");
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string stat = text.str();
+    const std::size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream fields(stat.substr(close + 1));
+    std::string state;
+    int parent = 0;
+    if (fields >> state >> parent) children[parent].push_back(std::atoi(name.c_str()));
+  }
+  std::vector<int> out;
+  std::vector<int> todo{pid};
+  std::set<int> seen{pid};
+  while (!todo.empty()) {
+    const int next = todo.back();
+    todo.pop_back();
+    for (const int child : children[next]) {
+      if (!seen.insert(child).second) continue;
+      out.push_back(child);
+      todo.push_back(child);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 std::string default_trace_file_name(std::string_view host, const std::tm& local_time) {
@@ -347,8 +486,15 @@ bool TraceDocumentScanner::complete() const {
   return closed_ && !bad_ && !in_string_ && saw_events_;
 }
 
-int run_trace(const SocketPath& socket, const TraceRequest& request,
+int run_trace(const SocketPath& socket, const TraceRequest& asked,
               std::chrono::milliseconds timeout) {
+  TraceRequest request = asked;
+  if (!asked.pids.empty() || !asked.job.empty()) {
+    if (const int status = resolve_processes(socket, asked, timeout, request.pids);
+        status != kExitOk) {
+      return status;
+    }
+  }
   const std::string line = trace_command_line(request);
   TraceOutput output;
   if (request.output == "-") {
@@ -373,10 +519,18 @@ int run_trace(const SocketPath& socket, const TraceRequest& request,
     first_byte += std::chrono::milliseconds(static_cast<long long>(std::ceil(seconds * 1000.0)));
   }
 
-  ReplyReader reader(output);
+  ReplyReader reader(output, request.max_mb * 1'000'000);
   const ReplySink sink = [&reader](std::string_view piece) { return reader.feed(piece); };
   const StreamResult result = run_command_to(socket.path, line, timeout, sink, first_byte);
   if (const auto* failure = std::get_if<CommandFailure>(&result)) {
+    if (reader.too_big()) {
+      say("steptrace: the trace is larger than " + std::to_string(request.max_mb) +
+          " MB, which viewers struggle with (a 98 MB one closed speedscope's tab); " +
+          (output.is_file() ? std::string("nothing was written")
+                            : std::string("what was written to standard output is incomplete")) +
+          ". Narrow it (--last SECONDS, --pid, --job) or pass --max-mb 0 to write it all");
+      return kExitFailure;
+    }
     if (failure->error == std::errc::operation_canceled) {
       say("steptrace: cannot write " + (output.is_file() ? output.partial() : output.name()) +
           ": " + errno_text(output.error()));
@@ -415,7 +569,7 @@ int run_trace(const SocketPath& socket, const TraceRequest& request,
                      "window (the standing window is off when the daemon's "
                      "flight_recorder_bytes is 0; --for SECONDS records on demand)"
                    : "\nsteptrace: the trace has no events: none of the processes asked for "
-                     "(--pid) has any in the window";
+                     "(--pid, --job) has any in the window";
   }
   say(summary);
   return kExitOk;

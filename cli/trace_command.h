@@ -4,13 +4,21 @@
 //
 // A file is written as FILE.partial (created exclusively, never through a symlink) and
 // renamed to FILE only once the reply is a complete document; an error reply, a failed
-// connection, a reply cut short, a write error or SIGINT/SIGTERM/SIGHUP removes it.
+// connection, a reply cut short, a write error, a reply past --max-mb or
+// SIGINT/SIGTERM/SIGHUP removes it.
+//
+// Which processes: --pid, --job and --children are resolved here, not by the daemon: the
+// CLI asks `report --json` (--job: `report --json --job ID`, proto/PROTOCOL.md section
+// 10.4) which processes steptraced tracks, refuses a pid or job it does not (exit 1, no
+// file, as `report --pid` does), adds the tracked descendants of each --pid found in
+// /proc with --children, and then sends the plain `trace --pid N...` command.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <ctime>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -26,13 +34,27 @@ inline constexpr int kExitUsage = 2;
 
 // The options of `steptrace trace`. main.cpp checks them against the daemon's grammar and
 // bounds (proto/commands.h) before run_trace(), which passes --last and --for on as typed.
+// Viewers struggle past this (a 98 MB trace closed speedscope's tab, issue 27).
+inline constexpr std::uint64_t kDefaultMaxTraceMb = 50;
+
 struct TraceRequest {
   std::vector<int> pids;  // --pid, each > 0
+  std::string job;        // --job ID or UID:ID as typed, empty when not given
+  bool children = false;  // --children: each --pid's descendants too
   std::string last;       // --last SECONDS as typed, empty when not given
   std::string for_s;      // --for SECONDS as typed, empty when not given
   std::string output;     // -o: empty for the default file name, "-" for standard output
   bool force = false;     // replace an existing FILE (and a stale FILE.partial)
+  std::uint64_t max_mb = kDefaultMaxTraceMb;  // --max-mb: 0 for no bound
 };
+
+// The processes a `report --json` reply lists: their pids, in its order. nullopt when the
+// reply is not a report.
+std::optional<std::vector<int>> pids_of_report(std::string_view reply);
+
+// The descendants of `pid` in `proc_root` (normally /proc): every process whose parent
+// chain (field 4 of PROC/PID/stat) leads to it, by pid.
+std::vector<int> descendants_of(int pid, const std::string& proc_root = "/proc");
 
 // The command sent: "trace [--pid N]... [--last S] [--for S]" (pids deduplicated, in
 // the order given).

@@ -101,7 +101,7 @@ _steptrace() {
     stats | version) flags="--json" ;;
     reset) flags="--pid --ledger --gpu" ;;
     top) flags="--interval --iterations --once --sort --job" ;;
-    trace) flags="--pid --last --for -o --output --force" ;;
+    trace) flags="--pid --job --children --max-mb --last --for -o --output --force" ;;
     help)
       if ((COMP_CWORD == sub_at + 1)) && [[ $cur != -* ]]; then
         _steptrace_words "$subcommands" "$cur"

@@ -26,8 +26,13 @@ using trace_json::write_event;
 constexpr std::uint8_t kFlagOpen = 1;               // no end in the capture: ends at now_ns
 constexpr std::uint8_t kFlagClipped = 2;            // started before since_ns
 constexpr std::uint8_t kFlagStartBeforeWindow = 4;  // no start in the capture
-// Held spans written early when there are this many (a client sending only ends).
+// Held spans, or a thread's waiting ones, written early when there are this many (a
+// client sending only ends, a span that never ends): past it, spans starting on the same
+// nanosecond may be written child first.
 constexpr std::size_t kMaxHeld = 4096;
+// "cat" of the metadata and counter events (trace-model refuses events without one).
+constexpr std::string_view kMetadataCat = "__metadata";
+constexpr std::string_view kCounterCat = "vram";
 
 // A NUL-padded wire field: up to its first NUL.
 std::string_view field(const char (&chars)[proto::kNameField]) {
@@ -54,7 +59,7 @@ std::string_view ledger_op_name(std::uint8_t op) {
 
 // A counter ("C") on the daemon's "steptraced: GPU memory" pseudo process.
 TraceEvent gpu_counter(std::string_view name, std::int32_t daemon_pid, std::uint64_t ts_ns) {
-  return {.ph = 'C', .name = name, .pid = daemon_pid, .tid = 0, .ts_ns = ts_ns};
+  return {.ph = 'C', .cat = kCounterCat, .name = name, .pid = daemon_pid, .tid = 0, .ts_ns = ts_ns};
 }
 
 // A span's args: what is unusual about it (kFlag*); none when `flags` is 0.
@@ -99,7 +104,59 @@ std::uint64_t pair_key(std::uint32_t tid, std::uint32_t step) {
 }  // namespace
 
 TraceExport::TraceExport(std::shared_ptr<const TraceCapture> capture)
-    : capture_(capture ? std::move(capture) : std::make_shared<const TraceCapture>()) {}
+    : capture_(capture ? std::move(capture) : std::make_shared<const TraceCapture>()) {
+  plan();
+}
+
+// One pass over the capture before the first byte: each process's window start, whether
+// it shows anything (an event from since_ns on, or a span still open across it), and the
+// origin, the earliest time the document shows (its ts 0).
+void TraceExport::plan() {
+  const TraceCapture& c = *capture_;
+  const std::uint64_t since = c.since_ns;
+  bool any_origin = false;
+  const auto consider = [&](std::uint64_t ts) {
+    if (!any_origin || ts < origin_ns_) origin_ns_ = ts;
+    any_origin = true;
+  };
+  window_start_.assign(c.processes.size(), since);
+  shown_.assign(c.processes.size(), false);
+  for (std::size_t i = 0; i < c.processes.size(); ++i) {
+    bool any = false;
+    bool in_window = false;
+    std::uint64_t first = 0;
+    // Starts less ends per (thread, step): a span open across since_ns shows clipped.
+    std::unordered_map<std::uint64_t, std::int64_t> open;
+    for (const TraceCapture::ChunkRef& ref : c.processes[i].chunks) {
+      if (!ref.chunk) continue;
+      const std::uint32_t n = std::min<std::uint32_t>(ref.count, TraceChunk::kEvents);
+      for (std::uint32_t k = 0; k < n; ++k) {
+        const proto::EventRecord& e = ref.chunk->events[k];
+        if (!any || e.timestamp_ns < first) first = e.timestamp_ns;
+        any = true;
+        if (e.timestamp_ns >= since) in_window = true;
+        if (in_window) continue;
+        auto& count = open[pair_key(e.thread_id, e.step)];
+        if (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart)) {
+          ++count;
+        } else if (count > 0) {
+          --count;
+        }
+      }
+    }
+    if (!in_window && c.now_ns >= since) {
+      in_window =
+          std::any_of(open.begin(), open.end(), [](const auto& kv) { return kv.second > 0; });
+    }
+    window_start_[i] = std::max(first, since);
+    shown_[i] = any && in_window;
+    if (shown_[i]) consider(window_start_[i]);
+  }
+  for (const TraceMark& m : c.marks) {
+    if (m.ts_ns >= since) consider(m.ts_ns);
+  }
+  if (!any_origin) origin_ns_ = since;
+}
 
 bool TraceExport::next(std::string& out, std::size_t piece_bytes) {
   if (phase_ == Phase::kDone) return false;
@@ -113,7 +170,7 @@ void TraceExport::step(std::string& out) {
   switch (phase_) {
     case Phase::kHeader:
       out.append("{\"traceEvents\":[\n");
-      phase_ = capture_->processes.empty() ? Phase::kMarks : Phase::kProcessBegin;
+      phase_ = Phase::kProcessBegin;
       return;
     case Phase::kProcessBegin:
       begin_process(out);
@@ -124,8 +181,8 @@ void TraceExport::step(std::string& out) {
     case Phase::kProcessEnd:
       end_process();
       return;
-    case Phase::kHeld:
-      write_held(out);
+    case Phase::kWriting:
+      write_next_sorted(out);
       return;
     case Phase::kMarks:
       next_mark(out);
@@ -144,24 +201,21 @@ void TraceExport::begin_event(std::string& out) {
 }
 
 void TraceExport::begin_process(std::string& out) {
+  // Processes with nothing in the window are left out.
+  while (process_ < capture_->processes.size() && !shown_[process_]) ++process_;
+  if (process_ >= capture_->processes.size()) {
+    phase_ = Phase::kMarks;
+    return;
+  }
   const TraceCapture::Process& p = capture_->processes[process_];
   // The window starts at the process's earliest retained event (or since_ns).
-  bool any = false;
-  std::uint64_t first = 0;
-  for (const TraceCapture::ChunkRef& ref : p.chunks) {
-    if (!ref.chunk) continue;
-    const std::uint32_t n = std::min<std::uint32_t>(ref.count, TraceChunk::kEvents);
-    for (std::uint32_t i = 0; i < n; ++i) {
-      const std::uint64_t ts = ref.chunk->events[i].timestamp_ns;
-      if (!any || ts < first) first = ts;
-      any = true;
-    }
-  }
-  window_start_ns_ = std::max(first, capture_->since_ns);
+  window_start_ns_ = window_start_[process_];
   chunk_ = 0;
   index_ = 0;
   open_.clear();
   threads_.clear();
+  depth_.clear();
+  pending_.clear();
   names_.clear();
   held_.clear();
   pid_ = p.key.pid;
@@ -183,8 +237,10 @@ void TraceExport::begin_process(std::string& out) {
   }
   if (!p.alive) name.append(" (exited)");
   begin_event(out);
-  write_event(out, {.ph = 'M', .name = "process_name", .pid = pid_, .tid = 0},
-              [&](EventArgs& args) { args.add_string("name", name); });
+  write_event(
+      out,
+      {.ph = 'M', .cat = kMetadataCat, .name = "process_name", .pid = pid_, .tid = 0, .ts_ns = 0},
+      [&](EventArgs& args) { args.add_string("name", name); });
   phase_ = Phase::kEvents;
 }
 
@@ -192,8 +248,10 @@ void TraceExport::write_thread_name(std::string& out, std::uint32_t tid) {
   std::string name = static_cast<std::int64_t>(tid) == pid_ ? "main thread " : "thread ";
   append_uint(name, tid);
   begin_event(out);
-  write_event(out, {.ph = 'M', .name = "thread_name", .pid = pid_, .tid = tid},
-              [&](EventArgs& args) { args.add_string("name", name); });
+  write_event(
+      out,
+      {.ph = 'M', .cat = kMetadataCat, .name = "thread_name", .pid = pid_, .tid = tid, .ts_ns = 0},
+      [&](EventArgs& args) { args.add_string("name", name); });
 }
 
 const std::string& TraceExport::step_name_json(std::uint32_t step) {
@@ -238,22 +296,34 @@ void TraceExport::next_event(std::string& out) {
   const auto kind = static_cast<proto::EventKind>(e.kind);
   if (kind == proto::EventKind::kStart) {
     open_[pair_key(e.thread_id, e.step)].push_back(e.timestamp_ns);
+    ++depth_[e.thread_id];
   } else if (kind == proto::EventKind::kEnd) {
     auto& starts = open_[pair_key(e.thread_id, e.step)];
     if (starts.empty()) {
-      span(out, e.thread_id, e.step, window_start_ns_, e.timestamp_ns, kFlagStartBeforeWindow);
+      span(e.thread_id, e.step, window_start_ns_, e.timestamp_ns, kFlagStartBeforeWindow);
     } else {
       const std::uint64_t start = starts.back();
       starts.pop_back();
-      span(out, e.thread_id, e.step, start, e.timestamp_ns, 0);
+      --depth_[e.thread_id];
+      span(e.thread_id, e.step, start, e.timestamp_ns, 0);
+    }
+    // The thread's outermost span ended: what waited on it is complete, write it.
+    auto waiting = pending_.find(e.thread_id);
+    if (waiting != pending_.end() && !waiting->second.empty() &&
+        (depth_[e.thread_id] == 0 || waiting->second.size() >= kMaxHeld)) {
+      write_sorted(waiting->second, false);
+    } else if (held_.size() >= kMaxHeld) {
+      write_sorted(held_, false);
     }
   }
 }
 
-// A span from `start` to `end`, shown from since_ns on. Spans starting at the window
-// start (all the clipped ones and those without a start) and open ones are held and
-// written longest first: viewers nest complete events with the same ts in file order.
-void TraceExport::span(std::string& out, std::uint32_t tid, std::uint32_t step, std::uint64_t start,
+// A span from `start` to `end`, shown from since_ns on. Viewers nest complete events
+// with the same ts in file order, and a span is known at its end, after those inside it:
+// so a span waits on its thread until the outermost one ends, and spans starting at the
+// window start (all the clipped ones and those without a start) and open ones are held
+// to the process's end; each lot is written by start, longest first.
+void TraceExport::span(std::uint32_t tid, std::uint32_t step, std::uint64_t start,
                        std::uint64_t end, std::uint8_t flags) {
   const std::uint64_t since = capture_->since_ns;
   if (end < since) return;
@@ -264,14 +334,10 @@ void TraceExport::span(std::string& out, std::uint32_t tid, std::uint32_t step, 
   }
   const std::uint64_t dur = end > ts ? end - ts : 0;
   if (ts != window_start_ns_ && (flags & (kFlagOpen | kFlagStartBeforeWindow)) == 0) {
-    write_span(out, tid, step, ts, dur, flags);
+    pending_[tid].push_back({tid, step, ts, dur, flags});
     return;
   }
   held_.push_back({tid, step, ts, dur, flags});
-  if (held_.size() >= kMaxHeld) {
-    held_then_next_process_ = false;
-    end_held_collection();
-  }
 }
 
 void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t step,
@@ -281,7 +347,7 @@ void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t 
                      .name_json = step_name_json(step),
                      .pid = pid_,
                      .tid = tid,
-                     .ts_ns = ts,
+                     .ts_ns = rel(ts),
                      .dur_ns = dur};
   begin_event(out);
   if (flags == 0) {
@@ -291,17 +357,20 @@ void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t 
   }
 }
 
-void TraceExport::end_held_collection() {
+void TraceExport::write_sorted(std::vector<Held>& spans, bool then_next_process) {
+  writing_.swap(spans);
+  spans.clear();
   // Per thread by start, the longer (enclosing) span first.
-  std::sort(held_.begin(), held_.end(), [](const Held& a, const Held& b) {
+  std::sort(writing_.begin(), writing_.end(), [](const Held& a, const Held& b) {
     if (a.tid != b.tid) return a.tid < b.tid;
     if (a.ts_ns != b.ts_ns) return a.ts_ns < b.ts_ns;
     if (a.dur_ns != b.dur_ns) return a.dur_ns > b.dur_ns;
     if (a.step != b.step) return a.step < b.step;
     return a.flags < b.flags;
   });
-  held_index_ = 0;
-  phase_ = Phase::kHeld;
+  writing_index_ = 0;
+  writing_then_next_process_ = then_next_process;
+  phase_ = Phase::kWriting;
 }
 
 void TraceExport::end_process() {
@@ -323,24 +392,26 @@ void TraceExport::end_process() {
     }
   }
   open_.clear();
-  held_then_next_process_ = true;
-  end_held_collection();
+  // The held spans and every thread's waiting ones, as one lot.
+  for (auto& [tid, spans] : pending_) held_.insert(held_.end(), spans.begin(), spans.end());
+  pending_.clear();
+  write_sorted(held_, true);
 }
 
-void TraceExport::write_held(std::string& out) {
-  if (held_index_ < held_.size()) {
-    const Held& h = held_[held_index_++];
+void TraceExport::write_next_sorted(std::string& out) {
+  if (writing_index_ < writing_.size()) {
+    const Held& h = writing_[writing_index_++];
     write_span(out, h.tid, h.step, h.ts_ns, h.dur_ns, h.flags);
     return;
   }
-  held_.clear();
-  held_index_ = 0;
-  if (!held_then_next_process_) {
+  writing_.clear();
+  writing_index_ = 0;
+  if (!writing_then_next_process_) {
     phase_ = Phase::kEvents;
     return;
   }
   ++process_;
-  phase_ = process_ < capture_->processes.size() ? Phase::kProcessBegin : Phase::kMarks;
+  phase_ = Phase::kProcessBegin;
 }
 
 void TraceExport::next_mark(std::string& out) {
@@ -391,7 +462,7 @@ void TraceExport::write_drop(std::string& out, const TraceMark& m) {
                .name = name,
                .pid = m.sender.pid,
                .tid = m.sender.pid,
-               .ts_ns = m.ts_ns},
+               .ts_ns = rel(m.ts_ns)},
               [&](EventArgs& args) {
                 args.add_string("cause", cause)
                     .add_uint("events", m.dropped)
@@ -409,7 +480,7 @@ void TraceExport::write_lease_expired(std::string& out, const TraceMark& m) {
                .name = "lease expired",
                .pid = m.sender.pid,
                .tid = m.sender.pid,
-               .ts_ns = m.ts_ns},
+               .ts_ns = rel(m.ts_ns)},
               [&](EventArgs& args) {
                 args.add_string("gpu", field(m.record.gpu_uuid))
                     .add_uint("reservation_id", m.record.reservation_id)
@@ -424,7 +495,7 @@ void TraceExport::write_lease_expired(std::string& out, const TraceMark& m) {
 void TraceExport::write_device_sample(std::string& out, const TraceMark& m) {
   std::string name = mark_part_ == 0 ? "VRAM used (device) " : "findings ";
   name.append(field(m.record.gpu_uuid));
-  const TraceEvent e = gpu_counter(name, capture_->daemon_pid, m.ts_ns);
+  const TraceEvent e = gpu_counter(name, capture_->daemon_pid, rel(m.ts_ns));
   begin_event(out);
   if (mark_part_ == 0) {
     write_event(out, e, [&](EventArgs& args) { args.add_uint("bytes", m.gpu_reserved_bytes); });
@@ -451,7 +522,7 @@ void TraceExport::write_ledger_instant(std::string& out, const TraceMark& m) {
                .name = ledger_op_name(r.op),
                .pid = m.sender.pid,
                .tid = r.thread_id,
-               .ts_ns = m.ts_ns},
+               .ts_ns = rel(m.ts_ns)},
               [&](EventArgs& args) {
                 args.add_string("gpu", field(r.gpu_uuid));
                 add_ledger_args(args, r);
@@ -472,7 +543,7 @@ void TraceExport::write_ledger_counter(std::string& out, const TraceMark& m) {
   std::string name = reserved ? "VRAM reserved " : "VRAM free ";
   name.append(field(m.record.gpu_uuid));
   begin_event(out);
-  write_event(out, gpu_counter(name, capture_->daemon_pid, m.ts_ns), [&](EventArgs& args) {
+  write_event(out, gpu_counter(name, capture_->daemon_pid, rel(m.ts_ns)), [&](EventArgs& args) {
     args.add_uint("bytes", reserved ? m.gpu_reserved_bytes : m.gpu_free_bytes);
   });
   if (reserved && sample) {
@@ -486,7 +557,13 @@ void TraceExport::write_ledger_counter(std::string& out, const TraceMark& m) {
 bool TraceExport::name_gpu_process(std::string& out) {
   if (gpu_process_named_) return false;
   begin_event(out);
-  write_event(out, {.ph = 'M', .name = "process_name", .pid = capture_->daemon_pid, .tid = 0},
+  write_event(out,
+              {.ph = 'M',
+               .cat = kMetadataCat,
+               .name = "process_name",
+               .pid = capture_->daemon_pid,
+               .tid = 0,
+               .ts_ns = 0},
               [](EventArgs& args) { args.add_string("name", "steptraced: GPU memory"); });
   gpu_process_named_ = true;
   return true;
@@ -501,6 +578,11 @@ void TraceExport::write_footer(std::string& out) {
   append_int(out, c.daemon_pid);
   out.append(",\"wall_clock_offset_ns\":");
   append_int(out, c.wall_offset_ns);
+  // The anchor: ts 0 on the monotonic clock and in Unix ns (what `trace merge` aligns on).
+  out.append(",\"ts_origin_ns\":");
+  append_uint(out, origin_ns_);
+  out.append(",\"ts_origin_unix_ns\":");
+  append_int(out, static_cast<std::int64_t>(origin_ns_) + c.wall_offset_ns);
   out.append(",\"captured_at_us\":");
   append_us(out, c.now_ns);
   out.append(",\"since_us\":");

@@ -1,14 +1,25 @@
 // The `trace` document: a TraceCapture (daemon/state/flight_recorder.h) rendered as a
-// Chrome Trace Event Format JSON document, one event per line, that Perfetto and
-// chrome://tracing open. Runs on the render thread; the capture is read, never changed.
+// Chrome Trace Event Format JSON document, one event per line, that Perfetto UI,
+// speedscope and @tracerbench/trace-model read. Runs on the render thread; the capture is
+// read, never changed.
 //
-// Data flow: the io thread captures the flight recorder -> a TraceExport over it ->
-// next() appends a piece of about piece_bytes at a time. Process by process, chunk by
-// chunk, a cursor pairs each end with the latest open start of its (thread, step) and
-// writes complete ("X") events; then the marks become ledger and drop instants and GPU
-// memory counters; otherData closes the document. Memory: the open spans and thread ids
-// of the process being read (and at most 4096 spans held back to be written parent
-// first), plus the piece; never the number of events.
+// Data flow: the io thread captures the flight recorder -> a TraceExport over it (which
+// first finds the trace's origin, the earliest time it shows, and the processes with
+// nothing in the window, left out) -> next() appends a piece of about piece_bytes at a
+// time. Process by process, chunk by chunk, a cursor pairs each end with the latest open
+// start of its (thread, step); the spans of a thread wait until its outermost open span
+// ends and are then written as complete ("X") events by start, the enclosing one first;
+// then the marks become ledger and drop instants and GPU memory counters; otherData closes
+// the document. Memory: the open spans and thread ids of the process being read and at
+// most 4096 spans per thread waiting to be written in order, plus the piece; never the
+// number of events.
+//
+// What viewers need (issue 27): timestamps are microseconds since the origin with three
+// decimals, exact nanoseconds that a double holds exactly; a span's "dur" is written so
+// that ts + dur, added in double precision as viewers do, is exactly the double of its
+// end, so spans that touch (an end and the next start on the same nanosecond) never
+// overlap and a child that ends with its parent stays inside it; every event has "cat"
+// and "ts".
 #pragma once
 
 #include <cstddef>
@@ -41,13 +52,14 @@ class TraceExport {
     kProcessBegin,  // metadata, window start
     kEvents,        // pairing, chunk by chunk
     kProcessEnd,    // open spans join the held ones
-    kHeld,          // writing the held spans (then kEvents or the next process)
+    kWriting,       // writing sorted spans (then kEvents or the next process)
     kMarks,
     kFooter,
     kDone,
   };
-  // A span held back to be written parent first: those starting at the window start
-  // (clipped, or whose start is not in the capture) and those still open.
+  // A span waiting to be written in order: on its thread until the thread's outermost
+  // span ends; those starting at the window start (clipped, or whose start is not in the
+  // capture) and those still open until the process ends.
   struct Held {
     std::uint32_t tid = 0;
     std::uint32_t step = 0;
@@ -59,9 +71,11 @@ class TraceExport {
   void step(std::string& out);
   void begin_process(std::string& out);
   void next_event(std::string& out);
+  void plan();  // the origin and the processes shown
   void end_process();
-  void end_held_collection();  // sorts the held spans and starts writing them
-  void write_held(std::string& out);
+  // Sorts `spans` and writes them next; then the events, or the next process.
+  void write_sorted(std::vector<Held>& spans, bool then_next_process);
+  void write_next_sorted(std::string& out);
   void next_mark(std::string& out);
   void write_drop(std::string& out, const TraceMark& m);
   void write_lease_expired(std::string& out, const TraceMark& m);
@@ -71,16 +85,23 @@ class TraceExport {
   void write_footer(std::string& out);
 
   void begin_event(std::string& out);
-  void span(std::string& out, std::uint32_t tid, std::uint32_t step, std::uint64_t start,
-            std::uint64_t end, std::uint8_t flags);
+  void span(std::uint32_t tid, std::uint32_t step, std::uint64_t start, std::uint64_t end,
+            std::uint8_t flags);
   void write_span(std::string& out, std::uint32_t tid, std::uint32_t step, std::uint64_t ts,
                   std::uint64_t dur, std::uint8_t flags);
   void write_thread_name(std::string& out, std::uint32_t tid);
+  // A time of the capture as the document's (ns since origin_ns_).
+  std::uint64_t rel(std::uint64_t ts_ns) const {
+    return ts_ns > origin_ns_ ? ts_ns - origin_ns_ : 0;
+  }
   const std::string& step_name_json(std::uint32_t step);
 
   std::shared_ptr<const TraceCapture> capture_;
   Phase phase_ = Phase::kHeader;
   bool first_event_ = true;
+  std::uint64_t origin_ns_ = 0;              // the document's time 0 (monotonic ns)
+  std::vector<std::uint64_t> window_start_;  // per process: max(earliest event, since_ns)
+  std::vector<bool> shown_;                  // per process: something in the window
 
   // The process being read and the cursor in it.
   std::size_t process_ = 0;
@@ -90,10 +111,13 @@ class TraceExport {
   std::int32_t pid_ = 0;               // its pid
   std::unordered_map<std::uint64_t, std::vector<std::uint64_t>> open_;  // (tid,step)->starts
   std::unordered_set<std::uint32_t> threads_;
-  std::unordered_map<std::uint32_t, std::string> names_;  // step -> escaped name, quoted
+  std::unordered_map<std::uint32_t, std::uint32_t> depth_;        // tid -> spans open
+  std::unordered_map<std::uint32_t, std::vector<Held>> pending_;  // tid -> waiting spans
+  std::unordered_map<std::uint32_t, std::string> names_;          // step -> escaped name, quoted
   std::vector<Held> held_;
-  std::size_t held_index_ = 0;
-  bool held_then_next_process_ = false;
+  std::vector<Held> writing_;  // sorted, being written
+  std::size_t writing_index_ = 0;
+  bool writing_then_next_process_ = false;
 
   // The marks.
   std::size_t mark_ = 0;

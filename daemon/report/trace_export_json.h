@@ -33,6 +33,23 @@ inline char* write_us(char* p, std::uint64_t ns) {
 // Nanoseconds as microseconds with three decimals (write_us()).
 void append_us(std::string& out, std::uint64_t ns);
 
+// The "dur" of a span starting at `ts_ns` (a document time, below 2^53): as write_us()
+// when a viewer, adding ts and dur as doubles (JavaScript, speedscope, trace-model), gets
+// exactly the double of the end ("ts_ns + dur_ns" written as write_us()); otherwise the
+// shortest double that does (e.g. "4.107000000000028"), so that spans that touch never
+// overlap and a child that ends with its parent stays inside it. Only when no double
+// does, write_us() all the same. At most kUsChars characters.
+inline char* write_dur_us(char* p, std::uint64_t ts_ns, std::uint64_t dur_ns) {
+  // A decimal with three places is read as the double nearest ns / 1000, and IEEE
+  // division of two exact doubles rounds the same quotient the same way.
+  const double start = static_cast<double>(ts_ns) / 1000.0;
+  const double end = static_cast<double>(ts_ns + dur_ns) / 1000.0;
+  if (start + static_cast<double>(dur_ns) / 1000.0 == end) return write_us(p, dur_ns);
+  const double dur = end - start;
+  if (dur < 0 || start + dur != end) return write_us(p, dur_ns);
+  return std::to_chars(p, p + kUsChars, dur).ptr;  // shortest that reads back the same
+}
+
 // The trace's sanitiser: a JSON string of client-controlled bytes (a comm, a step name, a
 // job id): quotes and backslashes escaped, what proto/text_safety.h calls unsafe (control
 // characters, bidi controls, invisible format characters) as \uXXXX, other valid UTF-8
@@ -41,7 +58,8 @@ void append_json_string(std::string& out, std::string_view s);
 
 // ---- one event ---------------------------------------------------------------------
 // The fields of one Trace Event. write_event() writes them on one line, in this order,
-// leaving out "s", "cat", "ts", "dur" and "args" when they are not set:
+// leaving out "s", "cat", "ts", "dur" and "args" when they are not set (the `trace`
+// document sets "cat" and "ts" on every event, as @tracerbench/trace-model wants):
 //   {"ph":"X","s":"p","cat":"step","name":"Forward","pid":7,"tid":8,"ts":1.000,"dur":2.000,
 //    "args":{...}}
 struct TraceEvent {
@@ -53,7 +71,7 @@ struct TraceEvent {
   std::int64_t pid = 0;
   std::int64_t tid = 0;
   std::optional<std::uint64_t> ts_ns{};   // written as microseconds, append_us()
-  std::optional<std::uint64_t> dur_ns{};  // likewise
+  std::optional<std::uint64_t> dur_ns{};  // likewise, write_dur_us() (with ts_ns)
 };
 
 // The members of an event's "args" object, in the order they are added.
@@ -122,6 +140,10 @@ class LineBuffer {
   void put_us(std::uint64_t ns) {
     room(kUsChars);
     p_ = write_us(p_, ns);
+  }
+  void put_dur_us(std::uint64_t ts_ns, std::uint64_t dur_ns) {
+    room(kUsChars);
+    p_ = write_dur_us(p_, ts_ns, dur_ns);
   }
   // Appends what is composed; `out` may then be written directly.
   std::string& flush() {

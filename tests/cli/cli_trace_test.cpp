@@ -20,18 +20,22 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <variant>
 #include <vector>
 
 #include "cli/trace_command.h"
+#include "cli/trace_merge.h"
 #include "daemon/serve/commands.h"
 #include "tests/support/daemon_process.h"
 
@@ -401,8 +405,9 @@ TEST(CliTraceUsage, HelpSaysWhatATraceIsAndHowToOpenIt) {
   EXPECT_THAT(r.out, HasSubstr("flight recorder"));
   EXPECT_THAT(r.out, HasSubstr("steptrace-trace-HOST-YYYYmmdd-HHMMSS.json"));
   EXPECT_THAT(r.out, HasSubstr("https://ui.perfetto.dev"));
-  EXPECT_THAT(r.out, HasSubstr("chrome://tracing"));
-  for (const char* option : {"--pid", "--last", "--for", "-o", "--force"}) {
+  EXPECT_THAT(r.out, HasSubstr("https://www.speedscope.app"));
+  for (const char* option :
+       {"--pid", "--job", "--children", "--max-mb", "--last", "--for", "-o", "--force", "merge"}) {
     EXPECT_THAT(r.out, HasSubstr(option)) << option;
   }
   const Output top = run_in(TempDir(), out.path(), {STEPTRACE_CLI_BIN, "--help"});
@@ -413,7 +418,8 @@ TEST(CliTraceUsage, HelpSaysWhatATraceIsAndHowToOpenIt) {
 // Against a scripted stand-in for steptraced: it accepts one connection, reads the
 // command line and answers with `script`, each piece after its pause, then closes. It
 // gives what the real daemon does not on demand: error replies, slow, stalled and
-// cut-short replies.
+// cut-short replies. A `report ...` line before that (the CLI checking --pid) is answered
+// with a report of pids 7, 10 and 12 on its own connection.
 
 class ScriptedDaemon {
  public:
@@ -452,14 +458,23 @@ class ScriptedDaemon {
 
  private:
   void serve() {
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) return;
+    int fd = -1;
     std::string received;
-    char buffer[4096];
-    while (received.find('\n') == std::string::npos) {
-      const ssize_t n = ::read(fd, buffer, sizeof buffer);
-      if (n <= 0) break;
-      received.append(buffer, static_cast<std::size_t>(n));
+    for (;;) {
+      fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) return;
+      received.clear();
+      char buffer[4096];
+      while (received.find('\n') == std::string::npos) {
+        const ssize_t n = ::read(fd, buffer, sizeof buffer);
+        if (n <= 0) break;
+        received.append(buffer, static_cast<std::size_t>(n));
+      }
+      if (received.rfind("report", 0) != 0) break;
+      const std::string report = R"({"processes":[{"pid":7},{"pid":10},{"pid":12}]})"
+                                 "\n";
+      ::send(fd, report.data(), report.size(), MSG_NOSIGNAL);
+      ::close(fd);
     }
     {
       std::lock_guard lock(mutex_);
@@ -529,6 +544,41 @@ TEST_F(CliTraceScripted, PidsAreSentInPlainDecimal) {
   EXPECT_EQ(daemon.line(), "trace --pid 10 --last 0.5");
 }
 
+// Issue 28: trace and report agree on unknown pids: exit 1, no file, no trace asked.
+TEST_F(CliTraceScripted, UnknownPidExitsOneWithoutAFile) {
+  ScriptedDaemon daemon(socket(), {{0, std::string(kDocument)}});
+  const Output r = cli_.trace(out_.path(), {"-o", "t.json", "--pid", "7", "--pid", "999999"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.err, HasSubstr("tracks no process with pid 999999"));
+  EXPECT_THAT(r.err, HasSubstr("nothing was written"));
+  EXPECT_TRUE(files_in(out_.path()).empty());
+  EXPECT_EQ(daemon.line(), "");  // the trace was never asked
+}
+
+// Past --max-mb the trace is refused and nothing is left behind.
+TEST_F(CliTraceScripted, ATracePastMaxMbIsRefused) {
+  std::string doc = "{\"traceEvents\":[\n";
+  while (doc.size() < 1'500'000) {
+    doc += R"({"ph":"X","cat":"step","name":"Forward","pid":7,"tid":7,"ts":1.000,"dur":2.000},)"
+           "\n";
+  }
+  doc += R"({"ph":"X","cat":"step","name":"Forward","pid":7,"tid":7,"ts":1.000,"dur":2.000})"
+         "\n],\"otherData\":{}}\n";
+  {
+    ScriptedDaemon daemon(socket(), in_pieces(doc, 8, 0));
+    const Output r = cli_.trace(out_.path(), {"-o", "t.json", "--max-mb", "1"});
+    EXPECT_EQ(r.status, 1);
+    EXPECT_THAT(r.err, HasSubstr("larger than 1 MB"));
+    EXPECT_THAT(r.err, HasSubstr("--max-mb 0"));
+    EXPECT_TRUE(files_in(out_.path()).empty());
+  }
+  ::unlink(socket().c_str());
+  ScriptedDaemon daemon(socket(), in_pieces(doc, 8, 0));
+  const Output r = cli_.trace(out_.path(), {"-o", "t.json"});  // the default: 50 MB
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(read_file(out_.file("t.json")), doc);
+}
+
 TEST_F(CliTraceScripted, WritesTheDocumentAndCountsItsEvents) {
   ScriptedDaemon daemon(socket(), in_pieces(kDocument, 4, 0));
   const Output r = cli_.trace(out_.path(), {"-o", "t.json", "--pid", "7", "--pid", "12"});
@@ -538,7 +588,7 @@ TEST_F(CliTraceScripted, WritesTheDocumentAndCountsItsEvents) {
   EXPECT_EQ(files_in(out_.path()), std::vector<std::string>{"t.json"});
   EXPECT_EQ(r.err, "wrote t.json (" + std::to_string(kDocument.size()) +
                        " bytes, 3 events); open it in https://ui.perfetto.dev (\"Open trace "
-                       "file\") or chrome://tracing\n");
+                       "file\") or https://www.speedscope.app\n");
   EXPECT_EQ(r.out, "");
   struct stat st {};
   ASSERT_EQ(::stat(out_.file("t.json").c_str(), &st), 0);
@@ -671,17 +721,18 @@ class CliTraceLive : public ::testing::Test {
   void SetUp() override { ASSERT_TRUE(daemon_.start()) << daemon_.log(); }
 
   // Runs the C example against the daemon; its pid, 0 when it failed.
-  int run_minimal_c() {
+  int run_minimal_c(std::vector<std::string> env = {}) {
 #ifdef MINIMAL_C_BIN
     const std::string out = logs_.file("minimal.out");
+    env.push_back("STEPTRACE_SOCKET=" + daemon_.socket());
     const int status = steptrace::testing::run_process(
-        {"/bin/sh", "-c", std::string("exec \"$0\" > ") + out, MINIMAL_C_BIN},
-        {"STEPTRACE_SOCKET=" + daemon_.socket()});
+        {"/bin/sh", "-c", std::string("exec \"$0\" > ") + out, MINIMAL_C_BIN}, env);
     const std::string text = read_file(out);
     const auto pos = text.find("pid ");
     if (status != 0 || pos == std::string::npos) return 0;
     return std::atoi(text.c_str() + pos + 4);
 #else
+    (void)env;
     return 0;
 #endif
   }
@@ -711,7 +762,7 @@ TEST_F(CliTraceLive, WritesATraceFileOfTheCExample) {
   EXPECT_EQ(r.err, "wrote t.json (" + std::to_string(text.size()) + " bytes, " +
                        std::to_string(doc["traceEvents"].size()) +
                        " events); open it in https://ui.perfetto.dev (\"Open trace file\") or "
-                       "chrome://tracing\n");
+                       "https://www.speedscope.app\n");
 #ifdef MINIMAL_C_BIN  // built with the examples: the C example's spans must be there
   ASSERT_GT(pid, 0);
   {
@@ -780,6 +831,224 @@ TEST(CliTraceLiveFor, RecordsForItsSecondsWithTheStandingWindowOff) {
   for (const auto& e : doc["traceEvents"]) forward = forward || e.value("name", "") == "Forward";
   EXPECT_TRUE(forward) << text.substr(0, 4000);
 #endif
+}
+
+// --job: every process of the job, only those; an unknown job or pid: exit 1, no file.
+TEST_F(CliTraceLive, JobTakesItsProcessesAndUnknownOnesFail) {
+  const int first = run_minimal_c({"STEPTRACE_JOB=jobA", "RANK=0"});
+  const int second = run_minimal_c({"STEPTRACE_JOB=jobA", "RANK=1"});
+  const int other = run_minimal_c({"STEPTRACE_JOB=jobB"});
+  if (first == 0 || second == 0 || other == 0) GTEST_SKIP() << "needs the C example";
+  const Output r = cli_.trace(out_.path(), {"-o", "-", "--job", "jobA"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::set<int> pids;
+  const json doc = trace_document(r.out);
+  for (const auto& e : doc["traceEvents"]) {
+    if (e.value("ph", "") == "X") pids.insert(e.value("pid", 0));
+  }
+  EXPECT_EQ(pids, (std::set<int>{first, second})) << r.out.substr(0, 3000);
+
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--job", "nosuchjob"},
+        {"--pid", "999999"},
+        {"--job", std::to_string(::getuid() + 1) + ":jobA"}}) {
+    const Output bad = cli_.trace(out_.path(), [&] {
+      std::vector<std::string> a{"-o", "t.json"};
+      a.insert(a.end(), args.begin(), args.end());
+      return a;
+    }());
+    EXPECT_EQ(bad.status, 1) << args[1] << ": " << bad.err;
+    EXPECT_THAT(bad.err, Not(HasSubstr("wrote"))) << args[1];
+    EXPECT_TRUE(files_in(out_.path()).empty()) << args[1];
+  }
+}
+
+// --children: a process's descendants from /proc (here a stand-in /proc).
+TEST(CliTracePieces, DescendantsFollowTheParentChain) {
+  TempDir proc;
+  const auto add = [&](int pid, int parent, const std::string& comm) {
+    fs::create_directories(proc.file(std::to_string(pid)));
+    std::ofstream(proc.file(std::to_string(pid) + "/stat"))
+        << pid << " (" << comm << ") S " << parent << " 1 1 0 -1\n";
+  };
+  add(100, 1, "python3");
+  add(101, 100, "pt_data_worker");
+  add(102, 100, "a) S 1 (odd");  // a comm with ") S " in it
+  add(103, 101, "grandchild");
+  add(200, 1, "other");
+  add(201, 200, "not ours");
+  fs::create_directories(proc.file("self"));
+  EXPECT_EQ(steptrace::cli::descendants_of(100, proc.path()), (std::vector<int>{101, 102, 103}));
+  EXPECT_TRUE(steptrace::cli::descendants_of(103, proc.path()).empty());
+  EXPECT_TRUE(steptrace::cli::descendants_of(100, proc.file("absent")).empty());
+}
+
+TEST(CliTracePieces, PidsOfAReport) {
+  EXPECT_EQ(steptrace::cli::pids_of_report(R"({"processes":[{"pid":3},{"pid":9,"x":1}]})"),
+            (std::vector<int>{3, 9}));
+  EXPECT_EQ(steptrace::cli::pids_of_report(R"({"processes":[]})"), std::vector<int>{});
+  EXPECT_FALSE(steptrace::cli::pids_of_report("not json"));
+  EXPECT_FALSE(steptrace::cli::pids_of_report(R"({"processes":[{"pid":"3"}]})"));
+  EXPECT_FALSE(steptrace::cli::pids_of_report(R"([1,2])"));
+}
+
+// ---------------------------------------------------------------------------------
+// trace merge
+
+// A node's document as steptraced writes it: origin at `anchor` Unix ns; `spans` are
+// (pid, name, ts ns, dur ns) on thread pid.
+std::string node_document(
+    const std::string& host, std::int64_t anchor,
+    const std::vector<std::tuple<int, std::string, std::int64_t, std::int64_t>>& spans,
+    const std::map<int, std::string>& names) {
+  json events = json::array();
+  for (const auto& [pid, name] : names) {
+    events.push_back({{"ph", "M"},
+                      {"cat", "__metadata"},
+                      {"name", "process_name"},
+                      {"pid", pid},
+                      {"tid", 0},
+                      {"ts", 0},
+                      {"args", {{"name", name}}}});
+  }
+  for (const auto& [pid, name, ts, dur] : spans) {
+    events.push_back({{"ph", "X"},
+                      {"cat", "step"},
+                      {"name", name},
+                      {"pid", pid},
+                      {"tid", pid},
+                      {"ts", static_cast<double>(ts) / 1000.0},
+                      {"dur", static_cast<double>(dur) / 1000.0}});
+  }
+  json doc = {{"traceEvents", events},
+              {"otherData",
+               {{"host", host},
+                {"ts_origin_ns", 5000},
+                {"wall_clock_offset_ns", anchor - 5000},
+                {"ts_origin_unix_ns", anchor}}}};
+  return doc.dump();
+}
+
+struct MergedSpan {
+  std::string track;
+  std::string name;
+  std::int64_t ts;
+  std::int64_t end;
+};
+
+std::vector<MergedSpan> merged_spans(const json& doc) {
+  std::map<std::int64_t, std::string> tracks;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "process_name") tracks[e["pid"]] = e["args"]["name"];
+  }
+  std::vector<MergedSpan> out;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const double ts = e["ts"].get<double>();
+    out.push_back({tracks[e["pid"]], e["name"], std::llround(ts * 1000),
+                   std::llround((ts + e["dur"].get<double>()) * 1000)});
+  }
+  return out;
+}
+
+TEST(CliTraceMerge, JoinsNodesOnTheirWallClockAnchors) {
+  const std::int64_t t0 = 1'700'000'000'000'000'000;
+  const std::string a = node_document(
+      "node1", t0,
+      {{40, "Forward", 1000, 500}, {40, "Backward", 1500, 700}, {41, "Forward", 1000, 900}},
+      {{40, "python3 [40] job j (uid 1000) rank 1"}, {41, "python3 [41] job j (uid 1000) rank 0"}});
+  // node2's origin is 2 us later; its pid 40 is another process.
+  const std::string b = node_document("node2", t0 + 2000, {{40, "Forward", 0, 300}},
+                                      {{40, "python3 [40] job j (uid 1000) rank 2 (exited)"}});
+  const auto merged = steptrace::cli::merge_traces({a, b}, {"a.json", "b.json"}, std::nullopt);
+  ASSERT_EQ(merged.error, "");
+  const json doc = json::parse(merged.document);
+  EXPECT_EQ(doc["otherData"]["ts_origin_unix_ns"], t0 + 1000);  // the earliest event
+  const auto spans = merged_spans(doc);
+  ASSERT_EQ(spans.size(), 4u);
+  EXPECT_EQ(spans[0].track, "node1 / rank 1 / python3 [40]");
+  EXPECT_EQ(spans[0].ts, 0);
+  EXPECT_EQ(spans[1].ts, spans[0].end);  // touching stays touching
+  EXPECT_EQ(spans[2].track, "node1 / rank 0 / python3 [41]");
+  EXPECT_EQ(spans[3].track, "node2 / rank 2 / python3 [40] (exited)");
+  EXPECT_EQ(spans[3].ts, 1000);  // 2 us later, less node1's 1 us lead
+  // Distinct pids per node, sorted by rank.
+  std::map<std::string, std::int64_t> sort_of;
+  std::map<std::int64_t, std::string> track_of;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "process_name") track_of[e["pid"]] = e["args"]["name"];
+  }
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["name"] == "process_sort_index") sort_of[track_of[e["pid"]]] = e["args"]["sort_index"];
+  }
+  EXPECT_EQ(track_of.size(), 3u);
+  EXPECT_EQ(sort_of["node1 / rank 0 / python3 [41]"], 0);
+  EXPECT_EQ(sort_of["node2 / rank 2 / python3 [40] (exited)"], 2);
+  for (const auto& e : doc["traceEvents"]) {
+    EXPECT_TRUE(e.contains("cat") && e.contains("ts")) << e;
+  }
+}
+
+TEST(CliTraceMerge, AlignStepMakesTheKthSpansStartTogether) {
+  const std::int64_t t0 = 1'700'000'000'000'000'000;
+  // node2's clock is 3 s off: its wall anchor says nothing useful.
+  const std::string a = node_document(
+      "node1", t0, {{40, "Forward", 100, 50}, {40, "Forward", 1000, 50}}, {{40, "p [40] rank 0"}});
+  const std::string b = node_document("node2", t0 + 3'000'000'000,
+                                      {{50, "Forward", 7000, 50}, {50, "Forward", 7400, 50}},
+                                      {{50, "p [50] rank 1"}});
+  ASSERT_TRUE(steptrace::cli::parse_align_step("Forward:2"));
+  const auto merged = steptrace::cli::merge_traces({a, b}, {"a", "b"},
+                                                   steptrace::cli::parse_align_step("Forward:2"));
+  ASSERT_EQ(merged.error, "");
+  const auto spans = merged_spans(json::parse(merged.document));
+  ASSERT_EQ(spans.size(), 4u);
+  EXPECT_EQ(spans[1].ts, spans[3].ts);  // the second Forward of each node
+  EXPECT_EQ(spans[3].ts - spans[2].ts, 400);
+  EXPECT_GE(std::min(spans[0].ts, spans[2].ts), 0);
+
+  const auto missing = steptrace::cli::merge_traces({a, b}, {"a", "b"},
+                                                    steptrace::cli::parse_align_step("Forward:3"));
+  EXPECT_THAT(missing.error, HasSubstr("a has no span number 3 of step Forward"));
+  EXPECT_FALSE(steptrace::cli::parse_align_step("Forward:0"));
+  EXPECT_FALSE(steptrace::cli::parse_align_step(":2"));
+  EXPECT_FALSE(steptrace::cli::parse_align_step("Forward:x"));
+  EXPECT_EQ(steptrace::cli::parse_align_step("Forward")->index, 1u);
+}
+
+TEST(CliTraceMerge, BadInputsAreClearErrorsAndWriteNothing) {
+  TempDir dir;
+  std::ofstream(dir.file("good.json"))
+      << node_document("n", 1'000'000'000, {{1, "Forward", 0, 1}}, {{1, "p [1]"}});
+  std::ofstream(dir.file("bad.json")) << "{\"traceEvents\":[";
+  std::ofstream(dir.file("noanchor.json")) << R"({"traceEvents":[]})";
+  TempDir logs;
+  const auto merge = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN, "trace", "merge"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_in(logs, dir.path(), argv);
+  };
+  Output r = merge({"good.json", "bad.json", "-o", "out.json"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.err, HasSubstr("bad.json is not valid JSON"));
+  r = merge({"good.json", "noanchor.json", "-o", "out.json"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.err, HasSubstr("noanchor.json has no wall-clock anchor"));
+  r = merge({"good.json", "absent.json", "-o", "out.json"});
+  EXPECT_EQ(r.status, 2) << r.err;
+  r = merge({"good.json"});
+  EXPECT_EQ(r.status, 2) << r.err;
+  r = merge({"good.json", "--align-step", "Forward:0", "-o", "out.json"});
+  EXPECT_EQ(r.status, 2) << r.err;
+  EXPECT_FALSE(fs::exists(dir.file("out.json")));
+  EXPECT_FALSE(fs::exists(dir.file("out.json.partial")));
+  r = merge({"good.json", "good.json", "-o", "out.json"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  const json doc = json::parse(read_file(dir.file("out.json")));
+  EXPECT_EQ(merged_spans(doc).size(), 2u);
+  EXPECT_EQ(merged_spans(doc)[1].track, "n #2 / p [1]");
+  r = merge({"good.json", "-o", "out.json"});
+  EXPECT_EQ(r.status, 2) << "exists: " << r.err;
 }
 
 }  // namespace

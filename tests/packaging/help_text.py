@@ -52,7 +52,7 @@ def cli_global_flags(test):
 
 def cli_flags(test, subcommand):
     """The flags `steptrace help SUBCOMMAND` shows (the global ones are not among them)."""
-    return flags_of(_help(test, [CLI, "help", subcommand]))
+    return flags_of(_help(test, [CLI, "help", *subcommand.split()]))  # "trace merge": nested
 
 
 def daemon_help(test):

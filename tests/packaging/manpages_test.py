@@ -56,6 +56,9 @@ class ManPagesTest(TempDirTestCase):
             for flag in cli_flags(self, sub):
                 self.assertTrue(mentions(text, flag), f"{sub} {flag}")
             known |= cli_flags(self, sub)
+        for flag in cli_flags(self, "trace merge"):  # a nested subcommand's own flags
+            self.assertTrue(mentions(text, flag), f"trace merge {flag}")
+            known.add(flag)
         self.assertEqual(long_flags(text) - known - OTHER_PROGRAMS_FLAGS, set())
 
     def test_steptraced_page_describes_every_flag(self):

@@ -134,6 +134,11 @@ std::optional<ClientRecord> read_record(const std::string& path) {
 // ts / dur (microseconds, three decimals) as nanoseconds.
 std::int64_t ns_of(const json& us) { return std::llround(us.get<double>() * 1000.0); }
 
+// An event's monotonic time: its ts is since otherData.ts_origin_ns (issue 27).
+std::int64_t at_ns(const json& doc, const json& e) {
+  return ns_of(e.at("ts")) + doc.at("otherData").at("ts_origin_ns").get<std::int64_t>();
+}
+
 struct TraceSpan {
   int pid = 0;
   long long tid = 0;
@@ -155,7 +160,7 @@ std::vector<TraceSpan> spans_of(const json& doc, std::optional<int> pid = std::n
     if (pid && s.pid != *pid) continue;
     s.tid = e.at("tid").get<long long>();
     s.name = e.at("name").get<std::string>();
-    s.ts = ns_of(e.at("ts"));
+    s.ts = at_ns(doc, e);
     s.dur = ns_of(e.at("dur"));
     if (e.contains("args")) {
       const json& a = e.at("args");
@@ -470,7 +475,7 @@ TEST_F(TraceTest, RoundTripNestedSpansLedgerAndTracks) {
     EXPECT_EQ(e.at("tid").get<long long>(), l.tid);
     EXPECT_EQ(e.at("cat"), "ledger");
     EXPECT_EQ(e.at("s"), "t");
-    const std::int64_t ts = ns_of(e.at("ts"));
+    const std::int64_t ts = at_ns(doc, e);
     EXPECT_GE(ts, l.before - kToleranceNs) << l.op;
     EXPECT_LE(ts, l.after + kToleranceNs) << l.op;
     const json& args = e.at("args");

@@ -135,6 +135,10 @@ json parse_trace(const std::string& doc) {
   }
   EXPECT_TRUE(other.at("captured_at_us").is_number()) << other;
   EXPECT_TRUE(other.at("since_us").is_number()) << other;
+  EXPECT_TRUE(other.at("ts_origin_ns").is_number_unsigned()) << other;
+  EXPECT_EQ(other.at("ts_origin_unix_ns").get<std::int64_t>(),
+            other.at("ts_origin_ns").get<std::int64_t>() +
+                other.at("wall_clock_offset_ns").get<std::int64_t>());
 
   for (const json& e : j.at("traceEvents")) {
     if (!e.is_object()) {
@@ -156,7 +160,9 @@ json parse_trace(const std::string& doc) {
     has("tid", is_int);
     if (e.contains("args")) has("args", is_object);
     const std::string ph = e.at("ph");
-    if (ph != "M") has("ts", is_time);
+    // trace-model (issue 27) wants "cat" and "ts" on every event, metadata too.
+    has("ts", is_time);
+    has("cat", is_string);
     if (ph == "X") {
       has("dur", is_time);
       has("cat", is_string);
@@ -188,6 +194,11 @@ json parse_trace(std::shared_ptr<const TraceCapture> capture) {
 
 std::uint64_t ns_of(const json& us) {
   return static_cast<std::uint64_t>(std::llround(us.get<double>() * 1000.0));
+}
+
+// An event's time on the capture's clock: its ts (since the origin) plus the origin.
+std::uint64_t at_ns(const json& doc, const json& e) {
+  return ns_of(e.at("ts")) + doc.at("otherData").at("ts_origin_ns").get<std::uint64_t>();
 }
 
 struct Span {
@@ -225,7 +236,7 @@ std::vector<Span> spans_of(const json& doc) {
     if (e.at("ph") != "X") continue;
     EXPECT_EQ(e.at("cat"), "step");
     out.push_back({e.at("pid").get<std::int64_t>(), e.at("tid").get<std::int64_t>(),
-                   e.at("name").get<std::string>(), ns_of(e.at("ts")), ns_of(e.at("dur")),
+                   e.at("name").get<std::string>(), at_ns(doc, e), ns_of(e.at("dur")),
                    e.contains("args") ? e.at("args") : json(), i});
   }
   return out;
@@ -293,9 +304,13 @@ TEST(TraceExportTest, TimestampsAreMicrosecondsWithNanosecondDecimals) {
   auto c = new_capture();
   c->now_ns = 2'000'000;
   add_process(*c, 7, "a", {start(1'234'567, 7, kForward), end(1'234'572, 7, kForward)});
+  add_process(*c, 8, "b", {start(1'000'000, 8, kForward), end(1'000'001, 8, kForward)});
   const std::string doc = render_trace(c);
-  parse_trace(doc);
-  EXPECT_NE(doc.find(R"("ts":1234.567,"dur":0.005})"), std::string::npos) << doc;
+  const json j = parse_trace(doc);
+  // Since the origin, the earliest time shown: exact nanoseconds in a double.
+  EXPECT_EQ(j.at("otherData").at("ts_origin_ns"), 1'000'000u);
+  EXPECT_NE(doc.find(R"("ts":234.567,"dur":0.005})"), std::string::npos) << doc;
+  EXPECT_NE(doc.find(R"("ts":0.000,"dur":0.001})"), std::string::npos) << doc;
   EXPECT_NE(doc.find(R"("captured_at_us":2000.000,"since_us":0.000,)"), std::string::npos) << doc;
 }
 
@@ -548,7 +563,7 @@ TEST(TraceExportTest, SinceClipsSpansThatCrossIt) {
   const std::vector<json> instants = events_with(j, "i");
   ASSERT_EQ(instants.size(), 1u);
   EXPECT_EQ(instants[0].at("name"), "dropped: not_connected");
-  EXPECT_EQ(ns_of(instants[0].at("ts")), kBase + 6000);
+  EXPECT_EQ(at_ns(j, instants[0]), kBase + 6000);
   EXPECT_EQ(ns_of(j.at("otherData").at("since_us")), since);
 }
 
@@ -617,7 +632,7 @@ TEST(TraceExportTest, LedgerMarksBecomeInstantsAndCounters) {
   EXPECT_EQ(instants[0].at("name"), "LedgerReserve");
   EXPECT_EQ(instants[0].at("pid"), 80);
   EXPECT_EQ(instants[0].at("tid"), 81);
-  EXPECT_EQ(ns_of(instants[0].at("ts")), kBase + 100);
+  EXPECT_EQ(at_ns(j, instants[0]), kBase + 100);
   EXPECT_EQ(instants[0].at("args"), json({{"gpu", "GPU-a"},
                                           {"reservation_id", 5},
                                           {"bytes", 1u << 30},
@@ -645,7 +660,7 @@ TEST(TraceExportTest, LedgerMarksBecomeInstantsAndCounters) {
   for (const json& e : events_with(j, "C")) {
     EXPECT_EQ(e.at("pid"), 999);
     EXPECT_EQ(e.at("tid"), 0);
-    counters.emplace_back(e.at("name").get<std::string>(), ns_of(e.at("ts")),
+    counters.emplace_back(e.at("name").get<std::string>(), at_ns(j, e),
                           e.at("args").at("bytes").get<std::uint64_t>());
   }
   const std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> expected = {
@@ -716,14 +731,14 @@ TEST(TraceExportTest, DeviceSamplesAndExpiredLeasesAppear) {
   EXPECT_EQ(counters[1].at("name"), "findings GPU-n");
   EXPECT_EQ(counters[1].at("args"),
             json({{"UNDECLARED", 1}, {"OVER", 0}, {"IDLE", 2}, {"GHOST", 3}}));
-  EXPECT_EQ(ns_of(counters[1].at("ts")), kBase + 100);
+  EXPECT_EQ(at_ns(j, counters[1]), kBase + 100);
   const std::vector<json> instants = events_with(j, "i");
   ASSERT_EQ(instants.size(), 1u);
   const json& e = instants[0];
   EXPECT_EQ(e.at("name"), "lease expired");
   EXPECT_EQ(e.at("s"), "p");
   EXPECT_EQ(e.at("pid"), 77);
-  EXPECT_EQ(ns_of(e.at("ts")), kBase + 200);
+  EXPECT_EQ(at_ns(j, e), kBase + 200);
   EXPECT_EQ(e.at("args"), json({{"gpu", "GPU-n"},
                                 {"reservation_id", 9},
                                 {"bytes", 4096},
@@ -745,7 +760,8 @@ TEST(TraceExportTest, DropMarksBecomeProcessInstants) {
   for (std::size_t i = 0; i < causes.size(); ++i) {
     c->marks.push_back(drop_mark(kBase + 10 * i, 90, causes[i], 1000 + i));
   }
-  const std::vector<json> instants = events_with(parse_trace(c), "i");
+  const json j = parse_trace(c);
+  const std::vector<json> instants = events_with(j, "i");
   ASSERT_EQ(instants.size(), causes.size());
   const std::vector<std::string> names = {"buffer_full",    "not_connected", "in_flight",
                                           "invalid",        "unknown",       "unknown",
@@ -757,7 +773,7 @@ TEST(TraceExportTest, DropMarksBecomeProcessInstants) {
     EXPECT_EQ(e.at("cat"), "drops");
     EXPECT_EQ(e.at("pid"), 90);
     EXPECT_EQ(e.at("tid"), 90);
-    EXPECT_EQ(ns_of(e.at("ts")), kBase + 10 * i);
+    EXPECT_EQ(at_ns(j, e), kBase + 10 * i);
     // The client's reports, and what the daemon itself could not fold or lost (the last
     // three).
     const char* by = i >= 6 ? "daemon" : "client";
@@ -883,6 +899,103 @@ TEST(TraceExportTest, PiecesConcatenateToTheWholeDocument) {
   std::string one;
   EXPECT_FALSE(exporter.next(one));
   EXPECT_EQ(one, whole);
+}
+
+// Issue 27: a worker's spans that touch (an end and the next start on the same
+// nanosecond), minutes into the window, stay apart in a viewer's double arithmetic, and a
+// child ending with its parent stays inside it; no staircase.
+TEST(TraceExportTest, TouchingSpansNeverOverlapInDoublePrecision) {
+  auto c = new_capture();
+  std::vector<proto::EventRecord> events;
+  std::uint64_t t = kBase;
+  std::uint64_t seed = 12345;
+  for (int i = 0; i < 20'000; ++i) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    const std::uint64_t child = 1 + (seed >> 33) % 997'001;
+    const std::uint64_t rest = 1 + (seed >> 13) % 3'001;
+    events.push_back(start(t, 40, kForward));
+    events.push_back(start(t, 40, kMatmul));
+    events.push_back(end(t + child, 40, kMatmul));
+    events.push_back(start(t + child, 40, kTranspose));
+    events.push_back(end(t + child + rest, 40, kTranspose));
+    events.push_back(end(t + child + rest, 40, kForward));
+    t += child + rest + (i % 7 == 0 ? 0 : 13'017'119);  // touching, or minutes later
+  }
+  add_process(*c, 40, "worker", events);
+  c->now_ns = t + 1;
+  const std::string doc = render_trace(c);
+  const json j = json::parse(doc);
+  // As a viewer reads them: doubles, ends computed as ts + dur.
+  struct Seen {
+    double ts, end;
+    std::string name;
+  };
+  std::vector<Seen> seen;
+  for (const json& e : j.at("traceEvents")) {
+    if (e.at("ph") != "X") continue;
+    const double ts = e.at("ts").get<double>();
+    seen.push_back({ts, ts + e.at("dur").get<double>(), e.at("name").get<std::string>()});
+  }
+  ASSERT_EQ(seen.size(), 60'000u);
+  // In time order, as a viewer sorts them (the first spans, at the window start, are
+  // written last).
+  std::stable_sort(seen.begin(), seen.end(), [](const Seen& x, const Seen& y) {
+    return x.ts != y.ts ? x.ts < y.ts : x.end > y.end;
+  });
+  std::size_t tricky = 0;  // durations written with more than three decimals
+  for (const json& e : j.at("traceEvents")) {
+    if (e.at("ph") == "X" && e.at("dur").dump().size() > 12) ++tricky;
+  }
+  for (std::size_t i = 0; i + 2 < seen.size(); i += 3) {
+    const Seen& parent = seen[i];
+    const Seen& a = seen[i + 1];
+    const Seen& b = seen[i + 2];
+    ASSERT_EQ(parent.name, "Forward");
+    ASSERT_EQ(a.name, "Matmul");
+    ASSERT_EQ(b.name, "Transpose");
+    EXPECT_EQ(parent.ts, a.ts) << i;
+    EXPECT_EQ(a.end, b.ts) << i;  // touch exactly, no overlap
+    EXPECT_EQ(b.end, parent.end) << i;
+    if (i + 3 < seen.size()) {
+      EXPECT_LE(parent.end, seen[i + 3].ts) << i;
+    }
+  }
+  // Not every duration needs it; some do at these magnitudes.
+  EXPECT_GT(tricky, 0u);
+}
+
+// Issue 27: a process with nothing in the window (--last) is left out, one whose span is
+// open across the cut stays.
+TEST(TraceExportTest, ProcessesWithNothingInTheWindowAreLeftOut) {
+  auto c = new_capture();
+  add_process(*c, 50, "old", {start(kBase + 10, 50, kForward), end(kBase + 20, 50, kForward)});
+  add_process(*c, 51, "open", {start(kBase + 10, 51, kForward)});
+  add_process(*c, 52, "new", {start(kBase + 10, 52, kForward), end(kBase + 900, 52, kForward)});
+  c->since_ns = kBase + 500;
+  const json j = parse_trace(c);
+  std::set<std::int64_t> named;
+  for (const json& e : events_with(j, "M")) named.insert(e.at("pid").get<std::int64_t>());
+  EXPECT_EQ(named, (std::set<std::int64_t>{51, 52}));
+  EXPECT_EQ(j.at("otherData").at("ts_origin_ns"), kBase + 500);
+}
+
+// Spans starting on the same nanosecond inside the window: the enclosing one is written
+// first, though it ends (and so is known) last.
+TEST(TraceExportTest, SameStartWritesTheParentFirstAnywhere) {
+  auto c = new_capture();
+  add_process(*c, 60, "a",
+              {start(kBase, 60, kBackward), end(kBase + 5, 60, kBackward),
+               start(kBase + 100, 60, kForward), start(kBase + 100, 60, kMatmul),
+               start(kBase + 100, 60, kAttention), end(kBase + 150, 60, kAttention),
+               end(kBase + 200, 60, kMatmul), end(kBase + 300, 60, kForward)});
+  const json j = parse_trace(c);
+  const std::vector<Span> got = spans_of(j);
+  ASSERT_EQ(got.size(), 4u);
+  expect_parents_first(got);
+  expect_nested(got);
+  EXPECT_EQ(got[0].name, "Forward");
+  EXPECT_EQ(got[1].name, "Matmul");
+  EXPECT_EQ(got[2].name, "Attention");
 }
 
 }  // namespace

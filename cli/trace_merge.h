@@ -1,0 +1,52 @@
+// `steptrace trace merge A.json B.json ... -o JOB.json`: one timeline of a job spread over
+// nodes, from the `trace` documents each node's steptraced wrote (proto/PROTOCOL.md
+// section 10.5).
+//
+// Each input's times are since its own origin; otherData.ts_origin_unix_ns anchors that
+// origin to the wall clock, so the files are joined on their anchors: the earliest anchor
+// becomes the merged trace's 0 and every other file is shifted by the difference (whole
+// nanoseconds, no rounding). When the nodes' clocks disagree by more than the spans
+// (no NTP, a skewed host), --align-step NAME[:K] instead makes the K-th span (from 1) of
+// step NAME in each file start at the same time. Processes get new pids (pids of two
+// nodes may be equal) and tracks named `node / rank N / comm [pid]`, ordered by rank.
+//
+// Memory: every input is read and parsed whole (unlike `trace` itself, which streams);
+// merging is for the files a person opens in a viewer, tens of MB each.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace steptrace::cli {
+
+struct MergeRequest {
+  std::vector<std::string> inputs;  // at least one
+  std::string output;               // -o FILE ("-": standard output)
+  std::string align_step;           // --align-step NAME[:K] as typed, empty when not given
+  bool force = false;               // replace an existing FILE
+};
+
+// NAME[:K] of --align-step: the step and the span's index from 1 (1 when no K).
+struct AlignStep {
+  std::string step;
+  std::uint64_t index = 1;
+};
+std::optional<AlignStep> parse_align_step(const std::string& text);
+
+// The merged document of `documents` (their text; `names` name them in errors), or the
+// reason it cannot be made. Exposed for tests; run_trace_merge() reads and writes files.
+struct MergeResult {
+  std::string document;  // empty on error
+  std::string error;     // empty on success
+};
+MergeResult merge_traces(const std::vector<std::string>& documents,
+                         const std::vector<std::string>& names,
+                         const std::optional<AlignStep>& align);
+
+// Runs `steptrace trace merge`; the exit status (0, 1 bad or unreadable input or write
+// failure, 2 bad usage or FILE exists). Messages go to stderr.
+int run_trace_merge(const MergeRequest& request);
+
+}  // namespace steptrace::cli
