@@ -192,6 +192,8 @@ struct Options {
   std::string job;                           // report --job ID, top --job ID
   bool once = false;                         // top --once
   std::string sort = "time";                 // top --sort
+  int window_s = 0;                          // report --window N (0: not asked)
+  int top_window_s = 60;                     // top --window N (0: the whole run only)
   steptrace::cli::TraceRequest trace;        // trace's options
   steptrace::cli::MergeRequest trace_merge;  // trace merge's
 };
@@ -425,7 +427,10 @@ CLI::Validator seconds_range(double min, double max) {
       fmt::format("[{:g} - {:g}]", min, max));
 }
 
-// A whole count in [0, max] (--iterations).
+// `report --window N`'s bound (the daemon's, daemon/serve/commands.cpp: a day).
+constexpr long long kMaxWindowS = 86400;
+
+// A whole count in [0, max] (--iterations, --window; 0 means "not asked" for report's).
 CLI::Validator count_range(long long max) {
   return CLI::Validator(
       [=](const std::string& text) -> std::string {
@@ -482,11 +487,12 @@ int run_and_print(const SocketPath& socket, const std::string& line,
 // `report [--json] [--pid N] [--job [UID:]ID]`. The daemon answers a pid it does not
 // track with an empty report, a job it cannot find with an error; for the CLI both are a
 // failed lookup (exit 1), whichever form was asked for.
-int run_report_filtered(const SocketPath& socket, int pid, const std::string& job, bool json,
-                        std::chrono::milliseconds timeout) {
+int run_report_filtered(const SocketPath& socket, int pid, const std::string& job, int window_s,
+                        bool json, std::chrono::milliseconds timeout) {
   std::string args;
   if (pid > 0) args += " --pid " + std::to_string(pid);
   if (!job.empty()) args += " --job " + job;
+  if (window_s > 0) args += " --window " + std::to_string(window_s);
   const std::string json_line = "report --json" + args;
   auto reply = ask(socket, json_line, timeout);
   if (!reply) return kExitFailure;
@@ -581,7 +587,10 @@ struct Frame {
 // `report --json` as top asks it: with --job, the daemon picks the job (its rules for
 // ID and UID:ID), and says so when there is none.
 std::string top_report_line(const Options& options) {
-  return options.job.empty() ? "report --json" : "report --json --job " + options.job;
+  std::string line = "report --json";
+  if (!options.job.empty()) line += " --job " + options.job;
+  if (options.top_window_s > 0) line += " --window " + std::to_string(options.top_window_s);
+  return line;
 }
 
 // The daemon's report for top, or the line that says why there is none.
@@ -933,12 +942,19 @@ Subcommand add_report(CLI::App& app, Options& options) {
                    "TORCHELASTIC_RUN_ID or SLURM_JOB_ID of the trainers); UID:ID: that uid's")
       ->type_name("[UID:]ID")
       ->check(job_id_check());
+  report
+      ->add_option("--window", options.window_s,
+                   "Rank skew over the last N seconds too, beside the whole run (1..86400)")
+      ->type_name("N")
+      ->check(count_range(kMaxWindowS));
   return {report, [](const Invocation& in) {
             const Options& o = in.options;
             if (o.pid > 0 || !o.job.empty()) {
-              return run_report_filtered(in.socket, o.pid, o.job, o.json, in.timeout);
+              return run_report_filtered(in.socket, o.pid, o.job, o.window_s, o.json, in.timeout);
             }
-            return run_and_print(in.socket, o.json ? "report --json" : "report", in.timeout);
+            std::string line = o.json ? "report --json" : "report";
+            if (o.window_s > 0) line += " --window " + std::to_string(o.window_s);
+            return run_and_print(in.socket, line, in.timeout);
           }};
 }
 
@@ -1056,6 +1072,11 @@ Subcommand add_top(CLI::App& app, Options& options) {
                   "Only the processes of your job with this id; UID:ID: that uid's")
       ->type_name("[UID:]ID")
       ->check(job_id_check());
+  top->add_option("--window", options.top_window_s,
+                  "Stragglers over the last N seconds (0: over the whole run only)")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(count_range(kMaxWindowS));
   return {top, [](const Invocation& in) { return run_top(in.socket, in.options); }};
 }
 

@@ -89,7 +89,7 @@ _steptrace() {
 
   local flags=""
   case $sub in
-    report) flags="--json --pid --job" ;;
+    report) flags="--json --pid --job --window" ;;
     ledger)
       flags="--json"
       # `ledger cleanup GPU ID`: the subcommand word right after `ledger`.
@@ -100,7 +100,7 @@ _steptrace() {
       ;;
     stats | version) flags="--json" ;;
     reset) flags="--pid --ledger --gpu" ;;
-    top) flags="--interval --iterations --once --sort --job" ;;
+    top) flags="--interval --iterations --once --sort --job --window" ;;
     trace) flags="--pid --job --children --max-mb --last --for -o --output --force" ;;
     help)
       if ((COMP_CWORD == sub_at + 1)) && [[ $cur != -* ]]; then

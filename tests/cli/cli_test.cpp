@@ -211,6 +211,9 @@ TEST(CliNoDaemon, BadValuesSayWhatIsWrong) {
       {{"top", "--interval", "abc"}, "'abc' is not a number of seconds"},
       {{"top", "--interval", "0"}, "out of range"},
       {{"top", "--iterations", "lots"}, "'lots' is not a whole number"},
+      {{"report", "--window", "1m"}, "'1m' is not a whole number"},
+      {{"report", "--window", "86401"}, "out of range"},
+      {{"top", "--window", "-1"}, "out of range"},
       {{"--timeout", "soon", "ping"}, "'soon' is not a number of seconds"},
   };
   for (const auto& [args, said] : cases) {
@@ -480,6 +483,12 @@ TEST_F(CliLive, ReportLedgerStatsMetricsAnswer) {
   ASSERT_TRUE(report_json.is_object());
   EXPECT_EQ(report_json.value("schema", ""), "steptrace.report/v1");
   EXPECT_TRUE(report_json["processes"].is_array());
+  // --window goes to the daemon as its `report --window N` (which refuses what it does
+  // not know: an answer is the daemon taking it).
+  const Output windowed = cli({"report", "--window", "30"});
+  EXPECT_EQ(windowed.status, 0) << windowed.err;
+  EXPECT_EQ(cli_json({"report", "--json", "--window", "30"}).value("schema", ""),
+            "steptrace.report/v1");
 
   const Output ledger = cli({"ledger"});
   EXPECT_EQ(ledger.status, 0) << ledger.err;
