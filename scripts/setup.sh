@@ -3,7 +3,8 @@
 # Idempotent: when every package is present it does not call apt-get at all.
 #   scripts/setup.sh           what the build, the daemon and the examples need
 #   scripts/setup.sh --tests   also what only tests use: python3-torch (Debian's PyTorch,
-#                              for the DataLoader tests; they skip, saying so, without it)
+#                              for the torch tests) and node with npm (the trace viewer
+#                              test installs @tracerbench/trace-model from npm's registry)
 set -euo pipefail
 
 with_tests=0
@@ -36,6 +37,11 @@ if ! command -v cargo >/dev/null; then
 fi
 if ((with_tests)); then
   packages+=(python3-torch)
+  # The trace viewer test (tests/timeline) imports traces with an npm package under
+  # node: Debian's, unless both are on PATH already.
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    packages+=(nodejs npm)
+  fi
 fi
 
 missing=()

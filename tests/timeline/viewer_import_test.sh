@@ -74,13 +74,18 @@ STEPTRACE_SOCKET="$work/node1.sock" STEPTRACE_JOB=childjob \
   > "$work/c.train.log" 2>&1 &
 parent=$!
 pids+=("$parent")
-for _ in $(seq 100); do
-  [[ $("$steptrace" --socket node1.sock report --json --job childjob 2>/dev/null |
-       python3 -c 'import json,sys; print(len(json.load(sys.stdin)["processes"]))' 2>/dev/null) == 2 ]] && break
+connected=0
+for _ in $(seq 600); do # up to 30 s: a loaded 2-core machine starts them slowly
+  if [[ $("$steptrace" --socket node1.sock report --json --job childjob 2>/dev/null |
+    python3 -c 'import json,sys; print(len(json.load(sys.stdin)["processes"]))' 2>/dev/null) == 2 ]]; then
+    connected=1
+    break
+  fi
   sleep 0.05
 done
-sleep 0.5  # the workers train
-"$steptrace" --socket node1.sock trace --pid "$parent" --children --last 0.2 -o children.json
+((connected)) || fail "the --children trainer's 2 workers did not connect within 30 s"
+sleep 0.5 # the workers train
+"$steptrace" --socket node1.sock trace --pid "$parent" --children --last 2 -o children.json
 python3 - "$parent" <<'PY' || fail "--children did not take the workers along"
 import json, sys
 doc = json.load(open("children.json"))
