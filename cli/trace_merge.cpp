@@ -13,7 +13,6 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <sstream>
 
 namespace steptrace::cli {
@@ -60,6 +59,20 @@ std::string dur_text(std::uint64_t ts_ns, std::uint64_t dur_ns) {
 // A JSON number of microseconds as whole nanoseconds (the daemon writes exact ones).
 std::int64_t ns_of(const json& us) { return std::llround(us.get<double>() * 1000.0); }
 
+// The largest ts or dur a file may hold (µs): 10^15 µs, some 31 years, keeps every sum
+// of times and anchors (Unix ns, below kMaxAnchorNs) far inside 64 bits.
+constexpr double kMaxTimeUs = 1e15;
+constexpr std::int64_t kMaxAnchorNs = 4'000'000'000'000'000'000;
+// How deep a file's JSON may nest: a trace needs 4 or 5 levels; a hostile file nesting
+// 10^5 deep must not exhaust the stack of the code that walks or prints it.
+constexpr int kMaxDepth = 64;
+
+// A string member of `e`, or "" when it is absent or not a string.
+std::string string_field(const json& e, const char* key) {
+  const auto it = e.find(key);
+  return it != e.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
 struct Input {
   std::string name;  // as given, for errors
   json doc;
@@ -78,15 +91,21 @@ std::string read_input(Input& in) {
   if (!other.is_object()) return in.name + ": \"otherData\" is not an object";
   if (other.contains("ts_origin_unix_ns") && other["ts_origin_unix_ns"].is_number_integer()) {
     in.anchor_unix_ns = other["ts_origin_unix_ns"].get<std::int64_t>();
+    if (in.anchor_unix_ns < 0 || in.anchor_unix_ns > kMaxAnchorNs) {
+      return in.name + ": otherData.ts_origin_unix_ns is not a time";
+    }
   } else if (other.contains("wall_clock_offset_ns") &&
              other["wall_clock_offset_ns"].is_number_integer()) {
     // A file of a steptraced before issue 27: ts is the monotonic time itself.
     in.anchor_unix_ns = other["wall_clock_offset_ns"].get<std::int64_t>();
+    if (in.anchor_unix_ns < -kMaxAnchorNs || in.anchor_unix_ns > kMaxAnchorNs) {
+      return in.name + ": otherData.wall_clock_offset_ns is not a time";
+    }
   } else {
     return in.name +
            " has no wall-clock anchor (otherData.ts_origin_unix_ns): not a steptrace trace";
   }
-  in.host = other.value("host", std::string());
+  in.host = string_field(other, "host");
   if (in.host.empty()) in.host = in.name;
   bool any = false;
   for (const json& e : in.doc["traceEvents"]) {
@@ -97,10 +116,12 @@ std::string read_input(Input& in) {
       return in.name + ": an event has no integer \"pid\": " + e.dump().substr(0, 200);
     }
     const bool has_ts = e.contains("ts");
-    if (has_ts && (!e["ts"].is_number() || e["ts"].get<double>() < 0)) {
+    if (has_ts && (!e["ts"].is_number() || !(e["ts"].get<double>() >= 0) ||
+                   e["ts"].get<double>() > kMaxTimeUs)) {
       return in.name + ": an event's \"ts\" is not a time: " + e.dump().substr(0, 200);
     }
-    if (e.contains("dur") && (!e["dur"].is_number() || e["dur"].get<double>() < 0)) {
+    if (e.contains("dur") && (!e["dur"].is_number() || !(e["dur"].get<double>() >= 0) ||
+                              e["dur"].get<double>() > kMaxTimeUs)) {
       return in.name + ": an event's \"dur\" is not a duration: " + e.dump().substr(0, 200);
     }
     if (!has_ts || e["ph"] == "M") continue;
@@ -115,7 +136,7 @@ std::string read_input(Input& in) {
 std::optional<std::int64_t> align_point(const Input& in, const AlignStep& align) {
   std::vector<std::int64_t> starts;
   for (const json& e : in.doc["traceEvents"]) {
-    if (e["ph"] == "X" && e.value("name", std::string()) == align.step && e.contains("ts")) {
+    if (e["ph"] == "X" && string_field(e, "name") == align.step && e.contains("ts")) {
       starts.push_back(ns_of(e["ts"]));
     }
   }
@@ -135,11 +156,18 @@ ProcessName parse_process_name(const std::string& name) {
   ProcessName out;
   const std::size_t close = name.find(']');
   out.comm_pid = close == std::string::npos ? name : name.substr(0, close + 1);
-  static const std::regex kRank(" rank ([0-9]+)");
-  std::smatch m;
-  // After "[pid]": a comm may hold anything.
+  // After "[pid]": a comm may hold anything. " rank N", N at most 9 digits (a rank is a
+  // 32-bit number; a longer run of digits is no rank).
   const std::string tail = close == std::string::npos ? "" : name.substr(close + 1);
-  if (std::regex_search(tail, m, kRank)) out.rank = std::stoll(m[1].str());
+  for (std::size_t at = tail.find(" rank "); at != std::string::npos;
+       at = tail.find(" rank ", at + 1)) {
+    const std::size_t from = at + 6;
+    std::size_t to = from;
+    while (to < tail.size() && to - from <= 9 && tail[to] >= '0' && tail[to] <= '9') ++to;
+    if (to == from || to - from > 9) continue;
+    out.rank = std::stoll(tail.substr(from, to - from));
+    break;
+  }
   out.exited = name.size() >= 9 && name.compare(name.size() - 9, 9, " (exited)") == 0;
   return out;
 }
@@ -187,7 +215,18 @@ MergeResult merge_traces(const std::vector<std::string>& documents,
   std::vector<Input> inputs(documents.size());
   for (std::size_t i = 0; i < documents.size(); ++i) {
     inputs[i].name = i < names.size() ? names[i] : "input " + std::to_string(i + 1);
-    inputs[i].doc = json::parse(documents[i], nullptr, false);
+    bool too_deep = false;
+    inputs[i].doc = json::parse(
+        documents[i],
+        [&](int depth, json::parse_event_t, json&) {
+          if (depth > kMaxDepth) too_deep = true;
+          return !too_deep;
+        },
+        false);
+    if (too_deep) {
+      return {"", inputs[i].name + " nests deeper than " + std::to_string(kMaxDepth) +
+                      " levels: not a trace"};
+    }
     if (inputs[i].doc.is_discarded()) return {"", inputs[i].name + " is not valid JSON"};
     if (std::string error = read_input(inputs[i]); !error.empty()) return {"", error};
   }
@@ -240,9 +279,8 @@ MergeResult merge_traces(const std::vector<std::string>& documents,
     for (const json& e : in.doc["traceEvents"]) {
       const std::int64_t old_pid = e["pid"].get<std::int64_t>();
       const std::int64_t pid = pid_of(old_pid);
-      if (e["ph"] == "M" && e.value("name", std::string()) == "process_name" &&
-          e.contains("args") && e["args"].is_object() && e["args"].contains("name") &&
-          e["args"]["name"].is_string()) {
+      if (e["ph"] == "M" && string_field(e, "name") == "process_name" && e.contains("args") &&
+          e["args"].is_object() && e["args"].contains("name") && e["args"]["name"].is_string()) {
         const ProcessName parsed = parse_process_name(e["args"]["name"].get<std::string>());
         std::string track = node;
         if (parsed.rank) track += " / rank " + std::to_string(*parsed.rank);
@@ -325,7 +363,12 @@ int run_trace_merge(const MergeRequest& request) {
     text << in.rdbuf();
     documents.push_back(text.str());
   }
-  const MergeResult merged = merge_traces(documents, request.inputs, align);
+  MergeResult merged;
+  try {
+    merged = merge_traces(documents, request.inputs, align);
+  } catch (const std::exception& e) {  // a field of a type the checks did not expect
+    merged.error = std::string("an input is not a trace this build can read (") + e.what() + ")";
+  }
   if (!merged.error.empty()) {
     say("steptrace: trace merge: " + merged.error + "; nothing was written");
     return kExitFailure;
@@ -339,8 +382,11 @@ int run_trace_merge(const MergeRequest& request) {
   }
   // FILE.partial, renamed when whole: no half-written FILE.
   const std::string partial = request.output + ".partial";
+  // Created exclusively, as `trace` does: a concurrent merge's or a leftover .partial is
+  // not clobbered (--force takes a stale one away first).
+  if (request.force) ::unlink(partial.c_str());
   const int fd =
-      ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+      ::open(partial.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   bool ok = fd >= 0;
   std::string_view data = merged.document;
   while (ok && !data.empty()) {

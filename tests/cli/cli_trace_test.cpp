@@ -1051,4 +1051,48 @@ TEST(CliTraceMerge, BadInputsAreClearErrorsAndWriteNothing) {
   EXPECT_EQ(r.status, 2) << "exists: " << r.err;
 }
 
+// Files a hostile user hands over: fields of the wrong type, a rank of 300,000 digits,
+// JSON nested 200,000 deep, times past 64 bits. Each is a clear error (exit 1) with
+// nothing written, never a crash.
+TEST(CliTraceMerge, HostileFilesAreRefusedNotCrashedOn) {
+  TempDir dir;
+  std::ofstream(dir.file("good.json"))
+      << node_document("n", 1'000'000'000, {{1, "Forward", 0, 1}}, {{1, "p [1]"}});
+  const std::string anchor = R"("otherData":{"ts_origin_unix_ns":1000000000)";
+  const std::map<std::string, std::string> files = {
+      {"host.json", "{\"traceEvents\":[]," + anchor + ",\"host\":7}}"},
+      {"name.json",
+       "{\"traceEvents\":[{\"ph\":\"X\",\"pid\":1,\"tid\":1,\"ts\":1,\"dur\":1,"
+       "\"name\":5}]," +
+           anchor + "}}"},
+      {"rank.json",
+       "{\"traceEvents\":[{\"ph\":\"M\",\"pid\":1,\"ts\":0,\"name\":"
+       "\"process_name\",\"args\":{\"name\":\"p [1] rank " +
+           std::string(300'000, '9') + "\"}}]," + anchor + "}}"},
+      {"deep.json",
+       "{\"traceEvents\":[{\"ph\":\"X\",\"pid\":1,\"ts\":1,\"args\":" + std::string(200'000, '[') +
+           std::string(200'000, ']') + "}]," + anchor + "}}"},
+      {"huge.json",
+       "{\"traceEvents\":[{\"ph\":\"X\",\"pid\":1,\"tid\":1,\"ts\":1e300,"
+       "\"dur\":1,\"name\":\"Forward\"}]," +
+           anchor + "}}"},
+  };
+  TempDir logs;
+  for (const auto& [name, text] : files) {
+    std::ofstream(dir.file(name)) << text;
+    const Output r = run_in(logs, dir.path(),
+                            {STEPTRACE_CLI_BIN, "trace", "merge", "good.json", name, "--align-step",
+                             "Forward", "-o", "out.json"});
+    // A file that is readable after all (a host that is no string is left out) merges;
+    // anything else is refused. Never a signal, never a file from a refused input.
+    EXPECT_TRUE(r.status == 0 || r.status == 1) << name << ": " << r.status << " " << r.err;
+    if (r.status == 1) {
+      EXPECT_THAT(r.err, HasSubstr(name)) << r.err;
+      EXPECT_FALSE(fs::exists(dir.file("out.json"))) << name;
+    }
+    EXPECT_FALSE(fs::exists(dir.file("out.json.partial"))) << name;
+    fs::remove(dir.file("out.json"));
+  }
+}
+
 }  // namespace
