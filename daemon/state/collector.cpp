@@ -12,6 +12,7 @@
 
 #include "daemon/state/collector_state.h"
 #include "daemon/state/counter_table.h"
+#include "daemon/state/rank_window.h"
 #include "proto/printable.h"
 
 namespace steptrace::daemon {
@@ -211,9 +212,20 @@ std::size_t Collector::reset(std::optional<std::int32_t> pid) {
       uncharge(state, rec, heap::histogram_heap_bytes(step.hist));  // its chunks go
       step.clear();
     }
+    // Its rank's window starts again: cumulative figures that went backwards would
+    // make nonsense of the window's deltas (a view keeps the old map; the next sample
+    // recounts the windows' charge).
+    if (pid && rec.rank != proto::kNoRank) {
+      auto windows = std::make_shared<RankWindows>(*state.rank_windows);
+      if (windows->erase(RankWindowKey{rec.peer.uid, rec.job, rec.rank}) != 0) {
+        state.rank_windows = std::move(windows);
+      }
+    }
     ++cleared;
   }
   if (!pid) {
+    for (const auto& [uid, held] : state.rank_windows_by_uid) uncharge_uid(state, uid, held);
+    state.rank_windows_by_uid.clear();
     state.remove_retired(state.retired_charged);
     state.retired = std::make_shared<RetiredHistograms>();
     state.retired_jobs = std::make_shared<RetiredJobs>();

@@ -168,12 +168,19 @@ void retire_job(CollectorState& state, const ProcessRecord& rec) {
     if (it != job.ranks.end()) rank_steps = &it->second;
   }
   const auto add_to = [&](JobStepMap& steps, std::string_view name, const StepAgg& agg) {
+    const bool per_rank = &steps != &job.steps;
     auto step = steps.find(name);
     if (step == steps.end()) {
-      if (steps.size() >= RetiredJob::kMaxJobSteps) name = "(other)";
+      if (steps.size() >= RetiredJob::kMaxJobSteps ||
+          (per_rank && job.rank_steps >= RetiredJob::kMaxJobRankSteps)) {
+        name = "(other)";
+      }
       const auto added = steps.try_emplace(std::string(name));
       step = added.first;
-      if (added.second) state.add_retired(heap::retired_job_step_bytes(name));
+      if (added.second) {
+        state.add_retired(heap::retired_job_step_bytes(name));
+        if (per_rank) ++job.rank_steps;
+      }
     }
     step->second.count = saturating_add(step->second.count, agg.hist.count());
     step->second.total_ns = saturating_add(step->second.total_ns, agg.hist.sum());

@@ -211,6 +211,11 @@ struct RetiredJob {
   std::uint64_t retired_order = 0;                  // increasing: the least recent goes first
   static constexpr std::size_t kMaxJobSteps = 256;  // beyond: merged into "(other)"
   static constexpr std::size_t kMaxJobRanks = 1024;
+  // (rank, step) names over all its ranks: past it, a rank's new step name goes to that
+  // rank's "(other)", so a job's per-rank totals (and their metric series) stay bounded
+  // however many ranks x names its processes bring (at most this + kMaxJobRanks).
+  static constexpr std::size_t kMaxJobRankSteps = 4096;
+  std::size_t rank_steps = 0;  // (rank, step) names in `ranks`
 };
 using RetiredJobs = std::map<JobKey, RetiredJob, std::less<>>;
 // The most retired jobs the state can hold (see RetiredJob), for a snapshot's reader.
@@ -296,6 +301,7 @@ struct CollectorState {
   // retired totals, part of retired_charged) and when it was last sampled.
   std::shared_ptr<const RankWindows> rank_windows = std::make_shared<const RankWindows>();
   std::size_t rank_windows_charged = 0;
+  std::map<std::uint32_t, std::size_t> rank_windows_by_uid;  // of it, per uid (charged_by_uid)
   std::uint64_t rank_windows_sampled_ns = 0;
   Limits job_limits;                   // max_jobs, max_jobs_per_uid, rank_skew
   DaemonCounters* counters = nullptr;  // the io thread's (a view never writes)

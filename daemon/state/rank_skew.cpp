@@ -22,8 +22,9 @@ double off_ratio(double value, double median, bool waiting) {
 }
 
 // Sustained: the suspect is off in its pieces too, index by index against the median of
-// the other ranks' pieces there; in at least half of the pieces it has, and in two when
-// it has two or more (so one slow sample interval is not enough).
+// the other ranks' pieces there (its own left out); in at least half of the pieces it
+// has, in two when it has two or more, and in no fewer than min_pieces (so one slow
+// sample interval of a window is not enough).
 bool sustained(const RankStepInput& suspect, const std::vector<RankStepInput>& ranks, bool waiting,
                const RankSkewRules& rules) {
   std::size_t valid = 0, off = 0;
@@ -32,13 +33,14 @@ bool sustained(const RankStepInput& suspect, const std::vector<RankStepInput>& r
     if (std::isnan(mine)) continue;
     std::vector<double> all;
     for (const RankStepInput& r : ranks) {
+      if (r.rank == suspect.rank) continue;
       if (i < r.pieces.size() && !std::isnan(r.pieces[i])) all.push_back(r.pieces[i]);
     }
     if (all.size() < 2) continue;
     ++valid;
     if (off_ratio(mine, median_of(std::move(all)), waiting) >= rules.ratio) ++off;
   }
-  if (valid == 0) return false;
+  if (valid == 0 || valid < suspect.min_pieces) return false;
   return off * 2 >= valid && (valid < 2 || off >= 2);
 }
 

@@ -39,6 +39,10 @@ struct RankStepInput {
   // Sustained: values comparable across ranks index by index (the run: its median span;
   // a window: the mean of each sample interval, NaN where it ended no span).
   std::vector<double> pieces;
+  // The pieces the suspect must have to be called sustained: the run's single piece is
+  // its median span (1); a window needs two sample intervals at least (2), so that one
+  // slow interval (a job's uneven start, say) is never enough.
+  std::size_t min_pieces = 1;
 };
 
 struct RankStepFigure {

@@ -1,7 +1,9 @@
 #include "daemon/state/rank_window.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <memory>
 #include <utility>
 
@@ -70,6 +72,7 @@ void sample_rank_windows(CollectorState& state, std::uint64_t now_ns) {
   // The new rings, from the old ones (a view may hold those: never written in place).
   auto next = std::make_shared<RankWindows>();
   std::size_t bytes = 0;
+  std::map<std::uint32_t, std::size_t> by_uid;
   for (auto& [key, steps] : now) {
     RankWindow ring;
     if (const auto old = state.rank_windows->find(key); old != state.rank_windows->end()) {
@@ -79,28 +82,48 @@ void sample_rank_windows(CollectorState& state, std::uint64_t now_ns) {
     ring.times_ns.push_back(now_ns);
     for (const auto& [name, c] : steps) {
       auto it = ring.steps.find(name);
-      // A step first seen now had nothing before.
+      // A step first seen now had nothing before. At most kMaxJobSteps steps a rank (as
+      // its retired totals): past them a new name is left out of the windows.
       if (it == ring.steps.end()) {
+        if (ring.steps.size() >= RetiredJob::kMaxJobSteps) continue;
         it = ring.steps.try_emplace(name, std::deque<RankCumulative>(before)).first;
       }
       it->second.push_back(c);
     }
-    // A step the rank no longer has (its process was forgotten) keeps its last figures.
-    for (auto& [name, samples] : ring.steps) {
+    // A step the rank no longer has (its process was forgotten) keeps its last figures
+    // while they still make a difference to some window; once every sample is the same,
+    // it adds nothing to any window and goes (so churned step names do not pile up).
+    for (auto it = ring.steps.begin(); it != ring.steps.end();) {
+      auto& samples = it->second;
       if (samples.size() == before) {
         samples.push_back(samples.empty() ? RankCumulative{} : samples.back());
+        const RankCumulative last = samples.back();
+        if (std::all_of(samples.begin(), samples.end(), [&](const RankCumulative& c) {
+              return c.spans == last.spans && c.total_ns == last.total_ns;
+            })) {
+          it = ring.steps.erase(it);
+          continue;
+        }
       }
+      ++it;
     }
     while (ring.times_ns.size() > rules.window_samples) {
       ring.times_ns.pop_front();
       for (auto& [name, samples] : ring.steps) samples.pop_front();
     }
-    bytes += rank_window_bytes(key, ring);
+    const std::size_t ring_bytes = rank_window_bytes(key, ring);
+    bytes += ring_bytes;
+    by_uid[key.uid] += ring_bytes;
     next->emplace(key, std::move(ring));
   }
   state.remove_retired(state.rank_windows_charged);
   state.rank_windows_charged = bytes;
   state.add_retired(bytes);
+  // Each uid's windows count in its share of the budget too (admit_state): a tenant whose
+  // ranks bring many steps pays for their windows with its own room, not everyone's.
+  for (const auto& [uid, held] : state.rank_windows_by_uid) uncharge_uid(state, uid, held);
+  for (const auto& [uid, held] : by_uid) charge_uid(state, uid, held);
+  state.rank_windows_by_uid = std::move(by_uid);
   state.rank_windows = std::move(next);
 }
 

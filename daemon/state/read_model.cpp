@@ -307,7 +307,7 @@ JobRankSkew CollectorView::rank_skew(const JobFigures& job,
       std::vector<double> pieces(intervals - step.interval_means.size(),
                                  std::numeric_limits<double>::quiet_NaN());
       pieces.insert(pieces.end(), step.interval_means.begin(), step.interval_means.end());
-      by_step[name].push_back({rank, step.spans, step.total_ns, std::move(pieces)});
+      by_step[name].push_back({rank, step.spans, step.total_ns, std::move(pieces), 2});
     }
   }
   for (const auto& [name, inputs] : by_step) {

@@ -812,5 +812,53 @@ TEST_F(ReportTest, ADaemonThatStartedEmptyOrWithoutStateDirSaysSo) {
             std::string::npos)
       << text;
 }
+// Sums the samples of one metric family in an exposition: how many series, and their total.
+std::pair<std::size_t, double> family_totals(const std::string& text, const std::string& name) {
+  std::size_t series = 0;
+  double total = 0;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(name + "{", 0) != 0) continue;
+    ++series;
+    total += std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return {series, total};
+}
+
+// Issue 27's per-rank series keep what evicted processes left, per (job, rank, step): a
+// tenant whose ranks bring ever new step names cannot grow them without bound. Past
+// RetiredJob::kMaxJobRankSteps names a rank's new names go to its "(other)": every span
+// still counted, the series bounded.
+TEST(ReportRankSeries, EvictedRanksStepNamesAreBoundedAndNothingIsLost) {
+  FakeWorld world;
+  Limits limits;
+  limits.max_exited_processes = 1;  // each exit evicts the one before
+  Collector collector(limits, world.env());
+  constexpr int kRanks = 40, kSteps = 200;  // 8,000 (rank, step) names: past the 4,096
+  for (int r = 0; r < kRanks; ++r) {
+    const auto pid = static_cast<std::int32_t>(1000 + r);
+    Connection c(collector, world.spawn(pid, 1, "rank"));
+    ASSERT_FALSE(c.identity("big", static_cast<std::uint32_t>(r), 0, kRanks));
+    std::vector<proto::EventRecord> events;
+    for (int s = 0; s < kSteps; ++s) {
+      const auto id = static_cast<std::uint32_t>(256 + s);
+      ASSERT_FALSE(c.register_step(id, "r" + std::to_string(r) + "-s" + std::to_string(s)));
+      events.push_back(start(1, id, 10 * s));
+      events.push_back(end(1, id, 10 * s + 5));
+    }
+    ASSERT_FALSE(c.events(events));
+    world.kill(pid);
+    c.close();
+  }
+  const std::string metrics = report::metrics_text(*collector.freeze());
+  const auto [series, spans] = family_totals(metrics, "steptrace_job_rank_step_spans_total");
+  // RetiredJob::kMaxJobRankSteps, an "(other)" a rank, and the last process's own steps
+  // (it exited but is still in the table: max_exited_processes 1).
+  EXPECT_LE(series, 4096u + kRanks + kSteps) << "series";
+  EXPECT_GT(series, 4000u);
+  EXPECT_EQ(spans, static_cast<double>(kRanks * kSteps));  // every span, somewhere
+  EXPECT_NE(metrics.find("step=\"(other)\""), std::string::npos);
+}
+
 }  // namespace
 }  // namespace steptrace::daemon

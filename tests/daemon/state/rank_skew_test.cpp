@@ -58,6 +58,14 @@ TEST(RankSkewTest, OneSlowIterationIsNotAStraggler) {
   // ...slow in four of them is.
   ranks[2].pieces = {100e6, 10e6, 100e6, 100e6, kNaN, 100e6};
   EXPECT_TRUE(step_skew("Forward", false, ranks, RankSkewRules{})->straggler);
+  // A window that covers one sample interval (early in a run, or --window shorter than
+  // the sample interval): one slow interval is never enough, however slow.
+  for (auto& r : ranks) {
+    r.pieces = {10e6};
+    r.min_pieces = 2;
+  }
+  ranks[2].pieces = {100e6};
+  EXPECT_FALSE(step_skew("Forward", false, ranks, RankSkewRules{})->straggler);
 }
 
 TEST(RankSkewTest, AWaitingStepNamesTheRankThatWaitsLeast) {
