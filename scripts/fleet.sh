@@ -151,18 +151,24 @@ for ((n = 0; n < nodes; n++)); do
     (( rank == slow_rank )) && slow=(slow)
     STEPTRACE_SOCKET="$tmp/node$n/d.sock" STEPTRACE_JOB=fleet-job RANK=$rank \
       LOCAL_RANK=$i WORLD_SIZE=$world STEPTRACE_QUIET=1 \
-      "$rank_bin" "$steps" "$span_ms" 0 "${slow[@]}" >"$tmp/node$n/rank$rank.log" 2>&1 &
+      "$rank_bin" "$steps" "$span_ms" "$((deadline + 60))" "${slow[@]}" >"$tmp/node$n/rank$rank.log" 2>&1 &
     pids+=($!)
     rank_pids+=($!)
   done
 done
 
-# Is the contract's per-rank counter there yet? Wait for the first spans to arrive.
-sleep 2
-metrics=$(curl -sf --noproxy '*' "http://127.0.0.1:${ports[0]}/metrics")
-if grep -q '^steptrace_job_rank_step_seconds_total{' <<<"$metrics"; then
-  rank_source=daemon
-else
+# Is the contract's per-rank counter there? Wait (up to 30 s on a loaded machine) for the
+# first spans to arrive; only a steptraced without it gets the shim.
+rank_source=""
+for _ in $(seq 60); do
+  metrics=$(curl -sf --noproxy '*' "http://127.0.0.1:${ports[0]}/metrics" || true)
+  if grep -q '^steptrace_job_rank_step_seconds_total{' <<<"$metrics"; then
+    rank_source=daemon
+    break
+  fi
+  sleep 0.5
+done
+if [[ -z $rank_source ]]; then
   rank_source=shim
   echo "fleet.sh: this steptraced has no steptrace_job_rank_step_*_total yet:" \
     "recording them from steptrace_process_step_*_total (shim rule)"
