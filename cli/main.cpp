@@ -240,7 +240,7 @@ bool use_ansi() {
   return term == nullptr || std::string_view(term) != "dumb";
 }
 
-// top's signals (SIGINT, SIGTERM, SIGHUP: quit; SIGWINCH: redraw) set these and write a
+// top's signals (SIGINT, SIGTERM, SIGHUP, SIGQUIT: quit; SIGWINCH: redraw) set these and write a
 // byte to the wake pipe, so a poll() that waits for a key or the next refresh returns at
 // once instead of racing the flag.
 volatile std::sig_atomic_t g_top_quit = 0;
@@ -278,7 +278,8 @@ void catch_top_signals() {
   action.sa_handler = on_top_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = 0;  // no SA_RESTART: poll() returns EINTR
-  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGWINCH}) {
+  // SIGQUIT (Ctrl-\) too: its default, a core dump, would leave the terminal raw.
+  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGWINCH}) {
     ::sigaction(signal_number, &action, nullptr);
   }
 }
@@ -794,6 +795,9 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
     if (got == 0) return kExitOk;  // end of input
     for (ssize_t i = 0; i < got; ++i) {
       switch (keys[i]) {
+        case 27:  // an escape sequence (a function or arrow key, F2 is ESC O Q): not keys
+          i = got;
+          break;
         case 'q':
         case 'Q':
         case 3:  // Ctrl-C with ISIG off (some terminals' raw mode)
