@@ -85,7 +85,7 @@ for _ in $(seq 600); do # up to 30 s: a loaded 2-core machine starts them slowly
 done
 ((connected)) || fail "the --children trainer's 2 workers did not connect within 30 s"
 sleep 0.5 # the workers train
-"$steptrace" --socket node1.sock trace --pid "$parent" --children --last 2 -o children.json
+"$steptrace" --socket node1.sock trace --pid "$parent" --children --last 0.2 -o children.json
 python3 - "$parent" <<'PY' || fail "--children did not take the workers along"
 import json, sys
 doc = json.load(open("children.json"))
