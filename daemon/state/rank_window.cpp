@@ -141,7 +141,11 @@ RankWindowFigures window_figures(const RankWindow& ring, std::uint64_t window_ns
     }
   }
   out.covered_ns = newest - ring.times_ns[first];
-  for (const auto& [name, samples] : ring.steps) {
+  for (const auto& entry : ring.steps) {
+    // Named, not bound: the lambda below captures them (clang 14 cannot capture a
+    // structured binding).
+    const std::string& name = entry.first;
+    const auto& samples = entry.second;
     RankWindowStep step;
     // Counters that went backwards (the retired totals forgotten) count as nothing.
     const auto delta = [&](std::size_t a, std::size_t b) {
