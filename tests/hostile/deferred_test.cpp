@@ -38,6 +38,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/temporary_user.h"
+#include "tests/support/two_users.h"
 
 namespace steptrace::testing {
 namespace {
@@ -111,15 +112,8 @@ ClientAs::Body one_command(std::string socket, std::string line) {
 class HostileDeferredTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) {
-      GTEST_SKIP() << "needs root: it creates two temporary users (useradd) and runs clients "
-                      "as them; CI runs it as root";
-    }
-    const std::string tag = std::to_string(::getpid() % 1000000);
-    greedy_ = std::make_unique<TemporaryUser>("stdefer" + tag + "a");
-    other_ = std::make_unique<TemporaryUser>("stdefer" + tag + "b");
-    ASSERT_TRUE(greedy_->created()) << "useradd " << greedy_->name() << " failed";
-    ASSERT_TRUE(other_->created()) << "useradd " << other_->name() << " failed";
+    make_two_users("stdefer", greedy_, other_);
+    if (IsSkipped() || HasFatalFailure()) return;
     // The users must reach the socket: the directory searchable, the socket for everyone.
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
   }

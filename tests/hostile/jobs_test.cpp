@@ -40,6 +40,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/temporary_user.h"
+#include "tests/support/two_users.h"
 
 namespace steptrace::testing {
 namespace {
@@ -196,15 +197,8 @@ std::uint64_t forward_total(const json& report) {
 class HostileJobsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) {
-      GTEST_SKIP() << "needs root: it creates two temporary users (useradd) and runs trainers "
-                      "as them; CI runs it as root";
-    }
-    const std::string tag = std::to_string(::getpid() % 1000000);
-    owner_ = std::make_unique<TemporaryUser>("stjobs" + tag + "a");
-    other_ = std::make_unique<TemporaryUser>("stjobs" + tag + "b");
-    ASSERT_TRUE(owner_->created()) << "useradd " << owner_->name() << " failed";
-    ASSERT_TRUE(other_->created()) << "useradd " << other_->name() << " failed";
+    make_two_users("stjobs", owner_, other_);
+    if (IsSkipped() || HasFatalFailure()) return;
     // The users must reach the socket: the directory searchable, the socket for everyone.
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
     const std::string config = dir_.file("steptraced.json");

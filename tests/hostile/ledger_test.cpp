@@ -39,6 +39,7 @@
 #include "tests/support/daemon_process.h"
 #include "tests/support/ledger_json.h"
 #include "tests/support/temporary_user.h"
+#include "tests/support/two_users.h"
 
 namespace steptrace::testing {
 namespace {
@@ -176,15 +177,8 @@ class Child {
 class HostileLedgerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) {
-      GTEST_SKIP() << "needs root: it creates two temporary users (useradd) and runs clients "
-                      "as them; CI runs it as root";
-    }
-    const std::string tag = std::to_string(::getpid() % 1000000);
-    holder_user_ = std::make_unique<TemporaryUser>("sthostile" + tag + "a");
-    other_user_ = std::make_unique<TemporaryUser>("sthostile" + tag + "b");
-    ASSERT_TRUE(holder_user_->created()) << "useradd " << holder_user_->name() << " failed";
-    ASSERT_TRUE(other_user_->created()) << "useradd " << other_user_->name() << " failed";
+    make_two_users("sthostile", holder_user_, other_user_);
+    if (IsSkipped() || HasFatalFailure()) return;
     holder_ = as_user(*holder_user_);
     other_ = as_user(*other_user_);
     // The users must reach the socket: the directory searchable, the socket for everyone

@@ -44,6 +44,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/temporary_user.h"
+#include "tests/support/two_users.h"
 
 namespace steptrace::testing {
 namespace {
@@ -188,15 +189,8 @@ Timed parse_timed(const std::string& said) {
 class HostileRenderTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) {
-      GTEST_SKIP() << "needs root: it creates two temporary users (useradd) and runs clients "
-                      "as them; CI runs it as root";
-    }
-    const std::string tag = std::to_string(::getpid() % 1000000);
-    greedy_ = std::make_unique<TemporaryUser>("strender" + tag + "a");
-    other_ = std::make_unique<TemporaryUser>("strender" + tag + "b");
-    ASSERT_TRUE(greedy_->created()) << "useradd " << greedy_->name() << " failed";
-    ASSERT_TRUE(other_->created()) << "useradd " << other_->name() << " failed";
+    make_two_users("strender", greedy_, other_);
+    if (IsSkipped() || HasFatalFailure()) return;
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
   }
 

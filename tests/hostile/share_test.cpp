@@ -31,6 +31,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/temporary_user.h"
+#include "tests/support/two_users.h"
 
 namespace steptrace::testing {
 namespace {
@@ -83,15 +84,8 @@ std::uint64_t accounted(const json& process) {
 class HostileShareTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) {
-      GTEST_SKIP() << "needs root: it creates two temporary users (useradd) and runs clients "
-                      "as them; CI runs it as root";
-    }
-    const std::string tag = std::to_string(::getpid() % 1000000);
-    greedy_ = std::make_unique<TemporaryUser>("stshare" + tag + "a");
-    innocent_ = std::make_unique<TemporaryUser>("stshare" + tag + "b");
-    ASSERT_TRUE(greedy_->created()) << "useradd " << greedy_->name() << " failed";
-    ASSERT_TRUE(innocent_->created()) << "useradd " << innocent_->name() << " failed";
+    make_two_users("stshare", greedy_, innocent_);
+    if (IsSkipped() || HasFatalFailure()) return;
     // The users must reach the socket: the directory searchable, the socket for everyone.
     ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
   }
