@@ -8,6 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import unittest
 
 
 def command(sock_path, line, timeout=10.0):
@@ -71,3 +72,28 @@ class Daemon:
         self.proc.wait()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ConnectedTestCase(unittest.TestCase):
+    """Tests of one process connected to its own steptraced for the whole class; each
+    test starts with everything flushed and this process's figures reset."""
+
+    @classmethod
+    def setUpClass(cls):
+        import steptrace  # by then the test has put the package on sys.path
+
+        cls.daemon = Daemon()
+        assert steptrace.connect(cls.daemon.socket) == 0
+
+    @classmethod
+    def tearDownClass(cls):
+        import steptrace
+
+        steptrace.shutdown()
+        cls.daemon.close()
+
+    def setUp(self):
+        import steptrace
+
+        self.assertEqual(steptrace.flush(10000), 0)
+        self.daemon.reset(os.getpid())

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import steptrace  # noqa: E402
 import steptrace.torch as st_torch  # noqa: E402
-from python_testutil import Daemon  # noqa: E402
+from python_testutil import ConnectedTestCase  # noqa: E402
 
 LAYERS = 2
 STEPS = 5
@@ -73,22 +73,12 @@ def train(model, steps, instrumented=True):
     return backward_ns
 
 
-class RealTorchTest(unittest.TestCase):
+class RealTorchTest(ConnectedTestCase):
     @classmethod
     def setUpClass(cls):
         torch.manual_seed(0)
         torch.set_num_threads(1)  # CI shares few cores
-        cls.daemon = Daemon()
-        assert steptrace.connect(cls.daemon.socket) == 0
-
-    @classmethod
-    def tearDownClass(cls):
-        steptrace.shutdown()
-        cls.daemon.close()
-
-    def setUp(self):
-        self.assertEqual(steptrace.flush(10000), 0)
-        self.daemon.reset(os.getpid())
+        super().setUpClass()
 
     def steps(self):
         self.assertEqual(steptrace.flush(10000), 0)

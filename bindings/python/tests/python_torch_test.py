@@ -25,7 +25,7 @@ import warnings
 
 import steptrace
 import steptrace.torch as st_torch
-from python_testutil import Daemon
+from python_testutil import ConnectedTestCase
 
 WORK_S = 0.004  # what the stub's forward and backward take
 WORK_NS = int(WORK_S * 1e9)
@@ -130,20 +130,9 @@ class StubEngine:
                 callback()
 
 
-class TorchStubTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        assert steptrace.connect(cls.daemon.socket) == 0
-
-    @classmethod
-    def tearDownClass(cls):
-        steptrace.shutdown()
-        cls.daemon.close()
-
+class TorchStubTest(ConnectedTestCase):
     def setUp(self):
-        self.assertEqual(steptrace.flush(10000), 0)
-        self.daemon.reset(os.getpid())
+        super().setUp()
         self.engine = None
         self.addCleanup(setattr, st_torch, "_queue_callback", st_torch._queue_callback)
 
