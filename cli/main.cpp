@@ -50,6 +50,8 @@
 #include <vector>
 
 #include "cli/control_client.h"
+#include "cli/top_request.h"
+#include "cli/top_terminal.h"
 #include "cli/top_view.h"
 #include "cli/trace_command.h"
 #include "cli/trace_merge.h"
@@ -61,6 +63,7 @@
 namespace {
 
 using steptrace::cli::CommandFailure;
+using steptrace::cli::CommandResult;
 using steptrace::cli::kDaemonAnswered;
 using steptrace::cli::kExitFailure;
 using steptrace::cli::kExitOk;
@@ -112,13 +115,15 @@ constexpr const char* kTopFooter =
     "! on a straggler of its job, comm, traced time, busiest step, what it does now; a\n"
     "process polling for VRAM shows WAITING FOR VRAM), the rest summarised in one line, then\n"
     "the VRAM ledger per GPU. Refreshed every --interval seconds (or --iterations N times).\n"
-    "Keys: q quit (Ctrl-C too; exit 0), t/n/p sort by time/name/pid, j next job, a all\n"
-    "jobs, space refresh now, Ctrl-Z suspend (fg resumes).\n"
+    "Keys: q quit (Ctrl-C too; exit 0, at once, even while a refresh waits for the daemon),\n"
+    "t/n/p sort by time/name/pid, j next job, a all jobs, space refresh now, Ctrl-Z suspend\n"
+    "(fg resumes).\n"
     "--once: one screen and exit, for scripts (as wide as the terminal, or unlimited when\n"
-    "piped; no escape codes unless on a terminal). Piped without --once: a detailed frame\n"
-    "per refresh (each thread's open span, each step's totals) as plain text; when the\n"
-    "reader goes away (steptrace top | head -3) it ends at once. NO_COLOR or TERM=dumb: no\n"
-    "escape codes at all (the screens follow each other, keys still work).\n";
+    "piped; no escape codes unless on a terminal); Ctrl-C ends it like any command (130).\n"
+    "Piped without --once: a detailed frame per refresh (each thread's open span, each\n"
+    "step's totals) as plain text; when the reader goes away (steptrace top | head -3) it\n"
+    "ends at once. NO_COLOR or TERM=dumb: no escape codes at all (the screens follow each\n"
+    "other, keys still work).\n";
 
 constexpr const char* kVersionFooter =
     "Human-readable: the CLI's version, and the daemon's version and protocol when it\n"
@@ -594,19 +599,18 @@ std::string top_report_line(const Options& options) {
   return line;
 }
 
-// The daemon's report for top, or the line that says why there is none.
-std::variant<nlohmann::json, std::string> fetch_report(const SocketPath& socket,
-                                                       const Options& options) {
-  const std::string line = top_report_line(options);
-  const auto timeout = to_ms(options.timeout_s);
-  auto result = steptrace::cli::run_command(socket.path, line, timeout);
+// The daemon's reply to `line` read as top's report, or the line that says why there is
+// none (printable: it goes on the screen as it is).
+std::variant<nlohmann::json, std::string> report_of(CommandResult result, const SocketPath& socket,
+                                                    const std::string& line,
+                                                    std::chrono::milliseconds timeout) {
   if (const auto* failure = std::get_if<CommandFailure>(&result)) {
     return steptrace::cli::describe_failure(*failure, socket, line, timeout);
   }
   std::string& reply = std::get<std::string>(result);
   if (reply.rfind("error:", 0) == 0) {
     while (!reply.empty() && reply.back() == '\n') reply.pop_back();
-    return kDaemonAnswered + reply;
+    return kDaemonAnswered + steptrace::proto::printable(reply);
   }
   nlohmann::json report = nlohmann::json::parse(reply, nullptr, /*allow_exceptions=*/false);
   if (report.is_discarded() || !report.is_object()) {
@@ -616,13 +620,46 @@ std::variant<nlohmann::json, std::string> fetch_report(const SocketPath& socket,
   return report;
 }
 
-Frame top_frame(const SocketPath& socket, const Options& options, bool color) {
-  auto fetched = fetch_report(socket, options);
-  if (auto* problem = std::get_if<std::string>(&fetched)) return {std::move(*problem), false};
+// The daemon's report for top, or the line that says why there is none (blocking: for
+// `top --once`, which a signal ends the default way).
+std::variant<nlohmann::json, std::string> fetch_report(const SocketPath& socket,
+                                                       const Options& options) {
+  const std::string line = top_report_line(options);
+  const auto timeout = to_ms(options.timeout_s);
+  return report_of(steptrace::cli::run_command(socket.path, line, timeout), socket, line, timeout);
+}
+
+// fetch_report(), but nullopt as soon as a quitting signal comes (the wake pipe says so)
+// instead of after the reply or the timeout: a stopped daemon does not hold Ctrl-C up.
+std::optional<std::variant<nlohmann::json, std::string>> fetch_report_unless_quit(
+    const SocketPath& socket, const Options& options) {
+  const std::string line = top_report_line(options);
+  const auto timeout = to_ms(options.timeout_s);
+  steptrace::cli::PendingCommand pending(socket.path, line, timeout);
+  while (!pending.done()) {
+    if (g_top_quit != 0) return std::nullopt;
+    pollfd fds[2] = {pending.poll_entry(), {g_wake_read, POLLIN, 0}};
+    if (::poll(fds, 2, pending.poll_timeout_ms()) > 0 && (fds[1].revents & POLLIN) != 0) {
+      drain_wake_pipe();
+    }
+    pending.advance();
+  }
+  if (g_top_quit != 0) return std::nullopt;
+  return report_of(pending.take_result(), socket, line, timeout);
+}
+
+// nullopt: a quitting signal came first.
+std::optional<Frame> top_frame(const SocketPath& socket, const Options& options, bool color) {
+  auto fetching = fetch_report_unless_quit(socket, options);
+  if (!fetching) return std::nullopt;
+  auto& fetched = *fetching;
+  if (auto* problem = std::get_if<std::string>(&fetched)) {
+    return Frame{std::move(*problem), false};
+  }
   steptrace::cli::TopStyle style;
   style.color = color;
   style.note = fmt::format("{}, every {:g} s, {}", wall_clock(), options.interval_s, socket.path);
-  return {steptrace::cli::render_top(std::get<nlohmann::json>(fetched), style), true};
+  return Frame{steptrace::cli::render_top(std::get<nlohmann::json>(fetched), style), true};
 }
 
 // The terminal's size, or 0x0 when standard output is none (or does not say).
@@ -662,80 +699,48 @@ int run_top_once(const SocketPath& socket, const Options& options) {
   return exit_status(write_stdout(text));
 }
 
-// The terminal as an interactive top needs it, for as long as this lives: keys one at a
-// time without echo (Ctrl-C still a signal), and, where escape sequences may be used, the
-// alternate screen with the cursor hidden. The destructor puts everything back, on every
-// way out (q, a signal, an error).
-class TerminalSession {
- public:
-  explicit TerminalSession(bool ansi) : ansi_(ansi) {
-    have_saved_ = ::tcgetattr(STDIN_FILENO, &saved_) == 0;
-    enter();
-  }
-  ~TerminalSession() { leave(); }
-  TerminalSession(const TerminalSession&) = delete;
-  TerminalSession& operator=(const TerminalSession&) = delete;
-
-  // Ctrl-Z: the shell gets its terminal back as it was, and top its own on `fg`.
-  void suspend() {
-    leave();
-    ::raise(SIGSTOP);
-    enter();
-  }
-
- private:
-  void enter() {
-    if (have_saved_) {
-      termios raw = saved_;
-      raw.c_lflag &= ~static_cast<tcflag_t>(ICANON | ECHO);
-      raw.c_cc[VMIN] = 0;
-      raw.c_cc[VTIME] = 0;
-      ::tcsetattr(STDIN_FILENO, TCSANOW, &raw);
-    }
-    if (ansi_) write_stdout("\x1b[?1049h\x1b[?25l");  // alternate screen, cursor hidden
-  }
-  void leave() {
-    if (ansi_) write_stdout("\x1b[?25h\x1b[?1049l");  // cursor shown, main screen back
-    if (have_saved_) ::tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
-  }
-
-  bool ansi_;
-  bool have_saved_ = false;
-  termios saved_{};
-};
-
 // `top` with a terminal on both ends: a screen that fits the terminal, redrawn in place
 // at every refresh, on every key and on every resize; q, Ctrl-C (or SIGTERM, SIGHUP)
 // end it with status 0. Without escape sequences (NO_COLOR, TERM=dumb) the screens
 // follow each other as plain text, still fitted and still driven by the keys.
+//
+// One poll() waits for everything at once: the keys, the signals (the wake pipe), the
+// refresh under way (PendingCommand: its socket and deadline) or the next one's time. So
+// q and Ctrl-C quit at once while the daemon is slow to answer (stopped, or a big
+// table), and the keys and resizes redraw the last report meanwhile. The terminal is
+// in top's modes from the start (TerminalSession: keys at once, restored on every way
+// out); the alternate screen only from the first report on, so that a first refresh
+// that fails says why on the terminal the user sees (exit 1, like every subcommand).
 int run_top_interactive(const SocketPath& socket, const Options& options, bool ansi) {
-  auto fetched = fetch_report(socket, options);
-  if (const auto* problem = std::get_if<std::string>(&fetched)) {
-    write_line(stderr, *problem);  // nothing to show yet: fail like every other subcommand
-    return kExitFailure;
-  }
-  nlohmann::json report = std::move(std::get<nlohmann::json>(fetched));
-  std::string problem;  // the last refresh's failure, shown until one succeeds
-  steptrace::cli::TopScreen screen;
-  screen.sort = parse_sort(options.sort);
-  screen.color = ansi;
-  screen.keys = kTopKeys;
-  int refreshes = 1;
-
-  TerminalSession session(ansi);
+  steptrace::cli::TerminalSession session(STDIN_FILENO, stdout, ansi);
   // Only while the session lasts: elsewhere Ctrl-Z stops top the default way.
   struct sigaction suspend_action {};
   suspend_action.sa_handler = on_top_signal;
   sigemptyset(&suspend_action.sa_mask);
   ::sigaction(SIGTSTP, &suspend_action, nullptr);
+  struct RestoreSuspend {
+    ~RestoreSuspend() { ::signal(SIGTSTP, SIG_DFL); }
+  } restore_suspend;
+
+  std::optional<nlohmann::json> report;  // the last one received
+  std::string problem;                   // the last refresh's failure, shown until one succeeds
+  steptrace::cli::TopScreen screen;
+  screen.sort = parse_sort(options.sort);
+  screen.color = ansi;
+  screen.keys = kTopKeys;
+  int refreshes = 0;
+  const std::string line = top_report_line(options);
+  const auto timeout = to_ms(options.timeout_s);
+
   const auto draw = [&]() {
+    session.show();
     const auto [width, height] = terminal_size();
     screen.width = width;
     screen.height = height;
     screen.note = problem.empty() ? fmt::format("{}, every {:g} s, {}", wall_clock(),
                                                 options.interval_s, socket.path)
                                   : "retrying: " + problem;
-    const std::vector<std::string> lines = steptrace::cli::render_top_screen(report, screen);
+    const std::vector<std::string> lines = steptrace::cli::render_top_screen(*report, screen);
     std::string text = ansi ? "\x1b[H" : "\n";
     for (std::size_t i = 0; i < lines.size(); ++i) {
       text += lines[i];
@@ -747,8 +752,10 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
     return write_stdout(text);
   };
 
-  auto next = std::chrono::steady_clock::now() + to_ms(options.interval_s);
-  bool redraw = true;
+  std::optional<steptrace::cli::PendingCommand> pending;
+  pending.emplace(socket.path, line, timeout);
+  auto next = std::chrono::steady_clock::now();  // the next refresh, once this one is in
+  bool redraw = false;
   for (;;) {
     if (g_top_quit != 0) return kExitOk;
     if (g_top_suspend != 0) {
@@ -760,32 +767,48 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
       g_top_resized = 0;
       redraw = true;
     }
-    if (redraw) {
+    if (pending && pending->done()) {
+      auto fetched = report_of(pending->take_result(), socket, line, timeout);
+      pending.reset();
+      ++refreshes;
+      if (auto* fresh = std::get_if<nlohmann::json>(&fetched)) {
+        report = std::move(*fresh);
+        problem.clear();
+      } else if (!report) {
+        // Nothing to show yet: fail like every other subcommand, on the main screen.
+        write_line(stderr, std::get<std::string>(fetched));
+        return kExitFailure;
+      } else {
+        problem = std::get<std::string>(fetched);
+      }
+      next = std::chrono::steady_clock::now() + to_ms(options.interval_s);
+      redraw = true;
+    }
+    if (redraw && report) {
       redraw = false;
       const Written written = draw();
       if (written != Written::kOk) return exit_status(written);
     }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        next - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      if (options.iterations > 0 && refreshes >= options.iterations) return kExitOk;
-      auto again = fetch_report(socket, options);
-      if (auto* fresh = std::get_if<nlohmann::json>(&again)) {
-        report = std::move(*fresh);
-        problem.clear();
-      } else {
-        problem = std::get<std::string>(again);
+    int wait_ms = 0;
+    if (pending) {
+      wait_ms = pending->poll_timeout_ms();
+    } else {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(next - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        if (options.iterations > 0 && refreshes >= options.iterations) return kExitOk;
+        pending.emplace(socket.path, line, timeout);
+        continue;
       }
-      ++refreshes;
-      next = std::chrono::steady_clock::now() + to_ms(options.interval_s);
-      redraw = true;
-      continue;
+      wait_ms = static_cast<int>(std::min<long long>(left.count(), 60'000));
     }
-    pollfd fds[2] = {{STDIN_FILENO, POLLIN, 0}, {g_wake_read, POLLIN, 0}};
-    const int n = ::poll(fds, g_wake_read >= 0 ? 2 : 1,
-                         static_cast<int>(std::min<long long>(left.count() + 1, 60'000)));
-    if (n < 0) continue;  // EINTR: a signal, seen at the top of the loop
-    if (g_wake_read >= 0 && (fds[1].revents & POLLIN) != 0) drain_wake_pipe();
+    pollfd fds[3] = {{STDIN_FILENO, POLLIN, 0},
+                     {g_wake_read, POLLIN, 0},
+                     pending ? pending->poll_entry() : pollfd{-1, 0, 0}};
+    const int n = ::poll(fds, 3, wait_ms);
+    if (pending) pending->advance();  // its socket, its deadline
+    if (n <= 0) continue;             // EINTR (a signal, seen at the top), or the time
+    if ((fds[1].revents & POLLIN) != 0) drain_wake_pipe();
     if ((fds[0].revents & (POLLHUP | POLLERR | POLLNVAL)) != 0 && (fds[0].revents & POLLIN) == 0) {
       return kExitOk;  // the terminal is gone
     }
@@ -812,8 +835,9 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
           screen.sort = steptrace::cli::TopSort::kPid;
           break;
         case 'j': {
+          if (!report) continue;
           // all -> each job in turn -> all
-          const std::vector<std::string> jobs = steptrace::cli::top_jobs(report);
+          const std::vector<std::string> jobs = steptrace::cli::top_jobs(*report);
           const auto at = std::find(jobs.begin(), jobs.end(), screen.job);
           if (screen.job.empty()) {
             screen.job = jobs.empty() ? "" : jobs.front();
@@ -829,7 +853,7 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
           break;
         case ' ':
         case 'r':
-          next = std::chrono::steady_clock::now();
+          next = std::chrono::steady_clock::now();  // now, or when the one under way is in
           break;
         default:
           continue;  // other keys (arrows' escape sequences too) do nothing
@@ -839,9 +863,10 @@ int run_top_interactive(const SocketPath& socket, const Options& options, bool a
   }
 }
 
-int run_top(const SocketPath& socket, const Options& options) {
+// top as it runs on a terminal or into a pipe, until q, a signal, --iterations or the
+// reader's end. `top --once` is not this: see run_top().
+int run_top_watching(const SocketPath& socket, const Options& options) {
   catch_top_signals();
-  if (options.once) return run_top_once(socket, options);
   const bool ansi = use_ansi();
   if (::isatty(STDIN_FILENO) == 1 && ::isatty(STDOUT_FILENO) == 1) {
     return run_top_interactive(socket, options, ansi);
@@ -852,7 +877,9 @@ int run_top(const SocketPath& socket, const Options& options) {
   for (int i = 0; options.iterations == 0 || i < options.iterations; ++i) {
     if (i > 0 && !sleep_unless_reader_gone(next)) return kExitOk;
     next = std::chrono::steady_clock::now() + interval;
-    Frame frame = top_frame(socket, options, ansi);
+    std::optional<Frame> fetched = top_frame(socket, options, ansi);
+    if (!fetched) return kExitOk;  // Ctrl-C (or SIGTERM...) during the refresh
+    Frame& frame = *fetched;
     if (!frame.ok && i == 0) {
       // Nothing to show yet: fail the way every other subcommand does.
       write_line(stderr, frame.text);
@@ -871,6 +898,21 @@ int run_top(const SocketPath& socket, const Options& options) {
     if (written != Written::kOk) return exit_status(written);
   }
   return last_ok ? kExitOk : kExitFailure;
+}
+
+// `top --once` keeps the default signals: Ctrl-C ends it at once, even while the daemon
+// is slow to answer, with the status of any interrupted command (130, by SIGINT; nothing
+// printed). The watching top catches them to quit cleanly with 0. An exception is caught
+// here so that the stack unwinds on its way out (one that no handler catches may end the
+// program without unwinding), and with it TerminalSession, which restores the terminal.
+int run_top(const SocketPath& socket, const Options& options) {
+  try {
+    if (options.once) return run_top_once(socket, options);
+    return run_top_watching(socket, options);
+  } catch (const std::exception& e) {
+    write_line(stderr, std::string("steptrace: top: ") + e.what());
+    return kExitFailure;
+  }
 }
 
 // ---- the command line --------------------------------------------------------------

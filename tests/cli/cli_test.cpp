@@ -5,6 +5,8 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <termios.h>
 #include <unistd.h>
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -846,6 +849,14 @@ class TerminalRun {
     return status_;
   }
   const std::string& output() const { return out_; }
+  pid_t pid() const { return pid_; }
+  // The terminal as a shell wants it back: lines edited and echoed (the master reports
+  // the slave's modes).
+  bool cooked() const {
+    termios modes{};
+    return ::tcgetattr(master_, &modes) == 0 && (modes.c_lflag & ICANON) != 0 &&
+           (modes.c_lflag & ECHO) != 0;
+  }
 
  private:
   int master_ = -1;
@@ -961,6 +972,158 @@ TEST_F(CliLive, TopOnATerminalFitsItFollowsResizesAndQuitsWithQOrCtrlC) {
     ASSERT_NE(left, std::string::npos) << "the alternate screen was not left";
     EXPECT_NE(out.find("\x1b[?25h", out.rfind("\x1b[?25l")), std::string::npos)
         << "the cursor was not shown again";
+  }
+}
+
+// Whether `top` gave its terminal back: cooked mode, and (when it entered it) the
+// alternate screen left and the cursor shown after it was last hidden.
+void expect_terminal_restored(const TerminalRun& top) {
+  EXPECT_TRUE(top.cooked()) << "the terminal was left in raw mode";
+  const std::string& out = top.output();
+  if (out.find("\x1b[?1049h") == std::string::npos) return;
+  EXPECT_NE(out.rfind("\x1b[?1049l"), std::string::npos) << "the alternate screen was not left";
+  EXPECT_GT(out.rfind("\x1b[?1049l"), out.rfind("\x1b[?1049h"));
+  EXPECT_NE(out.find("\x1b[?25h", out.rfind("\x1b[?25l")), std::string::npos)
+      << "the cursor was not shown again";
+}
+
+// SIGCONT for a stopped daemon, however the test ends.
+struct Resume {
+  pid_t pid;
+  ~Resume() { ::kill(pid, SIGCONT); }
+};
+
+// Issue 28's follow-up: q and Ctrl-C were ignored while a refresh waited for the
+// daemon's reply (a stopped daemon: until --timeout). Now they quit at once, with 0 and
+// the terminal back. The bound is generous for CI; the refresh would wait 60 s.
+TEST_F(CliLive, TopQuitsAtOnceWhileARefreshWaitsForTheDaemon) {
+  for (const std::string quit : {"q", "\x03"}) {
+    TerminalRun top({STEPTRACE_CLI_BIN, "--socket", daemon_.socket(), "--timeout", "60", "top",
+                     "--interval", "0.2"},
+                    80, 24);
+    ASSERT_TRUE(top.started());
+    ASSERT_TRUE(top.read_until([](const std::string& out) { return !screens_of(out).empty(); }))
+        << top.output();
+    ASSERT_EQ(::kill(daemon_.pid(), SIGSTOP), 0);
+    Resume resume{daemon_.pid()};
+    // The next refresh (every 0.2 s) is under way and cannot be answered.
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    const auto typed = Clock::now();
+    top.type(quit);
+    EXPECT_EQ(top.wait_exit(std::chrono::seconds(5)), 0)
+        << (quit == "q" ? "q" : "Ctrl-C") << ": " << top.output();
+    EXPECT_LT(Clock::now() - typed, std::chrono::seconds(5));
+    expect_terminal_restored(top);
+  }
+}
+
+// `top --once` keeps the default signals: Ctrl-C ends it at once even while the daemon
+// cannot answer, like any interrupted command (130, by SIGINT). The watching top without
+// a terminal (piped) quits with 0 as on a terminal.
+TEST_F(CliLive, TopEndsAtOnceOnCtrlCWhileTheDaemonIsStopped) {
+  ASSERT_EQ(::kill(daemon_.pid(), SIGSTOP), 0);
+  Resume resume{daemon_.pid()};
+  for (const bool once : {true, false}) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN, "--socket", daemon_.socket(),
+                                  "--timeout",       "60",       "top"};
+    if (once) argv.emplace_back("--once");
+    const int out = ::open(dir_.file(once ? "once.out" : "piped.out").c_str(),
+                           O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ASSERT_GE(out, 0);
+    const pid_t pid = spawn_with_stdout(argv, out, dir_.file("top.err"));
+    ::close(out);
+    ASSERT_GT(pid, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // waiting for the reply
+    const auto sent = Clock::now();
+    ::kill(pid, SIGINT);
+    const int status = steptrace::testing::wait_or_kill(pid, 5000);
+    EXPECT_EQ(status, once ? 128 + SIGINT : 0) << (once ? "--once" : "piped");
+    EXPECT_LT(Clock::now() - sent, std::chrono::seconds(5));
+  }
+}
+
+// A stand-in for the daemon on a Unix socket: answers the n-th connection (from 0) with
+// reply(n) once it has the request line, then closes it.
+class ScriptedDaemon {
+ public:
+  ScriptedDaemon(std::string path, std::function<std::string(int)> reply)
+      : path_(std::move(path)), reply_(std::move(reply)) {
+    listener_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::strncpy(address.sun_path, path_.c_str(), sizeof address.sun_path - 1);
+    if (::pipe(stop_) != 0 ||
+        ::bind(listener_, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0 ||
+        ::listen(listener_, 8) != 0) {
+      return;
+    }
+    thread_ = std::thread([this] {
+      for (int n = 0;; ++n) {
+        pollfd fds[2] = {{listener_, POLLIN, 0}, {stop_[0], POLLIN, 0}};
+        if (::poll(fds, 2, -1) <= 0 || (fds[1].revents & POLLIN) != 0) return;
+        const int fd = ::accept(listener_, nullptr, nullptr);
+        if (fd < 0) continue;
+        char c = 0;
+        while (::read(fd, &c, 1) == 1 && c != '\n') {
+        }
+        const std::string reply = reply_(n);
+        [[maybe_unused]] const ssize_t w = ::write(fd, reply.data(), reply.size());
+        ::close(fd);
+      }
+    });
+  }
+  ~ScriptedDaemon() {
+    [[maybe_unused]] const ssize_t n = ::write(stop_[1], "x", 1);
+    if (thread_.joinable()) thread_.join();
+    for (const int fd : {stop_[0], stop_[1], listener_}) {
+      if (fd >= 0) ::close(fd);
+    }
+    ::unlink(path_.c_str());
+  }
+  ScriptedDaemon(const ScriptedDaemon&) = delete;
+  ScriptedDaemon& operator=(const ScriptedDaemon&) = delete;
+
+ private:
+  std::string path_;
+  std::function<std::string(int)> reply_;
+  int listener_ = -1;
+  int stop_[2] = {-1, -1};
+  std::thread thread_;
+};
+
+// A daemon that closes mid-reply or answers garbage: top says so and keeps the last
+// screen ("retrying: ..."), quits on q with 0; a first reply that is garbage fails like
+// every subcommand (exit 1, the error on the main screen). The terminal is back in
+// every case.
+TEST(CliScripted, TopOnABrokenDaemonRestoresTheTerminal) {
+  TempDir dir;
+  const std::string report = R"({"processes": [], "gpus": []})";
+  const std::string socket = dir.file("fake.sock");
+  {
+    ScriptedDaemon daemon(socket, [&](int n) {
+      if (n == 0) return report;
+      if (n % 3 == 1) return report.substr(0, 10);                  // closed mid-reply
+      if (n % 3 == 2) return std::string("error: \x1b[2Jwiped\n");  // an escape in an error
+      return std::string("\x01\xff garbage");
+    });
+    TerminalRun top({STEPTRACE_CLI_BIN, "--socket", socket, "top", "--interval", "0.05"}, 80, 24);
+    ASSERT_TRUE(top.started());
+    ASSERT_TRUE(top.read_until([](const std::string& out) {
+      return out.find("retrying: ") != std::string::npos && out.find("wiped") != std::string::npos;
+    })) << top.output();
+    EXPECT_EQ(top.output().find("\x1b[2J"), std::string::npos) << "the garbage reached the screen";
+    top.type("q");
+    EXPECT_EQ(top.wait_exit(std::chrono::seconds(5)), 0) << top.output();
+    expect_terminal_restored(top);
+  }
+  {
+    ScriptedDaemon daemon(socket, [](int) { return std::string("garbage"); });
+    TerminalRun top({STEPTRACE_CLI_BIN, "--socket", socket, "top"}, 80, 24);
+    ASSERT_TRUE(top.started());
+    EXPECT_EQ(top.wait_exit(std::chrono::seconds(10)), 1) << top.output();
+    EXPECT_THAT(top.output(), HasSubstr("not a JSON object"));
+    EXPECT_EQ(top.output().find("\x1b[?1049h"), std::string::npos) << top.output();
+    expect_terminal_restored(top);
   }
 }
 

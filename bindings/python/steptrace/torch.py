@@ -17,7 +17,10 @@
 Works on every torch from 1.13: where a module has no register_full_backward_pre_hook
 (torch < 2.0), the Backward span starts from a hook on the forward output's tensors
 (Tensor.register_hook), which runs when the gradient reaches the output, as the pre-hook
-would. This module never imports torch by itself: instrument() needs only an object with
+would. That hook may run after the module's backward hook (torch 1.13 calls it first when
+no input needs a gradient): a Backward span is never ended before it starts (the end
+waits for the pass's end), and an end with no start (e.g. a pass that never reaches the
+output's hook) is skipped and counted (Instrumentation.skipped_backward_ends). This module never imports torch by itself: instrument() needs only an object with
 torch.nn.Module's register_* methods (so it works, and is tested, without torch), and
 torch is imported only for synchronize=True and for modules=True (the default map is
 made of torch.nn classes).
@@ -72,9 +75,16 @@ class Instrumentation:
     """The hook handles instrument() registered. remove() takes them all off; used as a
     context manager, they come off at the end of the block."""
 
-    def __init__(self, module, handles):
+    def __init__(self, module, handles, backward=None):
         self.module = module
         self.handles = list(handles)
+        self._backward = backward
+
+    @property
+    def skipped_backward_ends(self):
+        """Backward hooks that ran with no Backward span started for them on their thread
+        (so no span was ended before it started): 0 in a well-formed training loop."""
+        return 0 if self._backward is None else self._backward.skipped_ends
 
     def remove(self):
         for handle in reversed(self.handles):
@@ -137,27 +147,56 @@ class _Backward:
     thread, and that callback runs on the thread that finished the pass, which for a
     model on one device is the thread that ran the pre-hook; if it is another one (a
     model over several devices), the span cannot end there: it is left open once, a
-    warning says so, and this module's Backward spans end at the hook from then on."""
+    warning says so, and this module's Backward spans end at the hook from then on.
+
+    A span is never ended before it starts: the starts still open are counted per
+    thread, and an end with none open is deferred to the end of the pass (on torch < 2.0
+    the start comes from the output's tensor hook, which may run after the backward
+    hook) or, when no start came by then or there is no pass to wait for, skipped and
+    counted in `skipped_ends` (a backward pass that reaches the module's backward hook
+    but not the hook that starts the span), with one warning."""
 
     def __init__(self, sync):
         self.sync = sync
         self.defer = True
+        self.skipped_ends = 0
+        self._open = threading.local()  # .count: starts not yet ended, on this thread
+
+    def _open_count(self):
+        return getattr(self._open, "count", 0)
 
     def pre_hook(self, module, grad_output):
         if self.sync is not None:
             self.sync()
         _c_start(BACKWARD)
+        self._open.count = self._open_count() + 1
         return None
 
     def hook(self, module, grad_input, grad_output):
-        if self.defer and all(g is None for g in grad_input):
+        if self.defer and (self._open_count() == 0 or all(g is None for g in grad_input)):
             owner = threading.get_ident()
             if _queue_callback(lambda: self._end_of_pass(owner)):
                 return None
-        if self.sync is not None:
-            self.sync()
-        _c_end(BACKWARD)
+        self._end()
         return None
+
+    def _end(self):
+        """Ends this thread's innermost open Backward span, or counts the end as skipped."""
+        if self._open_count() == 0:
+            self.skipped_ends += 1
+            if self.skipped_ends == 1:
+                warnings.warn("steptrace.torch: a module's backward hook ran without a "
+                              "Backward span started for it on this thread (e.g. a second "
+                              "backward through a retained graph on torch < 2.0); its end "
+                              "is skipped, and Instrumentation.skipped_backward_ends counts "
+                              "such ends", RuntimeWarning, stacklevel=3)
+            return
+        self._open.count -= 1
+        try:
+            if self.sync is not None:
+                self.sync()
+        finally:
+            _c_end(BACKWARD)
 
     def _end_of_pass(self, owner):
         if threading.get_ident() != owner:
@@ -168,11 +207,7 @@ class _Backward:
                               "this module's Backward spans now end at its backward hook",
                               RuntimeWarning, stacklevel=1)
             return
-        try:
-            if self.sync is not None:
-                self.sync()
-        finally:
-            _c_end(BACKWARD)
+        self._end()
 
 
 def _output_tensors(output, depth=0):
@@ -203,11 +238,15 @@ class _BackwardStartFromOutput:
         tensors = list(_output_tensors(output))
         if not tensors:
             return None
-        fired = []  # one start per forward call, however many outputs get a gradient
+        # One start per forward call and backward pass, however many outputs get a
+        # gradient: cleared at the end of the pass, so that a second backward through a
+        # retained graph (retain_graph=True) starts a span again.
+        fired = []
 
         def tensor_hook(grad):
             if not fired:
                 fired.append(True)
+                _queue_callback(fired.clear)
                 self.backward.pre_hook(module, (grad,))
             return None
 
@@ -341,6 +380,7 @@ def instrument(module, *, forward=True, backward=True, synchronize=False, module
             pass
 
     handles = []
+    state = None
     try:
         if forward:
             _register_forward_span(module, FORWARD, sync, handles)
@@ -357,7 +397,7 @@ def instrument(module, *, forward=True, backward=True, synchronize=False, module
     except BaseException:
         Instrumentation(module, handles).remove()
         raise
-    return Instrumentation(module, handles)
+    return Instrumentation(module, handles, state)
 
 
 # ---- iterations ------------------------------------------------------------------------

@@ -133,6 +133,52 @@ class RealTorchTest(ConnectedTestCase):
         self.assertNotIn("Backward", steps)
         self.assertClosed(steps, "Forward")
 
+    def test_backward_passes_that_torch_113_orders_oddly(self):
+        # Passes where, on torch 1.13, the module's backward hook runs before (or
+        # without) the output's tensor hook that starts the span: a second backward
+        # through a retained graph (it used to end a span it had not started), gradients
+        # asked with autograd.grad, an input that needs a gradient, a module whose output
+        # is a parameter (no grad_fn of its own), one output of two used. Every Backward
+        # span starts before it ends: one per pass, none open, no unmatched end.
+        class Leaf(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.randn(3))
+
+            def forward(self, x):
+                return self.weight
+
+        class Two(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.linear(x), self.linear(x) * 2
+
+        linear, leaf, two = torch.nn.Linear(4, 4), Leaf(), Two()
+        passes = [
+            lambda: self._twice(linear(torch.randn(2, 4)).sum()),
+            lambda: torch.autograd.grad(linear(torch.randn(2, 4)).sum(), [linear.weight]),
+            lambda: linear(torch.randn(2, 4, requires_grad=True)).sum().backward(),
+            lambda: leaf(torch.randn(3)).sum().backward(),
+            lambda: two(torch.randn(2, 4))[1].sum().backward(),
+        ]
+        with st_torch.instrument(linear, forward=False) as a, \
+                st_torch.instrument(leaf, forward=False) as b, \
+                st_torch.instrument(two, forward=False) as c:
+            for run in passes:
+                run()
+            self.assertEqual([h.skipped_backward_ends for h in (a, b, c)], [0, 0, 0])
+        steps = self.steps()
+        self.assertEqual(steps["Backward"]["count"], 6)  # the retained graph's two passes
+        self.assertClosed(steps, "Backward")
+
+    @staticmethod
+    def _twice(loss):
+        loss.backward(retain_graph=True)
+        loss.backward()
+
     def test_modules_map(self):
         model = Model()
         # A class of the default map left out, a subclass's base class, an id.

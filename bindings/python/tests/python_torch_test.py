@@ -275,6 +275,82 @@ class TorchStubTest(ConnectedTestCase):
         self.assertEqual(steps["Backward"]["unmatched_ends"], 0)
         self.assertGreaterEqual(steps["Backward"]["min_ns"], WORK_NS)
 
+    def old_torch_module(self):
+        """A module as torch 1.13 calls its hooks: no register_full_backward_pre_hook; the
+        full backward hook (every grad_input None: the input needs no gradient) runs
+        before the gradient reaches the forward output's tensor (its hook starts the
+        span); `reach_output=False`: a pass that never reaches it."""
+
+        class StubTensor:
+            def __init__(self):
+                self.requires_grad, self.hooks = True, []
+
+            def register_hook(self, hook):
+                self.hooks.append(hook)
+
+        class OldModule(StubModule):
+            register_full_backward_pre_hook = None
+
+            def __call__(self, x):
+                self.output = StubTensor()
+                for hook in list(self.forward_hooks.values()):
+                    hook(self, (x,), self.output)
+                return self.output
+
+            def backward(self, inputs_require_grad=False, engine=None, reach_output=True):
+                for hook in list(self.backward_hooks.values()):
+                    hook(self, (None,), (1.0,))
+                if reach_output:
+                    for hook in self.output.hooks:
+                        hook(1.0)
+                time.sleep(self.backward_work)
+                if engine is not None:
+                    engine.end_of_pass()
+
+        return OldModule()
+
+    def test_backward_hook_before_the_start_waits_for_it(self):
+        # torch 1.13 with a model fed with data: the end comes first; it waits for the end
+        # of the pass, and the span covers the module's backward.
+        self.use_engine(StubEngine())
+        model = self.old_torch_module()
+        with st_torch.instrument(model) as hooks:
+            for i in range(3):
+                model(float(i))
+                model.backward(engine=self.engine)
+            # A second backward through the same (retained) graph: a span again.
+            model.backward(engine=self.engine)
+            self.assertEqual(hooks.skipped_backward_ends, 0)
+        steps = self.steps()
+        self.assertEqual(steps["Backward"]["count"], 4)
+        self.assertEqual(steps["Backward"]["open"], 0)
+        self.assertEqual(steps["Backward"]["unmatched_ends"], 0)
+        self.assertGreaterEqual(steps["Backward"]["min_ns"], WORK_NS)
+
+    def test_backward_end_without_a_start_is_skipped_and_counted(self):
+        # Passes that reach the module's backward hook but not the hook that starts the
+        # span: nothing is ended (no unmatched end, no span of negative length); the
+        # ends are counted, one warning says so. With an engine (the end waits for the
+        # pass) and without one (no torch: the end is decided at the hook).
+        for engine in (StubEngine(), None):
+            with self.subTest(engine=engine is not None):
+                if engine is not None:
+                    self.use_engine(engine)
+                else:
+                    st_torch._queue_callback = lambda callback: False
+                model = self.old_torch_module()
+                with st_torch.instrument(model) as hooks, \
+                        warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for i in range(3):
+                        model(float(i))
+                        model.backward(engine=engine, reach_output=False)
+                    self.assertEqual(hooks.skipped_backward_ends, 3)
+                self.assertEqual(len([w for w in caught if "without a Backward span" in
+                                      str(w.message)]), 1)
+                steps = self.steps()
+                self.assertNotIn("Backward", steps)
+
     def test_module_spans(self):
         class Linear(StubModule):
             pass
