@@ -10,14 +10,18 @@
 // step NAME in each file start at the same time. Processes get new pids (pids of two
 // nodes may be equal) and tracks named `node / rank N / comm [pid]`, ordered by rank.
 //
-// Memory: every input is read and parsed whole (unlike `trace` itself, which streams);
-// merging is for the files a person opens in a viewer, tens of MB each.
+// Memory: each file is parsed as a stream (nlohmann's SAX interface), one event at a
+// time, into compact records (the event's other members as text, its pid and times as
+// numbers), and the merged document is written from them as it is made: the peak is
+// about the inputs' size, not the ~13x that whole JSON trees took (bench/RESULTS.md).
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "cli/trace_command.h"
 
 namespace steptrace::cli {
 
@@ -26,6 +30,7 @@ struct MergeRequest {
   std::string output;               // -o FILE ("-": standard output)
   std::string align_step;           // --align-step NAME[:K] as typed, empty when not given
   bool force = false;               // replace an existing FILE
+  std::uint64_t max_mb = kDefaultMaxTraceMb;  // --max-mb, as `trace`'s: 0 for no bound
 };
 
 // NAME[:K] of --align-step: the step and the span's index from 1 (1 when no K).
@@ -36,7 +41,7 @@ struct AlignStep {
 std::optional<AlignStep> parse_align_step(const std::string& text);
 
 // The merged document of `documents` (their text; `names` name them in errors), or the
-// reason it cannot be made. Exposed for tests; run_trace_merge() reads and writes files.
+// reason it cannot be made. Exposed for tests; run_trace_merge() streams files instead.
 struct MergeResult {
   std::string document;  // empty on error
   std::string error;     // empty on success

@@ -1095,4 +1095,102 @@ TEST(CliTraceMerge, HostileFilesAreRefusedNotCrashedOn) {
   }
 }
 
+// What the streaming (SAX) reader must refuse as the whole-document parse did: each is
+// exit 1 with the file named and a reason, nothing written.
+TEST(CliTraceMerge, StreamingReaderRefusesWhatTheDocumentParseRefused) {
+  TempDir dir;
+  std::ofstream(dir.file("good.json"))
+      << node_document("n", 1'000'000'000, {{1, "Forward", 0, 1}}, {{1, "p [1]"}});
+  const std::string anchor = R"("otherData":{"ts_origin_unix_ns":1000000000})";
+  const std::string event = R"({"ph":"X","pid":1,"tid":1,"ts":1,"dur":1,"name":"Forward"})";
+  const std::vector<std::tuple<std::string, std::string, std::string>> files = {
+      {"utf8.json", "{\"traceEvents\":[{\"ph\":\"X\",\"pid\":1,\"name\":\"\xff\xfe\"}]," + anchor,
+       "is not valid JSON"},
+      {"overflow.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":1e400}],)" + anchor,
+       "is not valid JSON"},
+      {"nan.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":NaN}],)" + anchor,
+       "is not valid JSON"},
+      {"ts.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":-1}],)" + anchor,
+       "\"ts\" is not a time"},
+      {"dur.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":1,"dur":"1"}],)" + anchor,
+       "\"dur\" is not a duration"},
+      {"bigpid.json", R"({"traceEvents":[{"ph":"X","pid":99999999999999999999}],)" + anchor,
+       "no integer \"pid\""},
+      {"scalar.json", R"({"traceEvents":[7],)" + anchor, "an event is not an object"},
+      {"array.json", R"({"traceEvents":[[1,2]],)" + anchor, "an event is not an object"},
+      {"noph.json", R"({"traceEvents":[{"pid":1}],)" + anchor, "an event is not an object"},
+      {"root.json", "[" + event + "]", "is not a trace document"},
+      {"events.json", R"({"traceEvents":{"a":1},)" + anchor, "is not a trace document"},
+      {"twice.json", "{\"traceEvents\":[],\"traceEvents\":[" + event + "]," + anchor,
+       "is not a trace document"},
+      {"other.json", "{\"traceEvents\":[" + event + "],\"otherData\":[1]}",
+       "\"otherData\" is not an object"},
+      {"deepother.json",
+       "{\"traceEvents\":[],\"otherData\":{\"a\":" + std::string(100'000, '[') +
+           std::string(100'000, ']') + "}}",
+       "nests deeper than 64 levels"},
+      {"deepskipped.json",
+       "{\"traceEvents\":[],\"x\":" + std::string(100'000, '[') + std::string(100'000, ']') + "," +
+           anchor,
+       "nests deeper than 64 levels"},
+      {"trailing.json", "{\"traceEvents\":[]," + anchor + " {}", "is not valid JSON"},
+      {"cut.json", "{\"traceEvents\":[" + event, "is not valid JSON"},
+  };
+  TempDir logs;
+  for (const auto& [name, text, reason] : files) {
+    std::ofstream(dir.file(name)) << text;
+    const Output r =
+        run_in(logs, dir.path(),
+               {STEPTRACE_CLI_BIN, "trace", "merge", "good.json", name, "-o", "out.json"});
+    EXPECT_EQ(r.status, 1) << name << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(name)) << name;
+    EXPECT_THAT(r.err, HasSubstr(reason)) << name;
+    EXPECT_FALSE(fs::exists(dir.file("out.json"))) << name;
+    EXPECT_FALSE(fs::exists(dir.file("out.json.partial"))) << name;
+  }
+  // Members a trace does not use are skipped, whatever they hold; the events still merge.
+  std::ofstream(dir.file("extra.json"))
+      << "{\"x\":[1,{\"y\":null}],\"traceEvents\":[" + event + "],\"z\":true," + anchor + "}";
+  const Output r = run_in(logs, dir.path(),
+                          {STEPTRACE_CLI_BIN, "trace", "merge", "extra.json", "-o", "out.json"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  const json doc = json::parse(read_file(dir.file("out.json")));
+  ASSERT_EQ(merged_spans(doc).size(), 1u);
+  EXPECT_EQ(merged_spans(doc)[0].name, "Forward");
+  EXPECT_EQ(merged_spans(doc)[0].track, "extra.json / [1]");
+}
+
+// --max-mb as `trace` has it (default 50): past it nothing is written, to FILE or to
+// standard output; 0 lifts the bound.
+TEST(CliTraceMerge, MaxMbRefusesABiggerMergeAndWritesNothing) {
+  TempDir dir;
+  std::vector<std::tuple<int, std::string, std::int64_t, std::int64_t>> spans;
+  for (int i = 0; i < 15'000; ++i) spans.emplace_back(1, "Forward", i * 1000, 900);
+  std::ofstream(dir.file("big.json"))
+      << node_document("n", 1'000'000'000, spans, {{1, "p [1] rank 0"}});
+  TempDir logs;
+  const auto merge = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN, "trace", "merge", "big.json", "big.json"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_in(logs, dir.path(), argv);
+  };
+  Output r = merge({"--max-mb", "1", "-o", "out.json"});  // ~2.4 MB merged
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("larger than 1 MB"));
+  EXPECT_THAT(r.err, HasSubstr("--max-mb 0"));
+  EXPECT_FALSE(fs::exists(dir.file("out.json")));
+  EXPECT_FALSE(fs::exists(dir.file("out.json.partial")));
+  r = merge({"--max-mb", "1", "-o", "-"});
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_EQ(r.out, "");
+  r = merge({"--max-mb", "0", "-o", "-"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_GT(r.out.size(), 2'000'000u);
+  EXPECT_EQ(merged_spans(json::parse(r.out)).size(), 30'000u);
+  const std::string to_stdout = r.out;
+  r = merge({"-o", "out.json"});  // the default, 50 MB, lets it through
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(read_file(dir.file("out.json")), to_stdout);
+}
+
 }  // namespace
