@@ -125,6 +125,7 @@ struct Input {
   std::int64_t anchor_unix_ns = 0;  // Unix ns of the file's ts 0
   std::int64_t first_ns = 0;        // its earliest ts
   std::int64_t shift_ns = 0;        // added to its ts in the merged trace
+  std::size_t align_ranks = 0;      // --align-step: the ranks (or processes) it was taken over
   std::vector<Event> events;
   std::string bodies;
   std::vector<NamedProcess> process_names;
@@ -354,15 +355,36 @@ std::string read_input(Source&& source, Input& in, const std::optional<AlignStep
   return read_anchor(in, reader);
 }
 
-// The index-th (from 1) start of a span of `step` in the file, over all its processes.
+// --align-step: the file's align point, the median over its ranks (processes without a
+// rank each count as one) of the start of their K-th span of NAME; nullopt when no rank
+// has K of them.
 std::optional<std::int64_t> align_point(Input& in, const AlignStep& align) {
-  std::vector<std::int64_t> starts;
-  for (const auto& [pid, of_pid] : in.align_starts)
-    starts.insert(starts.end(), of_pid.begin(), of_pid.end());
-  if (starts.size() < align.index) return std::nullopt;
-  const auto kth = starts.begin() + static_cast<std::ptrdiff_t>(align.index - 1);
-  std::nth_element(starts.begin(), kth, starts.end());
-  return *kth;
+  std::map<std::int64_t, std::optional<std::int64_t>> rank_of;  // pid -> rank
+  for (const Event& e : in.events) {
+    if (e.process_name >= 0) {
+      rank_of[e.pid] = in.process_names[static_cast<std::size_t>(e.process_name)].name.rank;
+    }
+  }
+  // (false, rank) or (true, pid): all the spans of one rank, over its processes.
+  std::map<std::pair<bool, std::int64_t>, std::vector<std::int64_t>> starts_of;
+  for (const auto& [pid, starts] : in.align_starts) {
+    const auto rank = rank_of[pid];
+    auto& into = starts_of[rank ? std::make_pair(false, *rank) : std::make_pair(true, pid)];
+    into.insert(into.end(), starts.begin(), starts.end());
+  }
+  std::vector<std::int64_t> points;
+  for (auto& [rank, starts] : starts_of) {
+    if (starts.size() < align.index) continue;
+    const auto kth = starts.begin() + static_cast<std::ptrdiff_t>(align.index - 1);
+    std::nth_element(starts.begin(), kth, starts.end());
+    points.push_back(*kth);
+  }
+  in.align_ranks = points.size();
+  if (points.empty()) return std::nullopt;
+  // The lower median: a time one of the ranks really had.
+  const auto mid = points.begin() + static_cast<std::ptrdiff_t>((points.size() - 1) / 2);
+  std::nth_element(points.begin(), mid, points.end());
+  return *mid;
 }
 
 // The shifts of the files and the merged trace's origin (Unix ns), or an error text.
@@ -383,7 +405,7 @@ std::string place_inputs(std::vector<Input>& inputs, const std::optional<AlignSt
     const auto point = align_point(in, *align);
     if (!point) {
       return in.name + " has no span number " + std::to_string(align->index) + " of step " +
-             align->step + " to align on";
+             align->step + " to align on in any rank";
     }
     points.push_back(*point);
     lead = std::max(lead, *point - std::min(in.first_ns, *point));
@@ -513,6 +535,7 @@ void put_merged(Output& out, const std::vector<Input>& inputs,
                   {"host", node},
                   {"ts_origin_unix_ns", in.anchor_unix_ns},
                   {"shift_ns", in.shift_ns}};
+    if (align) about["align_ranks"] = in.align_ranks;
     nodes.push_back(std::move(about));
   }
   const json other = {{"generator", "steptrace trace merge"},

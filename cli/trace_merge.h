@@ -6,9 +6,13 @@
 // origin to the wall clock, so the files are joined on their anchors: the earliest anchor
 // becomes the merged trace's 0 and every other file is shifted by the difference (whole
 // nanoseconds, no rounding). When the nodes' clocks disagree by more than the spans
-// (no NTP, a skewed host), --align-step NAME[:K] instead makes the K-th span (from 1) of
-// step NAME in each file start at the same time. Processes get new pids (pids of two
-// nodes may be equal) and tracks named `node / rank N / comm [pid]`, ordered by rank.
+// (no NTP, a skewed host), --align-step NAME[:K] instead lines the files up on step NAME:
+// in each file every rank (every process when it has no rank) has its K-th span (from 1)
+// of NAME, the file's align point is the median of those starts over its ranks, and each
+// file is shifted so that its align point meets the first file's. All ranks of a file
+// share its clock, so one shift per file; the median keeps one late rank from dragging
+// its whole node. Processes get new pids (pids of two nodes may be equal) and tracks
+// named `node / rank N / comm [pid]`, ordered by rank.
 //
 // Memory: each file is parsed as a stream (nlohmann's SAX interface), one event at a
 // time, into compact records (the event's other members as text, its pid and times as

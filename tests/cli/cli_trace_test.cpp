@@ -1016,6 +1016,68 @@ TEST(CliTraceMerge, AlignStepMakesTheKthSpansStartTogether) {
   EXPECT_EQ(steptrace::cli::parse_align_step("Forward")->index, 1u);
 }
 
+// --align-step counts the K-th span per rank, not over the file: two nodes of several
+// ranks each whose clocks are 3 s apart (far more than the spans), their ranks' spans
+// interleaved. Each node's align point is the median over its ranks of their K-th start,
+// so a late rank (rank 4) does not move its node, a process with no rank counts as one,
+// and a rank with fewer than K spans is left out.
+TEST(CliTraceMerge, AlignStepAlignsTheMedianRankOfEachNode) {
+  const std::int64_t t0 = 1'700'000'000'000'000'000;
+  const std::string a =
+      node_document("node1", t0,
+                    {{40, "Forward", 100, 50},
+                     {41, "Forward", 130, 50},
+                     {60, "Forward", 50, 50},
+                     {40, "Forward", 1000, 50},
+                     {41, "Forward", 1030, 50},
+                     {60, "Forward", 950, 50},
+                     {40, "Backward", 1100, 50}},
+                    {{40, "p [40] rank 0"}, {41, "p [41] rank 1"}, {60, "tool [60]"}});
+  // node2's clock is 3 s ahead and its times run from another origin.
+  const std::string b = node_document(
+      "node2", t0 + 3'000'000'000,
+      {{50, "Forward", 7000, 50},
+       {51, "Forward", 7020, 50},
+       {52, "Forward", 7500, 50},
+       {53, "Forward", 7010, 50},
+       {50, "Forward", 7900, 50},
+       {51, "Forward", 7920, 50},
+       {52, "Forward", 8500, 50}},
+      {{50, "p [50] rank 2"}, {51, "p [51] rank 3"}, {52, "p [52] rank 4"}, {53, "p [53] rank 5"}});
+  const auto merged = steptrace::cli::merge_traces({a, b}, {"a", "b"},
+                                                   steptrace::cli::parse_align_step("Forward:2"));
+  ASSERT_EQ(merged.error, "");
+  const json doc = json::parse(merged.document);
+  std::map<std::string, std::vector<std::int64_t>> forward_of;  // track -> its Forward starts
+  for (const auto& span : merged_spans(doc)) {
+    if (span.name == "Forward") forward_of[span.track].push_back(span.ts);
+  }
+  for (auto& [track, starts] : forward_of) std::sort(starts.begin(), starts.end());
+  // node1's second Forwards: 1000 (rank 0), 1030 (rank 1), 950 (no rank): median 1000.
+  // node2's: 7900 (rank 2), 7920 (rank 3), 8500 (rank 4, late); rank 5 has one: 7920.
+  const std::int64_t node1_point = forward_of.at("node1 / rank 0 / p [40]")[1];
+  EXPECT_EQ(forward_of.at("node2 / rank 3 / p [51]")[1], node1_point);
+  EXPECT_EQ(forward_of.at("node1 / rank 1 / p [41]")[1] - node1_point, 30);
+  EXPECT_EQ(forward_of.at("node2 / rank 4 / p [52]")[1] - node1_point, 580);
+  EXPECT_EQ(forward_of.at("node1 / tool [60]")[0], 0);  // the earliest event starts at 0
+  EXPECT_EQ(doc["otherData"]["aligned_on"], "Forward:2");
+  EXPECT_EQ(doc["otherData"]["nodes"][0]["align_ranks"], 3);
+  EXPECT_EQ(doc["otherData"]["nodes"][1]["align_ranks"], 3);
+  EXPECT_EQ(doc["otherData"]["nodes"][1]["shift_ns"].get<std::int64_t>() -
+                doc["otherData"]["nodes"][0]["shift_ns"].get<std::int64_t>(),
+            1000 - 7920);
+  // The wall-clock anchors would have put node2 3 s later.
+  const auto by_clock = steptrace::cli::merge_traces({a, b}, {"a", "b"}, std::nullopt);
+  ASSERT_EQ(by_clock.error, "");
+  EXPECT_GT(merged_spans(json::parse(by_clock.document)).back().ts, 3'000'000'000);
+
+  // Per rank, not per file: node1 has 6 Forwards in all, but no rank has a third.
+  const auto third = steptrace::cli::merge_traces({a, b}, {"a", "b"},
+                                                  steptrace::cli::parse_align_step("Forward:3"));
+  EXPECT_THAT(third.error, HasSubstr("a has no span number 3 of step Forward to align on in "
+                                     "any rank"));
+}
+
 TEST(CliTraceMerge, BadInputsAreClearErrorsAndWriteNothing) {
   TempDir dir;
   std::ofstream(dir.file("good.json"))
