@@ -17,7 +17,7 @@
 // Memory: each file is parsed as a stream (nlohmann's SAX interface), one event at a
 // time, into compact records (the event's other members as text, its pid and times as
 // numbers), and the merged document is written from them as it is made: the peak is
-// about the inputs' size, not the ~13x that whole JSON trees took (bench/RESULTS.md).
+// ~1.3x the inputs' size, not the ~12x that whole JSON trees took (bench/RESULTS.md).
 #pragma once
 
 #include <cstdint>
