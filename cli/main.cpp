@@ -171,17 +171,23 @@ constexpr const char* kTraceFooter =
 constexpr const char* kTraceMergeFooter =
     "Joins `steptrace trace` files of several nodes (one per node, e.g. --job ID on each)\n"
     "into one timeline. Files are aligned on their wall-clock anchors\n"
-    "(otherData.ts_origin_unix_ns); when the nodes' clocks differ by more than the spans,\n"
-    "--align-step NAME[:K] makes the K-th span (from 1, default 1) of step NAME start at the\n"
-    "same time in every file. Tracks are named `node / rank N / comm [pid]`, ranks in order.\n"
-    "Each file is read whole into memory.\n"
+    "(otherData.ts_origin_unix_ns). When the nodes' clocks differ by more than the spans,\n"
+    "--align-step NAME[:K] aligns on step NAME instead: in each file, every rank (every\n"
+    "process that has no rank) has its K-th span of NAME (from 1, default 1, counted over\n"
+    "that rank's processes); the median of those starts over the file's ranks (the lower\n"
+    "middle one for an even count) is the file's align point, and each file is shifted as\n"
+    "a whole so that its align point meets the first file's. Ranks with fewer than K spans\n"
+    "are left out of the median; a file where no rank has K is an error.\n"
+    "Tracks are named `node / rank N / comm [pid]`, ranks in order. Files are read as a\n"
+    "stream: memory is about the inputs' size. A merged trace past --max-mb (default 50)\n"
+    "is refused, not written, as `trace` does; pass --max-mb 0 to write it all.\n"
     "\n"
     "Examples:\n"
     "  steptrace trace merge node1.json node2.json -o job.json\n"
     "  steptrace trace merge node*.json --align-step Forward:10 -o job.json\n"
     "\n"
-    "Exit status: 0 written, 1 unreadable or invalid file (nothing written), 2 bad usage or\n"
-    "FILE exists.\n";
+    "Exit status: 0 written, 1 unreadable or invalid file, or past --max-mb (nothing\n"
+    "written), 2 bad usage or FILE exists.\n";
 
 struct Options {
   std::string socket_flag;
@@ -1217,9 +1223,16 @@ Subcommand add_trace(CLI::App& app, Options& options) {
       ->required();
   merge
       ->add_option("--align-step", merge_request.align_step,
-                   "Align the files on the start of the K-th span (from 1) of step NAME "
-                   "instead of their wall clocks")
+                   "Align the files on step NAME instead of their wall clocks: the median "
+                   "over each file's ranks of their K-th span's start (K from 1)")
       ->type_name("NAME[:K]");
+  merge
+      ->add_option("--max-mb", merge_request.max_mb,
+                   "Refuse a merged trace larger than this many MB (0: no bound); viewers "
+                   "struggle past it")
+      ->type_name("MB")
+      ->capture_default_str()
+      ->check(CLI::Range(std::uint64_t{0}, std::uint64_t{1} << 30));
   merge->add_flag("--force", merge_request.force, "Replace FILE if it exists");
   return {trace, [output, merge](const Invocation& in) {
             return run_trace_subcommand(in, *output, *merge);

@@ -1016,6 +1016,68 @@ TEST(CliTraceMerge, AlignStepMakesTheKthSpansStartTogether) {
   EXPECT_EQ(steptrace::cli::parse_align_step("Forward")->index, 1u);
 }
 
+// --align-step counts the K-th span per rank, not over the file: two nodes of several
+// ranks each whose clocks are 3 s apart (far more than the spans), their ranks' spans
+// interleaved. Each node's align point is the median over its ranks of their K-th start,
+// so a late rank (rank 4) does not move its node, a process with no rank counts as one,
+// and a rank with fewer than K spans is left out.
+TEST(CliTraceMerge, AlignStepAlignsTheMedianRankOfEachNode) {
+  const std::int64_t t0 = 1'700'000'000'000'000'000;
+  const std::string a =
+      node_document("node1", t0,
+                    {{40, "Forward", 100, 50},
+                     {41, "Forward", 130, 50},
+                     {60, "Forward", 50, 50},
+                     {40, "Forward", 1000, 50},
+                     {41, "Forward", 1030, 50},
+                     {60, "Forward", 950, 50},
+                     {40, "Backward", 1100, 50}},
+                    {{40, "p [40] rank 0"}, {41, "p [41] rank 1"}, {60, "tool [60]"}});
+  // node2's clock is 3 s ahead and its times run from another origin.
+  const std::string b = node_document(
+      "node2", t0 + 3'000'000'000,
+      {{50, "Forward", 7000, 50},
+       {51, "Forward", 7020, 50},
+       {52, "Forward", 7500, 50},
+       {53, "Forward", 7010, 50},
+       {50, "Forward", 7900, 50},
+       {51, "Forward", 7920, 50},
+       {52, "Forward", 8500, 50}},
+      {{50, "p [50] rank 2"}, {51, "p [51] rank 3"}, {52, "p [52] rank 4"}, {53, "p [53] rank 5"}});
+  const auto merged = steptrace::cli::merge_traces({a, b}, {"a", "b"},
+                                                   steptrace::cli::parse_align_step("Forward:2"));
+  ASSERT_EQ(merged.error, "");
+  const json doc = json::parse(merged.document);
+  std::map<std::string, std::vector<std::int64_t>> forward_of;  // track -> its Forward starts
+  for (const auto& span : merged_spans(doc)) {
+    if (span.name == "Forward") forward_of[span.track].push_back(span.ts);
+  }
+  for (auto& [track, starts] : forward_of) std::sort(starts.begin(), starts.end());
+  // node1's second Forwards: 1000 (rank 0), 1030 (rank 1), 950 (no rank): median 1000.
+  // node2's: 7900 (rank 2), 7920 (rank 3), 8500 (rank 4, late); rank 5 has one: 7920.
+  const std::int64_t node1_point = forward_of.at("node1 / rank 0 / p [40]")[1];
+  EXPECT_EQ(forward_of.at("node2 / rank 3 / p [51]")[1], node1_point);
+  EXPECT_EQ(forward_of.at("node1 / rank 1 / p [41]")[1] - node1_point, 30);
+  EXPECT_EQ(forward_of.at("node2 / rank 4 / p [52]")[1] - node1_point, 580);
+  EXPECT_EQ(forward_of.at("node1 / tool [60]")[0], 0);  // the earliest event starts at 0
+  EXPECT_EQ(doc["otherData"]["aligned_on"], "Forward:2");
+  EXPECT_EQ(doc["otherData"]["nodes"][0]["align_ranks"], 3);
+  EXPECT_EQ(doc["otherData"]["nodes"][1]["align_ranks"], 3);
+  EXPECT_EQ(doc["otherData"]["nodes"][1]["shift_ns"].get<std::int64_t>() -
+                doc["otherData"]["nodes"][0]["shift_ns"].get<std::int64_t>(),
+            1000 - 7920);
+  // The wall-clock anchors would have put node2 3 s later.
+  const auto by_clock = steptrace::cli::merge_traces({a, b}, {"a", "b"}, std::nullopt);
+  ASSERT_EQ(by_clock.error, "");
+  EXPECT_GT(merged_spans(json::parse(by_clock.document)).back().ts, 3'000'000'000);
+
+  // Per rank, not per file: node1 has 6 Forwards in all, but no rank has a third.
+  const auto third = steptrace::cli::merge_traces({a, b}, {"a", "b"},
+                                                  steptrace::cli::parse_align_step("Forward:3"));
+  EXPECT_THAT(third.error, HasSubstr("a has no span number 3 of step Forward to align on in "
+                                     "any rank"));
+}
+
 TEST(CliTraceMerge, BadInputsAreClearErrorsAndWriteNothing) {
   TempDir dir;
   std::ofstream(dir.file("good.json"))
@@ -1093,6 +1155,104 @@ TEST(CliTraceMerge, HostileFilesAreRefusedNotCrashedOn) {
     EXPECT_FALSE(fs::exists(dir.file("out.json.partial"))) << name;
     fs::remove(dir.file("out.json"));
   }
+}
+
+// What the streaming (SAX) reader must refuse as the whole-document parse did: each is
+// exit 1 with the file named and a reason, nothing written.
+TEST(CliTraceMerge, StreamingReaderRefusesWhatTheDocumentParseRefused) {
+  TempDir dir;
+  std::ofstream(dir.file("good.json"))
+      << node_document("n", 1'000'000'000, {{1, "Forward", 0, 1}}, {{1, "p [1]"}});
+  const std::string anchor = R"("otherData":{"ts_origin_unix_ns":1000000000})";
+  const std::string event = R"({"ph":"X","pid":1,"tid":1,"ts":1,"dur":1,"name":"Forward"})";
+  const std::vector<std::tuple<std::string, std::string, std::string>> files = {
+      {"utf8.json", "{\"traceEvents\":[{\"ph\":\"X\",\"pid\":1,\"name\":\"\xff\xfe\"}]," + anchor,
+       "is not valid JSON"},
+      {"overflow.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":1e400}],)" + anchor,
+       "is not valid JSON"},
+      {"nan.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":NaN}],)" + anchor,
+       "is not valid JSON"},
+      {"ts.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":-1}],)" + anchor,
+       "\"ts\" is not a time"},
+      {"dur.json", R"({"traceEvents":[{"ph":"X","pid":1,"ts":1,"dur":"1"}],)" + anchor,
+       "\"dur\" is not a duration"},
+      {"bigpid.json", R"({"traceEvents":[{"ph":"X","pid":99999999999999999999}],)" + anchor,
+       "no integer \"pid\""},
+      {"scalar.json", R"({"traceEvents":[7],)" + anchor, "an event is not an object"},
+      {"array.json", R"({"traceEvents":[[1,2]],)" + anchor, "an event is not an object"},
+      {"noph.json", R"({"traceEvents":[{"pid":1}],)" + anchor, "an event is not an object"},
+      {"root.json", "[" + event + "]", "is not a trace document"},
+      {"events.json", R"({"traceEvents":{"a":1},)" + anchor, "is not a trace document"},
+      {"twice.json", "{\"traceEvents\":[],\"traceEvents\":[" + event + "]," + anchor,
+       "is not a trace document"},
+      {"other.json", "{\"traceEvents\":[" + event + "],\"otherData\":[1]}",
+       "\"otherData\" is not an object"},
+      {"deepother.json",
+       "{\"traceEvents\":[],\"otherData\":{\"a\":" + std::string(100'000, '[') +
+           std::string(100'000, ']') + "}}",
+       "nests deeper than 64 levels"},
+      {"deepskipped.json",
+       "{\"traceEvents\":[],\"x\":" + std::string(100'000, '[') + std::string(100'000, ']') + "," +
+           anchor,
+       "nests deeper than 64 levels"},
+      {"trailing.json", "{\"traceEvents\":[]," + anchor + " {}", "is not valid JSON"},
+      {"cut.json", "{\"traceEvents\":[" + event, "is not valid JSON"},
+  };
+  TempDir logs;
+  for (const auto& [name, text, reason] : files) {
+    std::ofstream(dir.file(name)) << text;
+    const Output r =
+        run_in(logs, dir.path(),
+               {STEPTRACE_CLI_BIN, "trace", "merge", "good.json", name, "-o", "out.json"});
+    EXPECT_EQ(r.status, 1) << name << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(name)) << name;
+    EXPECT_THAT(r.err, HasSubstr(reason)) << name;
+    EXPECT_FALSE(fs::exists(dir.file("out.json"))) << name;
+    EXPECT_FALSE(fs::exists(dir.file("out.json.partial"))) << name;
+  }
+  // Members a trace does not use are skipped, whatever they hold; the events still merge.
+  std::ofstream(dir.file("extra.json"))
+      << "{\"x\":[1,{\"y\":null}],\"traceEvents\":[" + event + "],\"z\":true," + anchor + "}";
+  const Output r = run_in(logs, dir.path(),
+                          {STEPTRACE_CLI_BIN, "trace", "merge", "extra.json", "-o", "out.json"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  const json doc = json::parse(read_file(dir.file("out.json")));
+  ASSERT_EQ(merged_spans(doc).size(), 1u);
+  EXPECT_EQ(merged_spans(doc)[0].name, "Forward");
+  EXPECT_EQ(merged_spans(doc)[0].track, "extra.json / [1]");
+}
+
+// --max-mb as `trace` has it (default 50): past it nothing is written, to FILE or to
+// standard output; 0 lifts the bound.
+TEST(CliTraceMerge, MaxMbRefusesABiggerMergeAndWritesNothing) {
+  TempDir dir;
+  std::vector<std::tuple<int, std::string, std::int64_t, std::int64_t>> spans;
+  for (int i = 0; i < 15'000; ++i) spans.emplace_back(1, "Forward", i * 1000, 900);
+  std::ofstream(dir.file("big.json"))
+      << node_document("n", 1'000'000'000, spans, {{1, "p [1] rank 0"}});
+  TempDir logs;
+  const auto merge = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv{STEPTRACE_CLI_BIN, "trace", "merge", "big.json", "big.json"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_in(logs, dir.path(), argv);
+  };
+  Output r = merge({"--max-mb", "1", "-o", "out.json"});  // ~2.4 MB merged
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("larger than 1 MB"));
+  EXPECT_THAT(r.err, HasSubstr("--max-mb 0"));
+  EXPECT_FALSE(fs::exists(dir.file("out.json")));
+  EXPECT_FALSE(fs::exists(dir.file("out.json.partial")));
+  r = merge({"--max-mb", "1", "-o", "-"});
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_EQ(r.out, "");
+  r = merge({"--max-mb", "0", "-o", "-"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_GT(r.out.size(), 2'000'000u);
+  EXPECT_EQ(merged_spans(json::parse(r.out)).size(), 30'000u);
+  const std::string to_stdout = r.out;
+  r = merge({"-o", "out.json"});  // the default, 50 MB, lets it through
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(read_file(dir.file("out.json")), to_stdout);
 }
 
 }  // namespace

@@ -108,6 +108,25 @@ assert any(n.split(" / ")[1] == "rank 1" for n in names), names
 assert len({n.split(" / ")[0] for n in names}) == 2, names  # two nodes
 PY
 
+# --align-step Forward:3 aligns each node's median rank (here its one rank, over the
+# rank's processes): the third Forward of rank 0 and of rank 1 start together.
+python3 - <<'PY' || fail "--align-step: the ranks' third Forward spans do not start together"
+import collections, json
+doc = json.load(open("job-aligned.json"))
+track = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"]
+         if e["ph"] == "M" and e["name"] == "process_name"}
+starts = collections.defaultdict(list)
+for e in doc["traceEvents"]:
+    if e["ph"] == "X" and e["name"] == "Forward":
+        parts = track[e["pid"]].split(" / ")
+        if parts[1].startswith("rank "):
+            starts[(parts[0], parts[1])].append(round(e["ts"] * 1000))
+third = {k: sorted(v)[2] for k, v in starts.items() if len(v) >= 3}
+print("job-aligned.json: third Forward start (ns) per (node, rank):", third)
+assert len(third) == 2 and len(set(third.values())) == 1, third
+assert [n["align_ranks"] for n in doc["otherData"]["nodes"]] == [1, 1], doc["otherData"]
+PY
+
 node "$source_dir/tests/timeline/trace_model_check.js" "$npm_dir/node_modules" \
   node1.json node2.json node1-all.json job.json job-aligned.json children.json
 python3 "$source_dir/scripts/trace-viewer-check.py" \
