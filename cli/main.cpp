@@ -57,6 +57,7 @@
 #include "cli/trace_merge.h"
 #include "proto/commands.h"
 #include "proto/printable.h"
+#include "proto/rule_steps.h"
 #include "proto/text_safety.h"
 #include "proto/wire_format.h"
 
@@ -101,7 +102,11 @@ constexpr const char* kReportFooter =
     "UID:ID that uid's (an ID that itself starts with digits and ':' needs its UID: prefix).\n"
     "Root and the daemon's own user also reach another uid's job by its bare ID when only\n"
     "one uid runs a job by that id. --pid N or a job that matches no tracked process exits\n"
-    "1 (for a job, the daemon names the uids that run one by that id).\n";
+    "1 (for a job, the daemon names the uids that run one by that id).\n"
+    "The 50% rule sets compute steps against CPU-overhead steps (Matmul against\n"
+    "Transpose + Alloc unless the daemon's config says otherwise for the job: its\n"
+    "overhead_rule); --compute and --overhead name others for this report (a list not given\n"
+    "is the config's default; a step may not be in both). --json carries it as \"rule\".\n";
 
 constexpr const char* kResetFooter =
     "Without options: the per-step aggregates of every process; --pid N: of that process\n"
@@ -204,6 +209,8 @@ struct Options {
   bool once = false;                         // top --once
   std::string sort = "time";                 // top --sort
   int window_s = 0;                          // report --window N (0: not asked)
+  std::string compute;                       // report --compute STEP,...
+  std::string overhead;                      // report --overhead STEP,...
   int top_window_s = 60;                     // top --window N (0: the whole run only)
   steptrace::cli::TraceRequest trace;        // trace's options
   steptrace::cli::MergeRequest trace_merge;  // trace merge's
@@ -500,8 +507,9 @@ int run_and_print(const SocketPath& socket, const std::string& line,
 // track with an empty report, a job it cannot find with an error; for the CLI both are a
 // failed lookup (exit 1), whichever form was asked for.
 int run_report_filtered(const SocketPath& socket, int pid, const std::string& job, int window_s,
-                        bool json, std::chrono::milliseconds timeout) {
-  std::string args;
+                        const std::string& rule_args, bool json,
+                        std::chrono::milliseconds timeout) {
+  std::string args = rule_args;
   if (pid > 0) args += " --pid " + std::to_string(pid);
   if (!job.empty()) args += " --job " + job;
   if (window_s > 0) args += " --window " + std::to_string(window_s);
@@ -980,6 +988,37 @@ CLI::Validator job_id_check() {
       "[UID:]ID");
 }
 
+// " --compute A,B --overhead C" for report's rule options (proto/rule_steps.h's grammar,
+// the daemon's), or why one is bad. Checked here, not by CLI11, so that a bad list is one
+// line and exit 1 like the daemon's refusal of a list it cannot use (a step in both its
+// default list and the other flag's).
+std::variant<std::string, std::string> rule_args(const Options& o, bool compute_given,
+                                                 bool overhead_given) {
+  std::string args;
+  std::vector<std::string> lists[2];
+  const std::pair<const char*, const std::string*> flags[2] = {{"--compute", &o.compute},
+                                                               {"--overhead", &o.overhead}};
+  const bool given[2] = {compute_given, overhead_given};
+  for (int i = 0; i < 2; ++i) {
+    const auto& [name, text] = flags[i];
+    if (!given[i]) continue;
+    auto steps = steptrace::proto::parse_rule_steps(*text);
+    if (const auto* why = std::get_if<std::string>(&steps)) {
+      return std::variant<std::string, std::string>(
+          std::in_place_index<1>, fmt::format("steptrace: report: {} {}: {}", name,
+                                              steptrace::proto::printable(*text, 64), *why));
+    }
+    lists[i] = std::get<std::vector<std::string>>(steps);
+    args += fmt::format(" {} {}", name, *text);
+  }
+  if (auto both = steptrace::proto::rule_steps_overlap(lists[0], lists[1])) {
+    return std::variant<std::string, std::string>(
+        std::in_place_index<1>,
+        fmt::format("steptrace: report: step {} is in both --compute and --overhead", *both));
+  }
+  return std::variant<std::string, std::string>(std::in_place_index<0>, args);
+}
+
 Subcommand add_report(CLI::App& app, Options& options) {
   auto* report = app.add_subcommand(
       "report", "Time per step, for all processes and each one, then the VRAM ledger");
@@ -999,13 +1038,33 @@ Subcommand add_report(CLI::App& app, Options& options) {
                    "Rank skew over the last N seconds too, beside the whole run (1..86400)")
       ->type_name("N")
       ->check(count_range(kMaxWindowS));
-  return {report, [](const Invocation& in) {
+  auto* compute =
+      report
+          ->add_option("--compute", options.compute,
+                       "The 50% rule's compute steps for this report, by name (default: the "
+                       "daemon's config, Matmul)")
+          ->type_name("STEP,...");
+  auto* overhead =
+      report
+          ->add_option("--overhead", options.overhead,
+                       "The 50% rule's CPU-overhead steps for this report (default: the daemon's "
+                       "config, Transpose,Alloc)")
+          ->type_name("STEP,...");
+  return {report, [compute, overhead](const Invocation& in) {
             const Options& o = in.options;
+            const auto rule = rule_args(o, compute->count() > 0, overhead->count() > 0);
+            if (rule.index() == 1) {
+              write_line(stderr, std::get<1>(rule));
+              return kExitFailure;
+            }
+            const std::string& rule_words = std::get<0>(rule);
             if (o.pid > 0 || !o.job.empty()) {
-              return run_report_filtered(in.socket, o.pid, o.job, o.window_s, o.json, in.timeout);
+              return run_report_filtered(in.socket, o.pid, o.job, o.window_s, rule_words, o.json,
+                                         in.timeout);
             }
             std::string line = o.json ? "report --json" : "report";
             if (o.window_s > 0) line += " --window " + std::to_string(o.window_s);
+            line += rule_words;
             return run_and_print(in.socket, line, in.timeout);
           }};
 }

@@ -51,8 +51,8 @@ _steptrace() {
       _steptrace_paths "$cur"
       return
       ;;
-    --timeout | --pid | --gpu | --interval | --iterations | --last | --for | --job)
-      return # a number, a UUID or a job id: nothing to offer
+    --timeout | --pid | --gpu | --interval | --iterations | --last | --for | --job | --compute | --overhead)
+      return # a number, a UUID, a job id or step names: nothing to offer
       ;;
     --sort)
       _steptrace_words "time name pid" "$cur"
@@ -89,7 +89,7 @@ _steptrace() {
 
   local flags=""
   case $sub in
-    report) flags="--json --pid --job --window" ;;
+    report) flags="--json --pid --job --window --compute --overhead" ;;
     ledger)
       flags="--json"
       # `ledger cleanup GPU ID`: the subcommand word right after `ledger`.

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "daemon/report/overhead_rule.h"
 #include "daemon/state/read_model.h"
 
 namespace steptrace::daemon {
@@ -33,9 +34,14 @@ struct ReportFilter {
   std::optional<JobRef> job;
 };
 // What else a report shows: rank skew over the last `window_s` seconds too (`report
-// --window N`; the run's is always there), and its thresholds.
+// --window N`; the run's is always there), and its thresholds. The 50% rule of each
+// section (overhead_rule.h): `rule` (`report --compute/--overhead`) for all when set;
+// else a job's section and its processes' (and a `--job` or `--pid` report's) the
+// job's in `rules`, the whole table's the default.
 struct ReportOptions {
   std::optional<std::uint64_t> window_s;
+  OverheadRules rules{};
+  std::optional<OverheadRule> rule{};
 };
 nlohmann::json report_json(const CollectorView& view, const ReportFilter& filter,
                            const ReportOptions& options = {});

@@ -195,6 +195,13 @@ std::uint64_t rss_bytes() {
   return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+// "rule": the 50% rule over `totals`, `job`'s or the flags' (overhead_rule.h).
+nlohmann::json popper_json(const report::ReportOptions& options, const std::optional<JobRef>& job,
+                           const std::vector<StepFigures>& totals) {
+  const report::ChosenRule chosen = report::rule_for(options.rules, options.rule, job);
+  return report::rule_json(chosen, report::evaluate(*chosen.rule, totals));
+}
+
 }  // namespace
 
 nlohmann::json report::report_json(const CollectorView& view, const ReportFilter& filter,
@@ -209,6 +216,7 @@ nlohmann::json report::report_json(const CollectorView& view, const ReportFilter
                        : std::nullopt;
   for (const JobFigures& group : view.jobs(processes)) {
     const JobRankSkew skew = view.rank_skew(group, window_ns);
+    const std::vector<StepFigures> job_totals = view.totals(group.processes);
     jobs.push_back(
         {{"job", group.job.empty() ? nlohmann::json(nullptr) : nlohmann::json(group.job)},
          {"uid", group.uid},
@@ -217,13 +225,20 @@ nlohmann::json report::report_json(const CollectorView& view, const ReportFilter
          {"ranks", group.ranks},
          {"world_size",
           group.world_size == 0 ? nlohmann::json(nullptr) : nlohmann::json(group.world_size)},
-         {"totals", totals_json(view.totals(group.processes))},
+         {"totals", totals_json(job_totals)},
+         {"rule", popper_json(options, JobRef{group.uid, group.job}, job_totals)},
          {"rank_skew", rank_skew_json(group, skew)},
          {"stragglers", stragglers_json(group, skew)}});
   }
+  // The whole report's rule as its text's: one process's job's, one job's, else the default.
+  const std::optional<JobRef> rule_job =
+      processes.size() == 1 ? std::optional<JobRef>(JobRef{processes[0].uid, processes[0].job})
+                            : filter.job;
+  const std::vector<StepFigures> totals = view.totals(processes);
   return {{"schema", "steptrace.report/v1"},
           {"processes", std::move(procs)},
-          {"totals", totals_json(view.totals(processes))},
+          {"totals", totals_json(totals)},
+          {"rule", popper_json(options, rule_job, totals)},
           {"jobs", std::move(jobs)},
           {"ledger", report::ledger_json(view.ledger(), now)},
           {"daemon",

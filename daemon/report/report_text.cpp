@@ -24,10 +24,6 @@ using report::Align;
 using report::Column;
 using report::format_duration;
 
-constexpr std::uint32_t kMatmul = proto::builtin_step_id("Matmul");
-constexpr std::uint32_t kTranspose = proto::builtin_step_id("Transpose");
-constexpr std::uint32_t kAlloc = proto::builtin_step_id("Alloc");
-
 struct Row {
   std::string name;  // sanitised
   std::uint64_t count;
@@ -41,11 +37,11 @@ double percent_of(std::uint64_t part, std::uint64_t whole) {
   return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) * 100.0 : 0.0;
 }
 
-// The table and analysis for one set of step aggregates (everything after the title).
-std::string step_table(const std::vector<StepFigures>& totals) {
+// The table and analysis for one set of step aggregates (everything after the title),
+// the 50% rule's being `popper`.
+std::string step_table(const std::vector<StepFigures>& totals, const report::ChosenRule& popper) {
   std::vector<Row> rows;
   std::uint64_t total_time = 0, total_self = 0;
-  std::uint64_t compute = 0, overhead = 0;
   std::size_t name_width = 15;
   for (const StepFigures& t : totals) {
     const Histogram& h = t.hist();
@@ -55,12 +51,6 @@ std::string step_table(const std::vector<StepFigures>& totals) {
     total_time = saturating_add(total_time, h.sum());
     total_self = saturating_add(total_self, t.self_ns);
     name_width = std::max(name_width, report::display_width(rows.back().name));
-    // Built-in names are unique; a custom step can not take a built-in's name slot.
-    if (t.name == proto::builtin_step_name(kMatmul)) compute = saturating_add(compute, h.sum());
-    if (t.name == proto::builtin_step_name(kTranspose) ||
-        t.name == proto::builtin_step_name(kAlloc)) {
-      overhead = saturating_add(overhead, h.sum());
-    }
   }
   if (rows.empty()) {
     return "No measurements recorded. Link libsteptrace into the trainer and wrap work in\n"
@@ -97,28 +87,8 @@ std::string step_table(const std::vector<StepFigures>& totals) {
         "Duration and % Time include nested spans (Total Measured Time counts them twice);\n"
         "Self leaves out the spans that ended inside them on the same thread.\n";
   }
-  // Dr. Popper: compute (Matmul) against CPU overhead (Transpose + Alloc), 50% rule.
-  if (compute > 0) {
-    const double overhead_pct = static_cast<double>(overhead) /
-                                static_cast<double>(saturating_add(compute, overhead)) * 100.0;
-    char pct[32];
-    std::snprintf(pct, sizeof pct, "%.2f", overhead_pct);
-    out += "\n[Dr. Popper Analysis]\n";
-    out += "CUDA Compute:   " + format_duration(compute) + "\n";
-    out += "CPU Overhead:   " + format_duration(overhead) + " (" + pct + "%)\n";
-    if (overhead_pct > 50.0) {
-      out += "\n🔴 FALSIFICATION: Overhead > 50%. Kernel fusion required.\n";
-    } else {
-      out += "\n🟢 CORROBORATED: Compute dominates. Current approach viable.\n";
-    }
-  } else {
-    // No verdict to give, and silence read as "fine": say why there is none.
-    out += "\n[Dr. Popper Analysis]\n";
-    out +=
-        "No Matmul spans, so no 50% verdict: the rule sets compute (Matmul) against CPU "
-        "overhead (Transpose + Alloc). steptrace.torch.instrument(model, modules=True) "
-        "records Linear layers as Matmul.\n";
-  }
+  // Dr. Popper: compute against CPU overhead, the 50% rule (overhead_rule.h).
+  out += report::rule_text(popper, report::evaluate(*popper.rule, totals));
   return out;
 }
 
@@ -301,6 +271,9 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
                                                 " (uid " + std::to_string(filter.job->uid) + ")"
                                           : std::string();
   if (filter.job) title += " (" + job_name + ")";
+  const auto rule_of = [&options](const std::optional<JobRef>& job) {
+    return report::rule_for(options.rules, options.rule, job);
+  };
   std::string out = "\n" + report::boxed_title(title);
   const std::optional<std::uint64_t> window_ns =
       options.window_s ? std::optional<std::uint64_t>(*options.window_s * 1'000'000'000)
@@ -319,25 +292,28 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
     }
   } else if (processes.size() == 1) {
     // One process (`report --pid N`, or only one there): its table once.
-    out += process_header(processes.front(), now, true);
-    out += step_table(view.totals(processes));
+    const ProcessFigures& only = processes.front();
+    out += process_header(only, now, true);
+    out += step_table(view.totals(processes), rule_of(JobRef{only.uid, only.job}));
   } else {
     const auto groups = view.jobs(processes);
     const bool by_job = groups.size() > 1 || !groups.front().job.empty();
     out += "Processes: " + std::to_string(processes.size());
     if (by_job) out += " · jobs: " + std::to_string(groups.size());
     out += "\n";
-    out += step_table(view.totals(processes));
+    // The whole table's rule is the default; one job's (`--job`), that job's.
+    out += step_table(view.totals(processes), rule_of(filter.job));
     for (const JobFigures& group : groups) {
+      const report::ChosenRule job_rule = rule_of(JobRef{group.uid, group.job});
       if (by_job) {
         out += "\n" + job_header(group);
         // A job of one process: its own section says it all.
-        if (group.processes.size() > 1) out += step_table(view.totals(group.processes));
+        if (group.processes.size() > 1) out += step_table(view.totals(group.processes), job_rule);
         out += ranks_section(group, view.rank_skew(group, window_ns));
       }
       for (const ProcessFigures* rec : group.processes) {
         out += "\n" + process_header(*rec, now, false);
-        out += step_table(view.totals(std::span<const ProcessFigures>(rec, 1)));
+        out += step_table(view.totals(std::span<const ProcessFigures>(rec, 1)), job_rule);
       }
     }
   }

@@ -377,8 +377,12 @@ void ClientStream::answer_line(std::string_view line) {
   ++shared_.counters.commands_served;
   // Reports show what the rings hold now, not as of the ring timer's last pass.
   drain_all_rings(shared_);
-  const CommandContext context{shared_.collector, peer_.uid, shared_.daemon_euid, &peer_,
-                               shared_.config.server_limits.max_pending_traces_per_uid};
+  const CommandContext context{shared_.collector,
+                               peer_.uid,
+                               shared_.daemon_euid,
+                               &peer_,
+                               shared_.config.server_limits.max_pending_traces_per_uid,
+                               &shared_.config.overhead_rules};
   answer(shared_.commands.dispatch(line, context));
 }
 

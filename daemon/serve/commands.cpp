@@ -17,6 +17,7 @@
 #include "proto/codec.h"
 #include "proto/commands.h"
 #include "proto/printable.h"
+#include "proto/rule_steps.h"
 #include "proto/text_safety.h"
 
 namespace steptrace::daemon {
@@ -186,7 +187,7 @@ const Command<PingRequest>& ping_command() {
   return kCommand;
 }
 
-// ---- report [--json] [--pid N] [--job ID | --job UID:ID] -----------------------------
+// ---- report [--json] [--pid N] [--job [UID:]ID] [--window N] [--compute/--overhead S,...]
 
 // `ID` or `UID:ID` (proto::parse_job_option: the grammar the CLI checks too).
 Problem take_job(ReportRequest& r, std::optional<std::string_view> value) {
@@ -216,6 +217,36 @@ Problem take_window(ReportRequest& r, std::optional<std::string_view> value) {
   }
   r.window_s = s;
   return std::nullopt;
+}
+
+// `--compute STEP,...` / `--overhead STEP,...` (proto/rule_steps.h's grammar, the CLI's).
+template <std::optional<std::vector<std::string>> ReportRequest::*kField>
+Problem take_rule_steps(ReportRequest& r, std::optional<std::string_view> value) {
+  const std::string name = kField == &ReportRequest::compute ? "--compute" : "--overhead";
+  if (!value) return name + " needs STEP,STEP,... (step names)";
+  auto steps = proto::parse_rule_steps(*value);
+  if (auto* why = std::get_if<std::string>(&steps)) {
+    return name + " " + *why + ", got '" + proto::printable(*value, 64) + "'";
+  }
+  r.*kField = std::move(std::get<std::vector<std::string>>(steps));
+  return std::nullopt;
+}
+
+// The rule the flags ask for (a list not given is the config's default), or nullopt
+// without them; the error reply when a step is in both lists.
+std::variant<std::optional<report::OverheadRule>, std::string> flags_rule(
+    const ReportRequest& r, const report::OverheadRules& rules) {
+  if (!r.compute && !r.overhead) return std::nullopt;
+  report::OverheadRule rule = rules.defaults;
+  if (r.compute) rule.compute = *r.compute;
+  if (r.overhead) rule.overhead = *r.overhead;
+  if (auto both = proto::rule_steps_overlap(rule.compute, rule.overhead)) {
+    return "error: report: step " + *both + " is in both " +
+           (r.compute ? "--compute" : "the default compute steps") + " and " +
+           (r.overhead ? "--overhead" : "the default overhead steps") +
+           (r.compute && r.overhead ? "" : " (name the other list too)") + "\n";
+  }
+  return rule;
 }
 
 // "1001" or "1001, 1002 and 1003".
@@ -270,17 +301,22 @@ std::variant<JobRef, std::string> resolve_job(const CollectorView& v, const Repo
 Reply run_report(const ReportRequest& r, const Call& call) {
   const std::uint32_t caller = call.context.peer_uid;
   const bool privileged = may_reset(caller, call.context.daemon_euid);
-  return RenderJob([r, caller, privileged](const CollectorView& v) -> std::string {
-    report::ReportFilter filter{r.pid, std::nullopt};
-    if (r.job) {
-      auto job = resolve_job(v, r, caller, privileged);
-      if (auto* error = std::get_if<std::string>(&job)) return std::move(*error);
-      filter.job = std::move(std::get<JobRef>(job));
-    }
-    const report::ReportOptions options{r.window_s};
-    return r.json ? json_line(report::report_json(v, filter, options))
-                  : text_reply(report::report_text(v, filter, options));
-  });
+  report::ReportOptions options{r.window_s};
+  if (call.context.overhead_rules != nullptr) options.rules = *call.context.overhead_rules;
+  auto forced = flags_rule(r, options.rules);
+  if (auto* error = std::get_if<std::string>(&forced)) return std::move(*error);
+  options.rule = std::move(std::get<std::optional<report::OverheadRule>>(forced));
+  return RenderJob(
+      [r, caller, privileged, options = std::move(options)](const CollectorView& v) -> std::string {
+        report::ReportFilter filter{r.pid, std::nullopt};
+        if (r.job) {
+          auto job = resolve_job(v, r, caller, privileged);
+          if (auto* error = std::get_if<std::string>(&job)) return std::move(*error);
+          filter.job = std::move(std::get<JobRef>(job));
+        }
+        return r.json ? json_line(report::report_json(v, filter, options))
+                      : text_reply(report::report_text(v, filter, options));
+      });
 }
 
 const Command<ReportRequest>& report_command() {
@@ -289,10 +325,14 @@ const Command<ReportRequest>& report_command() {
       .syntax = {.groups = {{flag("--json", &ReportRequest::json)},
                             {pid_option(&ReportRequest::pid)},
                             {{"--job", "[UID:]ID", take_job}},
-                            {{"--window", "N", take_window}}}},
+                            {{"--window", "N", take_window}},
+                            {{"--compute", "STEP,...", take_rule_steps<&ReportRequest::compute>}},
+                            {{"--overhead", "STEP,...",
+                              take_rule_steps<&ReportRequest::overhead>}}}},
       .summary =
           "per-step timing for all processes (or one pid, or one job's: yours, or UID's), "
-          "by job with rank skew (over the last N s too with --window), then the VRAM ledger",
+          "by job with rank skew (over the last N s too with --window), then the VRAM ledger; "
+          "--compute/--overhead: the 50% rule's steps",
       .run = run_report,
   };
   return kCommand;

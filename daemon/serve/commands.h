@@ -27,6 +27,7 @@
 #include <variant>
 #include <vector>
 
+#include "daemon/report/overhead_rule.h"
 #include "daemon/serve/command_syntax.h"
 #include "daemon/serve/render_job.h"
 #include "daemon/state/collector.h"
@@ -43,6 +44,8 @@ struct CommandContext {
   const PeerIdentity* peer = nullptr;
   // `trace --for` replies the peer's uid may have waiting (limits.max_pending_traces_per_uid).
   std::size_t max_pending_traces_per_uid = 4;
+  // The config's 50% rules (`report`); nullptr: the built-in default only.
+  const report::OverheadRules* overhead_rules = nullptr;
 };
 
 // A reply too big to be one string (`trace`): rendered a piece at a time on the render
@@ -90,6 +93,9 @@ struct ReportRequest {
   std::optional<std::string> job;
   std::optional<std::uint32_t> job_uid;   // --job UID:ID
   std::optional<std::uint64_t> window_s;  // --window N: rank skew over the last N s too
+  // --compute STEP,... / --overhead STEP,...: the 50% rule's steps for this report.
+  std::optional<std::vector<std::string>> compute;
+  std::optional<std::vector<std::string>> overhead;
   static Parsed<ReportRequest> parse(Args args);
 };
 struct LedgerRequest {

@@ -12,6 +12,8 @@
 #include <sstream>
 
 #include "daemon/persist/json_reader.h"
+#include "proto/commands.h"
+#include "proto/rule_steps.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -135,6 +137,63 @@ void read_rank_skew(JsonObject o, Config& c) {
   o.finish();
 }
 
+// A list of the 50% rule's steps at `key`, when present, into `steps`.
+void read_rule_steps(JsonObject& o, std::string_view key, std::vector<std::string>& steps) {
+  if (!o.has(key)) return;
+  // One past the bound, so that too long a list gets rule_steps_problem's message.
+  JsonArray array = o.array(key, proto::kMaxRuleSteps + 1);
+  std::vector<std::string> names(array.size());
+  constexpr StringRule kStepName{0, 4096, /*printable=*/false};
+  for (std::size_t i = 0; i < array.size(); ++i) {
+    if (!array.get_string(i, names[i], kStepName)) return;
+  }
+  if (auto why = proto::rule_steps_problem(names)) {
+    o.fail_at(key, "must be a list of step names: " + *why);
+    return;
+  }
+  steps = std::move(names);
+}
+
+// The two lists of one rule (the default's, or a job's over the default); a step in
+// both is an error.
+bool read_rule(JsonObject& o, report::OverheadRule& rule) {
+  read_rule_steps(o, "compute_steps", rule.compute);
+  read_rule_steps(o, "overhead_steps", rule.overhead);
+  if (auto both = proto::rule_steps_overlap(rule.compute, rule.overhead)) {
+    return o.fail_at(o.has("overhead_steps") ? "overhead_steps" : "compute_steps",
+                     "step " + *both + " is in both compute_steps and overhead_steps");
+  }
+  return true;
+}
+
+// "overhead_rule": {"compute_steps": [...], "overhead_steps": [...], "jobs": {"ID" or
+// "UID:ID": {either list}}}; a job's list left out is the default's.
+void read_overhead_rule(JsonObject o, Config& c) {
+  report::OverheadRules rules;
+  if (!read_rule(o, rules.defaults)) return;
+  if (auto jobs = o.optional_object("jobs")) {
+    for (const std::string_view key : jobs->keys()) {
+      const auto job = proto::parse_job_option(key);
+      if (!job) {
+        jobs->fail_at(key,
+                      "a job is ID (any uid's job with that id) or UID:ID (that uid's), as "
+                      "--job takes it");
+        return;
+      }
+      report::OverheadRule rule = rules.defaults;
+      JsonObject entry = jobs->object(key);
+      if (!read_rule(entry, rule) || !entry.finish()) return;
+      if (job->uid) {
+        rules.by_uid_job[JobRef{*job->uid, std::string(job->id)}] = std::move(rule);
+      } else {
+        rules.by_job_id[std::string(job->id)] = std::move(rule);
+      }
+    }
+    if (!jobs->finish()) return;
+  }
+  if (o.finish()) c.overhead_rules = std::move(rules);
+}
+
 // Every key is optional: one left out keeps the value `c` has.
 void read_config(JsonObject top, Config& c) {
   read_string_key(top, "socket", [&c](const std::string& path) -> Problem {
@@ -177,6 +236,7 @@ void read_config(JsonObject top, Config& c) {
   if (auto limits = top.optional_object("limits")) read_limits(std::move(*limits), c);
   if (auto timeouts = top.optional_object("timeouts")) read_timeouts(std::move(*timeouts), c);
   if (auto skew = top.optional_object("rank_skew")) read_rank_skew(std::move(*skew), c);
+  if (auto rule = top.optional_object("overhead_rule")) read_overhead_rule(std::move(*rule), c);
   top.finish();
 }
 
@@ -299,6 +359,22 @@ json limits_json(const Config& c) {
   for (const LimitRow& row : kLimitTable) out[std::string(row.key)] = row.get(c);
   return out;
 }
+
+json rule_json(const report::OverheadRule& rule) {
+  return {{"compute_steps", rule.compute}, {"overhead_steps", rule.overhead}};
+}
+
+json overhead_rule_json(const report::OverheadRules& rules) {
+  json jobs = json::object();
+  for (const auto& [id, rule] : rules.by_job_id) jobs[id] = rule_json(rule);
+  for (const auto& [job, rule] : rules.by_uid_job) {
+    jobs[std::to_string(job.uid) + ":" + job.job] = rule_json(rule);
+  }
+  json out = rule_json(rules.defaults);
+  out["jobs"] = std::move(jobs);
+  return out;
+}
+
 }  // namespace
 
 json config_to_json(const Config& c) {
@@ -329,6 +405,7 @@ json config_to_json(const Config& c) {
         {"waiting_steps", c.limits.rank_skew.waiting_steps},
         {"sample_interval_ms", c.limits.rank_skew.sample_interval_ms},
         {"window_samples", c.limits.rank_skew.window_samples}}},
+      {"overhead_rule", overhead_rule_json(c.overhead_rules)},
   };
 }
 

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "daemon/report/overhead_rule.h"
 #include "daemon/state/flight_recorder.h"
 #include "daemon/state/ledger_state.h"
 #include "daemon/state/types.h"
@@ -90,6 +91,9 @@ struct Config {
   Timeouts timeouts;
   FlightRecorderConfig flight_recorder;  // flight_recorder_bytes, flight_recorder_seconds
   NvmlConfig nvml;
+  // "overhead_rule": the 50% rule's compute and overhead steps, the default and per job
+  // (report/overhead_rule.h; `report --compute/--overhead` overrides them per report).
+  report::OverheadRules overhead_rules;
 };
 
 struct ConfigError {

@@ -616,6 +616,60 @@ TEST_F(CliLive, ReportOfOneProcessAfterTheCExample) {
   EXPECT_THAT(text.out, HasSubstr("Forward"));
 }
 
+// `report --compute STEP,... --overhead STEP,...`: the 50% rule of the trainer's own
+// steps, in text and JSON; a bad list is one line on stderr and exit 1.
+TEST_F(CliLive, ReportComputeAndOverheadNameTheRulesSteps) {
+  const Output c = run(dir_, {MINIMAL_C_BIN}, {"STEPTRACE_SOCKET=" + daemon_.socket()});
+  ASSERT_EQ(c.status, 0) << c.out << c.err;
+  const auto pos = c.out.find("pid ");
+  ASSERT_NE(pos, std::string::npos) << c.out;
+  const std::string pid = std::to_string(std::atoi(c.out.c_str() + pos + 4));
+
+  json report = cli_json({"report", "--json", "--pid", pid, "--compute", "Forward,Backward",
+                          "--overhead", "Checkpoint"});
+  const json& rule = report["rule"];
+  EXPECT_EQ(rule["source"], "flags") << report.dump();
+  EXPECT_EQ(rule["compute_steps"], json::parse(R"(["Forward", "Backward"])"));
+  EXPECT_EQ(rule["overhead_steps"], json::parse(R"(["Checkpoint"])"));
+  EXPECT_GT(rule.value("compute_ns", 0ULL), 0u);
+  EXPECT_NE(rule["verdict"], "no_compute");
+  // No compute among these steps: a verdict of its own, no NaN.
+  report = cli_json({"report", "--json", "--compute", "NoSuchStep"});
+  EXPECT_EQ(report["rule"]["verdict"], "no_compute");
+  EXPECT_TRUE(report["rule"]["overhead_pct"].is_null());
+
+  const Output text = cli({"report", "--pid", pid, "--compute=Forward", "--overhead=Matmul"});
+  EXPECT_EQ(text.status, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("Rule (--compute/--overhead): compute Forward, overhead Matmul\n"
+                                  "CUDA Compute:   "));
+  const Output none = cli({"report", "--compute", "NoSuchStep"});
+  EXPECT_EQ(none.status, 0) << none.err;
+  EXPECT_THAT(none.out, HasSubstr("No NoSuchStep spans, so no 50% verdict"));
+  EXPECT_THAT(none.out, Not(HasSubstr("nan")));
+
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"report", "--compute", "A,,B"},
+       "steptrace: report: --compute A,,B: has an empty step name (STEP,STEP,...)\n"},
+      {{"report", "--overhead", ""}, "steptrace: report: --overhead : needs at least one step\n"},
+      {{"report", "--json", "--compute", "X", "--overhead", "Y,X"},
+       "steptrace: report: step X is in both --compute and --overhead\n"},
+      {{"report", "--pid", pid, "--compute", "A,A"},
+       "steptrace: report: --compute A,A: names A twice\n"},
+  };
+  for (const auto& [args, said] : bad) {
+    const Output r = cli(args);
+    EXPECT_EQ(r.status, 1) << args.back();
+    EXPECT_EQ(r.err, said);
+    EXPECT_EQ(r.out, "");
+  }
+  // The daemon's refusal (its default overhead holds Alloc): exit 1, one line naming it.
+  const Output refused = cli({"report", "--compute", "Alloc"});
+  EXPECT_EQ(refused.status, 1);
+  EXPECT_THAT(refused.err, HasSubstr("step Alloc is in both --compute and the default overhead "
+                                     "steps"));
+  EXPECT_EQ(std::count(refused.err.begin(), refused.err.end(), '\n'), 1) << refused.err;
+}
+
 #ifdef PYTHON3_BIN
 TEST_F(CliLive, ReportOfThePythonExample) {
   std::vector<std::string> env = {"STEPTRACE_SOCKET=" + daemon_.socket(),

@@ -23,6 +23,8 @@ VARIABLE_VALUES = {
     "node": "gpu-node-01",
     "job_id": "llama-7b",
     "step": "Forward",
+    "compute_steps": "Matmul",
+    "overhead_steps": "Transpose|Alloc",
     "__rate_interval": "1m",
     "__rate_interval_ms": "60000",
     "__interval": "30s",
@@ -300,6 +302,24 @@ class DashboardStructureTest(unittest.TestCase):
             if "rank:" in expr or "job:" in expr:
                 with self.subTest(panel=title):
                     self.assertIn("$job_id", expr)
+
+    def test_overhead_panel_takes_its_steps_from_the_rule_variables(self):
+        # The 50% rule's steps are the operator's (issue 28): two textbox variables whose
+        # defaults are the reference's, read by every query of the panel.
+        variables = {v["name"]: v for v in self.dashboard["templating"]["list"]}
+        for name, default in (("compute_steps", "Matmul"), ("overhead_steps", "Transpose|Alloc")):
+            self.assertEqual(variables[name]["type"], "textbox", name)
+            self.assertEqual(variables[name]["query"], default, name)
+            self.assertEqual(variables[name]["current"]["value"], default, name)
+        panels = [p for p in all_panels(self.dashboard) if p.get("title") == "CPU overhead ratio"]
+        self.assertEqual(len(panels), 1)
+        for target in panels[0]["targets"]:
+            used = referenced_variables(target["expr"])
+            self.assertIn("compute_steps", used, target["expr"])
+            self.assertIn("overhead_steps", used, target["expr"])
+            # Without compute time the ratio is left out (`> 0`), never 0/0.
+            self.assertIn("> 0)", target["expr"])
+            self.assertNotIn("Matmul", target["expr"])
 
     def test_job_legends_name_the_uid(self):
         # A job is (uid, job_id): two users' "llama" must not share a legend entry.

@@ -227,6 +227,63 @@ TEST_F(ReportTest, TextReportKeepsTheReferenceShape) {
   EXPECT_NE(pos("[VRAM Ledger]", p2), std::string::npos);
 }
 
+// The 50% rule of other steps (`report --compute/--overhead`, a job's config): the same
+// verdicts over the steps named, text and JSON alike, and without compute one line and
+// "no_compute" (never NaN).
+TEST_F(ReportTest, RuleOfOtherStepsInTextAndJson) {
+  Connection a(collector_, world_.spawn(4242, 1, "python3"));
+  ASSERT_FALSE(
+      a.events({start(1, kForward, 0), end(1, kForward, 3'000'000), start(1, kBackward, 0),
+                end(1, kBackward, 1'000'000), start(1, kMatmul, 0), end(1, kMatmul, 6'000'000)}));
+  report::ReportOptions options;
+  options.rule = report::OverheadRule{{"Backward"}, {"Forward", "Matmul"}};
+  std::string text = report::report_text(*collector_.freeze(), report::ReportFilter{}, options);
+  EXPECT_NE(text.find("[Dr. Popper Analysis]\n"
+                      "Rule (--compute/--overhead): compute Backward, overhead Forward + Matmul\n"
+                      "CUDA Compute:   1.00ms\nCPU Overhead:   9.00ms (90.00%)\n\n"
+                      "🔴 FALSIFICATION: Overhead > 50%. Kernel fusion required.\n"),
+            std::string::npos)
+      << text;
+  json doc = report::report_json(*collector_.freeze(), report::ReportFilter{}, options);
+  EXPECT_EQ(doc["rule"], json::parse(R"({"compute_steps": ["Backward"], "overhead_steps":
+      ["Forward", "Matmul"], "source": "flags", "compute_ns": 1000000, "overhead_ns": 9000000,
+      "overhead_pct": 90.0, "verdict": "falsified"})"));
+
+  // The default: Matmul 6 ms against nothing, corroborated; as before, no "Rule" line.
+  text = report::report_text(*collector_.freeze(), std::nullopt);
+  EXPECT_NE(text.find("[Dr. Popper Analysis]\nCUDA Compute:   6.00ms\n"), std::string::npos)
+      << text;
+  doc = report::report_json(*collector_.freeze(), std::nullopt);
+  EXPECT_EQ(doc["rule"]["verdict"], "corroborated");
+  EXPECT_EQ(doc["rule"]["overhead_pct"], 0.0);
+  EXPECT_EQ(doc["rule"]["source"], "default");
+
+  // No compute among the steps named: one line naming them, no verdict, null ratio.
+  options.rule = report::OverheadRule{{"Attention", "Linear"}, {"Forward"}};
+  text = report::report_text(*collector_.freeze(), report::ReportFilter{}, options);
+  EXPECT_NE(text.find("No Attention or Linear spans, so no 50% verdict: the rule sets compute "
+                      "(Attention + Linear) against CPU overhead (Forward)."),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("FALSIFICATION"), std::string::npos) << text;
+  EXPECT_EQ(text.find("CORROBORATED"), std::string::npos) << text;
+  EXPECT_EQ(text.find("nan"), std::string::npos) << text;
+  doc = report::report_json(*collector_.freeze(), report::ReportFilter{}, options);
+  EXPECT_EQ(doc["rule"]["verdict"], "no_compute");
+  EXPECT_TRUE(doc["rule"]["overhead_pct"].is_null());
+  EXPECT_EQ(doc["rule"]["overhead_ns"], 3'000'000);
+}
+
+TEST(OverheadRule, EvaluateSumsTheNamedStepsAndNeverDividesByZero) {
+  const report::RuleFigures none = report::evaluate(report::default_overhead_rule(), {});
+  EXPECT_EQ(none.compute_ns, 0u);
+  EXPECT_EQ(none.overhead_ns, 0u);
+  EXPECT_FALSE(none.overhead_pct);
+  const report::OverheadRule rule = report::default_overhead_rule();
+  EXPECT_EQ(rule.compute, (std::vector<std::string>{"Matmul"}));
+  EXPECT_EQ(rule.overhead, (std::vector<std::string>{"Transpose", "Alloc"}));
+}
+
 TEST_F(ReportTest, TextReportWithoutComputeSaysWhyThereIsNoVerdictAndEmptySaysHowToRecord) {
   std::string text = report::report_text(*collector_.freeze(), std::nullopt);
   EXPECT_NE(text.find("STEPTRACE REPORT"), std::string::npos);

@@ -175,7 +175,7 @@ TEST_F(CommandsTest, BadArgumentsAreNamed) {
   // A word echoed back in an error is printable, whatever the client sent.
   EXPECT_EQ(run("report --x\x1b[2J"),
             "error: report: unexpected argument '--x?[2J' (usage: report [--json] [--pid N] [--job "
-            "[UID:]ID] [--window N])\n");
+            "[UID:]ID] [--window N] [--compute STEP,...] [--overhead STEP,...])\n");
   EXPECT_EQ(run("report --pid 1\x1b[2J"),
             "error: report: --pid needs a process id in 1..2147483647, got '1?[2J'\n");
   EXPECT_EQ(run("reset --pid \x1b]0;x\x07"),
@@ -193,9 +193,11 @@ TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
             "EXPIRED)\n"
             "  metrics                     Prometheus text exposition (format 0.0.4)\n"
             "  ping                        answers pong\n"
-            "  report [--json] [--pid N] [--job [UID:]ID] [--window N] per-step timing for all "
+            "  report [--json] [--pid N] [--job [UID:]ID] [--window N] [--compute STEP,...] "
+            "[--overhead STEP,...] per-step timing for all "
             "processes (or one pid, or one job's: yours, or UID's), by job with rank skew (over "
-            "the last N s too with --window), then the VRAM ledger\n"
+            "the last N s too with --window), then the VRAM ledger; --compute/--overhead: the 50% "
+            "rule's steps\n"
             "  reset [--pid N | --ledger | --gpu UUID] clear the aggregates (all, or one pid's), "
             "or the VRAM ledger (all GPUs, or one); root or the daemon's uid only\n"
             "  stats [--json]              the daemon's own counters\n"
@@ -252,7 +254,7 @@ TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
       {"report --json --json", "error: report: --json given twice\n"},
       {"report --pidx 3",
        "error: report: unexpected argument '--pidx' (usage: report [--json] [--pid N] [--job "
-       "[UID:]ID] [--window N])\n"},
+       "[UID:]ID] [--window N] [--compute STEP,...] [--overhead STEP,...])\n"},
       {"reset --json",
        "error: reset: unexpected argument '--json' (usage: reset [--pid N | --ledger | --gpu "
        "UUID])\n"},
@@ -336,6 +338,91 @@ TEST_F(CommandsTest, RequestsParseIntoTypedStructs) {
 // else names a job so; `--job UID:ID` reaches another uid's; a job the uid does not run
 // is an error naming the uids that do. Root (and the daemon's uid) keep the old meaning
 // of a bare ID when one uid runs it, and are told which uids when several do.
+// `report --compute STEP,... --overhead STEP,...`: the 50% rule of other steps for one
+// report, text and JSON; bad lists are one error line naming the option.
+TEST_F(CommandsTest, ReportComputeAndOverheadFlagsSetTheRule) {
+  ingest(10, 3);  // Forward: 3 spans of 100 ns
+  std::string text = run("report --compute Forward,Attention --overhead Alloc");
+  EXPECT_NE(text.find("[Dr. Popper Analysis]\nRule (--compute/--overhead): compute Forward + "
+                      "Attention, overhead Alloc\nCUDA Compute:   300.00ns\n"
+                      "CPU Overhead:   0.00ns (0.00%)\n\n🟢 CORROBORATED"),
+            std::string::npos)
+      << text;
+  text = run("report --compute=Alloc --overhead=Forward");
+  EXPECT_NE(text.find("No Alloc spans, so no 50% verdict: the rule sets compute (Alloc) against "
+                      "CPU overhead (Forward). Name other steps with report --compute/--overhead "
+                      "or the config's overhead_rule.\n"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("nan"), std::string::npos) << text;
+
+  // --json: "rule" beside "totals"; no compute is a verdict of its own, no NaN.
+  json doc = json::parse(run("report --json --overhead Forward"));
+  EXPECT_EQ(doc["rule"], json::parse(R"({"compute_steps": ["Matmul"], "overhead_steps":
+      ["Forward"], "source": "flags", "compute_ns": 0, "overhead_ns": 300,
+      "overhead_pct": null, "verdict": "no_compute"})"));
+  doc = json::parse(run("report --json --compute Forward --overhead Alloc,Transpose"));
+  EXPECT_EQ(doc["rule"]["verdict"], "corroborated");
+  EXPECT_EQ(doc["rule"]["compute_ns"], 300);
+  EXPECT_EQ(doc["rule"]["overhead_pct"], 0.0);
+  doc = json::parse(run("report --json --compute Alloc,Transpose --overhead Forward"));
+  EXPECT_EQ(doc["rule"]["verdict"], "no_compute");
+  // Without flags: the default rule, said so.
+  doc = json::parse(run("report --json"));
+  EXPECT_EQ(doc["rule"]["source"], "default");
+  EXPECT_EQ(doc["rule"]["overhead_steps"], json::parse(R"(["Transpose", "Alloc"])"));
+
+  EXPECT_EQ(run("report --compute Forward --overhead Forward"),
+            "error: report: step Forward is in both --compute and --overhead\n");
+  EXPECT_EQ(run("report --compute Alloc"),
+            "error: report: step Alloc is in both --compute and the default overhead steps "
+            "(name the other list too)\n");
+  EXPECT_EQ(run("report --compute"), "error: report: --compute needs STEP,STEP,... (step names)\n");
+  EXPECT_EQ(run("report --overhead A,,B"),
+            "error: report: --overhead has an empty step name (STEP,STEP,...), got 'A,,B'\n");
+  EXPECT_EQ(run("report --compute A,A"), "error: report: --compute names A twice, got 'A,A'\n");
+  EXPECT_EQ(run("report --compute A --compute B"), "error: report: --compute given twice\n");
+  EXPECT_EQ(run("report --compute " + std::string(64, 'x'))
+                .rfind("error: report: --compute a step name has 1..63 printable characters", 0),
+            0u);
+}
+
+// The config's per-job rules: a job's section (and a `--job` report) uses its job's; the
+// whole table the default; flags win over both.
+TEST_F(CommandsTest, ReportUsesTheJobsConfiguredRule) {
+  ingest(10, 3, 1000, "bert");
+  ingest(11, 2, 1000, "other");
+  report::OverheadRules rules;
+  rules.by_job_id["bert"] = {{"Forward"}, {"DataLoader"}};
+  CommandContext context{collector_, 1000, 1000};
+  context.overhead_rules = &rules;
+  json doc = json::parse(table_.execute("report --json", context));
+  EXPECT_EQ(doc["rule"]["source"], "default");
+  EXPECT_EQ(doc["rule"]["verdict"], "no_compute");
+  ASSERT_EQ(doc["jobs"].size(), 2u);
+  for (const json& job : doc["jobs"]) {
+    if (job["job"] == "bert") {
+      EXPECT_EQ(job["rule"]["source"], "job");
+      EXPECT_EQ(job["rule"]["compute_ns"], 300);
+      EXPECT_EQ(job["rule"]["verdict"], "corroborated");
+    } else {
+      EXPECT_EQ(job["rule"]["source"], "default");
+    }
+  }
+  doc = json::parse(table_.execute("report --json --job bert", context));
+  EXPECT_EQ(doc["rule"]["source"], "job");
+  EXPECT_EQ(doc["rule"]["compute_steps"], json::parse(R"(["Forward"])"));
+  const std::string text = table_.execute("report --job bert", context);
+  EXPECT_NE(text.find("Rule (the job's config): compute Forward, overhead DataLoader\n"
+                      "CUDA Compute:   300.00ns\n"),
+            std::string::npos)
+      << text;
+  // A flag's list not given is the config's default, not the job's.
+  doc = json::parse(table_.execute("report --json --job bert --overhead Forward", context));
+  EXPECT_EQ(doc["rule"]["source"], "flags");
+  EXPECT_EQ(doc["rule"]["compute_steps"], json::parse(R"(["Matmul"])"));
+}
+
 TEST_F(CommandsTest, ReportJobIsTheCallersOwnOrNamedByUid) {
   ingest(101, 3, 1001, "team-llm");
   ingest(102, 4, 1001, "team-llm");

@@ -266,6 +266,93 @@ TEST(Config, EachBadValueIsNamed) {
             "config: timeouts.text_idle_ms: must be an integer in 100..3600000");
 }
 
+// "overhead_rule": the 50% rule's steps, the default and per job ("ID" or "UID:ID").
+TEST(Config, OverheadRuleDefaultsAndPerJobOverrides) {
+  const Config defaults;
+  EXPECT_EQ(defaults.overhead_rules.defaults.compute, (std::vector<std::string>{"Matmul"}));
+  EXPECT_EQ(defaults.overhead_rules.defaults.overhead,
+            (std::vector<std::string>{"Transpose", "Alloc"}));
+  EXPECT_TRUE(defaults.overhead_rules.by_job_id.empty());
+
+  Config c;
+  ASSERT_FALSE(
+      apply_config_json(json::parse(R"({"overhead_rule": {"overhead_steps": ["Alloc"], "jobs": {
+        "bert": {"compute_steps": ["Forward", "Backward"], "overhead_steps": ["DataLoader"]},
+        "1001:bert": {"compute_steps": ["Attention"]},
+        "1002:12:30": {"overhead_steps": ["Sync"]}}}})"),
+                        c));
+  const report::OverheadRules& r = c.overhead_rules;
+  EXPECT_EQ(r.defaults.compute, (std::vector<std::string>{"Matmul"}));
+  EXPECT_EQ(r.defaults.overhead, (std::vector<std::string>{"Alloc"}));
+  ASSERT_EQ(r.by_job_id.count("bert"), 1u);
+  EXPECT_EQ(r.by_job_id.at("bert").compute, (std::vector<std::string>{"Forward", "Backward"}));
+  // A job's list left out is the default's (as the file sets it).
+  const report::OverheadRule& uid_rule = r.by_uid_job.at(JobRef{1001, "bert"});
+  EXPECT_EQ(uid_rule.compute, (std::vector<std::string>{"Attention"}));
+  EXPECT_EQ(uid_rule.overhead, (std::vector<std::string>{"Alloc"}));
+  EXPECT_EQ(r.by_uid_job.at(JobRef{1002, "12:30"}).overhead, (std::vector<std::string>{"Sync"}));
+
+  // "UID:ID" wins over "ID"; another uid's "bert" takes "ID"'s; no job, the default.
+  EXPECT_EQ(report::rule_for(r, std::nullopt, JobRef{1001, "bert"}).rule, &uid_rule);
+  EXPECT_EQ(report::rule_for(r, std::nullopt, JobRef{1003, "bert"}).rule, &r.by_job_id.at("bert"));
+  EXPECT_EQ(report::rule_for(r, std::nullopt, JobRef{1003, ""}).rule, &r.defaults);
+  EXPECT_EQ(report::rule_for(r, std::nullopt, std::nullopt).source, report::RuleSource::kDefault);
+
+  // config_to_json writes what it read, and reading that gives the same rules.
+  Config again;
+  ASSERT_FALSE(apply_config_json(config_to_json(c), again));
+  EXPECT_EQ(again.overhead_rules.by_uid_job, r.by_uid_job);
+  EXPECT_EQ(again.overhead_rules.by_job_id, r.by_job_id);
+  EXPECT_EQ(again.overhead_rules.defaults, r.defaults);
+}
+
+TEST(Config, BadOverheadRulesAreNamed) {
+  const auto rule = [](const char* text) {
+    return error_of(json{{"overhead_rule", json::parse(text)}});
+  };
+  EXPECT_EQ(rule(R"({"compute": ["Matmul"]})"), "config: overhead_rule.compute: unknown key");
+  EXPECT_EQ(rule(R"({"compute_steps": []})"),
+            "config: overhead_rule.compute_steps: must be a list of step names: needs at least "
+            "one step");
+  EXPECT_EQ(rule(R"({"overhead_steps": ["Matmul"]})"),
+            "config: overhead_rule.overhead_steps: step Matmul is in both compute_steps and "
+            "overhead_steps");
+  EXPECT_EQ(rule(R"({"compute_steps": ["A", "A"]})"),
+            "config: overhead_rule.compute_steps: must be a list of step names: names A twice");
+  EXPECT_EQ(
+      rule(R"({"compute_steps": ["a b"]})")
+          .rfind("config: overhead_rule.compute_steps: must be a list of step names: a step name "
+                 "has 1..63",
+                 0),
+      0u);
+  EXPECT_EQ(rule(R"({"compute_steps": ["Matmul,Alloc"]})")
+                .rfind("config: overhead_rule.compute_steps: must be a list of step names", 0),
+            0u);
+  EXPECT_EQ(
+      rule(R"({"compute_steps": "Matmul"})").rfind("config: overhead_rule.compute_steps: ", 0), 0u);
+  EXPECT_EQ(rule(R"({"compute_steps": [5]})").rfind("config: overhead_rule.compute_steps[0]: ", 0),
+            0u);
+  EXPECT_EQ(rule(R"({"jobs": {"bert": {"compute_steps": ["Alloc"]}}})"),
+            "config: overhead_rule.jobs.bert.compute_steps: step Alloc is in both compute_steps "
+            "and overhead_steps");
+  EXPECT_EQ(rule(R"({"jobs": {"bert": {"compute_step": ["Alloc"]}}})"),
+            "config: overhead_rule.jobs.bert.compute_step: unknown key");
+  EXPECT_EQ(
+      rule(R"({"jobs": {"a b": {}}})").rfind(R"(config: overhead_rule.jobs["a b"]: a job is)", 0),
+      0u);
+  std::vector<std::string> many;
+  for (int i = 0; i <= 64; ++i) many.push_back("S" + std::to_string(i));
+  EXPECT_EQ(error_of(json{{"overhead_rule", {{"compute_steps", many}}}}),
+            "config: overhead_rule.compute_steps: must be a list of step names: takes at most 64 "
+            "steps");
+  // A bad rule leaves the config's as it was.
+  Config c;
+  EXPECT_TRUE(apply_config_json(json::parse(R"({"overhead_rule": {"compute_steps": ["X"],
+      "overhead_steps": ["X"]}})"),
+                                c));
+  EXPECT_EQ(c.overhead_rules.defaults, report::default_overhead_rule());
+}
+
 TEST(Config, DocumentMustBeAnObjectAndValidJson) {
   EXPECT_FALSE(error_of(json::array()).empty());
   testing::TempDir dir;
