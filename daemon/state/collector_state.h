@@ -341,8 +341,14 @@ void uncharge_uid(CollectorState& state, std::uint32_t uid, std::size_t bytes);
 // max_state_bytes hit); else the threads of its largest live process that have nothing
 // open (nothing lost: made again on their next event); else that process's threads with
 // open spans (the spans counted as abandoned, as when a connection closes). Custom steps
-// of a live process hold its aggregates and stay. Threads are taken until `wanted` bytes
-// are free (an exited process goes whole). The bytes freed; 0: nothing to take.
+// of a live process hold its aggregates and stay, those with no span yet too: the client
+// registers a step once per connection, so one forgotten would make its next event an
+// unregistered_step error that closes the connection (PROTOCOL.md 9.3); keeping just the
+// name to re-admit it would save the aggregate alone (a fixed ~360 bytes, in a dense slot
+// vector the threads' stacks index) and could refuse an event later for a registration
+// once accepted. They are charged to their uid's share, so they cost no other uid
+// anything. Threads are taken until `wanted` bytes are free (an exited process goes
+// whole). The bytes freed; 0: nothing to take.
 std::size_t reclaim_state(CollectorState& state, std::uint32_t uid, std::size_t wanted,
                           DaemonCounters& counters);
 
