@@ -203,8 +203,8 @@ struct RetiredJob {
   // The same per rank, for the evicted processes that sent one, so that per-rank
   // counters (steptrace_job_rank_step_*) keep counting across a rank's restarts (a new
   // pid, the same rank) and its old pid's eviction. At most kMaxJobRanks ranks (beyond:
-  // not kept per rank, still in `steps`), each at most kMaxJobSteps names. Not in
-  // snapshots yet: a daemon restart forgets them (the counters then reset).
+  // not kept per rank, still in `steps`), each at most kMaxJobSteps names. In
+  // snapshots (RetiredJobImage::ranks), so the counters go on across a restart.
   std::map<std::uint32_t, JobStepMap> ranks;
   std::uint64_t processes = 0;
   std::uint64_t dropped = 0;

@@ -606,6 +606,10 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
   ASSERT_EQ(first.at("retired_jobs").size(), 1u) << first.dump();
   EXPECT_EQ(first["retired_jobs"][0]["job"], "llama");
   EXPECT_EQ(first["retired_jobs"][0]["steps"][0]["total_ns"], 50);
+  // Its per-rank totals too (the evicted process was rank 0).
+  ASSERT_EQ(first["retired_jobs"][0]["ranks"].size(), 1u) << first.dump();
+  EXPECT_EQ(first["retired_jobs"][0]["ranks"][0]["rank"], 0);
+  EXPECT_EQ(first["retired_jobs"][0]["ranks"][0]["steps"][0]["total_ns"], 50);
 
   std::string error;
   auto decoded = decode_snapshot(json::parse(first.dump()), limits, error);
@@ -625,6 +629,12 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
                       "step=\"Forward\"} 2e-07\n"),
             std::string::npos)
       << report::metrics_text(*restored.freeze());
+  // And per rank: rank 0's spans of its evicted process and of the one still there.
+  EXPECT_NE(report::metrics_text(*restored.freeze())
+                .find("steptrace_job_rank_step_spans_total{job_id=\"llama\",uid=\"7\","
+                      "rank=\"0\",step=\"Forward\"} 2\n"),
+            std::string::npos)
+      << report::metrics_text(*restored.freeze());
 
   const auto refused = [&](auto&& mutate) {
     json d = first;
@@ -637,6 +647,13 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
   EXPECT_NE(refused([](json& d) { d["retired_jobs"].push_back(d["retired_jobs"][0]); }), "");
   EXPECT_NE(refused([](json& d) { d["retired_jobs"][0]["steps"][0]["self_ns"] = 51; }), "");
   EXPECT_EQ(refused([](json& d) { d.erase("retired_jobs"); }), "");  // older snapshots
+  EXPECT_EQ(refused([](json& d) { d["retired_jobs"][0].erase("ranks"); }), "");
+  EXPECT_EQ(refused([](json& d) {
+              d["retired_jobs"][0]["ranks"].push_back(d["retired_jobs"][0]["ranks"][0]);
+            }),
+            "retired_jobs[0].ranks[1].rank: rank 0 appears twice");
+  EXPECT_NE(refused([](json& d) { d["retired_jobs"][0]["ranks"][0]["steps"][0]["self_ns"] = 51; }),
+            "");
 }
 
 // A job that still has a process in the table keeps its retired totals past max_jobs
