@@ -137,17 +137,30 @@ json process_json(const ProcessImage& p) {
 }
 
 json retired_job_json(const RetiredJobImage& job) {
-  json steps = json::array();
-  for (const auto& [name, t] : job.steps) {
-    steps.push_back(
-        {{"step", name}, {"count", t.count}, {"total_ns", t.total_ns}, {"self_ns", t.self_ns}});
+  const auto steps_json = [](const auto& steps) {
+    json out = json::array();
+    for (const auto& [name, t] : steps) {
+      out.push_back(
+          {{"step", name}, {"count", t.count}, {"total_ns", t.total_ns}, {"self_ns", t.self_ns}});
+    }
+    return out;
+  };
+  json out = {{"uid", job.uid},
+              {"job", job.job},
+              {"processes", job.processes},
+              {"dropped", job.dropped},
+              {"retired_order", job.retired_order},
+              {"steps", steps_json(job.steps)}};
+  // Per rank, only for a job whose evicted processes sent one: a file without ranks is
+  // the same bytes as before them.
+  if (!job.ranks.empty()) {
+    json ranks = json::array();
+    for (const auto& [rank, steps] : job.ranks) {
+      ranks.push_back({{"rank", rank}, {"steps", steps_json(steps)}});
+    }
+    out["ranks"] = std::move(ranks);
   }
-  return {{"uid", job.uid},
-          {"job", job.job},
-          {"processes", job.processes},
-          {"dropped", job.dropped},
-          {"retired_order", job.retired_order},
-          {"steps", std::move(steps)}};
+  return out;
 }
 
 // ---- decode: each returns false with the reader's error set ---------------------------
@@ -394,13 +407,8 @@ bool read_retired(JsonObject& top, const ImageBounds& bounds,
   return true;
 }
 
-bool read_retired_job(JsonObject j, const ImageBounds& bounds, RetiredJobImage& out) {
-  j.get_unsigned("uid", out.uid);
-  j.get_string("job", out.job, kJobRule);
-  j.get_unsigned("processes", out.processes, 1);
-  j.get_unsigned("dropped", out.dropped);
-  j.get_unsigned("retired_order", out.retired_order, 1);
-  JsonArray steps = j.array("steps", bounds.job_steps);
+// A retired job's steps ([{"step", "count", "total_ns", "self_ns"}, ...]) into `out`.
+bool read_job_steps(JsonArray steps, std::map<std::string, JobStepImage, std::less<>>& out) {
   for (std::size_t k = 0; k < steps.size(); ++k) {
     JsonObject st = steps.object(k);
     std::string name;
@@ -411,11 +419,42 @@ bool read_retired_job(JsonObject j, const ImageBounds& bounds, RetiredJobImage& 
       return false;
     }
     if (t.self_ns > t.total_ns) return st.fail_at("self_ns", "more than total_ns");
-    if (!out.steps.try_emplace(name, t).second) {
+    if (!out.try_emplace(name, t).second) {
       return st.fail_at("step", "\"" + name + "\" appears twice");
     }
   }
-  return steps.ok() && j.finish();
+  return steps.ok();
+}
+
+bool read_retired_job(JsonObject j, const ImageBounds& bounds, RetiredJobImage& out) {
+  j.get_unsigned("uid", out.uid);
+  j.get_string("job", out.job, kJobRule);
+  j.get_unsigned("processes", out.processes, 1);
+  j.get_unsigned("dropped", out.dropped);
+  j.get_unsigned("retired_order", out.retired_order, 1);
+  if (!read_job_steps(j.array("steps", bounds.job_steps), out.steps)) return false;
+  // Per rank (optional: files before them have none, and a job without ranks writes none).
+  if (j.has("ranks")) {
+    JsonArray ranks = j.array("ranks", bounds.job_ranks);
+    std::size_t names = 0;
+    for (std::size_t k = 0; k < ranks.size(); ++k) {
+      JsonObject r = ranks.object(k);
+      std::uint32_t rank = 0;
+      if (!r.get_unsigned("rank", rank, 0, proto::kNoRank - 1)) return false;
+      if (out.ranks.contains(rank)) {
+        return r.fail_at("rank", "rank " + std::to_string(rank) + " appears twice");
+      }
+      auto& steps = out.ranks[rank];
+      if (!read_job_steps(r.array("steps", bounds.job_steps), steps) || !r.finish()) return false;
+      names += steps.size();
+      if (names > bounds.job_rank_steps) {
+        return r.fail_at("steps", "the ranks hold more than " +
+                                      std::to_string(bounds.job_rank_steps) + " step names");
+      }
+    }
+    if (!ranks.ok()) return false;
+  }
+  return j.finish();
 }
 
 // What evicted processes left to their jobs (optional: written since protocol version 4).

@@ -52,6 +52,8 @@ json ledger_processes_json(const ledger::Gpu& gpu) {
                          {"cleanups", row.cleanups},
                          {"renews", row.renews},
                          {"refused", row.refused},
+                         {"uid", row.uid},
+                         {"exited_ns", row.exited_ns},
                          {"steps", ledger_steps_json(row.steps)}});
   }
   return processes;
@@ -95,6 +97,8 @@ json ledger_json(const ledger::State& state) {
                     {"creator_uid", gpu.creator_uid},
                     {"high_water_bytes", gpu.high_water_bytes},
                     {"sample", std::move(sample)},
+                    {"client_total_bytes", gpu.client_total.value_or(0)},
+                    {"client_total_uid", gpu.client_total_uid},
                     {"overcommit_events", gpu.overcommit_events},
                     {"operations", ledger_operations_json(gpu)},
                     {"steps", ledger_steps_json(gpu.steps)},
@@ -176,6 +180,10 @@ bool read_ledger_row(JsonObject p, ledger::Gpu& gpu) {
   p.get_unsigned("cleanups", row.cleanups);
   p.optional_unsigned("refused", row.refused);  // 0 in snapshots before permissions
   p.optional_unsigned("renews", row.renews);    // 0 in snapshots before leases
+  // Snapshots before rows kept them: the uid of a reservation the process holds, else
+  // none (LedgerView::adopt), and alive until the first liveness check.
+  p.optional_unsigned("uid", row.uid);
+  p.optional_unsigned("exited_ns", row.exited_ns);
   if (!read_ledger_steps(p.array("steps", proto::kBuiltinStepCount), row.steps) || !p.finish()) {
     return false;
   }
@@ -200,6 +208,16 @@ bool read_gpu(JsonObject g, const Limits& limits, ledger::State& out) {
     if (!s.finish()) return false;
     if (v.free_bytes > v.total_bytes) return s.fail_at("free_bytes", "exceeds total_bytes");
     gpu.sample = v;
+  }
+  // The total clients established and its uid (snapshots before them: the sample's
+  // total, owned by no uid, LedgerView::adopt). 0: none established.
+  std::uint64_t client_total = 0;
+  g.optional_unsigned("client_total_bytes", client_total);
+  g.optional_unsigned("client_total_uid", gpu.client_total_uid);
+  if (client_total != 0) {
+    gpu.client_total = client_total;
+  } else if (gpu.client_total_uid != kUnknownUid) {
+    return g.fail_at("client_total_uid", "a uid without a client_total_bytes");
   }
   JsonObject operations = g.object("operations");
   for (std::size_t op = 0; op < ledger::kOpCount; ++op) {

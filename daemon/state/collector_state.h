@@ -203,8 +203,8 @@ struct RetiredJob {
   // The same per rank, for the evicted processes that sent one, so that per-rank
   // counters (steptrace_job_rank_step_*) keep counting across a rank's restarts (a new
   // pid, the same rank) and its old pid's eviction. At most kMaxJobRanks ranks (beyond:
-  // not kept per rank, still in `steps`), each at most kMaxJobSteps names. Not in
-  // snapshots yet: a daemon restart forgets them (the counters then reset).
+  // not kept per rank, still in `steps`), each at most kMaxJobSteps names. In
+  // snapshots (RetiredJobImage::ranks), so the counters go on across a restart.
   std::map<std::uint32_t, JobStepMap> ranks;
   std::uint64_t processes = 0;
   std::uint64_t dropped = 0;
@@ -341,8 +341,14 @@ void uncharge_uid(CollectorState& state, std::uint32_t uid, std::size_t bytes);
 // max_state_bytes hit); else the threads of its largest live process that have nothing
 // open (nothing lost: made again on their next event); else that process's threads with
 // open spans (the spans counted as abandoned, as when a connection closes). Custom steps
-// of a live process hold its aggregates and stay. Threads are taken until `wanted` bytes
-// are free (an exited process goes whole). The bytes freed; 0: nothing to take.
+// of a live process hold its aggregates and stay, those with no span yet too: the client
+// registers a step once per connection, so one forgotten would make its next event an
+// unregistered_step error that closes the connection (PROTOCOL.md 9.3); keeping just the
+// name to re-admit it would save the aggregate alone (a fixed ~360 bytes, in a dense slot
+// vector the threads' stacks index) and could refuse an event later for a registration
+// once accepted. They are charged to their uid's share, so they cost no other uid
+// anything. Threads are taken until `wanted` bytes are free (an exited process goes
+// whole). The bytes freed; 0: nothing to take.
 std::size_t reclaim_state(CollectorState& state, std::uint32_t uid, std::size_t wanted,
                           DaemonCounters& counters);
 

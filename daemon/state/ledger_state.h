@@ -147,10 +147,12 @@ struct ProcessRow {
   // once it had a row (a refused record never makes one).
   std::uint64_t refused = 0;
   std::map<std::uint32_t, StepTime> steps;  // ledger step id -> time
-  // The actor's uid (max_ledger_rows_per_uid); kUnknownUid when restored from a snapshot.
+  // The actor's uid (max_ledger_rows_per_uid); kUnknownUid when restored from a snapshot
+  // that did not keep it (LedgerView::adopt then gives it a reservation holder's uid).
   std::uint32_t uid = kUnknownUid;
   // When the liveness check first saw the actor's process gone (monotonic; 0: alive, or
-  // not seen gone yet); the row goes max_ledger_row_age_s after. Not kept in snapshots.
+  // not seen gone yet); the row goes max_ledger_row_age_s after. Kept in snapshots, so
+  // the ageing continues across a restart (one of a former boot ages from the restore).
   std::uint64_t exited_ns = 0;
 };
 
@@ -206,8 +208,9 @@ struct Gpu {
   std::optional<std::uint64_t> device_total;
   // The total clients established (without NVML the GPU's known total): the first
   // applied VramSample's, changed only by a later sample of the same uid, of root, or one
-  // NVML confirmed; a sample of another uid contradicting it is refused. Not kept in
-  // snapshots: a restored GPU takes its sample's total, owned by no uid (kUnknownUid).
+  // NVML confirmed; a sample of another uid contradicting it is refused. Kept in
+  // snapshots with its uid; a GPU restored from one that did not keep them takes its
+  // sample's total, owned by no uid (kUnknownUid).
   std::optional<std::uint64_t> client_total;
   std::uint32_t client_total_uid = kUnknownUid;
   std::uint64_t overcommit_events = 0;

@@ -72,17 +72,23 @@ void LedgerView::adopt(ledger::State state, std::uint64_t now_ns) {
   // its library. Every lease not expired runs at least one more lease from now before the
   // view may call it expired; one expired before the restart stays expired.
   for (auto& [uuid, gpu] : state.gpus) {
-    // The total the view showed before the restart stays established, owned by no uid.
+    // A snapshot that did not keep the established total: the one the view showed
+    // before the restart stays established, owned by no uid.
     if (gpu.sample && !gpu.client_total) gpu.client_total = gpu.sample->total_bytes;
     for (auto& [id, r] : gpu.reservations) {
       if (r.lease_ms != 0 && !r.expired) {
         r.lease_deadline_ns = std::max(r.lease_deadline_ns, lease_deadline(now_ns, r.lease_ms));
       }
     }
+    // An exit time past now is a former boot's (the monotonic clock restarted): the row
+    // ages from now, at most one max_ledger_row_age_s late, rather than never.
+    for (auto& [key, row] : gpu.processes) {
+      if (row.exited_ns > now_ns) row.exited_ns = std::max<std::uint64_t>(now_ns, 1);  // 0: alive
+    }
   }
-  // A snapshot does not keep a row's uid (max_ledger_rows_per_uid): a row whose process
-  // holds a reservation takes the holder's; the others count against no uid (they make
-  // no more rows, and age out once their process is seen gone).
+  // A snapshot that did not keep a row's uid (max_ledger_rows_per_uid): a row whose
+  // process holds a reservation takes the holder's; the others count against no uid
+  // (they make no more rows, and age out once their process is seen gone).
   std::map<ProcessKey, std::uint32_t> holders;
   for (const auto& [uuid, gpu] : state.gpus) {
     for (const auto& [id, r] : gpu.reservations) holders.emplace(r.holder, r.uid);

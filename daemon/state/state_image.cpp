@@ -79,12 +79,16 @@ RetiredJobImage retired_job_image(const JobKey& key, const RetiredJob& job) {
                       .processes = job.processes,
                       .dropped = job.dropped,
                       .retired_order = job.retired_order,
-                      .steps = {}};
-  for (const auto& [name, t] : job.steps) {
-    out.steps.emplace_hint(
-        out.steps.end(), name,
-        JobStepImage{.count = t.count, .total_ns = t.total_ns, .self_ns = t.self_ns});
-  }
+                      .steps = {},
+                      .ranks = {}};
+  const auto copy = [](const JobStepMap& from, auto& to) {
+    for (const auto& [name, t] : from) {
+      to.emplace_hint(to.end(), name,
+                      JobStepImage{.count = t.count, .total_ns = t.total_ns, .self_ns = t.self_ns});
+    }
+  };
+  copy(job.steps, out.steps);
+  for (const auto& [rank, steps] : job.ranks) copy(steps, out.ranks[rank]);
   return out;
 }
 
@@ -189,10 +193,17 @@ bool add_retired_job(RetiredJobImage& image, RetiredJobs& out) {
   job.processes = image.processes;
   job.dropped = image.dropped;
   job.retired_order = image.retired_order;
-  for (auto& [name, t] : image.steps) {
-    job.steps.emplace_hint(
-        job.steps.end(), name,
-        JobStepTotals{.count = t.count, .total_ns = t.total_ns, .self_ns = t.self_ns});
+  const auto copy = [](const auto& from, JobStepMap& to) {
+    for (const auto& [name, t] : from) {
+      to.emplace_hint(
+          to.end(), name,
+          JobStepTotals{.count = t.count, .total_ns = t.total_ns, .self_ns = t.self_ns});
+    }
+  };
+  copy(image.steps, job.steps);
+  for (const auto& [rank, steps] : image.ranks) {
+    copy(steps, job.ranks[rank]);
+    job.rank_steps += steps.size();
   }
   return out.try_emplace(JobKey{image.uid, std::move(image.job)}, std::move(job)).second;
 }
@@ -239,7 +250,10 @@ std::error_code Collector::adopt(StateImage image) {
 ImageBounds image_bounds(const Limits& limits) {
   return {.retired_names = CollectorState::kMaxRetiredNames + 1,
           .retired_jobs = max_retired_jobs(limits),
-          .job_steps = RetiredJob::kMaxJobSteps + 1};
+          .job_steps = RetiredJob::kMaxJobSteps + 1,
+          .job_ranks = RetiredJob::kMaxJobRanks,
+          // Each rank's "(other)" past kMaxJobRankSteps names (collector_liveness.cpp).
+          .job_rank_steps = RetiredJob::kMaxJobRankSteps + RetiredJob::kMaxJobRanks};
 }
 
 }  // namespace steptrace::daemon

@@ -101,6 +101,8 @@ struct RetiredJobImage {
   std::uint64_t dropped = 0;
   std::uint64_t retired_order = 0;  // increasing: the least recent goes first
   std::map<std::string, JobStepImage, std::less<>> steps;  // by step name
+  // The same per rank (RetiredJob::ranks), by rank; empty from snapshots before them.
+  std::map<std::uint32_t, std::map<std::string, JobStepImage, std::less<>>> ranks;
 };
 
 struct StateImage {
@@ -123,9 +125,11 @@ struct StateImage {
 // The most an image of state under `limits` holds of what the state bounds itself (beyond
 // these it merges into "(other)" or forgets), so that a reader can refuse more.
 struct ImageBounds {
-  std::size_t retired_names = 0;  // StateImage::retired, "(other)" included
-  std::size_t retired_jobs = 0;   // StateImage::retired_jobs
-  std::size_t job_steps = 0;      // RetiredJobImage::steps, "(other)" included
+  std::size_t retired_names = 0;   // StateImage::retired, "(other)" included
+  std::size_t retired_jobs = 0;    // StateImage::retired_jobs
+  std::size_t job_steps = 0;       // RetiredJobImage::steps, "(other)" included
+  std::size_t job_ranks = 0;       // RetiredJobImage::ranks
+  std::size_t job_rank_steps = 0;  // names over all of RetiredJobImage::ranks
 };
 ImageBounds image_bounds(const Limits& limits);
 

@@ -539,5 +539,87 @@ TEST_F(GreedySnapshot, AGreedyUidCannotPushAnInnocentOneOutOfTheSnapshot) {
   EXPECT_EQ(holder_worker_->finish(), 0);
 }
 
+// The shared ledger view across a real restart (issue 26): who holds a reservation and
+// who established a GPU's total are in the snapshot, so after the restart another uid
+// still may neither release the one nor contradict the other, and the owner still may
+// correct its total (a total owned by no uid, as older snapshots restore it, it could
+// not).
+class LedgerOwnersSurvive : public SnapshotDamage {
+ protected:
+  static constexpr std::uint64_t kGiB = 1ULL << 30;
+  inline static const std::string kGpu = "GPU-5a0d0000-2222-4c2a-8e6f-dddddddddddd";
+
+  void SetUp() override {
+    if (::geteuid() != 0) {
+      GTEST_SKIP() << "needs root: it creates two temporary users (useradd) and runs "
+                      "clients as them; CI runs it as root";
+    }
+    ASSERT_NO_FATAL_FAILURE(SnapshotDamage::SetUp());
+    const std::string tag = std::to_string(::getpid() % 1000000);
+    owner_ = std::make_unique<TemporaryUser>("stown" + tag + "a");
+    other_ = std::make_unique<TemporaryUser>("stown" + tag + "b");
+    ASSERT_TRUE(owner_->created()) << "useradd " << owner_->name() << " failed";
+    ASSERT_TRUE(other_->created()) << "useradd " << other_->name() << " failed";
+    ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
+    const std::string bin = dir_.file("bin");
+    ASSERT_EQ(::mkdir(bin.c_str(), 0755), 0);
+    ASSERT_EQ(::chmod(bin.c_str(), 0755), 0);
+    worker_ = stage(bin, STEPTRACE_LEDGER_WORKER);
+    config_ = {{"socket_mode", "0666"}, {"snapshot_interval_s", 1}};
+  }
+
+  // ledger_worker ARGS... as `user`, to its end; its exit status.
+  int run(const TemporaryUser& user, std::vector<std::string> args) const {
+    return Worker(worker_, socket(), std::move(args), user.uid()).finish();
+  }
+  std::uint64_t anomaly(const char* kind) const {
+    const auto doc = json_command(socket(), "stats --json");
+    return doc ? doc->value("ledger_anomalies", json::object()).value(kind, std::uint64_t{0}) : 0;
+  }
+  // The GPU's entry of `ledger --json`; null when absent.
+  json gpu() const {
+    const auto ledger = json_command(socket(), "ledger --json");
+    const json* g = ledger ? find_gpu(*ledger, kGpu) : nullptr;
+    return g != nullptr ? *g : json();
+  }
+  // Its total_bytes (the established total, without NVML); 0 when unknown.
+  std::uint64_t total() const {
+    const json g = gpu();
+    return g.is_object() && g["total_bytes"].is_number_unsigned()
+               ? g["total_bytes"].get<std::uint64_t>()
+               : 0;
+  }
+
+  std::unique_ptr<TemporaryUser> owner_;
+  std::unique_ptr<TemporaryUser> other_;
+  std::string worker_;
+  // Declared after the users: destroyed (killed, reaped) before userdel runs.
+  std::unique_ptr<Worker> holder_;
+};
+
+TEST_F(LedgerOwnersSurvive, AForeignReleaseOrTotalAfterARestartIsRefusedAndCounted) {
+  ASSERT_NO_FATAL_FAILURE(start_daemon());
+  holder_ = std::make_unique<Worker>(
+      worker_, socket(), std::vector<std::string>{"hold", kGpu, "1", "4096", "t"}, owner_->uid());
+  ASSERT_TRUE(holder_->expect_line("ready"));
+  ASSERT_EQ(run(*owner_, {"sample", kGpu, std::to_string(8 * kGiB), std::to_string(16 * kGiB)}), 0);
+  ASSERT_EQ(total(), 16 * kGiB);
+  ASSERT_NO_FATAL_FAILURE(stop_daemon());
+  ASSERT_NO_FATAL_FAILURE(start_daemon());
+
+  // The other uid's release and contradicting total: refused, counted, nothing changed.
+  ASSERT_EQ(run(*other_, {"release", kGpu, "1"}), 0);
+  EXPECT_EQ(anomaly("release_refused"), 1U) << log();
+  EXPECT_NE(find_reservation(gpu(), 1), nullptr) << gpu().dump();
+  ASSERT_EQ(run(*other_, {"sample", kGpu, std::to_string(kGiB), std::to_string(2 * kGiB)}), 0);
+  EXPECT_EQ(anomaly("vram_total_mismatch"), 1U);
+  EXPECT_EQ(total(), 16 * kGiB);
+  // The owner, who established the total before the restart, still may change it.
+  ASSERT_EQ(run(*owner_, {"sample", kGpu, std::to_string(8 * kGiB), std::to_string(32 * kGiB)}), 0);
+  EXPECT_EQ(anomaly("vram_total_mismatch"), 1U);
+  EXPECT_EQ(total(), 32 * kGiB);
+  EXPECT_EQ(holder_->finish(), 0);
+}
+
 }  // namespace
 }  // namespace steptrace::testing

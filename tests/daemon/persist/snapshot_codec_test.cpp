@@ -130,14 +130,17 @@ constexpr const char* kAnomaliesSinceV1[] = {"release_refused",
                                              "vram_total_mismatch"};
 constexpr const char* kReservationFieldsSinceV1[] = {"uid", "lease_ms", "lease_deadline_ns",
                                                      "expired"};
-constexpr const char* kRowFieldsSinceV1[] = {"refused", "renews"};
+// Issue 26: the rows' uid and exit time, the GPUs' established total and its uid.
+constexpr const char* kRowFieldsSinceV1[] = {"refused", "renews", "uid", "exited_ns"};
+constexpr const char* kGpuFieldsSinceV1[] = {"creator_uid", "client_total_bytes",
+                                             "client_total_uid"};
 constexpr const char* kCountersSinceV1[] = {"connections_undrained", "liveness_probe_errors",
                                             "replies_refused", "frames_resent_skipped"};
 
 json without_fields_since_v1(json doc) {
   json& ledger = doc.at("ledger");
   for (json& gpu : ledger.at("gpus")) {
-    EXPECT_EQ(gpu.erase("creator_uid"), 1u);
+    for (const char* field : kGpuFieldsSinceV1) EXPECT_EQ(gpu.erase(field), 1u);
     EXPECT_EQ(gpu.at("operations").erase("renew"), 1u);
     for (json& r : gpu.at("reservations")) {
       for (const char* field : kReservationFieldsSinceV1) EXPECT_EQ(r.erase(field), 1u);
@@ -173,6 +176,15 @@ void expect_fields_since_v1(const json& doc, std::uint64_t uid) {
   for (const json& gpu : ledger.at("gpus")) {
     EXPECT_EQ(gpu.at("creator_uid"), uid) << gpu.dump();
     EXPECT_EQ(gpu.at("operations").at("renew"), 0) << gpu.dump();
+    // The established total is the sample's, of the uid that sent it (from a file that
+    // did not keep it: of no uid).
+    if (gpu.at("sample").is_null()) {
+      EXPECT_EQ(gpu.at("client_total_bytes"), 0) << gpu.dump();
+      EXPECT_EQ(gpu.at("client_total_uid"), kUnknownUid) << gpu.dump();
+    } else {
+      EXPECT_EQ(gpu.at("client_total_bytes"), gpu.at("sample").at("total_bytes")) << gpu.dump();
+      EXPECT_EQ(gpu.at("client_total_uid"), uid) << gpu.dump();
+    }
     for (const json& r : gpu.at("reservations")) {
       EXPECT_EQ(r.at("uid"), uid) << r.dump();
       EXPECT_EQ(r.at("lease_ms"), 0) << r.dump();
@@ -182,6 +194,8 @@ void expect_fields_since_v1(const json& doc, std::uint64_t uid) {
     for (const json& p : gpu.at("processes")) {
       EXPECT_EQ(p.at("refused"), 0) << p.dump();
       EXPECT_EQ(p.at("renews"), 0) << p.dump();
+      EXPECT_EQ(p.at("uid"), uid) << p.dump();
+      EXPECT_EQ(p.at("exited_ns"), 0) << p.dump();
     }
   }
   for (const char* kind : kAnomaliesSinceV1) EXPECT_EQ(ledger.at("anomalies").at(kind), 0);
@@ -592,6 +606,10 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
   ASSERT_EQ(first.at("retired_jobs").size(), 1u) << first.dump();
   EXPECT_EQ(first["retired_jobs"][0]["job"], "llama");
   EXPECT_EQ(first["retired_jobs"][0]["steps"][0]["total_ns"], 50);
+  // Its per-rank totals too (the evicted process was rank 0).
+  ASSERT_EQ(first["retired_jobs"][0]["ranks"].size(), 1u) << first.dump();
+  EXPECT_EQ(first["retired_jobs"][0]["ranks"][0]["rank"], 0);
+  EXPECT_EQ(first["retired_jobs"][0]["ranks"][0]["steps"][0]["total_ns"], 50);
 
   std::string error;
   auto decoded = decode_snapshot(json::parse(first.dump()), limits, error);
@@ -611,6 +629,12 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
                       "step=\"Forward\"} 2e-07\n"),
             std::string::npos)
       << report::metrics_text(*restored.freeze());
+  // And per rank: rank 0's spans of its evicted process and of the one still there.
+  EXPECT_NE(report::metrics_text(*restored.freeze())
+                .find("steptrace_job_rank_step_spans_total{job_id=\"llama\",uid=\"7\","
+                      "rank=\"0\",step=\"Forward\"} 2\n"),
+            std::string::npos)
+      << report::metrics_text(*restored.freeze());
 
   const auto refused = [&](auto&& mutate) {
     json d = first;
@@ -623,6 +647,13 @@ TEST(SnapshotCodecTest, JobsRanksAndSelfTimeRoundTrip) {
   EXPECT_NE(refused([](json& d) { d["retired_jobs"].push_back(d["retired_jobs"][0]); }), "");
   EXPECT_NE(refused([](json& d) { d["retired_jobs"][0]["steps"][0]["self_ns"] = 51; }), "");
   EXPECT_EQ(refused([](json& d) { d.erase("retired_jobs"); }), "");  // older snapshots
+  EXPECT_EQ(refused([](json& d) { d["retired_jobs"][0].erase("ranks"); }), "");
+  EXPECT_EQ(refused([](json& d) {
+              d["retired_jobs"][0]["ranks"].push_back(d["retired_jobs"][0]["ranks"][0]);
+            }),
+            "retired_jobs[0].ranks[1].rank: rank 0 appears twice");
+  EXPECT_NE(refused([](json& d) { d["retired_jobs"][0]["ranks"][0]["steps"][0]["self_ns"] = 51; }),
+            "");
 }
 
 // A job that still has a process in the table keeps its retired totals past max_jobs
@@ -929,6 +960,141 @@ TEST_F(SnapshotCodecLedgerTest, LimitsBoundWhatASectionMayHold) {
   small.max_reservations_per_gpu = 1;
   EXPECT_FALSE(decode_ledger(good, small, error));
   EXPECT_EQ(error, "gpus[0].reservations: must be an array of at most 1 elements");
+}
+
+// What a restart must not forget of the shared view (issue 26): whose each row is, when
+// its process was seen gone, and who established a GPU's total.
+class SnapshotCodecLedgerRestartTest : public ::testing::Test {
+ protected:
+  // The view through a snapshot (as text, as the file goes) into a fresh one at `now`.
+  void restart(std::uint64_t now_ns) {
+    std::string error;
+    auto state = decode_ledger(json::parse(encode_ledger(*view_).dump()), limits_, error);
+    ASSERT_TRUE(state) << error;
+    view_ = std::make_unique<LedgerView>(limits_, counters_);
+    view_->adopt(std::move(*state), now_ns);
+  }
+  // The liveness tick: the processes in `gone` have exited.
+  std::size_t tick(const std::set<ProcessKey>& gone, std::uint64_t now_ns) {
+    return view_->age_rows([&](const ProcessKey& k) { return !gone.contains(k); }, now_ns);
+  }
+  const ledger::ProcessRow* row(const LedgerActor& a) const {
+    const auto& rows = view_->state().gpus.at("GPU-A").processes;
+    const auto it = rows.find(a.key);
+    return it == rows.end() ? nullptr : &it->second;
+  }
+  std::uint64_t anomaly(ledger::Anomaly kind) const { return view_->state().anomalies[kind]; }
+
+  Limits limits_;
+  DaemonCounters counters_;
+  std::unique_ptr<LedgerView> view_ = std::make_unique<LedgerView>(limits_, counters_);
+  const LedgerActor alice_{{10, 1}, "alice", 1000};
+  const LedgerActor bob_{{20, 2}, "bob", 1001};
+};
+
+TEST_F(SnapshotCodecLedgerRestartTest, TheOwnersOfRowsAndOfTheTotalSurviveARestart) {
+  view_->apply(alice_, sample("GPU-A", 8 * kGiB, 16 * kGiB, kSecond), kNow);
+  view_->apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_->apply(bob_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_->apply(bob_, release("GPU-A", 2, kSecond), kNow);  // bob's row holds nothing now
+  restart(kNow + kSecond);
+  ASSERT_NE(row(bob_), nullptr);
+  EXPECT_EQ(row(bob_)->uid, bob_.uid);  // not from a reservation: kept by the snapshot
+  EXPECT_EQ(row(alice_)->uid, alice_.uid);
+  const ledger::Gpu& gpu = view_->state().gpus.at("GPU-A");
+  EXPECT_EQ(gpu.client_total, 16 * kGiB);
+  EXPECT_EQ(gpu.client_total_uid, alice_.uid);
+
+  // Another uid may neither release alice's reservation nor contradict her total.
+  view_->apply(bob_, release("GPU-A", 1, 2 * kSecond), kNow + kSecond);
+  EXPECT_EQ(anomaly(ledger::kReleaseRefused), 1u);
+  EXPECT_EQ(row(bob_)->refused, 1u);
+  EXPECT_TRUE(view_->state().gpus.at("GPU-A").reservations.contains(1));
+  view_->apply(bob_, sample("GPU-A", 1, 2, 2 * kSecond), kNow + kSecond);
+  EXPECT_EQ(anomaly(ledger::kVramTotalMismatch), 1u);
+  EXPECT_EQ(view_->state().gpus.at("GPU-A").client_total, 16 * kGiB);
+  // Alice, who established it, still may correct it (owned by no uid, she could not).
+  view_->apply(alice_, sample("GPU-A", 8 * kGiB, 24 * kGiB, 3 * kSecond), kNow + kSecond);
+  EXPECT_EQ(anomaly(ledger::kVramTotalMismatch), 1u);
+  EXPECT_EQ(view_->state().gpus.at("GPU-A").client_total, 24 * kGiB);
+}
+
+TEST_F(SnapshotCodecLedgerRestartTest, AnExitedProcesssRowAgesOnAcrossARestart) {
+  limits_.max_ledger_row_age_s = 100;
+  view_->apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_->apply(bob_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  tick({bob_.key}, kNow);  // bob's process seen gone at kNow
+  restart(kNow + 60 * kSecond);
+  ASSERT_NE(row(bob_), nullptr);
+  EXPECT_EQ(row(bob_)->exited_ns, kNow);
+  // Gone max_ledger_row_age_s after it was seen exited, not after the restart.
+  EXPECT_EQ(tick({bob_.key}, kNow + 99 * kSecond), 0u);
+  EXPECT_EQ(tick({bob_.key}, kNow + 100 * kSecond), 1u);
+  EXPECT_EQ(row(bob_), nullptr);
+  EXPECT_NE(row(alice_), nullptr);
+}
+
+TEST_F(SnapshotCodecLedgerRestartTest, AnExitTimeOfAFormerBootAgesFromTheRestore) {
+  limits_.max_ledger_row_age_s = 100;
+  view_->apply(bob_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  tick({bob_.key}, 1000 * kSecond);
+  // The machine rebooted: the monotonic clock is far below the exit time kept.
+  restart(kSecond);
+  ASSERT_NE(row(bob_), nullptr);
+  EXPECT_EQ(row(bob_)->exited_ns, kSecond);
+  EXPECT_EQ(tick({}, 100 * kSecond), 0u);
+  EXPECT_EQ(tick({}, 101 * kSecond), 1u);
+}
+
+TEST_F(SnapshotCodecLedgerRestartTest, RestoredRowsCountAgainstTheirUidsCap) {
+  limits_.max_ledger_rows_per_uid = 2;
+  const LedgerActor c0{{30, 3}, "c0", 1002}, c1{{31, 3}, "c1", 1002}, c2{{32, 3}, "c2", 1002};
+  view_->apply(c0, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_->apply(c0, release("GPU-A", 1, kSecond), kNow);  // a row without a reservation
+  view_->apply(c1, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  restart(kNow);
+  // c0's row is still the uid's: c2 finds the uid at its cap (both rows live) and gets none.
+  view_->apply(c2, reserve("GPU-A", 3, kGiB, "t", kSecond), kNow);
+  EXPECT_EQ(row(c2), nullptr);
+  EXPECT_TRUE(view_->state().gpus.at("GPU-A").reservations.contains(3));
+  EXPECT_EQ(anomaly(ledger::kMaxLedgerRowsPerUid), 1u);
+  EXPECT_EQ(counters_.limits_hit["max_ledger_rows_per_uid"], 1u);
+  // Another uid is not affected.
+  view_->apply(alice_, reserve("GPU-A", 4, kGiB, "t", kSecond), kNow);
+  EXPECT_NE(row(alice_), nullptr);
+}
+
+TEST_F(SnapshotCodecLedgerRestartTest, OlderSnapshotsRestoreAsBefore) {
+  view_->apply(alice_, sample("GPU-A", 8 * kGiB, 16 * kGiB, kSecond), kNow);
+  view_->apply(bob_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  view_->apply(bob_, release("GPU-A", 2, kSecond), kNow);
+  tick({bob_.key}, kNow);
+  json doc = encode_ledger(*view_);
+  json& gpu = doc["gpus"][0];
+  gpu.erase("client_total_bytes");
+  gpu.erase("client_total_uid");
+  for (json& p : gpu["processes"]) {
+    p.erase("uid");
+    p.erase("exited_ns");
+  }
+  std::string error;
+  auto state = decode_ledger(doc, limits_, error);
+  ASSERT_TRUE(state) << error;
+  view_ = std::make_unique<LedgerView>(limits_, counters_);
+  view_->adopt(std::move(*state), kNow);
+  // The sample's total, established by no uid; bob's row of no uid, alive until the
+  // next liveness check.
+  EXPECT_EQ(view_->state().gpus.at("GPU-A").client_total, 16 * kGiB);
+  EXPECT_EQ(view_->state().gpus.at("GPU-A").client_total_uid, kUnknownUid);
+  EXPECT_EQ(row(bob_)->uid, kUnknownUid);
+  EXPECT_EQ(row(bob_)->exited_ns, 0u);
+
+  // A uid without the bytes it is the uid of is refused.
+  json bad = encode_ledger(*view_);
+  bad["gpus"][0]["client_total_bytes"] = 0;
+  bad["gpus"][0]["client_total_uid"] = 1000;
+  EXPECT_FALSE(decode_ledger(bad, limits_, error));
+  EXPECT_EQ(error, "gpus[0].client_total_uid: a uid without a client_total_bytes");
 }
 
 TEST_F(SnapshotCodecLedgerTest, AnomalyKindsMissingFromOlderSnapshotsAreZero) {
