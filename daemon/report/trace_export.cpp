@@ -26,6 +26,10 @@ using trace_json::write_event;
 constexpr std::uint8_t kFlagOpen = 1;               // no end in the capture: ends at now_ns
 constexpr std::uint8_t kFlagClipped = 2;            // started before since_ns
 constexpr std::uint8_t kFlagStartBeforeWindow = 4;  // no start in the capture
+constexpr std::uint8_t kArgFlags = kFlagOpen | kFlagClipped | kFlagStartBeforeWindow;
+// Not an arg: the outermost of spans on a thread that end at the same nanosecond, whose
+// "dur" must not end before the others' (write_dur_us()'s end_not_before).
+constexpr std::uint8_t kFlagEndsWithOthers = 8;
 // Held spans, or a thread's waiting ones, written early when there are this many (a
 // client sending only ends, a span that never ends): past it, spans starting on the same
 // nanosecond may be written child first.
@@ -348,9 +352,10 @@ void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t 
                      .pid = pid_,
                      .tid = tid,
                      .ts_ns = rel(ts),
-                     .dur_ns = dur};
+                     .dur_ns = dur,
+                     .dur_end_not_before = (flags & kFlagEndsWithOthers) != 0};
   begin_event(out);
-  if (flags == 0) {
+  if ((flags & kArgFlags) == 0) {
     write_event(out, e);
   } else {
     write_event(out, e, [flags](EventArgs& args) { add_flags(args, flags); });
@@ -368,6 +373,7 @@ void TraceExport::write_sorted(std::vector<Held>& spans, bool then_next_process)
     if (a.step != b.step) return a.step < b.step;
     return a.flags < b.flags;
   });
+  mark_shared_ends();
   writing_index_ = 0;
   writing_then_next_process_ = then_next_process;
   phase_ = Phase::kWriting;
@@ -396,6 +402,25 @@ void TraceExport::end_process() {
   for (auto& [tid, spans] : pending_) held_.insert(held_.end(), spans.begin(), spans.end());
   pending_.clear();
   write_sorted(held_, true);
+}
+
+void TraceExport::mark_shared_ends() {
+  // By (thread, end), then by place in writing_: the first of each lot starts first, so it
+  // encloses the others.
+  ends_.clear();
+  ends_.reserve(writing_.size());
+  for (std::size_t i = 0; i < writing_.size(); ++i) ends_.push_back(i);
+  const auto end_of = [this](std::size_t i) {
+    return std::pair{writing_[i].tid, writing_[i].ts_ns + writing_[i].dur_ns};
+  };
+  std::sort(ends_.begin(), ends_.end(), [&end_of](std::size_t a, std::size_t b) {
+    return std::pair{end_of(a), a} < std::pair{end_of(b), b};
+  });
+  for (std::size_t i = 0; i + 1 < ends_.size(); ++i) {
+    if (end_of(ends_[i]) != end_of(ends_[i + 1])) continue;
+    writing_[ends_[i]].flags |= kFlagEndsWithOthers;
+    while (i + 1 < ends_.size() && end_of(ends_[i]) == end_of(ends_[i + 1])) ++i;
+  }
 }
 
 void TraceExport::write_next_sorted(std::string& out) {

@@ -76,6 +76,7 @@ class TraceExport {
   // Sorts `spans` and writes them next; then the events, or the next process.
   void write_sorted(std::vector<Held>& spans, bool then_next_process);
   void write_next_sorted(std::string& out);
+  void mark_shared_ends();  // kFlagEndsWithOthers on writing_
   void next_mark(std::string& out);
   void write_drop(std::string& out, const TraceMark& m);
   void write_lease_expired(std::string& out, const TraceMark& m);
@@ -115,7 +116,8 @@ class TraceExport {
   std::unordered_map<std::uint32_t, std::vector<Held>> pending_;  // tid -> waiting spans
   std::unordered_map<std::uint32_t, std::string> names_;          // step -> escaped name, quoted
   std::vector<Held> held_;
-  std::vector<Held> writing_;  // sorted, being written
+  std::vector<Held> writing_;      // sorted, being written
+  std::vector<std::size_t> ends_;  // mark_shared_ends()'s order of writing_
   std::size_t writing_index_ = 0;
   bool writing_then_next_process_ = false;
 

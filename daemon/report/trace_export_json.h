@@ -5,9 +5,11 @@
 #pragma once
 
 #include <charconv>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -37,16 +39,37 @@ void append_us(std::string& out, std::uint64_t ns);
 // when a viewer, adding ts and dur as doubles (JavaScript, speedscope, trace-model), gets
 // exactly the double of the end ("ts_ns + dur_ns" written as write_us()); otherwise the
 // shortest double that does (e.g. "4.107000000000028"), so that spans that touch never
-// overlap and a child that ends with its parent stays inside it. Only when no double
-// does, write_us() all the same. At most kUsChars characters.
-inline char* write_dur_us(char* p, std::uint64_t ts_ns, std::uint64_t dur_ns) {
+// overlap and a child that ends with its parent stays inside it.
+// Sometimes no double does: when ts's bits below the end's last place are exactly half
+// of it, every sum is a tie and rounds to even, so an odd end is never reached. Then the
+// duration whose sum is the nearest double below the end (the default: a span that a
+// sibling follows at that nanosecond must not overlap it), or above it with
+// `end_not_before` (an enclosing span that a child ends with must still contain it):
+// one unit in the last place off, never on the wrong side. At most kUsChars characters.
+inline char* write_dur_us(char* p, std::uint64_t ts_ns, std::uint64_t dur_ns,
+                          bool end_not_before = false) {
   // A decimal with three places is read as the double nearest ns / 1000, and IEEE
   // division of two exact doubles rounds the same quotient the same way.
   const double start = static_cast<double>(ts_ns) / 1000.0;
   const double end = static_cast<double>(ts_ns + dur_ns) / 1000.0;
   if (start + static_cast<double>(dur_ns) / 1000.0 == end) return write_us(p, dur_ns);
-  const double dur = end - start;
-  if (dur < 0 || start + dur != end) return write_us(p, dur_ns);
+  double dur = end - start;
+  if (dur >= 0 && start + dur == end) return std::to_chars(p, p + kUsChars, dur).ptr;
+  // A few units in the last place each way reach the nearest sums on either side.
+  constexpr int kSteps = 8;
+  if (end_not_before) {
+    for (int i = 0; i < kSteps && start + dur < end; ++i) {
+      dur = std::nextafter(dur, std::numeric_limits<double>::infinity());
+    }
+    while (dur > 0 && start + std::nextafter(dur, 0.0) >= end) dur = std::nextafter(dur, 0.0);
+    if (start + dur < end) return write_us(p, dur_ns);
+  } else {
+    for (int i = 0; i < kSteps && start + dur > end; ++i) dur = std::nextafter(dur, 0.0);
+    while (start + std::nextafter(dur, std::numeric_limits<double>::infinity()) <= end) {
+      dur = std::nextafter(dur, std::numeric_limits<double>::infinity());
+    }
+    if (dur < 0 || start + dur > end) return write_us(p, dur_ns);
+  }
   return std::to_chars(p, p + kUsChars, dur).ptr;  // shortest that reads back the same
 }
 
@@ -72,6 +95,7 @@ struct TraceEvent {
   std::int64_t tid = 0;
   std::optional<std::uint64_t> ts_ns{};   // written as microseconds, append_us()
   std::optional<std::uint64_t> dur_ns{};  // likewise, write_dur_us() (with ts_ns)
+  bool dur_end_not_before = false;        // write_dur_us()'s end_not_before
 };
 
 // The members of an event's "args" object, in the order they are added.
@@ -141,9 +165,9 @@ class LineBuffer {
     room(kUsChars);
     p_ = write_us(p_, ns);
   }
-  void put_dur_us(std::uint64_t ts_ns, std::uint64_t dur_ns) {
+  void put_dur_us(std::uint64_t ts_ns, std::uint64_t dur_ns, bool end_not_before) {
     room(kUsChars);
-    p_ = write_dur_us(p_, ts_ns, dur_ns);
+    p_ = write_dur_us(p_, ts_ns, dur_ns, end_not_before);
   }
   // Appends what is composed; `out` may then be written directly.
   std::string& flush() {

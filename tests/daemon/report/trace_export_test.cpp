@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "daemon/report/trace_export_json.h"
 #include "proto/steps.h"
 #include "proto/wire_format.h"
 
@@ -996,6 +997,48 @@ TEST(TraceExportTest, SameStartWritesTheParentFirstAnywhere) {
   EXPECT_EQ(got[0].name, "Forward");
   EXPECT_EQ(got[1].name, "Matmul");
   EXPECT_EQ(got[2].name, "Attention");
+}
+
+// Where no double makes ts + dur the end (ts's bits below the end's last place are half
+// of it, so every sum ties and rounds to even), "dur" ends one unit in the last place on
+// the side asked for: below by default (a sibling that starts there does not overlap),
+// above for a span others end with (it still contains them). Seen in a real trace:
+// Forward at 369.846 us for 4405.925 us, Backward at 4775.771.
+TEST(TraceExportTest, DurationsWithNoExactEndStayOnTheSideAsked) {
+  const auto read = [](std::uint64_t ns, bool dur, std::uint64_t ts_ns, bool not_before) {
+    char buf[trace_json::kUsChars + 1] = {};
+    char* end =
+        dur ? trace_json::write_dur_us(buf, ts_ns, ns, not_before) : trace_json::write_us(buf, ns);
+    return json::parse(std::string(buf, end)).get<double>();
+  };
+  const double ts = read(369'846, false, 0, false);
+  const double end = read(369'846 + 4'405'925, false, 0, false);
+  EXPECT_NE(ts + read(4'405'925, true, 369'846, false), end)
+      << "no longer a case with no exact end";
+  EXPECT_LT(ts + read(4'405'925, true, 369'846, false), end);
+  EXPECT_GT(ts + read(4'405'925, true, 369'846, true), end);
+
+  // A sweep: every span of every start in a range, each side: never on the wrong side,
+  // exact wherever any double is.
+  std::size_t inexact = 0;
+  for (std::uint64_t start = 369'000; start < 371'000; ++start) {
+    for (std::uint64_t d = 4'405'000; d < 4'405'200; d += 7) {
+      const double s = read(start, false, 0, false);
+      const double e = read(start + d, false, 0, false);
+      const double below = s + read(d, true, start, false);
+      const double above = s + read(d, true, start, true);
+      ASSERT_LE(below, e) << start << " " << d;
+      ASSERT_GE(above, e) << start << " " << d;
+      if (below != e) {
+        ++inexact;
+        EXPECT_EQ(below, std::nextafter(e, 0.0)) << start << " " << d;
+        EXPECT_EQ(above, std::nextafter(e, 1e300)) << start << " " << d;
+      } else {
+        EXPECT_EQ(above, e) << start << " " << d;
+      }
+    }
+  }
+  EXPECT_GT(inexact, 0u);  // the sweep meets the case it is about
 }
 
 }  // namespace
