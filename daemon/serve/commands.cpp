@@ -278,7 +278,7 @@ Reply run_report(const ReportRequest& r, const Call& call) {
       filter.job = std::move(std::get<JobRef>(job));
     }
     const report::ReportOptions options{r.window_s};
-    return r.json ? json_line(report::report_json(v, filter, options))
+    return r.json ? report::report_json_text(v, filter, options)
                   : text_reply(report::report_text(v, filter, options));
   });
 }
