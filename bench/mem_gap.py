@@ -36,6 +36,7 @@ ap.add_argument("--threads", type=int, default=256)
 ap.add_argument("--flood-s", type=int, default=40)
 ap.add_argument("--reports", type=int, default=16)
 ap.add_argument("--scrapers", type=int, default=8)
+ap.add_argument("--churn", type=int, default=1, help="0: no holder comes or goes in the flood")
 args = ap.parse_args()
 
 repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,9 +89,12 @@ def sample(phase):
     charged = stats["memory"]["state_bytes_charged"] / 2**20
     rss = rss_mib()
     fr = stats.get("flight_recorder", {}).get("bytes", 0) / 2**20
-    print("%-6s %8.0f %8.0f %6.2f %6.0f %5d" % (phase, rss, charged, charged / rss if rss else 0,
-                                                fr, stats["processes"]["tracked"]), flush=True)
-    return rss, charged
+    copies = stats["memory"].get("view_copy_bytes", 0) / 2**20
+    held = charged + copies + fr
+    print("%-6s %8.0f %8.0f %6.2f %6.0f %6.0f %6.2f %5d" % (
+        phase, rss, charged, charged / rss if rss else 0, copies, fr, held / rss if rss else 0,
+        stats["processes"]["tracked"]), flush=True)
+    return rss, charged, held
 
 
 stop = threading.Event()
@@ -112,7 +116,7 @@ def holder_loop():
 def churn_loop():
     # Short-lived holders while the flood runs: ingest mutates records views hold.
     while not stop.is_set():
-        if flood_on.is_set():
+        if flood_on.is_set() and args.churn:
             subprocess.run([raw_client, sock_path, "good", "--threads", str(args.threads),
                             "--pairs", "1", "--custom", "bomb", "--customs", "1024"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -145,7 +149,7 @@ def scrapes():
             time.sleep(0.5)
 
 
-print("phase   rss_MiB charged_MiB ratio fr_MiB procs", flush=True)
+print("phase   rss_MiB charged_MiB ratio copies_MiB fr_MiB held/rss procs", flush=True)
 threads = [threading.Thread(target=holder_loop, daemon=True),
            threading.Thread(target=churn_loop, daemon=True)]
 threads += [threading.Thread(target=reports, daemon=True) for _ in range(args.reports)]
@@ -156,12 +160,18 @@ try:
     for _ in range(20):
         time.sleep(1)
         sample("fill")
+    report_bytes = len(ask("report --json"))
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("GET", "/metrics")
+    print("reply bytes: report --json %.1f MiB, metrics %.1f MiB" % (
+        report_bytes / 2**20, len(c.getresponse().read()) / 2**20), flush=True)
     flood_on.set()
-    ratios = []
+    ratios, helds = [], []
     for _ in range(args.flood_s):
         time.sleep(1)
-        rss, charged = sample("flood")
+        rss, charged, held = sample("flood")
         ratios.append(charged / rss)
+        helds.append(held / rss)
     flood_on.clear()
     stop.set()
     time.sleep(2)
@@ -173,10 +183,11 @@ try:
     for i in range(40):
         time.sleep(1)
         if i % 5 == 4:
-            rss_after, charged_after = sample("freed")
-    print("flood charged/RSS min %.2f median %.2f max %.2f; after free RSS %.0f MiB for %.0f MiB "
-          "charged" % (min(ratios), sorted(ratios)[len(ratios) // 2], max(ratios), rss_after,
-                       charged_after))
+            rss_after, charged_after, _ = sample("freed")
+    print("flood charged/RSS min %.2f median %.2f max %.2f; (charged + view copies + flight "
+          "recorder)/RSS min %.2f median %.2f max %.2f; after free RSS %.0f MiB for %.0f MiB "
+          "charged" % (min(ratios), sorted(ratios)[len(ratios) // 2], max(ratios), min(helds),
+                       sorted(helds)[len(helds) // 2], max(helds), rss_after, charged_after))
 finally:
     stop.set()
     proc.send_signal(signal.SIGTERM)
