@@ -120,6 +120,7 @@ std::size_t ViewCopies::sweep() const {
   std::erase_if(held_, [this](const Held& h) {
     if (!h.record.expired()) return false;
     bytes_ -= std::min(bytes_, h.bytes);
+    if (freed_ != nullptr) freed_->freed(h.bytes);
     return true;
   });
   swept_size_ = held_.size();

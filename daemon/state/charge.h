@@ -57,6 +57,8 @@ struct ThreadSpans;
 struct RetiredJob;
 struct JobKey;
 
+class FreedMemory;
+
 namespace heap {
 
 // glibc malloc on 64-bit targets: 8 bytes of size header, 16-byte alignment, 32-byte
@@ -180,7 +182,9 @@ inline void make_room_for_push(std::vector<std::uint64_t>& v) { reserve_grown(v,
 // as it was when it was frozen, not the list.
 class ViewCopies {
  public:
-  ViewCopies() = default;
+  // The copies whose views are gone are told to `freed` (the state's), so that their
+  // heap goes back to the kernel with the rest (a flood frees a copy every few ms).
+  explicit ViewCopies(FreedMemory* freed) : freed_(freed) {}
   // Made for a view (CollectorState's copy): forgets the copies whose views are gone
   // first, so that the view shows those still held.
   ViewCopies(const ViewCopies& other) : bytes_(other.sweep()) {}
@@ -202,6 +206,7 @@ class ViewCopies {
   };
   std::size_t sweep() const;
 
+  FreedMemory* freed_ = nullptr;  // none in a view's copy
   mutable std::vector<Held> held_;
   mutable std::size_t bytes_ = 0;
   mutable std::size_t swept_size_ = 0;

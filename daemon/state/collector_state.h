@@ -225,7 +225,8 @@ inline std::size_t max_retired_jobs(const Limits& limits) {
 
 struct CollectorState {
   CollectorState(const Limits& limits, DaemonCounters& counters)
-      : ledger(limits, counters),
+      : view_copies(&freed_memory),
+        ledger(limits, counters),
         retired(std::make_shared<RetiredHistograms>()),
         retired_jobs(std::make_shared<RetiredJobs>()),
         job_limits(limits),
