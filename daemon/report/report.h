@@ -45,6 +45,11 @@ struct ReportOptions {
 };
 nlohmann::json report_json(const CollectorView& view, const ReportFilter& filter,
                            const ReportOptions& options = {});
+// The same document as the reply line a client gets (compact, invalid UTF-8 replaced,
+// unsafe code points escaped as proto/text_safety.h says, then '\n'), written a piece at
+// a time: a render never holds the whole document as JSON values (report_json.cpp).
+std::string report_json_text(const CollectorView& view, const ReportFilter& filter,
+                             const ReportOptions& options = {});
 std::string report_text(const CollectorView& view, const ReportFilter& filter,
                         const ReportOptions& options = {});
 // All processes or one pid's.

@@ -314,7 +314,7 @@ Reply run_report(const ReportRequest& r, const Call& call) {
           if (auto* error = std::get_if<std::string>(&job)) return std::move(*error);
           filter.job = std::move(std::get<JobRef>(job));
         }
-        return r.json ? json_line(report::report_json(v, filter, options))
+        return r.json ? report::report_json_text(v, filter, options)
                       : text_reply(report::report_text(v, filter, options));
       });
 }

@@ -116,6 +116,17 @@ std::size_t retired_job_step_bytes(std::string_view name) {
 
 }  // namespace heap
 
+std::size_t ViewCopies::sweep() const {
+  std::erase_if(held_, [this](const Held& h) {
+    if (!h.record.expired()) return false;
+    bytes_ -= std::min(bytes_, h.bytes);
+    if (freed_ != nullptr) freed_->freed(h.bytes);
+    return true;
+  });
+  swept_size_ = held_.size();
+  return bytes_;
+}
+
 bool FreedMemory::release_if_due(std::uint64_t now_ns) {
   if (pending_ == 0) return false;
   if (!pending_seen_) {

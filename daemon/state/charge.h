@@ -29,7 +29,9 @@
 //    go backwards): their nodes, names and chunks, on top of the processes' charges (they
 //    are bounded by kMaxRetiredNames, max_jobs and RetiredJob::kMaxJobSteps, not refused).
 // Not charged: a histogram's overflow entries (16 bytes per bucket past 2^32 spans), and
-// the transient second copy of a record a view holds while ingest mutates it.
+// the transient second copy of a record a view holds while ingest mutates it: that one is
+// counted apart (ViewCopies, below), not against the budget, so that one tenant's render
+// flood never refuses another tenant's spans.
 //
 // Freed state goes back to the heap, which glibc does not hand back to the kernel on its
 // own unless it sits at the top: FreedMemory collects what was freed and calls
@@ -40,6 +42,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -53,6 +56,8 @@ struct ProcessRecord;
 struct ThreadSpans;
 struct RetiredJob;
 struct JobKey;
+
+class FreedMemory;
 
 namespace heap {
 
@@ -167,6 +172,45 @@ inline std::size_t push_bytes(const std::vector<std::uint64_t>& v) {
 inline void make_room_for_push(std::vector<std::uint64_t>& v) { reserve_grown(v, v.size() + 1); }
 
 }  // namespace heap
+
+// The records views still hold that ingest has cloned since (copy on write): while a
+// render runs, the first write to a record it shows clones the record, and the old one
+// lives until every view holding it is released. Under a render flood (a view in each
+// lane all the time) that is a second copy of every record being written, up to a whole
+// record each (a process's 16 MiB): the state's RSS beside its charge (stats
+// memory.view_copy_bytes). io thread only; a view's copy of the state keeps the figure
+// as it was when it was frozen, not the list.
+class ViewCopies {
+ public:
+  // The copies whose views are gone are told to `freed` (the state's), so that their
+  // heap goes back to the kernel with the rest (a flood frees a copy every few ms).
+  explicit ViewCopies(FreedMemory* freed) : freed_(freed) {}
+  // Made for a view (CollectorState's copy): forgets the copies whose views are gone
+  // first, so that the view shows those still held.
+  ViewCopies(const ViewCopies& other) : bytes_(other.sweep()) {}
+  ViewCopies& operator=(const ViewCopies&) = delete;
+
+  // `old`, `bytes` of the heap, is now held by views alone (its clone took its place).
+  void held(std::weak_ptr<const void> old, std::size_t bytes) {
+    if (held_.size() >= 2 * swept_size_ + 16) sweep();
+    held_.push_back({std::move(old), bytes});
+    bytes_ += bytes;
+  }
+  // Bytes of the copies still held (as of the last sweep, for a view's copy).
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  struct Held {
+    std::weak_ptr<const void> record;
+    std::size_t bytes = 0;
+  };
+  std::size_t sweep() const;
+
+  FreedMemory* freed_ = nullptr;  // none in a view's copy
+  mutable std::vector<Held> held_;
+  mutable std::size_t bytes_ = 0;
+  mutable std::size_t swept_size_ = 0;
+};
 
 // Freed state, handed back to the kernel in batches: malloc_trim(0) walks the heap (some
 // milliseconds for a large one) and releases every free page, so it runs on the io thread

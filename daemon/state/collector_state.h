@@ -225,7 +225,8 @@ inline std::size_t max_retired_jobs(const Limits& limits) {
 
 struct CollectorState {
   CollectorState(const Limits& limits, DaemonCounters& counters)
-      : ledger(limits, counters),
+      : view_copies(&freed_memory),
+        ledger(limits, counters),
         retired(std::make_shared<RetiredHistograms>()),
         retired_jobs(std::make_shared<RetiredJobs>()),
         job_limits(limits),
@@ -237,7 +238,10 @@ struct CollectorState {
   ProcessRecord& write(ProcessHandle handle) {
     ++generation;
     auto& slot = slots[handle];
-    if (slot.use_count() > 1) slot = slot->clone();
+    if (slot.use_count() > 1) {
+      view_copies.held(slot, heap::record_bytes(*slot));  // charge.h
+      slot = slot->clone();
+    }
     return *slot;
   }
   RetiredHistograms& write_retired() {
@@ -277,6 +281,7 @@ struct CollectorState {
   // The retired histograms' and jobs' heap (charge.h), part of `charged`.
   std::size_t retired_charged = 0;
   FreedMemory freed_memory;  // what evictions and closed threads freed, trimmed now and then
+  ViewCopies view_copies;    // records cloned by write() that views still hold (charge.h)
   // The records' `charged` by their uid, a uid holding none left out: what the share rule
   // of charge() weighs (how many uids hold state, and who is furthest over its share).
   std::map<std::uint32_t, std::size_t> charged_by_uid;

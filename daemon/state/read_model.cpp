@@ -355,6 +355,7 @@ TableFigures CollectorView::table() const {
   t.tracked = state.by_key.size();
   t.exited = state.exited;
   t.state_bytes_charged = state.charged;
+  t.view_copy_bytes = state.view_copies.bytes();
   return t;
 }
 

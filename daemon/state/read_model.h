@@ -148,6 +148,9 @@ struct TableFigures {
   std::uint64_t custom_steps = 0;
   std::uint64_t state_bytes_estimate = 0;  // the table and its histograms
   std::uint64_t state_bytes_charged = 0;   // against max_process_state_bytes / max_state_bytes
+  // Records ingest cloned while views held them, still held by a view when this one was
+  // frozen (ViewCopies, charge.h): heap beside the charge, not against the budget.
+  std::uint64_t view_copy_bytes = 0;
 };
 
 }  // namespace steptrace::daemon

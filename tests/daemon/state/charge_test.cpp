@@ -143,6 +143,27 @@ TEST_F(ChargeTest, AnEvictedProcessLeavesOnlyItsRetiredHistogramsCharged) {
   EXPECT_LT(retired, with_process / 2);
 }
 
+// A record a view still holds is cloned by the next write: the old one is counted as a
+// view's copy (its whole record, threads included) until the last view holding it goes,
+// never against the state budget.
+TEST_F(ChargeTest, ARecordClonedUnderAViewIsCountedAsAViewCopyWhileTheViewLives) {
+  for (std::uint32_t tid = 1; tid <= 200; ++tid) events_.push_back(start(tid, 0, tid));
+  send();
+  const std::uint64_t charged_before = charged();
+  EXPECT_EQ(collector_->freeze()->table().view_copy_bytes, 0u);
+  auto held = collector_->freeze();
+  events_.push_back(end(1, 0, 1'000));
+  send();
+  events_.push_back(end(2, 0, 1'000));  // the clone is the table's own now: no second copy
+  send();
+  const std::uint64_t copies = collector_->freeze()->table().view_copy_bytes;
+  EXPECT_GT(copies, 200 * heap::new_thread_bytes());
+  EXPECT_LT(copies, 2 * charged_before);
+  EXPECT_LE(charged(), charged_before + heap::heap_block(Histogram::kChunkBytes));
+  held.reset();
+  EXPECT_EQ(collector_->freeze()->table().view_copy_bytes, 0u);
+}
+
 TEST(FreedMemoryTest, TrimsAfterABatchOrADelayAndAtMostOnceASecond) {
   FreedMemory freed;
   constexpr std::uint64_t kSecond = 1'000'000'000;
