@@ -528,13 +528,18 @@ std::variant<std::shared_ptr<const TraceCapture>, std::string> trace_capture(
   if (!r.children && !r.job) return collector.capture_trace(r.pids, since);
   const auto all = collector.capture_trace({}, since);
   TraceSelection selection;
-  if (r.children) {
-    for (const std::int32_t pid : r.pids) {
+  for (const std::int32_t pid : r.pids) {
+    // With --children a live --pid is taken by its ProcessKey too: an earlier process
+    // that had its pid is no more its family than its descendants' namesakes are.
+    const auto self = r.children ? live_process(pid) : std::nullopt;
+    if (self) {
+      selection.keys.insert(*self);
       const auto keys = live_descendants(pid);
       selection.keys.insert(keys.begin(), keys.end());
+    } else {
+      selection.pids.insert(pid);  // as --pid alone: every window of that pid
     }
   }
-  selection.pids = r.pids;
   if (r.job) {
     auto uid = trace_job_uid(*all, *r.job, r.job_uid, caller, privileged);
     if (auto* error = std::get_if<std::string>(&uid)) return std::move(*error);

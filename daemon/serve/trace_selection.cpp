@@ -18,6 +18,24 @@ bool TraceSelection::selects(const TraceCapture::Process& p) const {
   return job && p.uid == job->uid && p.job == job->job;
 }
 
+namespace {
+
+std::string read_stat(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+std::optional<ProcessKey> live_process(std::int32_t pid, const std::string& proc_root) {
+  const auto probe =
+      parse_proc_stat(read_stat(std::filesystem::path(proc_root) / std::to_string(pid) / "stat"));
+  if (!probe || probe->zombie) return std::nullopt;
+  return ProcessKey{pid, probe->start_time};
+}
+
 std::vector<ProcessKey> live_descendants(std::int32_t pid, const std::string& proc_root) {
   // Every live process's parent and start time, read together from PROC/N/stat
   // ("N (comm) S PPID ..."; comm may hold spaces and parentheses, so the fields start
@@ -34,10 +52,7 @@ std::vector<ProcessKey> live_descendants(std::int32_t pid, const std::string& pr
     std::int32_t child = 0;
     const auto [ptr, parse_ec] = std::from_chars(name.data(), name.data() + name.size(), child);
     if (name.empty() || parse_ec != std::errc() || ptr != name.data() + name.size()) continue;
-    std::ifstream in(it->path() / "stat");
-    std::stringstream text;
-    text << in.rdbuf();
-    const std::string stat = text.str();
+    const std::string stat = read_stat(it->path() / "stat");
     const auto probe = parse_proc_stat(stat);
     if (!probe || probe->zombie) continue;
     std::istringstream fields(stat.substr(stat.rfind(')') + 1));

@@ -5,11 +5,11 @@
 // trace holds (PROTOCOL.md 10.5).
 //
 // Why --children goes by ProcessKey: the CLI used to walk /proc and send the descendants'
-// pids, and `--pid` takes every window of a pid, exited ones included. A descendant whose
+// pids, and `--pid` takes every window of a pid, exited ones included: a descendant on a
 // pid an earlier, exited process had (pid_max is 32768 on many hosts; parallel builds go
-// through it in seconds) brought that process's window along. The daemon reads each
-// descendant's start time with its parent link, from one walk of /proc, and keeps only
-// windows of exactly those processes.
+// through it in minutes) brought that process's window along. The daemon reads each
+// live process's parent and start time from one walk of /proc and keeps only windows of
+// exactly those processes (a live --pid's own too).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +38,9 @@ struct TraceSelection {
 // The processes descended from `pid` (children, their children...) that run now, from
 // one read of PROC/N/stat each (parent and start time); `pid` itself not included.
 std::vector<ProcessKey> live_descendants(std::int32_t pid, const std::string& proc_root = "/proc");
+
+// The process that has `pid` now (PROC/PID/stat's start time); nullopt when none runs.
+std::optional<ProcessKey> live_process(std::int32_t pid, const std::string& proc_root = "/proc");
 
 // The uid whose job `id` a `trace --job` takes (PROTOCOL.md 10.3's rules, over the
 // processes in the capture): `uid` when given, else the caller's; root and the daemon's
