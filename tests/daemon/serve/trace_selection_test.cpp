@@ -65,6 +65,9 @@ TEST(TraceSelection, LiveDescendantsFollowTheParentChainWithStartTimes) {
             (std::vector<ProcessKey>{{101, 11}, {102, 12}, {103, 13}}));
   EXPECT_TRUE(live_descendants(103, proc.path()).empty());
   EXPECT_TRUE(live_descendants(100, proc.path() + "/absent").empty());
+  EXPECT_EQ(live_process(100, proc.path()), (ProcessKey{100, 10}));
+  EXPECT_FALSE(live_process(104, proc.path()));  // a zombie
+  EXPECT_FALSE(live_process(999, proc.path()));
 }
 
 // The bug of issue 27's closing note: `trace --pid P --children --last 2` took in a
