@@ -288,55 +288,29 @@ std::optional<std::vector<int>> ask_report(const SocketPath& socket, const std::
   return pids;
 }
 
-// The pids to trace: --pid (each one tracked), --job's processes, --children's tracked
-// descendants; empty for every process. kExitOk, or the exit status with the reason said
-// (nothing is written then).
-int resolve_processes(const SocketPath& socket, const TraceRequest& request,
-                      std::chrono::milliseconds timeout, std::vector<int>& pids) {
-  pids.clear();
-  if (!request.job.empty()) {
-    const auto job = ask_report(socket, "report --json --job " + request.job, timeout);
-    if (!job) return kExitFailure;
-    if (job->empty()) {
-      say("steptrace: steptraced at " + socket.path + " tracks no process of job " + request.job +
-          " (`steptrace report` lists those it does); nothing was written");
+// Checks that the daemon tracks each --pid (issue 28: an unknown pid is exit 1 and no
+// file, as report says). --job and --children are the daemon's to resolve (PROTOCOL.md
+// 10.5, "Which processes"): it answers an error when they take nothing. kExitOk, or the
+// exit status with the reason said (nothing is written then).
+int check_pids(const SocketPath& socket, const TraceRequest& request,
+               std::chrono::milliseconds timeout) {
+  const auto all = ask_report(socket, "report --json", timeout);
+  if (!all) return kExitFailure;
+  const std::set<int> known(all->begin(), all->end());
+  for (const int pid : request.pids) {
+    if (known.count(pid) == 0) {
+      say("steptrace: steptraced at " + socket.path + " tracks no process with pid " +
+          std::to_string(pid) + " (`steptrace report` lists those it does); nothing was written");
       return kExitFailure;
     }
-    pids = *job;
-  }
-  if (!request.pids.empty()) {
-    const auto all = ask_report(socket, "report --json", timeout);
-    if (!all) return kExitFailure;
-    const std::set<int> known(all->begin(), all->end());
-    for (const int pid : request.pids) {
-      const std::size_t before = pids.size();
-      if (known.count(pid) != 0) pids.push_back(pid);
-      if (request.children) {
-        // Untraced descendants have nothing in the window: leave them out. The pid itself
-        // may be an untraced launcher (torchrun) of traced workers.
-        for (const int child : descendants_of(pid)) {
-          if (known.count(child) != 0) pids.push_back(child);
-        }
-      }
-      if (pids.size() == before) {
-        say("steptrace: steptraced at " + socket.path + " tracks no process with pid " +
-            std::to_string(pid) + (request.children ? " nor any process it forked" : "") +
-            " (`steptrace report` lists those it does); nothing was written");
-        return kExitFailure;
-      }
-    }
-  }
-  std::set<int> seen;
-  pids.erase(std::remove_if(pids.begin(), pids.end(),
-                            [&seen](int pid) { return !seen.insert(pid).second; }),
-             pids.end());
-  if (pids.size() > proto::kMaxTracePids) {
-    say("steptrace: trace: " + std::to_string(pids.size()) + " processes, more than the " +
-        std::to_string(proto::kMaxTracePids) +
-        " a trace names; trace them all (no --pid or --job) or fewer at a time");
-    return kExitFailure;
   }
   return kExitOk;
+}
+
+// An error reply of a daemon older than --job and --children (they are additive).
+bool older_daemon_refused(const std::string& error_line) {
+  return error_line.find("unexpected argument '--job'") != std::string::npos ||
+         error_line.find("unexpected argument '--children'") != std::string::npos;
 }
 
 std::string host_name() {
@@ -353,6 +327,8 @@ std::string trace_command_line(const TraceRequest& request) {
   for (int pid : request.pids) {
     if (seen.insert(pid).second) line += " --pid " + std::to_string(pid);
   }
+  if (request.children) line += " --children";
+  if (!request.job.empty()) line += " --job " + request.job;
   if (!request.last.empty()) line += " --last " + request.last;
   if (!request.for_s.empty()) line += " --for " + request.for_s;
   return line;
@@ -370,42 +346,6 @@ std::optional<std::vector<int>> pids_of_report(std::string_view reply) {
     pids.push_back(pid->get<int>());
   }
   return pids;
-}
-
-std::vector<int> descendants_of(int pid, const std::string& proc_root) {
-  // Every process's parent, from PROC/N/stat ("N (comm) S PPID ..."; comm may hold
-  // spaces and parentheses, so the fields start after the last ')').
-  std::map<int, std::vector<int>> children;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(proc_root, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    const std::string name = it->path().filename();
-    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(it->path() / "stat");
-    std::stringstream text;
-    text << in.rdbuf();
-    const std::string stat = text.str();
-    const std::size_t close = stat.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream fields(stat.substr(close + 1));
-    std::string state;
-    int parent = 0;
-    if (fields >> state >> parent) children[parent].push_back(std::atoi(name.c_str()));
-  }
-  std::vector<int> out;
-  std::vector<int> todo{pid};
-  std::set<int> seen{pid};
-  while (!todo.empty()) {
-    const int next = todo.back();
-    todo.pop_back();
-    for (const int child : children[next]) {
-      if (!seen.insert(child).second) continue;
-      out.push_back(child);
-      todo.push_back(child);
-    }
-  }
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 std::string default_trace_file_name(std::string_view host, const std::tm& local_time) {
@@ -488,12 +428,11 @@ bool TraceDocumentScanner::complete() const {
 
 int run_trace(const SocketPath& socket, const TraceRequest& asked,
               std::chrono::milliseconds timeout) {
-  TraceRequest request = asked;
-  if (!asked.pids.empty() || !asked.job.empty()) {
-    if (const int status = resolve_processes(socket, asked, timeout, request.pids);
-        status != kExitOk) {
-      return status;
-    }
+  const TraceRequest& request = asked;
+  // --children: a --pid that is an untraced launcher (torchrun) of traced workers is
+  // fine; the daemon says when it finds nothing.
+  if (!request.pids.empty() && !request.children) {
+    if (const int status = check_pids(socket, request, timeout); status != kExitOk) return status;
   }
   const std::string line = trace_command_line(request);
   TraceOutput output;
@@ -548,6 +487,10 @@ int run_trace(const SocketPath& socket, const TraceRequest& asked,
   }
   if (reader.is_error()) {
     say(std::string(kDaemonAnswered) + reader.error_line());
+    if (older_daemon_refused(reader.error_line())) {
+      say("steptrace: that steptraced is older than this steptrace (it does not take trace "
+          "--job or --children): update it, or name the processes with --pid");
+    }
     return kExitFailure;
   }
   if (!reader.scanner().complete()) {

@@ -52,10 +52,6 @@ struct TraceRequest {
 // reply is not a report.
 std::optional<std::vector<int>> pids_of_report(std::string_view reply);
 
-// The descendants of `pid` in `proc_root` (normally /proc): every process whose parent
-// chain (field 4 of PROC/PID/stat) leads to it, by pid.
-std::vector<int> descendants_of(int pid, const std::string& proc_root = "/proc");
-
 // The command sent: "trace [--pid N]... [--last S] [--for S]" (pids deduplicated, in
 // the order given).
 std::string trace_command_line(const TraceRequest& request);

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <map>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -185,6 +186,16 @@ void append_job_rank_metrics(const CollectorView& view, std::span<const ProcessF
   per_step("steptrace_job_rank_step_spans_total",
            "Ended spans per job, rank and step, over the rank's restarts (no pid label).",
            [](const Step& t) { return t.count; });
+  // The steps this daemon reads the other way round in rank skew (is_waiting_step():
+  // WaitPoll and config's rank_skew.waiting_steps, at most 64), so that the Prometheus
+  // rules join on them instead of guessing from step names: one series per name.
+  const RankSkewRules& rules = view.rank_skew_rules();
+  std::set<std::string, std::less<>> waiting{"WaitPoll"};
+  waiting.insert(rules.waiting_steps.begin(), rules.waiting_steps.end());
+  MetricFamily info(out, "steptrace_waiting_step_info", "gauge",
+                    "1 per step this daemon reads as waiting in rank skew (WaitPoll and "
+                    "rank_skew.waiting_steps): the rank that waits least is the suspect.");
+  for (const std::string& step : waiting) info.sample({{"step", step}}, std::uint64_t{1});
 }
 
 // steptrace_step_duration_seconds: per step, every process of this node, the evicted ones

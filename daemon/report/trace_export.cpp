@@ -222,6 +222,7 @@ void TraceExport::begin_process(std::string& out) {
   pending_.clear();
   names_.clear();
   held_.clear();
+  held_total_ = 0;
   pid_ = p.key.pid;
 
   std::string name = p.comm;
@@ -315,9 +316,13 @@ void TraceExport::next_event(std::string& out) {
     auto waiting = pending_.find(e.thread_id);
     if (waiting != pending_.end() && !waiting->second.empty() &&
         (depth_[e.thread_id] == 0 || waiting->second.size() >= kMaxHeld)) {
+      if (depth_[e.thread_id] != 0) spans_written_early_ += waiting->second.size();
       write_sorted(waiting->second, false);
     } else if (held_.size() >= kMaxHeld) {
+      spans_written_early_ += held_.size();
       write_sorted(held_, false);
+    } else if (held_total_ >= kMaxHeldTotal) {
+      write_all_held();
     }
   }
 }
@@ -337,11 +342,26 @@ void TraceExport::span(std::uint32_t tid, std::uint32_t step, std::uint64_t star
     flags |= kFlagClipped;
   }
   const std::uint64_t dur = end > ts ? end - ts : 0;
+  ++held_total_;
+  max_held_ = std::max(max_held_, held_total_);
   if (ts != window_start_ns_ && (flags & (kFlagOpen | kFlagStartBeforeWindow)) == 0) {
     pending_[tid].push_back({tid, step, ts, dur, flags});
     return;
   }
   held_.push_back({tid, step, ts, dur, flags});
+}
+
+// Past kMaxHeldTotal spans waiting in all (many threads, each inside a long outer span):
+// every waiting span of the process goes out now as one lot (by thread and start), so the
+// exporter's memory is bounded by the capture's budget, not threads x kMaxHeld. Nothing
+// is lost; the cost is the ordering at equal timestamps of those spans (counted).
+void TraceExport::write_all_held() {
+  std::vector<Held> lot = std::move(held_);
+  held_.clear();
+  for (auto& [tid, spans] : pending_) lot.insert(lot.end(), spans.begin(), spans.end());
+  pending_.clear();  // frees each thread's vector (its capacity too)
+  spans_written_early_ += lot.size();
+  write_sorted(lot, false);
 }
 
 void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t step,
@@ -363,8 +383,9 @@ void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t 
 }
 
 void TraceExport::write_sorted(std::vector<Held>& spans, bool then_next_process) {
+  held_total_ -= std::min(held_total_, spans.size());
   writing_.swap(spans);
-  spans.clear();
+  std::vector<Held>().swap(spans);  // no capacity left behind on a thread that waits no more
   // Per thread by start, the longer (enclosing) span first.
   std::sort(writing_.begin(), writing_.end(), [](const Held& a, const Held& b) {
     if (a.tid != b.tid) return a.tid < b.tid;
@@ -618,6 +639,8 @@ void TraceExport::write_footer(std::string& out) {
   append_uint(out, c.counters.marks_evicted);
   out.append(",\"budget_bytes\":");
   append_uint(out, c.counters.budget_bytes);
+  out.append(",\"spans_written_early\":");
+  append_uint(out, spans_written_early_);
   out.append(R"(,"generator":"steptraced"}})");
   out.push_back('\n');
   phase_ = Phase::kDone;

@@ -11,8 +11,10 @@
 // ends and are then written as complete ("X") events by start, the enclosing one first;
 // then the marks become ledger and drop instants and GPU memory counters; otherData closes
 // the document. Memory: the open spans and thread ids of the process being read and at
-// most 4096 spans per thread waiting to be written in order, plus the piece; never the
-// number of events.
+// most kMaxHeldTotal spans waiting to be written in order (4096 per thread, 65,536 in
+// all: 2 MiB however many threads), plus the piece; never the number of events. Spans
+// written before their thread's outermost span ended, past those bounds, are counted in
+// otherData.spans_written_early (their order at equal timestamps may be off).
 //
 // What viewers need (issue 27): timestamps are microseconds since the origin with three
 // decimals, exact nanoseconds that a double holds exactly; a span's "dur" is written so
@@ -39,12 +41,16 @@ namespace steptrace::daemon {
 class TraceExport {
  public:
   static constexpr std::size_t kPieceBytes = 1u << 20;
+  // Spans waiting to be written in order, in all threads of a process together.
+  static constexpr std::size_t kMaxHeldTotal = 1u << 16;
   // A null capture renders as an empty one.
   explicit TraceExport(std::shared_ptr<const TraceCapture> capture);
   // Appends the next piece (about piece_bytes; it may overshoot by one event's text) to
   // `out`. Returns false once the piece it appended ends the document (the document ends
   // with '\n'); after that it appends nothing and returns false.
   bool next(std::string& out, std::size_t piece_bytes = kPieceBytes);
+  // The most spans held at once so far (tests: at most kMaxHeldTotal).
+  std::size_t max_held() const { return max_held_; }
 
  private:
   enum class Phase : std::uint8_t {
@@ -75,6 +81,7 @@ class TraceExport {
   void end_process();
   // Sorts `spans` and writes them next; then the events, or the next process.
   void write_sorted(std::vector<Held>& spans, bool then_next_process);
+  void write_all_held();  // past kMaxHeldTotal
   void write_next_sorted(std::string& out);
   void mark_shared_ends();  // kFlagEndsWithOthers on writing_
   void next_mark(std::string& out);
@@ -116,6 +123,9 @@ class TraceExport {
   std::unordered_map<std::uint32_t, std::vector<Held>> pending_;  // tid -> waiting spans
   std::unordered_map<std::uint32_t, std::string> names_;          // step -> escaped name, quoted
   std::vector<Held> held_;
+  std::size_t held_total_ = 0;  // in held_ and pending_
+  std::size_t max_held_ = 0;
+  std::uint64_t spans_written_early_ = 0;
   std::vector<Held> writing_;      // sorted, being written
   std::vector<std::size_t> ends_;  // mark_shared_ends()'s order of writing_
   std::size_t writing_index_ = 0;

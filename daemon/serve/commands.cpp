@@ -14,6 +14,7 @@
 #include "daemon/report/ledger_report.h"
 #include "daemon/report/trace_export.h"
 #include "daemon/serve/render_worker.h"
+#include "daemon/serve/trace_selection.h"
 #include "proto/codec.h"
 #include "proto/commands.h"
 #include "proto/printable.h"
@@ -465,7 +466,7 @@ const Command<ResetRequest>& reset_command() {
   return kCommand;
 }
 
-// ---- trace [--pid N]... [--last SECONDS | --for SECONDS] -----------------------------
+// ---- trace [--pid N]... [--children] [--job [UID:]ID] [--last S | --for S] ------------
 
 Problem take_trace_pid(TraceRequest& r, std::optional<std::string_view> value) {
   if (!value) return "--pid needs a process id";
@@ -478,6 +479,20 @@ Problem take_trace_pid(TraceRequest& r, std::optional<std::string_view> value) {
     return "at most " + std::to_string(proto::kMaxTracePids) + " --pid options";
   }
   r.pids.insert(*pid);
+  return std::nullopt;
+}
+
+// `ID` or `UID:ID`, as report's --job.
+Problem take_trace_job(TraceRequest& r, std::optional<std::string_view> value) {
+  const auto job = value ? proto::parse_job_option(*value) : std::nullopt;
+  if (!job) {
+    return "--job needs a job id of 1.." + std::to_string(proto::kMaxNameLength) +
+           " printable characters, or UID:ID for another uid's" +
+           (value && !value->empty() ? ", got '" + proto::printable(*value, 64) + "'"
+                                     : std::string());
+  }
+  r.job = std::string(job->id);
+  r.job_uid = job->uid;
   return std::nullopt;
 }
 
@@ -538,19 +553,66 @@ class CaptureHold {
   std::uint32_t uid_;
 };
 
+const Command<TraceRequest>& trace_command();
+
 std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9); }
+
+// The capture `r` asks for, or the error reply. --pid alone is the recorder's own
+// filter; --children and --job choose from all windows (trace_selection.h): by
+// ProcessKey, so a reused pid brings no earlier process along, and by (uid, job) with
+// no bound on the number of processes. Those two answer an error rather than an empty
+// trace when they take no process.
+std::variant<std::shared_ptr<const TraceCapture>, std::string> trace_capture(
+    const Collector& collector, const TraceRequest& r, std::uint64_t since, std::uint32_t caller,
+    bool privileged) {
+  if (!r.children && !r.job) return collector.capture_trace(r.pids, since);
+  const auto all = collector.capture_trace({}, since);
+  TraceSelection selection;
+  for (const std::int32_t pid : r.pids) {
+    // With --children a live --pid is taken by its ProcessKey too: an earlier process
+    // that had its pid is no more its family than its descendants' namesakes are.
+    const auto self = r.children ? live_process(pid) : std::nullopt;
+    if (self) {
+      selection.keys.insert(*self);
+      const auto keys = live_descendants(pid);
+      selection.keys.insert(keys.begin(), keys.end());
+    } else {
+      selection.pids.insert(pid);  // as --pid alone: every window of that pid
+    }
+  }
+  if (r.job) {
+    auto uid = trace_job_uid(*all, *r.job, r.job_uid, caller, privileged);
+    if (auto* error = std::get_if<std::string>(&uid)) return std::move(*error);
+    selection.job = JobRef{std::get<std::uint32_t>(uid), *r.job};
+  }
+  auto capture = select_processes(*all, selection);
+  if (r.children && capture->processes.empty()) {
+    std::string pids;
+    for (const std::int32_t pid : r.pids) pids += (pids.empty() ? "" : ", ") + std::to_string(pid);
+    return "error: trace: no process with pid " + pids +
+           " nor any live process it forked is in the flight recorder's window\n";
+  }
+  return capture;
+}
 
 Reply run_trace(const TraceRequest& r, const Call& call) {
   Collector& collector = call.context.collector;
   const std::shared_ptr<TraceSlots>& slots = call.trace_slots;
   const std::uint32_t uid = call.context.peer_uid;
+  const bool privileged = may_reset(uid, call.context.daemon_euid);
   const std::uint64_t now = collector.now_ns();
+  if (r.children && r.pids.empty()) {
+    return std::string("error: trace: --children needs --pid N (whose forked processes to take)") +
+           " (usage: " + usage_of(trace_command().syntax, "trace") + ")\n";
+  }
   if (auto busy = slots->busy(uid)) return *busy;
   if (!r.for_s) {
     const std::uint64_t since =
         r.last_s && seconds_ns(*r.last_s) < now ? now - seconds_ns(*r.last_s) : 0;
-    return std::shared_ptr<ReplyStream>(
-        std::make_shared<TraceReply>(collector.capture_trace(r.pids, since), slots, uid));
+    auto capture = trace_capture(collector, r, since, uid, privileged);
+    if (auto* error = std::get_if<std::string>(&capture)) return std::move(*error);
+    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(
+        std::get<std::shared_ptr<const TraceCapture>>(std::move(capture)), slots, uid));
   }
   if (auto busy = slots->pending_busy(uid, call.context.max_pending_traces_per_uid)) {
     collector.count_limit(LimitKind::kMaxPendingTracesPerUid);
@@ -559,12 +621,13 @@ Reply run_trace(const TraceRequest& r, const Call& call) {
   auto hold = std::make_shared<CaptureHold>(collector, slots, uid);
   DeferredReply deferred;
   deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
-  deferred.make = [&collector, pids = r.pids, since = now, hold, slots, uid]() mutable -> Reply {
+  deferred.make = [&collector, r, since = now, hold, slots, uid, privileged]() mutable -> Reply {
     if (auto busy = slots->busy(uid)) return *busy;
-    auto capture = collector.capture_trace(pids, since);
+    auto capture = trace_capture(collector, r, since, uid, privileged);
     hold.reset();  // the capture holds its chunks; recording may stop now
-    return std::shared_ptr<ReplyStream>(
-        std::make_shared<TraceReply>(std::move(capture), slots, uid));
+    if (auto* error = std::get_if<std::string>(&capture)) return std::move(*error);
+    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(
+        std::get<std::shared_ptr<const TraceCapture>>(std::move(capture)), slots, uid));
   };
   return deferred;
 }
@@ -574,12 +637,15 @@ const Command<TraceRequest>& trace_command() {
       .name = "trace",
       .syntax =
           {.groups = {{{"--pid", "N", take_trace_pid, /*repeatable=*/true}},
+                      {flag("--children", &TraceRequest::children)},
+                      {{"--job", "[UID:]ID", take_trace_job}},
                       {seconds_option("--last", proto::kMaxTraceLastSeconds, &TraceRequest::last_s),
                        seconds_option("--for", proto::kMaxTraceForSeconds, &TraceRequest::for_s)}},
            .usage_in_every_error = true},
       .summary =
           "the flight recorder's recent events as a Chrome Trace Event document "
-          "(Perfetto UI, chrome://tracing); --for records from now on",
+          "(Perfetto UI, speedscope): all processes, --pid's (and their live forked "
+          "processes with --children), or a job's; --for records from now on",
       .run = run_trace,
   };
   return kCommand;

@@ -131,6 +131,9 @@ struct TraceRequest {
   static constexpr double kMaxLastS = proto::kMaxTraceLastSeconds;
   static constexpr double kMaxForS = proto::kMaxTraceForSeconds;
   std::set<std::int32_t> pids;
+  bool children = false;                 // --children: each --pid's live descendants too
+  std::optional<std::string> job;        // --job ID or UID:ID
+  std::optional<std::uint32_t> job_uid;  // UID of UID:ID
   std::optional<double> last_s;
   std::optional<double> for_s;
   static Parsed<TraceRequest> parse(Args args);

@@ -93,6 +93,7 @@ class CollectorView {
   // Rank skew of a job (rank_skew.h): over its processes given (a report's) and, with
   // `window_ns`, over the rank windows (rank_window.h). Empty below two ranks.
   JobRankSkew rank_skew(const JobFigures& job, std::optional<std::uint64_t> window_ns) const;
+  const RankSkewRules& rank_skew_rules() const;  // which steps are waiting ones (metrics)
   TableFigures table() const;
   const ledger::State& ledger() const;
   // What a snapshot keeps of it, as plain values (state_image.h; state_image.cpp). Spans

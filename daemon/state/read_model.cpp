@@ -337,6 +337,8 @@ std::vector<StepHistogram> CollectorView::step_histograms() const {
   return out;
 }
 
+const RankSkewRules& CollectorView::rank_skew_rules() const { return state_->job_limits.rank_skew; }
+
 TableFigures CollectorView::table() const {
   const CollectorState& state = *state_;
   TableFigures t;

@@ -136,6 +136,11 @@ TEST(TraceCommand, CommandLine) {
   request.last.clear();
   request.for_s = "10";
   EXPECT_EQ(steptrace::cli::trace_command_line(request), "trace --pid 9 --pid 7 --for 10");
+  // --children and --job are the daemon's to resolve (PROTOCOL.md 10.5).
+  request.children = true;
+  request.job = "1001:run7";
+  EXPECT_EQ(steptrace::cli::trace_command_line(request),
+            "trace --pid 9 --pid 7 --children --job 1001:run7 --for 10");
 }
 
 TEST(TraceCommand, DefaultFileName) {
@@ -851,6 +856,7 @@ TEST_F(CliTraceLive, JobTakesItsProcessesAndUnknownOnesFail) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"--job", "nosuchjob"},
         {"--pid", "999999"},
+        {"--pid", "999999", "--children"},  // the daemon finds none: an error, no file
         {"--job", std::to_string(::getuid() + 1) + ":jobA"}}) {
     const Output bad = cli_.trace(out_.path(), [&] {
       std::vector<std::string> a{"-o", "t.json"};
@@ -861,26 +867,6 @@ TEST_F(CliTraceLive, JobTakesItsProcessesAndUnknownOnesFail) {
     EXPECT_THAT(bad.err, Not(HasSubstr("wrote"))) << args[1];
     EXPECT_TRUE(files_in(out_.path()).empty()) << args[1];
   }
-}
-
-// --children: a process's descendants from /proc (here a stand-in /proc).
-TEST(CliTracePieces, DescendantsFollowTheParentChain) {
-  TempDir proc;
-  const auto add = [&](int pid, int parent, const std::string& comm) {
-    fs::create_directories(proc.file(std::to_string(pid)));
-    std::ofstream(proc.file(std::to_string(pid) + "/stat"))
-        << pid << " (" << comm << ") S " << parent << " 1 1 0 -1\n";
-  };
-  add(100, 1, "python3");
-  add(101, 100, "pt_data_worker");
-  add(102, 100, "a) S 1 (odd");  // a comm with ") S " in it
-  add(103, 101, "grandchild");
-  add(200, 1, "other");
-  add(201, 200, "not ours");
-  fs::create_directories(proc.file("self"));
-  EXPECT_EQ(steptrace::cli::descendants_of(100, proc.path()), (std::vector<int>{101, 102, 103}));
-  EXPECT_TRUE(steptrace::cli::descendants_of(103, proc.path()).empty());
-  EXPECT_TRUE(steptrace::cli::descendants_of(100, proc.file("absent")).empty());
 }
 
 TEST(CliTracePieces, PidsOfAReport) {

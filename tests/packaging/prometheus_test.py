@@ -29,6 +29,7 @@ RULE_INPUTS = [
     "steptrace_ledger_step_seconds_total", "steptrace_events_received_total",
     "steptrace_events_dropped_by_clients_total",
     "steptrace_events_dropped_by_clients_by_cause_total", "steptrace_snapshot_failing",
+    "steptrace_waiting_step_info",
 ]
 # Per-rank inputs of the steptrace.ranks rules (issue 27): a daemon exports them only for
 # processes that sent a rank, which the live check's process does not.

@@ -85,12 +85,21 @@ for _ in $(seq 600); do # up to 30 s: a loaded 2-core machine starts them slowly
 done
 ((connected)) || fail "the --children trainer's 2 workers did not connect within 30 s"
 sleep 0.5 # the workers train
-"$steptrace" --socket node1.sock trace --pid "$parent" --children --last 0.2 -o children.json
+# --last 2: the workers' ledger records at their start are in the window, so the daemon's
+# own "steptraced: GPU memory" counter track (pid: the daemon's) comes along; it is what a
+# `--last 2` run once took for a process that is no descendant. Descendants are matched by
+# pid and start time in the daemon, so a reused pid brings no earlier process either.
+"$steptrace" --socket node1.sock trace --pid "$parent" --children --last 2 -o children.json
 python3 - "$parent" <<'PY' || fail "--children did not take the workers along"
 import json, sys
 doc = json.load(open("children.json"))
-pids = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
-print(f"children.json: processes {sorted(pids)} (parent {sys.argv[1]})")
+daemon = doc["otherData"]["daemon_pid"]
+names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"]
+         if e["ph"] == "M" and e["name"] == "process_name"}
+print(f"children.json: processes {names} (parent {sys.argv[1]}, daemon {daemon})")
+if daemon in names and names[daemon] != "steptraced: GPU memory":
+    sys.exit(1)
+pids = set(names) - {daemon}
 # sim_trainer's parent sends nothing until its workers are done: the two workers.
 sys.exit(0 if len(pids) == 2 and int(sys.argv[1]) not in pids else 1)
 PY

@@ -538,6 +538,58 @@ TEST(TraceExportTest, ManyEndsWithoutStartsAreAllWritten) {
   EXPECT_EQ(*durations.rbegin(), 10 + kEnds - 1);
 }
 
+// Many threads each inside a long outer span: their inner spans wait for it to end. The
+// exporter holds at most kMaxHeldTotal of them in all (not threads x 4096), writes the
+// rest early, every span once, and counts them in otherData.spans_written_early.
+TEST(TraceExportTest, HeldSpansAreBoundedAcrossManyThreads) {
+  const auto run = [](std::uint32_t threads, std::uint32_t inner) {
+    std::vector<proto::EventRecord> events;
+    for (std::uint32_t t = 0; t < threads; ++t) events.push_back(start(kBase, 1000 + t, kForward));
+    std::uint64_t ts = kBase + 10;
+    for (std::uint32_t i = 0; i < inner; ++i) {
+      for (std::uint32_t t = 0; t < threads; ++t) {
+        events.push_back(start(ts, 1000 + t, kMatmul));
+        events.push_back(end(ts + 5, 1000 + t, kMatmul));
+        ts += 10;
+      }
+    }
+    for (std::uint32_t t = 0; t < threads; ++t) events.push_back(end(ts + t, 1000 + t, kForward));
+    auto c = new_capture();
+    c->now_ns = ts + threads + 100;
+    add_process(*c, 40, "many", events);
+    TraceExport exporter(c);
+    std::string doc;
+    while (exporter.next(doc)) {
+    }
+    return std::make_pair(exporter.max_held(), parse_trace(doc));
+  };
+  // 1,100 threads x 64 inner spans: 70,400 waiting at once without the bound.
+  constexpr std::uint32_t kThreads = 1100, kInner = 64;
+  const auto [max_held, doc] = run(kThreads, kInner);
+  EXPECT_LE(max_held, TraceExport::kMaxHeldTotal);
+  const std::vector<Span> got = spans_of(doc);
+  EXPECT_EQ(got.size(), std::size_t{kThreads} * (kInner + 1));
+  EXPECT_EQ(std::set<Span>(got.begin(), got.end()).size(), got.size());  // each once
+  std::map<std::int64_t, std::size_t> per_thread;
+  std::map<std::int64_t, Span> outer;
+  for (const Span& s : got) {
+    ++per_thread[s.tid];
+    if (s.name == "Forward") outer[s.tid] = s;
+  }
+  EXPECT_EQ(per_thread.size(), kThreads);
+  for (const auto& [tid, n] : per_thread) EXPECT_EQ(n, kInner + 1u) << tid;
+  for (const Span& s : got) {  // each inner span inside its thread's outer one
+    const Span& o = outer[s.tid];
+    EXPECT_TRUE(o.ts <= s.ts && s.ts + s.dur <= o.ts + o.dur) << s << " outside " << o;
+  }
+  EXPECT_GT(doc.at("otherData").at("spans_written_early").get<std::uint64_t>(), 0u);
+
+  // Under the bound nothing is written early.
+  const auto [few_held, few] = run(10, kInner);
+  EXPECT_EQ(few_held, 10u * kInner + 1);  // the first outer span joins them as it ends
+  EXPECT_EQ(few.at("otherData").at("spans_written_early"), 0);
+}
+
 TEST(TraceExportTest, SinceClipsSpansThatCrossIt) {
   const std::uint64_t since = kBase + 5000;
   auto c = new_capture();

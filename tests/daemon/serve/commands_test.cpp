@@ -201,12 +201,15 @@ TEST_F(CommandsTest, HelpAndArgumentErrorsSayTheSameUsage) {
             "  reset [--pid N | --ledger | --gpu UUID] clear the aggregates (all, or one pid's), "
             "or the VRAM ledger (all GPUs, or one); root or the daemon's uid only\n"
             "  stats [--json]              the daemon's own counters\n"
-            "  trace [--pid N]... [--last SECONDS | --for SECONDS] the flight recorder's recent "
-            "events as a Chrome Trace Event document (Perfetto UI, chrome://tracing); --for "
-            "records from now on\n"
+            "  trace [--pid N]... [--children] [--job [UID:]ID] [--last SECONDS | --for SECONDS] "
+            "the flight recorder's recent events as a Chrome Trace Event document (Perfetto UI, "
+            "speedscope): all processes, --pid's (and their live forked processes with "
+            "--children), or a job's; --for records from now on\n"
             "  version                     daemon version, protocol version and commands, as "
             "one JSON line\n");
-  const std::string trace_usage = " (usage: trace [--pid N]... [--last SECONDS | --for SECONDS])\n";
+  const std::string trace_usage =
+      " (usage: trace [--pid N]... [--children] [--job [UID:]ID] [--last SECONDS | --for "
+      "SECONDS])\n";
   const std::pair<std::string, std::string> cases[] = {
       {"ping now", "error: ping: unexpected argument 'now' (usage: ping)\n"},
       {"help me", "error: help: unexpected argument 'me' (usage: help)\n"},
@@ -608,6 +611,37 @@ TEST_F(CommandsTest, VersionListsEveryRegisteredCommand) {
 }
 
 }  // namespace
+// `trace --job`: the daemon takes the job's processes, (uid, job) as report does, with no
+// bound on their number; `--children` needs --pid. Errors rather than an empty trace.
+TEST_F(CommandsTest, TraceJobTakesTheJobsProcessesOfItsUid) {
+  ingest(101, 3, 1001, "team-llm");
+  ingest(102, 4, 1001, "team-llm");
+  ingest(201, 5, 1002, "team-llm");  // another tenant picks the same id
+  ingest(202, 6, 1001, "solo");
+  const auto pids = [](const std::string& reply) {
+    std::set<int> out;
+    const json doc = json::parse(reply);
+    for (const json& e : doc["traceEvents"]) {
+      if (e["ph"] == "X") out.insert(e["pid"].get<int>());
+    }
+    return out;
+  };
+  EXPECT_EQ(pids(run("trace --job team-llm", 1001)), (std::set<int>{101, 102}));
+  EXPECT_EQ(pids(run("trace --job 1002:team-llm --last 60", 1001)), (std::set<int>{201}));
+  EXPECT_EQ(pids(run("trace --job team-llm --pid 202", 1001)), (std::set<int>{101, 102, 202}));
+  EXPECT_EQ(run("trace --job nosuch", 1001),
+            "error: trace: no process of job 'nosuch' for uid 1001 in the flight recorder's "
+            "window\n");
+  EXPECT_EQ(run("trace --job solo", 1002),
+            "error: trace: no process of job 'solo' for uid 1002 in the flight recorder's "
+            "window; uid 1001 has one: use --job 1001:solo\n");
+  EXPECT_TRUE(run("trace --job").starts_with("error: trace: --job needs a job id"));
+  EXPECT_TRUE(run("trace --children").starts_with("error: trace: --children needs --pid N"));
+  // No process of this test's has a live descendant in /proc.
+  EXPECT_TRUE(run("trace --pid 999999 --children")
+                  .starts_with("error: trace: no process with pid 999999 nor any live process"));
+}
+
 // `trace`: its options are checked word by word; a reply streams the recorder's window;
 // at most TraceSlots::kMax (8) replies are alive at once, 2 per uid; the next is told busy.
 TEST_F(CommandsTest, TraceValidatesItsOptionsAndBoundsRepliesInProgress) {
