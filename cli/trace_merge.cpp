@@ -140,11 +140,14 @@ struct Input {
 // double (reported through parse_error()).
 class TraceReader {
  public:
+  // The names nlohmann::json's SAX interface looks for, spelt its way.
+  // NOLINTBEGIN(readability-identifier-naming)
   using number_integer_t = json::number_integer_t;
   using number_unsigned_t = json::number_unsigned_t;
   using number_float_t = json::number_float_t;
   using string_t = json::string_t;
   using binary_t = json::binary_t;
+  // NOLINTEND(readability-identifier-naming)
 
   TraceReader(Input& in, const std::optional<AlignStep>& align) : in_(in), align_(align) {}
 
