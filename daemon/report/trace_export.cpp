@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string_view>
 #include <utility>
 
@@ -19,6 +20,8 @@ using trace_json::append_int;
 using trace_json::append_json_string;
 using trace_json::append_uint;
 using trace_json::append_us;
+using trace_json::dur_us;
+using trace_json::DurEnd;
 using trace_json::EventArgs;
 using trace_json::TraceEvent;
 using trace_json::write_event;
@@ -364,17 +367,30 @@ void TraceExport::write_all_held() {
   write_sorted(lot, false);
 }
 
-void TraceExport::write_span(std::string& out, std::uint32_t tid, std::uint32_t step,
-                             std::uint64_t ts, std::uint64_t dur, std::uint8_t flags) {
+void TraceExport::write_span(std::string& out, const Held& h) {
+  // The first of spans ending together (the enclosing one) ends at or past their end;
+  // each inside it, at or before the end the previous one was written with.
+  DurEnd how{};
+  if (h.ends_with != 0) {
+    how.not_before = (h.flags & kFlagEndsWithOthers) != 0;
+    how.cap = shared_ends_[h.ends_with - 1];
+  }
+  const std::uint64_t ts = rel(h.ts_ns);
   const TraceEvent e{.ph = 'X',
                      .cat = "step",
-                     .name_json = step_name_json(step),
+                     .name_json = step_name_json(h.step),
                      .pid = pid_,
-                     .tid = tid,
-                     .ts_ns = rel(ts),
-                     .dur_ns = dur,
-                     .dur_end_not_before = (flags & kFlagEndsWithOthers) != 0};
+                     .tid = h.tid,
+                     .ts_ns = ts,
+                     .dur_ns = h.dur_ns,
+                     .dur_end = how};
+  if (h.ends_with != 0) {
+    bool exact = false;
+    const double dur = dur_us(ts, h.dur_ns, how, exact);
+    shared_ends_[h.ends_with - 1] = static_cast<double>(ts) / 1000.0 + dur;
+  }
   begin_event(out);
+  const std::uint8_t flags = h.flags;
   if ((flags & kArgFlags) == 0) {
     write_event(out, e);
   } else {
@@ -437,17 +453,23 @@ void TraceExport::mark_shared_ends() {
   std::sort(ends_.begin(), ends_.end(), [&end_of](std::size_t a, std::size_t b) {
     return std::pair{end_of(a), a} < std::pair{end_of(b), b};
   });
+  shared_ends_.clear();
   for (std::size_t i = 0; i + 1 < ends_.size(); ++i) {
     if (end_of(ends_[i]) != end_of(ends_[i + 1])) continue;
     writing_[ends_[i]].flags |= kFlagEndsWithOthers;
-    while (i + 1 < ends_.size() && end_of(ends_[i]) == end_of(ends_[i + 1])) ++i;
+    shared_ends_.push_back(std::numeric_limits<double>::infinity());
+    const auto lot = static_cast<std::uint32_t>(shared_ends_.size());
+    writing_[ends_[i]].ends_with = lot;
+    while (i + 1 < ends_.size() && end_of(ends_[i]) == end_of(ends_[i + 1])) {
+      writing_[ends_[++i]].ends_with = lot;
+    }
   }
 }
 
 void TraceExport::write_next_sorted(std::string& out) {
   if (writing_index_ < writing_.size()) {
     const Held& h = writing_[writing_index_++];
-    write_span(out, h.tid, h.step, h.ts_ns, h.dur_ns, h.flags);
+    write_span(out, h);
     return;
   }
   writing_.clear();

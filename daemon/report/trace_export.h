@@ -71,7 +71,8 @@ class TraceExport {
     std::uint32_t step = 0;
     std::uint64_t ts_ns = 0;
     std::uint64_t dur_ns = 0;
-    std::uint8_t flags = 0;  // kFlag* in trace_export.cpp
+    std::uint8_t flags = 0;       // kFlag* in trace_export.cpp
+    std::uint32_t ends_with = 0;  // 1 + its index in shared_ends_, 0 when alone
   };
 
   void step(std::string& out);
@@ -95,8 +96,7 @@ class TraceExport {
   void begin_event(std::string& out);
   void span(std::uint32_t tid, std::uint32_t step, std::uint64_t start, std::uint64_t end,
             std::uint8_t flags);
-  void write_span(std::string& out, std::uint32_t tid, std::uint32_t step, std::uint64_t ts,
-                  std::uint64_t dur, std::uint8_t flags);
+  void write_span(std::string& out, const Held& h);
   void write_thread_name(std::string& out, std::uint32_t tid);
   // A time of the capture as the document's (ns since origin_ns_).
   std::uint64_t rel(std::uint64_t ts_ns) const {
@@ -126,8 +126,9 @@ class TraceExport {
   std::size_t held_total_ = 0;  // in held_ and pending_
   std::size_t max_held_ = 0;
   std::uint64_t spans_written_early_ = 0;
-  std::vector<Held> writing_;      // sorted, being written
-  std::vector<std::size_t> ends_;  // mark_shared_ends()'s order of writing_
+  std::vector<Held> writing_;        // sorted, being written
+  std::vector<std::size_t> ends_;    // mark_shared_ends()'s order of writing_
+  std::vector<double> shared_ends_;  // per lot ending together: the end last written
   std::size_t writing_index_ = 0;
   bool writing_then_next_process_ = false;
 

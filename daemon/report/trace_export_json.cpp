@@ -77,7 +77,7 @@ void write_event_fields(std::string& out, const TraceEvent& e, std::string_view 
   }
   if (e.dur_ns) {
     line.put(R"(,"dur":)");
-    line.put_dur_us(e.ts_ns.value_or(0), *e.dur_ns, e.dur_end_not_before);
+    line.put_dur_us(e.ts_ns.value_or(0), *e.dur_ns, e.dur_end);
   }
   line.put(tail);
 }

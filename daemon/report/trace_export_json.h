@@ -4,6 +4,7 @@
 // Internal to daemon/report/.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstddef>
@@ -35,42 +36,76 @@ inline char* write_us(char* p, std::uint64_t ns) {
 // Nanoseconds as microseconds with three decimals (write_us()).
 void append_us(std::string& out, std::uint64_t ns);
 
-// The "dur" of a span starting at `ts_ns` (a document time, below 2^53): as write_us()
-// when a viewer, adding ts and dur as doubles (JavaScript, speedscope, trace-model), gets
-// exactly the double of the end ("ts_ns + dur_ns" written as write_us()); otherwise the
-// shortest double that does (e.g. "4.107000000000028"), so that spans that touch never
-// overlap and a child that ends with its parent stays inside it.
-// Sometimes no double does: when ts's bits below the end's last place are exactly half
-// of it, every sum is a tie and rounds to even, so an odd end is never reached. Then the
-// duration whose sum is the nearest double below the end (the default: a span that a
-// sibling follows at that nanosecond must not overlap it), or above it with
-// `end_not_before` (an enclosing span that a child ends with must still contain it):
-// one unit in the last place off, never on the wrong side. At most kUsChars characters.
-inline char* write_dur_us(char* p, std::uint64_t ts_ns, std::uint64_t dur_ns,
-                          bool end_not_before = false) {
+// How a span's "dur" meets its end when no double makes ts + dur exactly the end (below).
+struct DurEnd {
+  bool not_before = false;  // the nearest sum at or above the end, not below it
+  double cap = std::numeric_limits<double>::infinity();  // no sum past this
+};
+
+// The "dur" of a span starting at `ts_ns` (a document time, below 2^53), as the double
+// a viewer reads, adding ts and dur as doubles (JavaScript, speedscope, trace-model):
+// the three-decimal value when ts + dur is then exactly the double of the end
+// ("ts_ns + dur_ns" written as write_us()), else another double that makes it so, so
+// that spans that touch never overlap and a child that ends with its parent stays
+// inside it. Sometimes no double does: when ts's bits below the end's last place are
+// exactly half of it, every sum is a tie and rounds to even, so an odd end is never
+// reached. Then the nearest sum below the end (a sibling that starts at that
+// nanosecond must not overlap), or with `how.not_before` above it (the outermost of
+// spans that end together must contain the others): one unit in the last place off.
+// `how.cap` is the end the enclosing span was written with when they end together: the
+// sum never passes it (the largest sum at or below it and the end), so a chain of spans
+// ending at one nanosecond nests. `exact` is set when the three-decimal value is it.
+inline double dur_us(std::uint64_t ts_ns, std::uint64_t dur_ns, const DurEnd& how, bool& exact) {
   // A decimal with three places is read as the double nearest ns / 1000, and IEEE
   // division of two exact doubles rounds the same quotient the same way.
   const double start = static_cast<double>(ts_ns) / 1000.0;
   const double end = static_cast<double>(ts_ns + dur_ns) / 1000.0;
-  if (start + static_cast<double>(dur_ns) / 1000.0 == end) return write_us(p, dur_ns);
-  double dur = end - start;
-  if (dur >= 0 && start + dur == end) return std::to_chars(p, p + kUsChars, dur).ptr;
-  // A few units in the last place each way reach the nearest sums on either side.
+  const double three = static_cast<double>(dur_ns) / 1000.0;
+  exact = start + three == end && end <= how.cap;
+  if (exact) return three;
+  // The sums on a side of the end, nearest first: the first one some dur reaches. Only a
+  // few units in the last place away (every other double at worst), so a few tries.
+  constexpr double kUp = std::numeric_limits<double>::infinity();
   constexpr int kSteps = 8;
-  if (end_not_before) {
-    for (int i = 0; i < kSteps && start + dur < end; ++i) {
-      dur = std::nextafter(dur, std::numeric_limits<double>::infinity());
+  const auto reach = [start](double sum, double& dur) {
+    const double guess = sum - start;
+    double lower = guess;
+    double upper = guess;
+    for (int i = 0; i < 3; ++i) {
+      for (const double d : {lower, upper}) {
+        if (d >= 0 && start + d == sum) {
+          dur = d;
+          return true;
+        }
+      }
+      lower = std::nextafter(lower, 0.0);
+      upper = std::nextafter(upper, kUp);
     }
-    while (dur > 0 && start + std::nextafter(dur, 0.0) >= end) dur = std::nextafter(dur, 0.0);
-    if (start + dur < end) return write_us(p, dur_ns);
-  } else {
-    for (int i = 0; i < kSteps && start + dur > end; ++i) dur = std::nextafter(dur, 0.0);
-    while (start + std::nextafter(dur, std::numeric_limits<double>::infinity()) <= end) {
-      dur = std::nextafter(dur, std::numeric_limits<double>::infinity());
+    return false;
+  };
+  double dur = three;
+  if (how.not_before) {
+    double sum = end;
+    for (int i = 0; i < kSteps && sum <= how.cap; ++i, sum = std::nextafter(sum, kUp)) {
+      if (reach(sum, dur)) return dur;
     }
-    if (dur < 0 || start + dur > end) return write_us(p, dur_ns);
   }
-  return std::to_chars(p, p + kUsChars, dur).ptr;  // shortest that reads back the same
+  double sum = std::min(end, how.cap);
+  for (int i = 0; i < kSteps && sum >= start; ++i, sum = std::nextafter(sum, 0.0)) {
+    if (reach(sum, dur)) return dur;
+  }
+  exact = true;  // nothing near (a cap below the start): as written
+  return three;
+}
+
+// dur_us() written: the three-decimal form when exact, else the shortest decimal that
+// reads back as that double (e.g. "4.107000000000028"). At most kUsChars characters.
+inline char* write_dur_us(char* p, std::uint64_t ts_ns, std::uint64_t dur_ns,
+                          const DurEnd& how = {}) {
+  bool exact = false;
+  const double dur = dur_us(ts_ns, dur_ns, how, exact);
+  if (exact) return write_us(p, dur_ns);
+  return std::to_chars(p, p + kUsChars, dur).ptr;
 }
 
 // The trace's sanitiser: a JSON string of client-controlled bytes (a comm, a step name, a
@@ -95,7 +130,7 @@ struct TraceEvent {
   std::int64_t tid = 0;
   std::optional<std::uint64_t> ts_ns{};   // written as microseconds, append_us()
   std::optional<std::uint64_t> dur_ns{};  // likewise, write_dur_us() (with ts_ns)
-  bool dur_end_not_before = false;        // write_dur_us()'s end_not_before
+  DurEnd dur_end{};                       // write_dur_us()'s how
 };
 
 // The members of an event's "args" object, in the order they are added.
@@ -165,9 +200,9 @@ class LineBuffer {
     room(kUsChars);
     p_ = write_us(p_, ns);
   }
-  void put_dur_us(std::uint64_t ts_ns, std::uint64_t dur_ns, bool end_not_before) {
+  void put_dur_us(std::uint64_t ts_ns, std::uint64_t dur_ns, const DurEnd& how) {
     room(kUsChars);
-    p_ = write_dur_us(p_, ts_ns, dur_ns, end_not_before);
+    p_ = write_dur_us(p_, ts_ns, dur_ns, how);
   }
   // Appends what is composed; `out` may then be written directly.
   std::string& flush() {
