@@ -190,8 +190,10 @@ const Command<PingRequest>& ping_command() {
 
 // ---- report [--json] [--pid N] [--job [UID:]ID] [--window N] [--compute/--overhead S,...]
 
-// `ID` or `UID:ID` (proto::parse_job_option: the grammar the CLI checks too).
-Problem take_job(ReportRequest& r, std::optional<std::string_view> value) {
+// `ID` or `UID:ID` (proto::parse_job_option: the grammar the CLI checks too), into a
+// request's job and job_uid.
+template <class Request>
+Problem take_job_into(Request& r, std::optional<std::string_view> value) {
   const auto job = value ? proto::parse_job_option(*value) : std::nullopt;
   if (!job) {
     return "--job needs a job id of 1.." + std::to_string(proto::kMaxNameLength) +
@@ -325,7 +327,7 @@ const Command<ReportRequest>& report_command() {
       .name = "report",
       .syntax = {.groups = {{flag("--json", &ReportRequest::json)},
                             {pid_option(&ReportRequest::pid)},
-                            {{"--job", "[UID:]ID", take_job}},
+                            {{"--job", "[UID:]ID", take_job_into<ReportRequest>}},
                             {{"--window", "N", take_window}},
                             {{"--compute", "STEP,...", take_rule_steps<&ReportRequest::compute>}},
                             {{"--overhead", "STEP,...",
@@ -482,20 +484,6 @@ Problem take_trace_pid(TraceRequest& r, std::optional<std::string_view> value) {
   return std::nullopt;
 }
 
-// `ID` or `UID:ID`, as report's --job.
-Problem take_trace_job(TraceRequest& r, std::optional<std::string_view> value) {
-  const auto job = value ? proto::parse_job_option(*value) : std::nullopt;
-  if (!job) {
-    return "--job needs a job id of 1.." + std::to_string(proto::kMaxNameLength) +
-           " printable characters, or UID:ID for another uid's" +
-           (value && !value->empty() ? ", got '" + proto::printable(*value, 64) + "'"
-                                     : std::string());
-  }
-  r.job = std::string(job->id);
-  r.job_uid = job->uid;
-  return std::nullopt;
-}
-
 Option<TraceRequest> seconds_option(std::string_view name, double max,
                                     std::optional<double> TraceRequest::*field) {
   return {name, "SECONDS",
@@ -638,7 +626,7 @@ const Command<TraceRequest>& trace_command() {
       .syntax =
           {.groups = {{{"--pid", "N", take_trace_pid, /*repeatable=*/true}},
                       {flag("--children", &TraceRequest::children)},
-                      {{"--job", "[UID:]ID", take_trace_job}},
+                      {{"--job", "[UID:]ID", take_job_into<TraceRequest>}},
                       {seconds_option("--last", proto::kMaxTraceLastSeconds, &TraceRequest::last_s),
                        seconds_option("--for", proto::kMaxTraceForSeconds, &TraceRequest::for_s)}},
            .usage_in_every_error = true},
