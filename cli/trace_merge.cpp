@@ -73,29 +73,44 @@ std::string string_field(const json& e, const char* key) {
   return it != e.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
-// `comm [pid] job J (uid U) rank R (exited)` -> its parts.
+// `comm [pid] job J (uid U) rank R (exited)` (trace_export.cpp's process_name) -> its
+// parts. The comm and the job id are the client's and may hold anything, "] rank 9"
+// too, so the daemon's own parts are read from the end, and "[pid]" is the event's pid.
 struct ProcessName {
   std::string comm_pid;  // "comm [pid]", or the whole name when it has no such part
   std::optional<std::int64_t> rank;
   bool exited = false;
 };
-ProcessName parse_process_name(const std::string& name) {
+ProcessName parse_process_name(std::string name, std::int64_t pid) {
   ProcessName out;
-  const std::size_t close = name.find(']');
-  out.comm_pid = close == std::string::npos ? name : name.substr(0, close + 1);
-  // After "[pid]": a comm may hold anything. " rank N", N at most 9 digits (a rank is a
-  // 32-bit number; a longer run of digits is no rank).
-  const std::string tail = close == std::string::npos ? "" : name.substr(close + 1);
-  for (std::size_t at = tail.find(" rank "); at != std::string::npos;
-       at = tail.find(" rank ", at + 1)) {
-    const std::size_t from = at + 6;
-    std::size_t to = from;
-    while (to < tail.size() && to - from <= 9 && tail[to] >= '0' && tail[to] <= '9') ++to;
-    if (to == from || to - from > 9) continue;
-    out.rank = std::stoll(tail.substr(from, to - from));
-    break;
+  const auto ends_with = [&name](std::string_view tail) {
+    return name.size() >= tail.size() &&
+           name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  const std::string whole = name;
+  out.exited = ends_with(" (exited)");
+  if (out.exited) name.resize(name.size() - 9);
+  // " rank N" last, N at most 9 digits (a rank is a 32-bit number).
+  std::size_t digits = 0;
+  while (digits < name.size() && digits <= 9 && name[name.size() - 1 - digits] >= '0' &&
+         name[name.size() - 1 - digits] <= '9') {
+    ++digits;
   }
-  out.exited = name.size() >= 9 && name.compare(name.size() - 9, 9, " (exited)") == 0;
+  if (digits > 0 && digits <= 9 && name.size() > digits + 6 &&
+      name.compare(name.size() - digits - 6, 6, " rank ") == 0) {
+    out.rank = std::stoll(name.substr(name.size() - digits));
+    name.resize(name.size() - digits - 6);
+  }
+  // "[pid]" followed by the end or " job ": the first such.
+  const std::string tag = "[" + std::to_string(pid) + "]";
+  for (std::size_t at = name.find(tag); at != std::string::npos; at = name.find(tag, at + 1)) {
+    const std::size_t after = at + tag.size();
+    if (after == name.size() || name.compare(after, 5, " job ") == 0) {
+      out.comm_pid = name.substr(0, after);
+      return out;
+    }
+  }
+  out.comm_pid = whole;
   return out;
 }
 
@@ -302,7 +317,7 @@ bool TraceReader::add_event(json&& e) {
   e.erase("dur");
   if (metadata && string_field(e, "name") == "process_name" && e.contains("args") &&
       e["args"].is_object() && e["args"].contains("name") && e["args"]["name"].is_string()) {
-    ProcessName parsed = parse_process_name(e["args"]["name"].get<std::string>());
+    ProcessName parsed = parse_process_name(e["args"]["name"].get<std::string>(), event.pid);
     event.process_name = static_cast<std::int32_t>(in_.process_names.size());
     in_.process_names.push_back({std::move(e), std::move(parsed)});
   } else {

@@ -1007,6 +1007,24 @@ TEST(CliTraceMerge, AlignStepMakesTheKthSpansStartTogether) {
 // interleaved. Each node's align point is the median over its ranks of their K-th start,
 // so a late rank (rank 4) does not move its node, a process with no rank counts as one,
 // and a rank with fewer than K spans is left out.
+// A process's comm and job id are its own to choose: "] rank 9" in them names no rank,
+// the daemon's parts are read from the end of the name.
+TEST(CliTraceMerge, ACommOrJobThatLooksLikeARankIsNotTakenForOne) {
+  const std::int64_t t0 = 1'700'000'000'000'000'000;
+  const std::string a = node_document(
+      "node1", t0, {{40, "Forward", 100, 50}, {41, "Forward", 130, 50}, {42, "Forward", 160, 50}},
+      {{40, "a] rank 9 [40] job j] rank 5 (uid 1000) rank 0"},
+       {41, "[41] job [41] rank 8 (uid 7) rank 1 (exited)"},
+       {42, "x rank 3 [42]"}});
+  const auto merged = steptrace::cli::merge_traces({a}, {"a"}, std::nullopt);
+  ASSERT_EQ(merged.error, "");
+  std::set<std::string> tracks;
+  for (const auto& span : merged_spans(json::parse(merged.document))) tracks.insert(span.track);
+  EXPECT_EQ(tracks, (std::set<std::string>{"node1 / rank 0 / a] rank 9 [40]",
+                                           "node1 / rank 1 / [41] (exited)",
+                                           "node1 / x rank 3 [42]"}));
+}
+
 TEST(CliTraceMerge, AlignStepAlignsTheMedianRankOfEachNode) {
   const std::int64_t t0 = 1'700'000'000'000'000'000;
   const std::string a =
