@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -61,6 +62,12 @@ std::string read_file(const std::string& path) {
 // In a forked child: sets (NAME=VALUE) or unsets (NAME) the variables of `env`, then
 // execs argv; never returns (127 when exec fails).
 [[noreturn]] void exec_child(std::vector<std::string>& argv, const std::vector<std::string>& env) {
+  // The CLI starts with the signals a shell gives a foreground command, whatever the
+  // test runner's were (a runner started in the background may ignore SIGINT).
+  ::signal(SIGINT, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
   for (const auto& e : env) {
     const auto eq = e.find('=');
     if (eq == std::string::npos) {
@@ -1087,7 +1094,35 @@ TEST_F(CliLive, TopEndsAtOnceOnCtrlCWhileTheDaemonIsStopped) {
     const pid_t pid = spawn_with_stdout(argv, out, dir_.file("top.err"));
     ::close(out);
     ASSERT_GT(pid, 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // waiting for the reply
+    // Waiting for the reply: connected to the stopped daemon, and (the watching top) its
+    // SIGINT caught; on a loaded machine that may take a while after exec.
+    const auto ready = [pid, once] {
+      if (!once) {
+        std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+        std::string line;
+        bool caught = false;
+        while (std::getline(status, line)) {
+          if (line.rfind("SigCgt:", 0) == 0) {
+            caught = (std::stoull(line.substr(7), nullptr, 16) & (1ULL << (SIGINT - 1))) != 0;
+          }
+        }
+        if (!caught) return false;
+      }
+      const std::string fds = "/proc/" + std::to_string(pid) + "/fd";
+      std::error_code error;
+      for (const auto& fd : std::filesystem::directory_iterator(fds, error)) {
+        if (std::filesystem::read_symlink(fd.path(), error).string().rfind("socket:", 0) == 0) {
+          return true;
+        }
+      }
+      return false;
+    };
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
+    while (!ready() && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_TRUE(ready()) << (once ? "--once" : "piped") << ": never connected to the daemon";
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // its request sent
     const auto sent = Clock::now();
     ::kill(pid, SIGINT);
     const int status = steptrace::testing::wait_or_kill(pid, 5000);

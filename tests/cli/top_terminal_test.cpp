@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -136,9 +137,14 @@ class OneShotServer {
     }
     thread_ = std::thread([this, reply = std::move(reply), hold] {
       const int fd = ::accept(listener_, nullptr, nullptr);
-      if (fd < 0) return;
+      if (fd < 0) {
+        request_.set_value("(accept failed)");
+        return;
+      }
+      std::string request;
       char c = 0;
-      while (::read(fd, &c, 1) == 1 && c != '\n') request_ += c;
+      while (::read(fd, &c, 1) == 1 && c != '\n') request += c;
+      request_.set_value(std::move(request));
       if (hold) {
         pollfd wait{stop_[0], POLLIN, 0};
         ::poll(&wait, 1, 30'000);
@@ -161,7 +167,15 @@ class OneShotServer {
   OneShotServer& operator=(const OneShotServer&) = delete;
 
   const std::string& path() const { return path_; }
-  const std::string& request() const { return request_; }
+  // The line the server read, once it has (the server's thread may be slow to get to it
+  // on a loaded machine, after the client gave up).
+  std::string request() {
+    auto read = request_.get_future();
+    if (read.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      return "(no request within 10 s)";
+    }
+    return read.get();
+  }
 
  private:
   int stop_[2] = {-1, -1};
@@ -169,7 +183,7 @@ class OneShotServer {
   std::string path_;
   int listener_ = -1;
   std::thread thread_;
-  std::string request_;
+  std::promise<std::string> request_;
 };
 
 // Runs `pending` to its end as top does: its own poll() with the socket in it.
