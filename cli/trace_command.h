@@ -52,8 +52,8 @@ struct TraceRequest {
 // reply is not a report.
 std::optional<std::vector<int>> pids_of_report(std::string_view reply);
 
-// The command sent: "trace [--pid N]... [--last S] [--for S]" (pids deduplicated, in
-// the order given).
+// The command sent: "trace [--pid N]... [--children] [--job [UID:]ID] [--last S]
+// [--for S]" (pids deduplicated, in the order given).
 std::string trace_command_line(const TraceRequest& request);
 
 // steptrace-trace-HOST-YYYYmmdd-HHMMSS.json; bytes of `host` other than [A-Za-z0-9._-]
