@@ -1020,9 +1020,9 @@ TEST(CliTraceMerge, ACommOrJobThatLooksLikeARankIsNotTakenForOne) {
   ASSERT_EQ(merged.error, "");
   std::set<std::string> tracks;
   for (const auto& span : merged_spans(json::parse(merged.document))) tracks.insert(span.track);
-  EXPECT_EQ(tracks, (std::set<std::string>{"node1 / rank 0 / a] rank 9 [40]",
-                                           "node1 / rank 1 / [41] (exited)",
-                                           "node1 / x rank 3 [42]"}));
+  EXPECT_EQ(tracks,
+            (std::set<std::string>{"node1 / rank 0 / a] rank 9 [40]",
+                                   "node1 / rank 1 / [41] (exited)", "node1 / x rank 3 [42]"}));
 }
 
 TEST(CliTraceMerge, AlignStepAlignsTheMedianRankOfEachNode) {
