@@ -12,7 +12,8 @@ freed), then
   flood:  16 looping `report --json` and 8 keep-alive `GET /metrics` (the soak's flood);
   free:   the flood stops, the holders are killed; RSS is read after the trims.
 Every second it prints VmRSS (/proc/PID/status) beside `stats --json`
-memory.state_bytes_charged, and the flight recorder's bytes.
+memory.state_bytes_charged, the view copies, the flight recorder's bytes and the replies
+pending to clients (memory.reply_bytes_pending).
 
   bench/mem_gap.py BUILD_DIR [--holders N] [--threads T] [--flood-s S]
 """
@@ -90,10 +91,11 @@ def sample(phase):
     rss = rss_mib()
     fr = stats.get("flight_recorder", {}).get("bytes", 0) / 2**20
     copies = stats["memory"].get("view_copy_bytes", 0) / 2**20
-    held = charged + copies + fr
-    print("%-6s %8.0f %8.0f %6.2f %6.0f %6.0f %6.2f %5d" % (
-        phase, rss, charged, charged / rss if rss else 0, copies, fr, held / rss if rss else 0,
-        stats["processes"]["tracked"]), flush=True)
+    replies = stats["memory"].get("reply_bytes_pending", 0) / 2**20
+    held = charged + copies + fr + replies
+    print("%-6s %8.0f %8.0f %6.2f %6.0f %6.0f %7.0f %6.2f %5d" % (
+        phase, rss, charged, charged / rss if rss else 0, copies, fr, replies,
+        held / rss if rss else 0, stats["processes"]["tracked"]), flush=True)
     return rss, charged, held
 
 
@@ -149,7 +151,8 @@ def scrapes():
             time.sleep(0.5)
 
 
-print("phase   rss_MiB charged_MiB ratio copies_MiB fr_MiB held/rss procs", flush=True)
+print("phase   rss_MiB charged_MiB ratio copies_MiB fr_MiB replies_MiB held/rss procs",
+      flush=True)
 threads = [threading.Thread(target=holder_loop, daemon=True),
            threading.Thread(target=churn_loop, daemon=True)]
 threads += [threading.Thread(target=reports, daemon=True) for _ in range(args.reports)]
@@ -185,7 +188,7 @@ try:
         if i % 5 == 4:
             rss_after, charged_after, _ = sample("freed")
     print("flood charged/RSS min %.2f median %.2f max %.2f; (charged + view copies + flight "
-          "recorder)/RSS min %.2f median %.2f max %.2f; after free RSS %.0f MiB for %.0f MiB "
+          "recorder + pending replies)/RSS min %.2f median %.2f max %.2f; after free RSS %.0f MiB for %.0f MiB "
           "charged" % (min(ratios), sorted(ratios)[len(ratios) // 2], max(ratios), min(helds),
                        sorted(helds)[len(helds) // 2], max(helds), rss_after, charged_after))
 finally:

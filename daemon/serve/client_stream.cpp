@@ -436,7 +436,8 @@ void ClientStream::piece_rendered(std::string text, bool more) {
 void ClientStream::rendered(std::string text) {
   if (state_ != State::kAwaitingReply) return;
   state_ = State::kText;
-  const std::size_t waiting = shared_.pending_output_bytes;
+  // Every session's reply bytes the sockets have not taken (Session::send keeps it).
+  const std::uint64_t waiting = shared_.counters.reply_bytes_pending;
   if (waiting != 0 && waiting + text.size() > kMaxPendingOutputTotal) {
     ++shared_.counters.replies_refused;
     shared_.log.warn("replies_refused", "reply of " + std::to_string(text.size()) + " bytes to " +

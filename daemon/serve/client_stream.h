@@ -101,9 +101,6 @@ struct SessionShared {
   RenderWorker* renderer = nullptr;  // null: render jobs run on the io thread (tests)
   Environment env;
   std::uint32_t daemon_euid = 0;
-  // Reply bytes every session has queued and the socket not yet taken (Session::send and
-  // its writes keep it). Bounded by ClientStream::kMaxPendingOutputTotal.
-  std::size_t pending_output_bytes = 0;
   // Set when shutdown begins: sessions start no new asynchronous read, so every byte
   // already read by a completed read is applied by its handler before the final drain.
   bool stopping = false;

@@ -156,7 +156,7 @@ void Session::on_readable(const boost::system::error_code& ec) {
 void Session::send(std::string bytes) {
   if (closed() || bytes.empty()) return;
   pending_write_bytes_ += bytes.size();
-  shared_.pending_output_bytes += bytes.size();
+  shared_.counters.reply_bytes_pending += bytes.size();
   if (shared_.renderer != nullptr) shared_.renderer->reply_bytes().add(uid(), bytes.size());
   write_queue_.push_back(std::move(bytes));
   if (!writing_) write_next();
@@ -164,7 +164,8 @@ void Session::send(std::string bytes) {
 
 void Session::written(std::size_t n) {
   pending_write_bytes_ -= std::min(pending_write_bytes_, n);
-  shared_.pending_output_bytes -= std::min(shared_.pending_output_bytes, n);
+  shared_.counters.reply_bytes_pending -=
+      std::min<std::uint64_t>(shared_.counters.reply_bytes_pending, n);
   if (shared_.renderer != nullptr) shared_.renderer->reply_bytes().remove(uid(), n);
 }
 

@@ -43,7 +43,7 @@ struct CounterRow {
   std::string_view help;
 };
 
-inline constexpr std::array<CounterRow, 17> kCounterTable = {{
+inline constexpr std::array<CounterRow, 18> kCounterTable = {{
     {&DaemonCounters::events_received, nullptr, "", "events_received", Kept::kSinceV1,
      "events_received", MetricGroup::kIngest, "steptrace_events_received_total", "counter",
      "Span events received from clients."},
@@ -91,6 +91,12 @@ inline constexpr std::array<CounterRow, 17> kCounterTable = {{
      "steptrace_connections_closed_waiting_total", "counter",
      "Connections their client closed while a trace --for reply waited (the wait ended at "
      "once, its capture and connection freed)."},
+    // Memory the daemon holds beside its state: replies rendered, not yet read.
+    {&DaemonCounters::reply_bytes_pending, &ServerCounters::reply_bytes_pending, "memory",
+     "reply_bytes_pending", Kept::kNo, "", MetricGroup::kConnections,
+     "steptrace_reply_bytes_pending", "gauge",
+     "Reply bytes rendered for text clients and not yet taken by their sockets (each uid's "
+     "at most limits.max_pending_reply_bytes_per_uid)."},
     {&DaemonCounters::snapshots_written, &ServerCounters::snapshots_written, "snapshots", "written",
      Kept::kNo, "", MetricGroup::kSnapshots, "steptrace_snapshots_written_total", "counter",
      "State snapshots written."},

@@ -200,6 +200,8 @@ struct ServerCounters {
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
   std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
+  // Reply bytes queued for text clients that their sockets have not taken yet (a gauge).
+  std::uint64_t reply_bytes_pending = 0;
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::uint64_t snapshot_records_left_out = 0;  // past max_snapshot_bytes, summed per snapshot
@@ -248,6 +250,8 @@ struct DaemonCounters {
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
   std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
+  // Reply bytes queued for text clients that their sockets have not taken yet (a gauge).
+  std::uint64_t reply_bytes_pending = 0;
   std::uint64_t snapshots_written = 0;
   std::uint64_t snapshot_errors = 0;
   std::uint64_t snapshot_records_skipped = 0;   // bad records left out at restore

@@ -355,7 +355,14 @@ TEST_F(HostileRenderTest, PastItsPendingReplyBytesAUidIsRefusedWhileAnotherIsSer
             std::string::npos)
       << refused;
   EXPECT_EQ(next_line(greedy), "pong\n");  // the connection stays usable
-  EXPECT_EQ(stats()["limits_hit"].value("max_pending_reply_bytes_per_uid", std::uint64_t{0}), 1u);
+  const auto after = stats();
+  EXPECT_EQ(after["limits_hit"].value("max_pending_reply_bytes_per_uid", std::uint64_t{0}), 1u);
+  // The unread reply is the daemon's memory, and stats says how much: what the refusal
+  // said its uid had waiting (nothing else waits: every other reply was read).
+  const std::uint64_t pending = after["memory"].value("reply_bytes_pending", std::uint64_t{0});
+  const std::string said = "has " + std::to_string(pending >> 10) + " KiB of replies waiting";
+  EXPECT_GT(pending, 0u);
+  EXPECT_NE(refused.find(said), std::string::npos) << refused << " vs stats' " << pending;
 
   // Another uid's report is sent whole.
   ClientAs innocent(*other_, timed_commands(socket(), {"report --json"}, kReportBound));

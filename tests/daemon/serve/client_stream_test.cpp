@@ -266,7 +266,7 @@ TEST_F(ClientStreamTest, UnfinishedFrameTimesOutWithTheErrcFirst) {
 // rendered reply is replaced by a short error; with nothing else waiting it goes out.
 TEST_F(ClientStreamTest, RepliesAreRefusedWhileTooManyReplyBytesWaitToBeRead) {
   open();
-  streams_.shared.pending_output_bytes = ClientStream::kMaxPendingOutputTotal - 100;
+  streams_.shared.counters.reply_bytes_pending = ClientStream::kMaxPendingOutputTotal - 100;
   feed("stats\n");
   EXPECT_EQ(transport_.sent,
             "error: busy: 255 MiB of replies wait for their clients to read them (limit 256 "
@@ -274,7 +274,7 @@ TEST_F(ClientStreamTest, RepliesAreRefusedWhileTooManyReplyBytesWaitToBeRead) {
   EXPECT_EQ(streams_.counters.replies_refused, 1u);
   EXPECT_EQ(stream_->state(), State::kText);  // the connection stays usable
   transport_.sent.clear();
-  streams_.shared.pending_output_bytes = 0;  // the readers caught up
+  streams_.shared.counters.reply_bytes_pending = 0;  // the readers caught up
   feed("stats\n");
   EXPECT_NE(transport_.sent.find("events_received"), std::string::npos) << transport_.sent;
   EXPECT_EQ(streams_.counters.replies_refused, 1u);
