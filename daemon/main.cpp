@@ -10,6 +10,7 @@
 
 #include "daemon/serve/config.h"
 #include "daemon/serve/server.h"
+#include "daemon/state/charge.h"
 #include "daemon/state/collector.h"
 
 namespace {
@@ -40,6 +41,9 @@ int main(int argc, char** argv) {
     }
     const Config& config = *command_line.config;
     setup_logging(config.log_level);
+    // Replies and other big blocks go back to the kernel when freed (charge.h); before the
+    // Server starts any thread. Not glibc's allocator (a sanitizer's): nothing to set.
+    heap::return_big_blocks_when_freed();
     // Peers that vanish mid-write must not kill the daemon.
     std::signal(SIGPIPE, SIG_IGN);
 

@@ -114,6 +114,11 @@ std::size_t retired_job_step_bytes(std::string_view name) {
          string_heap_bytes(name.size());
 }
 
+bool return_big_blocks_when_freed() {
+  return ::mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMmapThreshold)) == 1 &&
+         ::mallopt(M_TRIM_THRESHOLD, static_cast<int>(kTrimThreshold)) == 1;
+}
+
 }  // namespace heap
 
 std::size_t ViewCopies::sweep() const {

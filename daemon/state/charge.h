@@ -212,6 +212,23 @@ class ViewCopies {
   mutable std::size_t swept_size_ = 0;
 };
 
+// Big blocks straight from and back to the kernel: called once at start, before any
+// thread. glibc serves a block of at least M_MMAP_THRESHOLD (128 KiB at first) with an
+// mmap of its own, unmapped when freed; but the first such block freed raises the
+// threshold to its size (up to 32 MiB) and the trim threshold to twice that. A daemon
+// that renders a 13 MiB metrics text and 5 MiB reports then takes every later one from
+// its arenas, where freed text sits until a trim (and the render threads' arenas keep up
+// to 64 MiB free at their top): under a render flood, RSS tens of MiB above what the
+// daemon holds. Fixed thresholds (kMmapThreshold, kTrimThreshold) keep replies, report
+// pieces and big vectors in mappings of their own, returned when freed. No effect under
+// an allocator other than glibc's (the sanitizers').
+namespace heap {
+inline constexpr std::size_t kMmapThreshold = std::size_t{256} << 10;
+inline constexpr std::size_t kTrimThreshold = std::size_t{1} << 20;
+// False when the allocator refused (not glibc's).
+bool return_big_blocks_when_freed();
+}  // namespace heap
+
 // Freed state, handed back to the kernel in batches: malloc_trim(0) walks the heap (some
 // milliseconds for a large one) and releases every free page, so it runs on the io thread
 // at most once per kMinInterval, and only once kBatchBytes were freed or kMaxDelay passed
