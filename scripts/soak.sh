@@ -55,8 +55,8 @@
 # tenant's dropped events (daemon's view, max per process seen; and the py-trainer's own
 # count), py-trainer flush failures, sim_trainer failed runs, connections now / rejected
 # in total, limit hits in total, processes tracked, leaked reservations, the slowest
-# HTTP scrape and `stats` of the interval, the charged state MiB and charged/RSS, the
-# lock-out uid's failed trainer runs. Then a summary.
+# HTTP scrape and `stats` of the interval, the charged state MiB and charged/RSS,
+# (charged + view copies + pending replies + flight recorder)/RSS, the lock-out uid's failed trainer runs. Then a summary.
 #
 # Exit status: 0 when the daemon stayed up (and stopped cleanly on SIGTERM), the honest
 # tenant dropped nothing and lost no flush or run, the slowest ping stayed under
@@ -378,17 +378,24 @@ def stats():
                 break
             reply += chunk
         s.close()
-        memory = json.loads(reply).get("memory", {})
-        return ((time.monotonic() - t0) * 1000, memory.get("state_bytes_charged", 0),
-                memory.get("rss_bytes", 0))
+        doc = json.loads(reply)
+        memory = doc.get("memory", {})
+        charged = memory.get("state_bytes_charged", 0)
+        # All the daemon states it holds: the charge, view copies, pending replies and
+        # the flight recorder.
+        held = (charged + memory.get("view_copy_bytes", 0) +
+                memory.get("reply_bytes_pending", 0) +
+                doc.get("flight_recorder", {}).get("bytes", 0))
+        return ((time.monotonic() - t0) * 1000, charged, memory.get("rss_bytes", 0), held)
     except (OSError, ValueError):
-        return (-1.0, 0, 0)
+        return (-1.0, 0, 0, 0)
 with open(out, "a", buffering=1) as f:
     while True:
         t0 = time.monotonic()
         scrape_ms = scrape()
-        stats_ms, charged, rss = stats()
-        f.write("%.3f %.2f %.2f %d %d\n" % (time.time(), scrape_ms, stats_ms, charged, rss))
+        stats_ms, charged, rss, held = stats()
+        f.write("%.3f %.2f %.2f %d %d %d\n" % (time.time(), scrape_ms, stats_ms, charged, rss,
+                                              held))
         time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
 EOF
 
@@ -717,16 +724,16 @@ cpu_ticks() { # utime + stime of the daemon (fields 14, 15; after the ")" of com
 rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$daemon_pid/status"; }
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
-printf '%6s %5s %8s %6s %9s %9s %9s %7s %7s %7s %8s %10s %7s %6s %6s %9s %9s %8s %7s %7s\n' \
+printf '%6s %5s %8s %6s %9s %9s %9s %7s %7s %7s %8s %10s %7s %6s %6s %9s %9s %8s %7s %8s %7s\n' \
   t_s load1 rss_MiB cpu_% ping_max ping_last report_ms h_drop py_drop flush_f sim_fail conns/rej \
-  limits procs leaked scrape_ms stats_ms chg_MiB chg/rss own_f
+  limits procs leaked scrape_ms stats_ms chg_MiB chg/rss held/rss own_f
 start_ms=$(now_ms)
 end_ms=$((start_ms + seconds * 1000))
 last_ticks=$(cpu_ticks)
 last_ms=$start_ms
 ping_lines=0
 scrape_lines=0 max_scrape=0 max_stats=0 scrape_miss=0 own_fail=0 own_runs=0
-min_ratio="" max_ratio=""
+min_ratio="" max_ratio="" min_held="" max_held=""
 max_rss=0 max_cpu=0 cpu_sum=0 samples=0 max_ping=0 max_report=0
 honest_drop=0 py_drop=0 py_max_flush=0 flush_fail=0 sim_fail=0 sim_runs=0 no_answer=0
 reasons=()
@@ -761,16 +768,21 @@ while :; do
   # scrapes and stats since the last line; the last charged/RSS pair
   mapfile -t new_scrapes < <(tail -n "+$((scrape_lines + 1))" "$tmp/honest/scrapes" 2>/dev/null)
   scrape_lines=$((scrape_lines + ${#new_scrapes[@]}))
-  read -r smax stmax smiss charged drss < <(printf '%s\n' "${new_scrapes[@]}" | awk '
-    NF == 5 { if ($2 < 0 || $3 < 0) miss++
+  read -r smax stmax smiss charged drss dheld < <(printf '%s\n' "${new_scrapes[@]}" | awk '
+    NF == 6 { if ($2 < 0 || $3 < 0) miss++
               if ($2 > smax) smax = $2; if ($3 > stmax) stmax = $3
-              if ($5 > 0) { charged = $4; rss = $5 } }
-    END { printf "%.1f %.1f %d %d %d\n", smax, stmax, miss, charged, rss }') || true
+              if ($5 > 0) { charged = $4; rss = $5; held = $6 } }
+    END { printf "%.1f %.1f %d %d %d %d\n", smax, stmax, miss, charged, rss, held }') || true
   scrape_miss=$((scrape_miss + smiss))
   ratio=$(awk -v c="$charged" -v r="$drss" 'BEGIN { if (r > 0) printf "%.2f", c / r; else print "?" }')
   if [[ $ratio != "?" ]]; then
     [[ -n $min_ratio ]] && awk -v a="$ratio" -v b="$min_ratio" 'BEGIN { exit !(a >= b) }' || min_ratio=$ratio
     [[ -n $max_ratio ]] && awk -v a="$ratio" -v b="$max_ratio" 'BEGIN { exit !(a <= b) }' || max_ratio=$ratio
+  fi
+  held_ratio=$(awk -v c="$dheld" -v r="$drss" 'BEGIN { if (r > 0) printf "%.2f", c / r; else print "?" }')
+  if [[ $held_ratio != "?" ]]; then
+    [[ -n $min_held ]] && awk -v a="$held_ratio" -v b="$min_held" 'BEGIN { exit !(a >= b) }' || min_held=$held_ratio
+    [[ -n $max_held ]] && awk -v a="$held_ratio" -v b="$max_held" 'BEGIN { exit !(a <= b) }' || max_held=$held_ratio
   fi
   awk -v a="$smax" -v b="$max_scrape" 'BEGIN { exit !(a > b) }' && max_scrape=$smax
   awk -v a="$stmax" -v b="$max_stats" 'BEGIN { exit !(a > b) }' && max_stats=$stmax
@@ -793,11 +805,11 @@ while :; do
   py_drop=$own_drop
   flush_fail=$flushf
   elapsed=$(((now - start_ms) / 1000))
-  printf '%6d %5s %8.1f %6s %9s %9s %9d %7d %7d %7d %8s %10s %7s %6s %6s %9s %9s %8.1f %7s %7s\n' \
+  printf '%6d %5s %8.1f %6s %9s %9s %9d %7d %7d %7d %8s %10s %7s %6s %6s %9s %9s %8.1f %7s %8s %7s\n' \
     "$elapsed" "$(cut -d' ' -f1 /proc/loadavg)" "$(awk -v k="$rss" 'BEGIN { print k / 1024 }')" "$((cpu / 10)).$((cpu % 10))" \
     "$pmax" "$plast" "$report_ms" "$hdrop" "$own_drop" "$flushf" "$sim_fail/$sim_runs" \
     "$conns/$rejected" "$limits" "$procs" "$leaked" "$smax" "$stmax" \
-    "$(awk -v b="$charged" 'BEGIN { print b / 1048576 }')" "$ratio" "$own_fail/$own_runs"
+    "$(awk -v b="$charged" 'BEGIN { print b / 1048576 }')" "$ratio" "$held_ratio" "$own_fail/$own_runs"
   ((rss > max_rss)) && max_rss=$rss
   ((cpu > max_cpu)) && max_cpu=$cpu
   cpu_sum=$((cpu_sum + cpu))
@@ -852,6 +864,8 @@ printf '  max ping: %s ms (pings every 0.5 s: %d, unanswered: %d); slowest repor
 printf '  HTTP scrape: max %s ms; stats: max %s ms (every 1 s: %d, failed or unanswered: %d)\n' \
   "$max_scrape" "$max_stats" "$scrape_lines" "$scrape_miss"
 printf '  charged state bytes / RSS: %s .. %s over the samples\n' "${min_ratio:-?}" "${max_ratio:-?}"
+printf '  (charged + view copies + pending replies + flight recorder) / RSS: %s .. %s\n' \
+  "${min_held:-?}" "${max_held:-?}"
 printf '  lock-out uid %s: its own trainer failed %d of %d runs\n' "$flood_uid" "$own_fail" "$own_runs"
 printf '  honest: dropped %d events (daemon view), py-trainer: %d dropped (own count), %d failed flushes (slowest %s ms); sim_trainer: %d failed of %d runs\n' \
   "$honest_drop" "$py_drop" "$flush_fail" "$py_max_flush" "$sim_fail" "$sim_runs"
