@@ -1,6 +1,7 @@
 // The version-2 snapshot file (snapshot_codec.h): a checksummed record per line, written
-// in an order that keeps the daemon's own records and every uid's first processes when
-// max_bytes cuts it, and read record by record so that a bad one costs itself alone.
+// in an order that keeps the daemon's own records and every uid's first processes and
+// retired jobs when max_bytes cuts it, and read record by record so that a bad one costs itself
+// alone.
 #include "daemon/persist/snapshot_codec.h"
 
 #include <boost/crc.hpp>
@@ -11,6 +12,7 @@
 #include <queue>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include <spdlog/spdlog.h>
@@ -141,46 +143,62 @@ class RecordWriter {
   EncodedSnapshot out_;
 };
 
-// A uid's processes as they are written: in key order, while the uid's bytes so far are
-// the fewest of any uid that still has some to write.
+std::string describe(const RetiredJobImage& job) {
+  return "retired job " + job.job + " of uid " + std::to_string(job.uid);
+}
+
+json record_json(const ProcessImage& p) { return {{"process", snapshot_detail::process_json(p)}}; }
+json record_json(const RetiredJobImage& job) {
+  return {{"retired_job", snapshot_detail::retired_job_json(job)}};
+}
+
+// A uid's records as they are written: its processes in key order, then its retired jobs
+// in job order (the processes first: they hold what its live processes resume after a
+// restart, a retired job only the totals its evicted ones left), while the uid's bytes so
+// far are the fewest of any uid that still has some to write.
 struct UidTurn {
+  using Record = std::variant<const ProcessImage*, const RetiredJobImage*>;
   std::uint64_t bytes = 0;
   std::uint32_t uid = 0;
-  std::vector<const ProcessImage*> processes;
+  std::vector<Record> records;
   std::size_t next = 0;
 };
 
-// The processes, fair by bytes: the uid that has written the fewest bytes so far writes
-// its next process; a uid whose next one does not fit loses it and the rest of its own
-// (left out, counted), and the others go on. So the cap cuts the uid that holds the
-// most bytes, never a small one, whatever its uid or pids.
-void put_processes(const std::vector<ProcessImage>& processes, RecordWriter& writer) {
+// Every uid's records, fair by bytes: the uid that has written the fewest bytes so far
+// writes its next record; a uid whose next one does not fit loses it and the rest of its
+// own (left out, counted), and the others go on. So the cap cuts the uid that holds the
+// most bytes, never a small one, whatever its uid, pids or job ids, and however many
+// retired jobs (each up to its kMaxJobRanks ranks' totals) another uid has.
+void put_uid_records(const StateImage& image, RecordWriter& writer) {
   std::map<std::uint32_t, UidTurn> by_uid;
-  for (const ProcessImage& p : processes) {
-    UidTurn& turn = by_uid[p.peer.uid];
-    turn.uid = p.peer.uid;
-    turn.processes.push_back(&p);
-  }
+  for (const ProcessImage& p : image.processes) by_uid[p.peer.uid].records.emplace_back(&p);
+  for (const RetiredJobImage& job : image.retired_jobs) by_uid[job.uid].records.emplace_back(&job);
   const auto later = [](const UidTurn* a, const UidTurn* b) {
     return std::tie(a->bytes, a->uid) > std::tie(b->bytes, b->uid);
   };
   std::priority_queue<UidTurn*, std::vector<UidTurn*>, decltype(later)> next(later);
-  for (auto& [uid, turn] : by_uid) next.push(&turn);
+  for (auto& [uid, turn] : by_uid) {
+    turn.uid = uid;
+    next.push(&turn);
+  }
+  const auto put = [&writer](const auto* record) {
+    return writer.put(record_json(*record), [record] { return describe(*record); });
+  };
+  const auto leave_out = [&writer](const auto* record) {
+    writer.leave_out([record] { return describe(*record); });
+  };
   while (!next.empty()) {
     UidTurn* turn = next.top();
     next.pop();
-    const ProcessImage& p = *turn->processes[turn->next++];
-    const std::size_t written =
-        writer.put({{"process", snapshot_detail::process_json(p)}}, [&p] { return describe(p); });
+    const std::size_t written = std::visit(put, turn->records[turn->next++]);
     if (written == 0) {
-      for (; turn->next < turn->processes.size(); ++turn->next) {
-        const ProcessImage& rest = *turn->processes[turn->next];
-        writer.leave_out([&rest] { return describe(rest); });
+      for (; turn->next < turn->records.size(); ++turn->next) {
+        std::visit(leave_out, turn->records[turn->next]);
       }
       continue;
     }
     turn->bytes += written;
-    if (turn->next < turn->processes.size()) next.push(turn);
+    if (turn->next < turn->records.size()) next.push(turn);
   }
 }
 
@@ -198,16 +216,20 @@ EncodedSnapshot encode_snapshot_records(const StateImage& image, std::size_t max
              /*always=*/true);
   writer.put({{"ledger", snapshot_detail::ledger_json(image.ledger)}}, daemon_own,
              /*always=*/true);
+  // The retired step histograms are no uid's: each merges every evicted process of its
+  // step name, whoever ran it, into the daemon-wide per-step counters that every tenant's
+  // metrics rest on, so they go before the uids' turns (cut only by a cap they alone
+  // pass). They are bounded: at most kMaxRetiredNames + 1 records ("(other)"), each one
+  // step's histogram (a name of at most 63 bytes, at most Histogram::kBuckets buckets and
+  // the Prometheus counts): about 1 KB for a typical step, about 52 KB at the very worst
+  // (every bucket hit, counts near 2^64), so about 210 MB if crafted spans hit every
+  // bucket of every name.
   for (const auto& entry : image.retired) {
     const std::string& name = entry.first;
     writer.put({{"retired", snapshot_detail::retired_json(name, entry.second)}},
                [&name] { return "retired step " + name; });
   }
-  for (const RetiredJobImage& job : image.retired_jobs) {
-    writer.put({{"retired_job", snapshot_detail::retired_job_json(job)}},
-               [&job] { return "retired job " + job.job + " of uid " + std::to_string(job.uid); });
-  }
-  put_processes(image.processes, writer);
+  put_uid_records(image, writer);
   EncodedSnapshot& out = writer.result();
   writer.put({{"end", {{"records", out.lines}, {"left_out", out.left_out}}}}, daemon_own,
              /*always=*/true);
@@ -441,6 +463,11 @@ std::optional<StateImage> SnapshotRecordReader::finish(std::string& error) {
          "missing: the file ends before its end record (cut short: what followed is lost)");
   }
   fit_table();
+  // The writer interleaves the uids' turns; the image keeps its order (state_image.h).
+  std::sort(image_.retired_jobs.begin(), image_.retired_jobs.end(),
+            [](const RetiredJobImage& a, const RetiredJobImage& b) {
+              return std::tie(a.uid, a.job) < std::tie(b.uid, b.job);
+            });
   std::sort(image_.processes.begin(), image_.processes.end(),
             [](const ProcessImage& a, const ProcessImage& b) { return a.peer.key < b.peer.key; });
   return std::move(image_);

@@ -22,9 +22,9 @@ using nlohmann::json;
 using namespace ledger;
 
 // A GPU's ledger rows in `ledger --json`: [{"step", "count", "total_ns"}, ...],
-// [{"pid", "start_time", "comm", "reserves", "releases", "cleanups", "renews", "refused",
-// "steps", "exited"}, ...] and {"reserve": n, "release": n, "cleanup": n, "vram_sample": n,
-// "renew": n}. The snapshot writes its own (persist/snapshot_codec.cpp).
+// [{"pid", "start_time", "uid", "comm", "reserves", "releases", "cleanups", "renews",
+// "refused", "steps", "exited", "exited_ago_s"}, ...] and {"reserve": n, "release": n, "cleanup":
+// n, "vram_sample": n, "renew": n}. The snapshot writes its own (persist/snapshot_codec.cpp).
 json steps_json(const std::map<std::uint32_t, StepTime>& steps) {
   json out = json::array();
   for (const auto& [step, time] : steps) {
@@ -38,19 +38,27 @@ json steps_json(const std::map<std::uint32_t, StepTime>& steps) {
 // A uid for the JSON documents: null when unknown (restored from an older snapshot).
 json uid_json(std::uint32_t uid) { return uid == kUnknownUid ? json(nullptr) : json(uid); }
 
-json processes_json(const Gpu& gpu) {
+double seconds_between(std::uint64_t from_ns, std::uint64_t to_ns) {
+  return to_ns > from_ns ? static_cast<double>(to_ns - from_ns) / 1e9 : 0.0;
+}
+
+json processes_json(const Gpu& gpu, std::uint64_t now_ns) {
   json processes = json::array();
   for (const auto& [key, row] : gpu.processes) {
-    processes.push_back({{"pid", key.pid},
-                         {"start_time", key.start_time},
-                         {"comm", row.comm},
-                         {"reserves", row.reserves},
-                         {"releases", row.releases},
-                         {"cleanups", row.cleanups},
-                         {"renews", row.renews},
-                         {"refused", row.refused},
-                         {"steps", steps_json(row.steps)},
-                         {"exited", row.exited_ns != 0}});
+    processes.push_back(
+        {{"pid", key.pid},
+         {"start_time", key.start_time},
+         {"uid", uid_json(row.uid)},
+         {"comm", row.comm},
+         {"reserves", row.reserves},
+         {"releases", row.releases},
+         {"cleanups", row.cleanups},
+         {"renews", row.renews},
+         {"refused", row.refused},
+         {"steps", steps_json(row.steps)},
+         {"exited", row.exited_ns != 0},
+         {"exited_ago_s",
+          row.exited_ns == 0 ? json(nullptr) : json(seconds_between(row.exited_ns, now_ns))}});
   }
   return processes;
 }
@@ -61,10 +69,6 @@ json operations_json(const Gpu& gpu) {
     operations[std::string(kOpNames[op])] = gpu.operations[op];
   }
   return operations;
-}
-
-double seconds_between(std::uint64_t from_ns, std::uint64_t to_ns) {
-  return to_ns > from_ns ? static_cast<double>(to_ns - from_ns) / 1e9 : 0.0;
 }
 
 // A reservation's state in every output: LEAKED (holder dead), EXPIRED (its lease passed
@@ -194,7 +198,7 @@ nlohmann::json ledger_json(const ledger::State& state, std::uint64_t now_ns) {
            {"expired", r.expired},
            {"state", reservation_state(r)}});
     }
-    json processes = processes_json(gpu);
+    json processes = processes_json(gpu, now_ns);
     json operations = operations_json(gpu);
     // Without a sample, total/free/available are unknown: null rather than a false 0.
     json g = {{"gpu", uuid},

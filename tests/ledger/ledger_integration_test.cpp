@@ -73,7 +73,10 @@ json stable_gpu(json gpu) {
   // A row learns its process exited at the next liveness tick (up to
   // liveness_interval_ms later), and a restarted daemon probes every row's process at
   // once: when it flips is timing, not state (the holders' liveness is checked above).
-  for (auto& p : gpu["processes"]) p.erase("exited");
+  for (auto& p : gpu["processes"]) {
+    p.erase("exited");
+    p.erase("exited_ago_s");
+  }
   return gpu;
 }
 

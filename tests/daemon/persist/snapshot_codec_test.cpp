@@ -277,6 +277,31 @@ TEST(SnapshotCodecTest, AV2FileDecodesAndEncodesToTheSameBytes) {
   EXPECT_EQ(encode_snapshot(*image), encode_snapshot(*c.freeze(&server)));
 }
 
+// Files written before issue 26 hold every retired job before the processes: the reader
+// takes records in any order, so such a file restores the same state.
+TEST(SnapshotCodecTest, AV2FileWithRetiredJobsBeforeTheProcessesRestoresTheSameState) {
+  const std::string golden = golden_v2_text();
+  std::vector<std::string> lines;
+  std::istringstream in(golden);
+  for (std::string line; std::getline(in, line);) lines.push_back(line + "\n");
+  const auto is = [](const std::string& line, std::string_view kind) {
+    return line.find("{\"" + std::string(kind) + "\":") == 9;
+  };
+  const auto first_process =
+      std::find_if(lines.begin(), lines.end(), [&](const auto& l) { return is(l, "process"); });
+  ASSERT_NE(first_process, lines.end());
+  std::stable_partition(first_process, lines.end(),
+                        [&](const auto& l) { return is(l, "retired_job"); });
+  std::string former;
+  for (const std::string& line : lines) former += line;
+  ASSERT_NE(former, golden);  // the golden file has a retired job after a process
+  std::string error;
+  const auto image = decode_snapshot_text(former, golden_limits(), error);
+  ASSERT_TRUE(image) << error;
+  EXPECT_TRUE(image->skipped.empty()) << image->skipped.front();
+  EXPECT_EQ(encode_snapshot_text(*image), golden);
+}
+
 TEST(SnapshotCodecTest, AV1FileRewrittenAsV2RestoresTheSameState) {
   std::string error;
   const auto v1 = decode_snapshot(json::parse(golden_text()), golden_limits(), error);
@@ -346,6 +371,96 @@ TEST(SnapshotCodecTest, MaxBytesCutsTheUidHoldingTheMostBytesNotAnInnocentOne) {
   EXPECT_EQ(greedy + encoded.left_out, 10u);
   ASSERT_EQ(restored->ledger.gpus.size(), 1u);
   EXPECT_EQ(restored->ledger.gpus.begin()->second.reservations.size(), 1u);
+}
+
+// A retired job of `uid` as a large one is: 64 ranks of 8 steps each (~30 KB of record).
+RetiredJobImage big_retired_job(std::uint32_t uid, std::string job, std::uint64_t order) {
+  RetiredJobImage out;
+  out.uid = uid;
+  out.job = std::move(job);
+  out.processes = 64;
+  out.retired_order = order;
+  for (std::uint32_t rank = 0; rank < 64; ++rank) {
+    for (std::uint64_t s = 0; s < 8; ++s) {
+      const std::string name = "step-" + std::to_string(s);
+      out.ranks[rank][name] = {.count = 1, .total_ns = 1000 + s, .self_ns = 1000 + s};
+      JobStepImage& sum = out.steps[name];
+      ++sum.count;
+      sum.total_ns += 1000 + s;
+      sum.self_ns += 1000 + s;
+    }
+  }
+  return out;
+}
+
+std::pair<std::size_t, std::size_t> innocent_and_greedy_jobs(const StateImage& image) {
+  std::size_t innocent = 0;
+  std::size_t greedy = 0;
+  for (const RetiredJobImage& j : image.retired_jobs) ++(j.uid == 3000 ? innocent : greedy);
+  return {innocent, greedy};
+}
+
+// Retired jobs take their uid's turns with its processes: a uid with many big retired
+// jobs (sorting first, each the size of the innocent uid's one) is the one the cap cuts,
+// not the innocent uid's process and job, which the writer reaches only after them.
+TEST(SnapshotCodecTest, MaxBytesCutsTheUidWithTheMostRetiredJobBytesNotAnInnocentOne) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  populate_greedy(c, world, /*greedy=*/1, /*innocents=*/1, /*steps=*/1);
+  StateImage image = c.freeze()->image();
+  ASSERT_TRUE(image.retired_jobs.empty());
+  constexpr std::size_t kGreedyJobs = 40;
+  for (std::size_t i = 0; i < kGreedyJobs; ++i) {
+    const std::string job = "job-" + std::string(i < 10 ? "0" : "") + std::to_string(i);
+    image.retired_jobs.push_back(big_retired_job(2000, job, i + 1));
+  }
+  image.retired_jobs.push_back(big_retired_job(3000, "job-00", kGreedyJobs + 1));
+  const std::size_t whole = encode_snapshot_text(image).size();
+  const std::size_t cap = whole / 3;
+  std::size_t written = 0;
+  const EncodedSnapshot encoded = encode_snapshot_records(image, cap, [&](std::string_view line) {
+    written += line.size();
+    return true;
+  });
+  EXPECT_LE(written, cap);
+  EXPECT_GT(encoded.left_out, kGreedyJobs / 2);
+  EXPECT_EQ(encoded.first_left_out.rfind("retired job job-", 0), 0u) << encoded.first_left_out;
+  EXPECT_NE(encoded.first_left_out.find("of uid 2000"), std::string::npos)
+      << encoded.first_left_out;
+
+  std::string error;
+  const auto restored = decode_snapshot_text(encode_snapshot_text(image, cap), Limits{}, error);
+  ASSERT_TRUE(restored) << error;
+  EXPECT_TRUE(restored->skipped.empty());  // left out when written, not damaged
+  EXPECT_EQ(innocent_and_greedy(*restored), std::make_pair(std::size_t{1}, std::size_t{1}));
+  const auto [innocent_jobs, greedy_jobs] = innocent_and_greedy_jobs(*restored);
+  EXPECT_EQ(innocent_jobs, 1u);
+  EXPECT_EQ(greedy_jobs + encoded.left_out, kGreedyJobs);
+}
+
+// The writer interleaves the uids' retired jobs; the reader gives them back in (uid, job)
+// order, as the state keeps them, so what it restores encodes to the same bytes.
+TEST(SnapshotCodecTest, RetiredJobsOfSeveralUidsRestoreInUidAndJobOrder) {
+  StateImage image;
+  image.retired_jobs = {big_retired_job(2000, "a", 1), big_retired_job(2000, "b", 2),
+                        big_retired_job(3000, "a", 3), big_retired_job(3000, "b", 4)};
+  const std::string text = encode_snapshot_text(image);
+  std::vector<std::pair<std::uint32_t, std::string>> written;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    const json record = json::parse(line.substr(9));
+    if (!record.contains("retired_job")) continue;
+    written.emplace_back(record["retired_job"]["uid"], record["retired_job"]["job"]);
+  }
+  using Job = std::pair<std::uint32_t, std::string>;
+  EXPECT_EQ(written, (std::vector<Job>{{2000, "a"}, {3000, "a"}, {2000, "b"}, {3000, "b"}}));
+  std::string error;
+  const auto restored = decode_snapshot_text(text, Limits{}, error);
+  ASSERT_TRUE(restored) << error;
+  std::vector<Job> read;
+  for (const RetiredJobImage& j : restored->retired_jobs) read.emplace_back(j.uid, j.job);
+  EXPECT_EQ(read, (std::vector<Job>{{2000, "a"}, {2000, "b"}, {3000, "a"}, {3000, "b"}}));
+  EXPECT_EQ(encode_snapshot_text(*restored), text);
 }
 
 // The daemon's own records are never cut: a cap smaller than they are still writes them

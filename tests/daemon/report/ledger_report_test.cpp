@@ -275,6 +275,38 @@ TEST_F(LedgerReportTest, JsonUidsAreNullWhenUnknown) {
   EXPECT_TRUE((*find_gpu(ledger(), "GPU-A"))["creator_uid"].is_null());
 }
 
+// Each row says whose it is and, once its process is seen gone, how long ago: what its
+// uid's max_ledger_rows_per_uid counts and when max_ledger_row_age_s removes it.
+TEST_F(LedgerReportTest, JsonRowsShowTheirUidAndHowLongAgoTheirProcessExited) {
+  view_.apply(alice_, reserve("GPU-A", 1, kGiB, "t", kSecond), kNow);
+  view_.apply(bob_, reserve("GPU-A", 2, kGiB, "t", kSecond), kNow);
+  const auto bob_gone = [&](const ProcessKey& key) { return key != bob_.key; };
+  ASSERT_EQ(view_.age_rows(bob_gone, kNow - 30 * kSecond), 0u);
+  const json gpu = *find_gpu(ledger(), "GPU-A");
+  const json* alice = find_process(gpu, alice_.key.pid);
+  ASSERT_NE(alice, nullptr);
+  EXPECT_EQ(alice->at("uid"), 1000);
+  EXPECT_EQ(alice->at("exited"), false);
+  EXPECT_TRUE(alice->at("exited_ago_s").is_null()) << alice->dump();
+  const json* bob = find_process(gpu, bob_.key.pid);
+  ASSERT_NE(bob, nullptr);
+  EXPECT_EQ(bob->at("uid"), 1001);
+  EXPECT_EQ(bob->at("exited"), true);
+  EXPECT_DOUBLE_EQ(bob->at("exited_ago_s").get<double>(), 30.0) << bob->dump();
+
+  // A row restored from a snapshot that kept no uid, whose process holds no reservation.
+  ledger::State restored;
+  ledger::Gpu old;
+  old.processes[c_.key].comm = "old";
+  restored.gpus.emplace("GPU-A", std::move(old));
+  view_.adopt(std::move(restored), kNow);
+  const json after = ledger();
+  const json* row = find_process(*find_gpu(after, "GPU-A"), c_.key.pid);
+  ASSERT_NE(row, nullptr);
+  EXPECT_TRUE(row->at("uid").is_null()) << row->dump();
+  EXPECT_TRUE(row->at("exited_ago_s").is_null()) << row->dump();
+}
+
 TEST_F(LedgerReportTest, JsonStatesLeasesAliveExpiredOrLeaked) {
   view_.apply(alice_, reserve_lease("GPU-A", 1, kGiB, 2000, 10 * kSecond), kNow);
   view_.apply(alice_, reserve("GPU-A", 2, kGiB, "plain", 10 * kSecond), kNow);
