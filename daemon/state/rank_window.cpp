@@ -12,6 +12,9 @@
 #include "daemon/state/saturating.h"
 
 namespace steptrace::daemon {
+
+static_assert(kRankWindowMaxSteps == RetiredJob::kMaxJobSteps);
+
 namespace {
 
 // libstdc++'s deque: a map of block pointers and blocks of 512 bytes.
@@ -48,10 +51,10 @@ RankWindow add_rank_sample(RankWindow ring, const RankSample& sample, std::uint6
   ring.times_ns.push_back(now_ns);
   for (const auto& [name, c] : sample) {
     auto it = ring.steps.find(name);
-    // A step first seen now had nothing before. At most kMaxJobSteps steps a rank (as
-    // its retired totals): past them a new name is left out of the windows.
+    // A step first seen now had nothing before. At most kRankWindowMaxSteps steps a rank
+    // (as its retired totals): past them a new name is left out of the windows.
     if (it == ring.steps.end()) {
-      if (ring.steps.size() >= RetiredJob::kMaxJobSteps) continue;
+      if (ring.steps.size() >= kRankWindowMaxSteps) continue;
       it = ring.steps.try_emplace(name, std::deque<RankCumulative>(before)).first;
     }
     it->second.push_back(c);

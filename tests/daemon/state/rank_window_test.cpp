@@ -1,6 +1,6 @@
 // The rank windows (daemon/state/rank_window.h): how a rank's ring takes one sample of
 // cumulative per-step figures (add_rank_sample, what sample_rank_windows does to each
-// ring on the liveness tick: at most RetiredJob::kMaxJobSteps steps, at most
+// ring on the liveness tick: at most kRankWindowMaxSteps steps, at most
 // window_samples samples, a gone step dropped once it adds nothing), and how a window's
 // figures come out of the ring (window_figures).
 #include "daemon/state/rank_window.h"
@@ -11,8 +11,6 @@
 #include <utility>
 
 #include <gtest/gtest.h>
-
-#include "daemon/state/collector_state.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -55,7 +53,7 @@ TEST(RankWindowTest, AWindowIsTheNewestSampleLessTheOneItsLengthBefore) {
 }
 
 TEST(RankWindowTest, ARingKeepsAtMostMaxJobStepsStepsAndLeavesTheRestOut) {
-  constexpr std::size_t kMax = RetiredJob::kMaxJobSteps;
+  constexpr std::size_t kMax = kRankWindowMaxSteps;
   constexpr std::size_t kOffered = kMax + 10;
   RankWindow ring;
   // Two samples of kOffered steps, each step one more 1 ms span in the second.
@@ -137,7 +135,7 @@ TEST(RankWindowTest, AGoneStepIsDroppedOnceItAddsNothingToAnyWindow) {
 }
 
 TEST(RankWindowTest, ADroppedStepMakesRoomUnderTheStepCap) {
-  constexpr std::size_t kMax = RetiredJob::kMaxJobSteps;
+  constexpr std::size_t kMax = kRankWindowMaxSteps;
   constexpr std::uint64_t kWindowSamples = 2;
   RankWindow ring;
   RankSample full;
