@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -82,6 +83,18 @@ ChosenRule rule_for(const OverheadRules& rules, const std::optional<OverheadRule
     }
   }
   return {&rules.defaults, RuleSource::kDefault};
+}
+
+std::optional<JobRef> table_rule_job(std::span<const ProcessFigures> processes, bool by_pid,
+                                     const std::optional<JobRef>& filter_job) {
+  if (filter_job) return filter_job;
+  if (processes.empty() || (processes.size() > 1 && !by_pid)) return std::nullopt;
+  // A pid's processes: at most one is live (the others exited before it was reused).
+  const auto newest = std::max_element(
+      processes.begin(), processes.end(), [](const ProcessFigures& a, const ProcessFigures& b) {
+        return std::pair(a.alive, a.key.start_time) < std::pair(b.alive, b.key.start_time);
+      });
+  return JobRef{newest->uid, newest->job};
 }
 
 RuleFigures evaluate(const OverheadRule& rule, const std::vector<StepFigures>& totals) {

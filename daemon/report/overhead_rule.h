@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,14 @@ struct ChosenRule {
 // nullopt or an empty id: the default).
 ChosenRule rule_for(const OverheadRules& rules, const std::optional<OverheadRule>& forced,
                     const std::optional<JobRef>& job);
+
+// The job whose rule a report's whole table uses (`job` in rule_for; config/README.md
+// "The 50% rule"): a `--job` report's job (`filter_job`); else a table of one process,
+// its job; else a `--pid` report (`by_pid`) whose pid was reused by several processes,
+// the live one's job, or when none is live the job of the one that started last (all
+// one job: that job); else none (the table of all processes: the default).
+std::optional<JobRef> table_rule_job(std::span<const ProcessFigures> processes, bool by_pid,
+                                     const std::optional<JobRef>& filter_job);
 
 struct RuleFigures {
   std::uint64_t compute_ns = 0;

@@ -228,6 +228,7 @@ struct ReportContext {
   std::vector<ProcessFigures> processes;
   std::optional<std::uint64_t> window_ns;
   std::optional<JobRef> job;  // the filter's
+  bool by_pid = false;        // the filter names a pid
 };
 
 using Emit = std::function<void(nlohmann::json)>;
@@ -264,13 +265,10 @@ void write_totals(const ReportContext& r, const Emit& emit) {
   for (nlohmann::json& t : totals_json(r.view.totals(r.processes))) emit(std::move(t));
 }
 
-// The whole report's rule as its text's: one process's job's, one job's, else the default.
+// The whole report's rule as its text's (overhead_rule.h's table_rule_job).
 void write_rule(const ReportContext& r, const Emit& emit) {
-  const std::optional<JobRef> rule_job =
-      r.processes.size() == 1
-          ? std::optional<JobRef>(JobRef{r.processes[0].uid, r.processes[0].job})
-          : r.job;
-  emit(popper_json(r.options, rule_job, r.view.totals(r.processes)));
+  emit(popper_json(r.options, report::table_rule_job(r.processes, r.by_pid, r.job),
+                   r.view.totals(r.processes)));
 }
 
 void write_daemon(const ReportContext& r, const Emit& emit) {
@@ -309,7 +307,8 @@ ReportContext report_context(const CollectorView& view, const report::ReportFilt
           .window_ns = options.window_s
                            ? std::optional<std::uint64_t>(*options.window_s * 1'000'000'000)
                            : std::nullopt,
-          .job = filter.job};
+          .job = filter.job,
+          .by_pid = filter.pid.has_value()};
 }
 
 // One piece as a JSON reply carries it: invalid UTF-8 replaced, unsafe code points

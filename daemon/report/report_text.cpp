@@ -301,8 +301,11 @@ std::string report::report_text(const CollectorView& view, const ReportFilter& f
     out += "Processes: " + std::to_string(processes.size());
     if (by_job) out += " · jobs: " + std::to_string(groups.size());
     out += "\n";
-    // The whole table's rule is the default; one job's (`--job`), that job's.
-    out += step_table(view.totals(processes), rule_of(filter.job));
+    // The whole table's rule: the default; one job's (`--job`) or one pid's (`--pid`), the
+    // job's (overhead_rule.h's table_rule_job).
+    out +=
+        step_table(view.totals(processes),
+                   rule_of(report::table_rule_job(processes, filter.pid.has_value(), filter.job)));
     for (const JobFigures& group : groups) {
       const report::ChosenRule job_rule = rule_of(JobRef{group.uid, group.job});
       if (by_job) {

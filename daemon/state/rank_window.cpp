@@ -12,6 +12,9 @@
 #include "daemon/state/saturating.h"
 
 namespace steptrace::daemon {
+
+static_assert(kRankWindowMaxSteps == RetiredJob::kMaxJobSteps);
+
 namespace {
 
 // libstdc++'s deque: a map of block pointers and blocks of 512 bytes.
@@ -22,9 +25,7 @@ std::size_t deque_bytes(std::size_t n) {
          (n / kPerBlock + 1) * heap::heap_block(kPerBlock * sizeof(T));
 }
 
-using Cumulative = std::map<std::string, RankCumulative, std::less<>>;
-
-void add(Cumulative& steps, std::string_view name, std::uint64_t spans, std::uint64_t total) {
+void add(RankSample& steps, std::string_view name, std::uint64_t spans, std::uint64_t total) {
   auto it = steps.find(name);
   if (it == steps.end()) it = steps.try_emplace(std::string(name)).first;
   it->second.spans = saturating_add(it->second.spans, spans);
@@ -44,6 +45,44 @@ std::size_t rank_window_bytes(const RankWindowKey& key, const RankWindow& ring) 
   return bytes;
 }
 
+RankWindow add_rank_sample(RankWindow ring, const RankSample& sample, std::uint64_t now_ns,
+                           std::uint64_t window_samples) {
+  const std::size_t before = ring.times_ns.size();
+  ring.times_ns.push_back(now_ns);
+  for (const auto& [name, c] : sample) {
+    auto it = ring.steps.find(name);
+    // A step first seen now had nothing before. At most kRankWindowMaxSteps steps a rank
+    // (as its retired totals): past them a new name is left out of the windows.
+    if (it == ring.steps.end()) {
+      if (ring.steps.size() >= kRankWindowMaxSteps) continue;
+      it = ring.steps.try_emplace(name, std::deque<RankCumulative>(before)).first;
+    }
+    it->second.push_back(c);
+  }
+  // A step the rank no longer has (its process was forgotten) keeps its last figures
+  // while they still make a difference to some window; once every sample is the same,
+  // it adds nothing to any window and goes (so churned step names do not pile up).
+  for (auto it = ring.steps.begin(); it != ring.steps.end();) {
+    auto& samples = it->second;
+    if (samples.size() == before) {
+      samples.push_back(samples.empty() ? RankCumulative{} : samples.back());
+      const RankCumulative last = samples.back();
+      if (std::all_of(samples.begin(), samples.end(), [&](const RankCumulative& c) {
+            return c.spans == last.spans && c.total_ns == last.total_ns;
+          })) {
+        it = ring.steps.erase(it);
+        continue;
+      }
+    }
+    ++it;
+  }
+  while (ring.times_ns.size() > window_samples) {
+    ring.times_ns.pop_front();
+    for (auto& [name, samples] : ring.steps) samples.pop_front();
+  }
+  return ring;
+}
+
 void sample_rank_windows(CollectorState& state, std::uint64_t now_ns) {
   const RankSkewRules& rules = state.job_limits.rank_skew;
   if (rules.window_samples == 0) return;
@@ -53,10 +92,10 @@ void sample_rank_windows(CollectorState& state, std::uint64_t now_ns) {
   }
   state.rank_windows_sampled_ns = now_ns;
   // The cumulative figures of every rank with a process in the table.
-  std::map<RankWindowKey, Cumulative, std::less<>> now;
+  std::map<RankWindowKey, RankSample, std::less<>> now;
   for (const auto& slot : state.slots) {
     if (!slot || slot->rank == proto::kNoRank) continue;
-    Cumulative& steps = now[RankWindowKey{slot->peer.uid, slot->job, slot->rank}];
+    RankSample& steps = now[RankWindowKey{slot->peer.uid, slot->job, slot->rank}];
     for (std::size_t s = 0; s < slot->steps.size(); ++s) {
       const Histogram& hist = slot->steps[s].hist;
       if (hist.count() != 0) add(steps, slot->step_name(s), hist.count(), hist.sum());
@@ -74,43 +113,9 @@ void sample_rank_windows(CollectorState& state, std::uint64_t now_ns) {
   std::size_t bytes = 0;
   std::map<std::uint32_t, std::size_t> by_uid;
   for (auto& [key, steps] : now) {
-    RankWindow ring;
-    if (const auto old = state.rank_windows->find(key); old != state.rank_windows->end()) {
-      ring = old->second;
-    }
-    const std::size_t before = ring.times_ns.size();
-    ring.times_ns.push_back(now_ns);
-    for (const auto& [name, c] : steps) {
-      auto it = ring.steps.find(name);
-      // A step first seen now had nothing before. At most kMaxJobSteps steps a rank (as
-      // its retired totals): past them a new name is left out of the windows.
-      if (it == ring.steps.end()) {
-        if (ring.steps.size() >= RetiredJob::kMaxJobSteps) continue;
-        it = ring.steps.try_emplace(name, std::deque<RankCumulative>(before)).first;
-      }
-      it->second.push_back(c);
-    }
-    // A step the rank no longer has (its process was forgotten) keeps its last figures
-    // while they still make a difference to some window; once every sample is the same,
-    // it adds nothing to any window and goes (so churned step names do not pile up).
-    for (auto it = ring.steps.begin(); it != ring.steps.end();) {
-      auto& samples = it->second;
-      if (samples.size() == before) {
-        samples.push_back(samples.empty() ? RankCumulative{} : samples.back());
-        const RankCumulative last = samples.back();
-        if (std::all_of(samples.begin(), samples.end(), [&](const RankCumulative& c) {
-              return c.spans == last.spans && c.total_ns == last.total_ns;
-            })) {
-          it = ring.steps.erase(it);
-          continue;
-        }
-      }
-      ++it;
-    }
-    while (ring.times_ns.size() > rules.window_samples) {
-      ring.times_ns.pop_front();
-      for (auto& [name, samples] : ring.steps) samples.pop_front();
-    }
+    const auto old = state.rank_windows->find(key);
+    RankWindow ring = add_rank_sample(old != state.rank_windows->end() ? old->second : RankWindow{},
+                                      steps, now_ns, rules.window_samples);
     const std::size_t ring_bytes = rank_window_bytes(key, ring);
     bytes += ring_bytes;
     by_uid[key.uid] += ring_bytes;

@@ -12,6 +12,7 @@
 // totals (charge.h), never refused.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -41,9 +42,25 @@ struct RankWindow {
 };
 using RankWindows = std::map<RankWindowKey, RankWindow, std::less<>>;
 
+// The steps a rank's ring keeps at most: as many as its retired totals
+// (RetiredJob::kMaxJobSteps, tied in rank_window.cpp).
+inline constexpr std::size_t kRankWindowMaxSteps = 256;
+
+// A rank's cumulative figures per step at one sample.
+using RankSample = std::map<std::string, RankCumulative, std::less<>>;
+
 // On the liveness tick: a sample of every ranked process's job when the interval has
 // passed since the last one (and the rings of ranks no longer in the table dropped).
 void sample_rank_windows(CollectorState& state, std::uint64_t now_ns);
+
+// `ring` with `sample`, taken at now_ns, added: what sample_rank_windows does to each
+// rank's ring. A step first seen had nothing before (zeros in the earlier samples); at
+// most kRankWindowMaxSteps steps a ring, past which a new step is left out. A step the
+// sample lacks keeps its last figures while they still make a difference to some
+// window, and goes once every sample of it is the same. The oldest samples go past
+// window_samples.
+RankWindow add_rank_sample(RankWindow ring, const RankSample& sample, std::uint64_t now_ns,
+                           std::uint64_t window_samples);
 
 // A rank's step over a window: spans and time between the newest sample and the one at
 // or before newest - window_ns (the oldest kept when the ring is shorter), and the mean

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/sanitizer.h"
 
 namespace steptrace::testing {
 namespace {
@@ -82,20 +83,6 @@ long long events_received(const std::string& socket) {
   if (doc.is_discarded()) return -1;
   return doc.at("daemon").at("events_received").get<long long>();
 }
-
-// ASan's allocator, shadow memory, per-thread caches and fake stacks add RSS that has
-// nothing to do with the library's buffers: RSS bounds get more slack under it.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
 
 // The documented memory bound (client/src/ring_budget.h, steptrace.h): one ring of
 // 262,144 16-byte records (4 MiB) per recording thread by default.
@@ -390,7 +377,8 @@ TEST_P(ClientIntegration, StoppedDaemonDefaultModeDropsAndNeverBlocks) {
   EXPECT_EQ(rec.at("dropped_phase1_buffer_full"), rec.at("dropped_phase1"));
   expect_causes_add_up(rec, "dropped_phase1");
   // (d) Memory: one ring per recording thread, plus slack for thread stacks and the
-  // allocator's per-thread arenas (4 MiB; 16 MiB under ASan, see kAddressSanitizer).
+  // allocator's per-thread arenas (4 MiB; 16 MiB under ASan, whose allocator, shadow memory and
+  // fake stacks add RSS that has nothing to do with the rings: tests/support/sanitizer.h).
   const long long slack_kib = kAddressSanitizer ? 16 * 1024 : 4 * 1024;
   EXPECT_LT(rec.at("rss_after_kib") - rec.at("rss_before_kib"), kThreads * kRingKib + slack_kib);
   // (e) After SIGCONT the flush went through (the trainer exits 0 only then) and the

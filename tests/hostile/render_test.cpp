@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/sanitizer.h"
 #include "tests/support/temporary_user.h"
 #include "tests/support/two_users.h"
 
@@ -57,18 +58,6 @@ using std::chrono::milliseconds;
 constexpr int kFloodConnections = 16;
 constexpr milliseconds kBound{5000};
 constexpr milliseconds kReportBound{30000};
-
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
 
 int connect_unix(const std::string& path) {
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);

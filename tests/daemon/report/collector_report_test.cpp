@@ -188,6 +188,62 @@ TEST_F(CollectorReportTest, JobsAndRanksShowInJsonAndText) {
   EXPECT_NE(none.find("No process of job llama-7 (uid 9) is tracked."), std::string::npos) << none;
 }
 
+// config/README.md "The 50% rule": a `--pid` report's whole table uses the job's rule,
+// also when the pid was reused and names two processes: of one job, that job's; of two
+// jobs, the live one's, else (both exited) the one that started last.
+TEST_F(CollectorReportTest, APidReportOfAReusedPidUsesItsJobsRule) {
+  report::ReportOptions options;
+  options.rules.by_job_id["bert"] = {{"Forward"}, {"Attention"}};
+  options.rules.by_job_id["gpt"] = {{"Backward"}, {"Forward"}};
+  const auto run = [&](std::int32_t pid, std::uint64_t start_time, const std::string& job,
+                       std::uint32_t step) {
+    auto c = std::make_unique<DirectClient>(*collector_, world_.spawn(pid, start_time, "t", 7));
+    c->identity(job);
+    EXPECT_FALSE(c->events({start(1, step, 0), end(1, step, 1000)}));
+    return c;
+  };
+  const auto exited = [&](std::unique_ptr<DirectClient>& c, std::int32_t pid) {
+    world_.kill(pid);
+    c->close();
+  };
+  const auto table_rule = [&](std::int32_t pid) {
+    const report::ReportFilter filter{pid, std::nullopt};
+    const json doc = report::report_json(*collector_->freeze(), filter, options);
+    EXPECT_EQ(doc["processes"].size(), 2u) << doc.dump();
+    const std::string text = report::report_text(*collector_->freeze(), filter, options);
+    const std::string table = text.substr(0, text.find("══ Job"));
+    const std::string steps =
+        doc["rule"]["source"].get<std::string>() + " " + doc["rule"]["compute_steps"].dump();
+    // The text's whole table says the same.
+    const std::string line =
+        "Rule (the job's config): compute " +
+        std::string(steps.find("Backward") != std::string::npos ? "Backward, overhead Forward"
+                                                                : "Forward, overhead Attention");
+    EXPECT_NE(table.find(line), std::string::npos) << text;
+    return steps;
+  };
+  // Pid 20: a bert process exited, then a gpt process took its pid.
+  auto old_bert = run(20, 1, "bert", kForward);
+  exited(old_bert, 20);
+  auto new_gpt = run(20, 2, "gpt", kBackward);
+  EXPECT_EQ(table_rule(20), R"(job ["Backward"])");
+  exited(new_gpt, 20);
+  EXPECT_EQ(table_rule(20), R"(job ["Backward"])");  // none live: the one started last
+  // Pid 30: the other way round.
+  auto old_gpt = run(30, 1, "gpt", kBackward);
+  exited(old_gpt, 30);
+  auto new_bert = run(30, 2, "bert", kForward);
+  EXPECT_EQ(table_rule(30), R"(job ["Forward"])");
+  // Pid 40: two bert processes, one job.
+  auto first = run(40, 1, "bert", kForward);
+  exited(first, 40);
+  auto second = run(40, 2, "bert", kForward);
+  EXPECT_EQ(table_rule(40), R"(job ["Forward"])");
+  // All processes, of both jobs: the default, as before.
+  const json all = report::report_json(*collector_->freeze(), {}, options);
+  EXPECT_EQ(all["rule"]["source"], "default");
+}
+
 // A view renders the same whatever ingest does after it was taken; the read model's
 // side of this is collector_test's AViewStaysAsFrozenWhileIngestGoesOn, this one also
 // covers what metrics_text reads beside it (the retired jobs and histograms).

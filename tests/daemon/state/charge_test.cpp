@@ -14,23 +14,14 @@
 #include <gtest/gtest.h>
 
 #include "tests/daemon/state/collector_driver.h"
+#include "tests/support/sanitizer.h"
 
 namespace steptrace::daemon::test {
 namespace {
 
 // The comparison needs glibc's malloc: ASan's allocator (or another) keeps its own books,
 // which mallinfo2 does not see.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kGlibcMalloc = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kGlibcMalloc = false;
-#else
-constexpr bool kGlibcMalloc = true;
-#endif
-#else
-constexpr bool kGlibcMalloc = true;
-#endif
+constexpr bool kGlibcMalloc = !steptrace::testing::kAddressSanitizer;
 
 std::size_t heap_in_use() {
   const struct mallinfo2 info = ::mallinfo2();

@@ -1,6 +1,6 @@
 // Rank skew on synthetic ranks (daemon/state/rank_skew.h): one slow rank is named, one
-// slow iteration is not, a waiting step reads the other way round; and the rank windows
-// (rank_window.h) turn cumulative samples into a window's figures.
+// slow iteration is not, a waiting step reads the other way round. The rank windows that
+// feed it over `--window`: rank_window_test.cpp.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include "daemon/state/rank_skew.h"
-#include "daemon/state/rank_window.h"
 
 namespace steptrace::daemon {
 namespace {
@@ -104,34 +103,6 @@ TEST(RankSkewTest, ThresholdsAndTooFewRanks) {
   auto one = alike(3, 100, 10e6);
   one[1].spans = one[2].spans = 0;
   EXPECT_FALSE(step_skew("Forward", false, one, RankSkewRules{}));
-}
-
-TEST(RankWindowTest, AWindowIsTheNewestSampleLessTheOneItsLengthBefore) {
-  RankWindow ring;
-  // A sample every 5 s; the rank ends 10 spans of 1 ms per interval, then 10 of 3 ms.
-  std::uint64_t spans = 0, total = 0;
-  for (int i = 0; i < 10; ++i) {
-    ring.times_ns.push_back(static_cast<std::uint64_t>(i) * 5'000'000'000);
-    ring.steps["Forward"].push_back({spans, total});
-    spans += 10;
-    total += (i < 6 ? 1'000'000 : 3'000'000) * 10;
-  }
-  const RankWindowFigures last10 = window_figures(ring, 10'000'000'000);
-  EXPECT_EQ(last10.covered_ns, 10'000'000'000u);
-  const RankWindowStep& f = last10.steps.at("Forward");
-  EXPECT_EQ(f.spans, 20u);
-  EXPECT_EQ(f.total_ns, 60'000'000u);
-  ASSERT_EQ(f.interval_means.size(), 2u);
-  EXPECT_DOUBLE_EQ(f.interval_means[0], 3e6);
-  // Longer than the ring: what it holds, and says so.
-  const RankWindowFigures all = window_figures(ring, 3600'000'000'000);
-  EXPECT_EQ(all.covered_ns, 45'000'000'000u);
-  EXPECT_EQ(all.steps.at("Forward").spans, 90u);
-  // Under two samples: nothing.
-  RankWindow one;
-  one.times_ns.push_back(1);
-  one.steps["Forward"].push_back({1, 1});
-  EXPECT_EQ(window_figures(one, 1'000'000'000).covered_ns, 0u);
 }
 
 }  // namespace
