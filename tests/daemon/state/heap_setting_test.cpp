@@ -12,21 +12,13 @@
 #include <gtest/gtest.h>
 
 #include "daemon/state/charge.h"
+#include "tests/support/sanitizer.h"
 
 namespace steptrace::daemon::test {
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kGlibcMalloc = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kGlibcMalloc = false;
-#else
-constexpr bool kGlibcMalloc = true;
-#endif
-#else
-constexpr bool kGlibcMalloc = true;
-#endif
+// mallopt and mallinfo2 are glibc's allocator's; ASan's replaces it.
+constexpr bool kGlibcMalloc = !steptrace::testing::kAddressSanitizer;
 
 // NOLINTBEGIN(cppcoreguidelines-no-malloc): the allocator itself is what is tested.
 TEST(HeapSettingTest, AfterABigBlockIsFreedTheNextBigBlockIsStillMappedAlone) {
