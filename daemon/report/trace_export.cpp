@@ -226,6 +226,7 @@ void TraceExport::begin_process(std::string& out) {
   names_.clear();
   held_.clear();
   held_total_ = 0;
+  ending_in_lots_ = false;
   pid_ = p.key.pid;
 
   std::string name = p.comm;
@@ -320,10 +321,10 @@ void TraceExport::next_event(std::string& out) {
     if (waiting != pending_.end() && !waiting->second.empty() &&
         (depth_[e.thread_id] == 0 || waiting->second.size() >= kMaxHeld)) {
       if (depth_[e.thread_id] != 0) spans_written_early_ += waiting->second.size();
-      write_sorted(waiting->second, false);
+      write_sorted(waiting->second, Phase::kEvents);
     } else if (held_.size() >= kMaxHeld) {
       spans_written_early_ += held_.size();
-      write_sorted(held_, false);
+      write_sorted(held_, Phase::kEvents);
     } else if (held_total_ >= kMaxHeldTotal) {
       write_all_held();
     }
@@ -364,7 +365,7 @@ void TraceExport::write_all_held() {
   for (auto& [tid, spans] : pending_) lot.insert(lot.end(), spans.begin(), spans.end());
   pending_.clear();  // frees each thread's vector (its capacity too)
   spans_written_early_ += lot.size();
-  write_sorted(lot, false);
+  write_sorted(lot, Phase::kEvents);
 }
 
 void TraceExport::write_span(std::string& out, const Held& h) {
@@ -398,7 +399,7 @@ void TraceExport::write_span(std::string& out, const Held& h) {
   }
 }
 
-void TraceExport::write_sorted(std::vector<Held>& spans, bool then_next_process) {
+void TraceExport::write_sorted(std::vector<Held>& spans, Phase then) {
   held_total_ -= std::min(held_total_, spans.size());
   writing_.swap(spans);
   std::vector<Held>().swap(spans);  // no capacity left behind on a thread that waits no more
@@ -412,33 +413,55 @@ void TraceExport::write_sorted(std::vector<Held>& spans, bool then_next_process)
   });
   mark_shared_ends();
   writing_index_ = 0;
-  writing_then_next_process_ = then_next_process;
+  after_writing_ = then;
   phase_ = Phase::kWriting;
 }
 
+// The process's last spans: those still open end at capture time. With the held and
+// waiting ones they go out as one lot when they fit kMaxHeldTotal; else in lots of at most
+// that many, each sorted and counted early, so a client that sent only starts makes the
+// exporter hold no more than that (its starts themselves are in open_ already).
 void TraceExport::end_process() {
-  // Spans still open end at capture time.
-  for (const auto& [key, starts] : open_) {
-    const auto tid = static_cast<std::uint32_t>(key >> 32);
-    const auto step = static_cast<std::uint32_t>(key & 0xFFFFFFFFu);
-    for (const std::uint64_t start : starts) {
-      const std::uint64_t since = capture_->since_ns;
-      const std::uint64_t end = capture_->now_ns;
+  std::vector<Held> lot = std::move(held_);
+  held_.clear();
+  for (auto& [tid, spans] : pending_) lot.insert(lot.end(), spans.begin(), spans.end());
+  pending_.clear();
+  take_open_spans(lot);
+  if (lot.empty()) {
+    ++process_;
+    phase_ = Phase::kProcessBegin;
+    return;
+  }
+  if (!open_.empty()) ending_in_lots_ = true;  // more lots follow this one
+  if (ending_in_lots_) spans_written_early_ += lot.size();
+  write_sorted(lot, Phase::kProcessEnd);
+}
+
+// Moves open spans into `lot` until it holds kMaxHeldTotal; leaves open_ without the keys
+// it emptied, so the next lot starts where this one stopped.
+void TraceExport::take_open_spans(std::vector<Held>& lot) {
+  const std::uint64_t since = capture_->since_ns;
+  const std::uint64_t end = capture_->now_ns;
+  for (auto it = open_.begin(); it != open_.end();) {
+    std::vector<std::uint64_t>& starts = it->second;
+    const auto tid = static_cast<std::uint32_t>(it->first >> 32);
+    const auto step = static_cast<std::uint32_t>(it->first & 0xFFFFFFFFu);
+    while (!starts.empty() && lot.size() < kMaxHeldTotal) {
+      std::uint64_t ts = starts.back();
+      starts.pop_back();
       if (end < since) continue;
       std::uint8_t flags = kFlagOpen;
-      std::uint64_t ts = start;
       if (ts < since) {
         ts = since;
         flags |= kFlagClipped;
       }
-      held_.push_back({tid, step, ts, end > ts ? end - ts : 0, flags});
+      lot.push_back({tid, step, ts, end > ts ? end - ts : 0, flags});
+      ++held_total_;
     }
+    if (!starts.empty()) break;  // the lot is full
+    it = open_.erase(it);
   }
-  open_.clear();
-  // The held spans and every thread's waiting ones, as one lot.
-  for (auto& [tid, spans] : pending_) held_.insert(held_.end(), spans.begin(), spans.end());
-  pending_.clear();
-  write_sorted(held_, true);
+  max_held_ = std::max(max_held_, held_total_);
 }
 
 void TraceExport::mark_shared_ends() {
@@ -474,12 +497,7 @@ void TraceExport::write_next_sorted(std::string& out) {
   }
   writing_.clear();
   writing_index_ = 0;
-  if (!writing_then_next_process_) {
-    phase_ = Phase::kEvents;
-    return;
-  }
-  ++process_;
-  phase_ = Phase::kProcessBegin;
+  phase_ = after_writing_;
 }
 
 void TraceExport::next_mark(std::string& out) {

@@ -10,11 +10,14 @@
 // start of its (thread, step); the spans of a thread wait until its outermost open span
 // ends and are then written as complete ("X") events by start, the enclosing one first;
 // then the marks become ledger and drop instants and GPU memory counters; otherData closes
-// the document. Memory: the open spans and thread ids of the process being read and at
-// most kMaxHeldTotal spans waiting to be written in order (4096 per thread, 65,536 in
-// all: 2 MiB however many threads), plus the piece; never the number of events. Spans
-// written before their thread's outermost span ended, past those bounds, are counted in
-// otherData.spans_written_early (their order at equal timestamps may be off).
+// the document. Memory: the open spans (a start time each) and thread ids of the process
+// being read and at most kMaxHeldTotal spans waiting to be written in order (4096 per
+// thread, 65,536 in all: 2 MiB however many threads), plus the piece; never the number
+// of events. At a process's end its spans still open join the held ones in lots of at
+// most kMaxHeldTotal too (a client that sent only starts). Spans written before their
+// thread's outermost span ended, past those bounds, and every span of a process end that
+// took more than one lot, are counted in otherData.spans_written_early (their order at
+// equal timestamps may be off).
 //
 // What viewers need (issue 27): timestamps are microseconds since the origin with three
 // decimals, exact nanoseconds that a double holds exactly; a span's "dur" is written so
@@ -57,7 +60,7 @@ class TraceExport {
     kHeader,
     kProcessBegin,  // metadata, window start
     kEvents,        // pairing, chunk by chunk
-    kProcessEnd,    // open spans join the held ones
+    kProcessEnd,    // open spans join the held ones, a lot at a time
     kWriting,       // writing sorted spans (then kEvents or the next process)
     kMarks,
     kFooter,
@@ -80,8 +83,9 @@ class TraceExport {
   void next_event(std::string& out);
   void plan();  // the origin and the processes shown
   void end_process();
-  // Sorts `spans` and writes them next; then the events, or the next process.
-  void write_sorted(std::vector<Held>& spans, bool then_next_process);
+  void take_open_spans(std::vector<Held>& lot);  // up to kMaxHeldTotal in `lot`
+  // Sorts `spans` and writes them next; then phase `then`.
+  void write_sorted(std::vector<Held>& spans, Phase then);
   void write_all_held();  // past kMaxHeldTotal
   void write_next_sorted(std::string& out);
   void mark_shared_ends();  // kFlagEndsWithOthers on writing_
@@ -130,7 +134,8 @@ class TraceExport {
   std::vector<std::size_t> ends_;    // mark_shared_ends()'s order of writing_
   std::vector<double> shared_ends_;  // per lot ending together: the end last written
   std::size_t writing_index_ = 0;
-  bool writing_then_next_process_ = false;
+  Phase after_writing_ = Phase::kEvents;
+  bool ending_in_lots_ = false;  // the process's end takes more than one lot
 
   // The marks.
   std::size_t mark_ = 0;

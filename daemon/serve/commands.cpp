@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -499,21 +500,39 @@ Option<TraceRequest> seconds_option(std::string_view name, double max,
           }};
 }
 
+// The capture a trace renders, or the error reply instead of a document.
+using TraceChoice = std::variant<std::shared_ptr<const TraceCapture>, std::string>;
+
 // Renders a capture as the trace document, a piece per next(), holding a TraceSlots slot.
+// `choose` (--children, --job) picks the capture's processes at the first next(): on the
+// render thread, with the uid's slot held, since --children reads /proc. An error it gives
+// is the whole reply, as when the io thread answered it (PROTOCOL.md 10.5).
 class TraceReply final : public ReplyStream {
  public:
-  TraceReply(std::shared_ptr<const TraceCapture> capture, std::shared_ptr<TraceSlots> slots,
+  TraceReply(std::function<TraceChoice()> choose, std::shared_ptr<TraceSlots> slots,
              std::uint32_t uid)
-      : export_(std::move(capture)), slots_(std::move(slots)), uid_(uid) {
+      : choose_(std::move(choose)), slots_(std::move(slots)), uid_(uid) {
     slots_->take(uid_);
   }
   ~TraceReply() override { slots_->give_back(uid_); }  // on the io or the render thread
   TraceReply(const TraceReply&) = delete;
   TraceReply& operator=(const TraceReply&) = delete;
-  bool next(std::string& out) override { return export_.next(out); }
+  bool next(std::string& out) override {
+    if (choose_) {
+      TraceChoice choice = choose_();
+      choose_ = nullptr;
+      if (auto* error = std::get_if<std::string>(&choice)) {
+        out += *error;
+        return false;
+      }
+      export_.emplace(std::get<std::shared_ptr<const TraceCapture>>(std::move(choice)));
+    }
+    return export_ && export_->next(out);
+  }
 
  private:
-  TraceExport export_;
+  std::function<TraceChoice()> choose_;
+  std::optional<TraceExport> export_;
   std::shared_ptr<TraceSlots> slots_;
   std::uint32_t uid_;
 };
@@ -545,35 +564,38 @@ const Command<TraceRequest>& trace_command();
 
 std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9); }
 
-// The capture `r` asks for, or the error reply. --pid alone is the recorder's own
-// filter; --children and --job choose from all windows (trace_selection.h): by
-// ProcessKey, so a reused pid brings no earlier process along, and by (uid, job) with
-// no bound on the number of processes. Those two answer an error rather than an empty
-// trace when they take no process.
-std::variant<std::shared_ptr<const TraceCapture>, std::string> trace_capture(
-    const Collector& collector, const TraceRequest& r, std::uint64_t since, std::uint32_t caller,
-    bool privileged) {
-  if (!r.children && !r.job) return collector.capture_trace(r.pids, since);
-  const auto all = collector.capture_trace({}, since);
+// The processes `r` takes from `all`, every window the recorder holds, or the error reply.
+// --children and --job choose by ProcessKey, so a reused pid brings no earlier process
+// along, and by (uid, job) with no bound on the number of processes (trace_selection.h);
+// they answer an error rather than an empty trace when they take no process. On the render
+// thread: --children reads /proc (bounded, the descendants' files only).
+TraceChoice choose_processes(const TraceCapture& all, const TraceRequest& r, std::uint32_t caller,
+                             bool privileged) {
   TraceSelection selection;
+  std::vector<std::int32_t> roots;
   for (const std::int32_t pid : r.pids) {
     // With --children a live --pid is taken by its ProcessKey too: an earlier process
     // that had its pid is no more its family than its descendants' namesakes are.
     const auto self = r.children ? live_process(pid) : std::nullopt;
     if (self) {
       selection.keys.insert(*self);
-      const auto keys = live_descendants(pid);
-      selection.keys.insert(keys.begin(), keys.end());
+      roots.push_back(pid);
     } else {
       selection.pids.insert(pid);  // as --pid alone: every window of that pid
     }
   }
+  if (!roots.empty()) {
+    auto found = live_descendants(roots);
+    if (auto* error = std::get_if<std::string>(&found)) return std::move(*error);
+    const auto& keys = std::get<std::vector<ProcessKey>>(found);
+    selection.keys.insert(keys.begin(), keys.end());
+  }
   if (r.job) {
-    auto uid = trace_job_uid(*all, *r.job, r.job_uid, caller, privileged);
+    auto uid = trace_job_uid(all, *r.job, r.job_uid, caller, privileged);
     if (auto* error = std::get_if<std::string>(&uid)) return std::move(*error);
     selection.job = JobRef{std::get<std::uint32_t>(uid), *r.job};
   }
-  auto capture = select_processes(*all, selection);
+  auto capture = select_processes(all, selection);
   if (r.children && capture->processes.empty()) {
     std::string pids;
     for (const std::int32_t pid : r.pids) pids += (pids.empty() ? "" : ", ") + std::to_string(pid);
@@ -581,6 +603,24 @@ std::variant<std::shared_ptr<const TraceCapture>, std::string> trace_capture(
            " nor any live process it forked is in the flight recorder's window\n";
   }
   return capture;
+}
+
+// The reply to `r` from the recorder's window since `since`: --pid alone is the recorder's
+// own filter; --children and --job capture every window here, on the io thread (the
+// collector's), and choose from it on the render thread (choose_processes()).
+Reply trace_reply(const Collector& collector, const TraceRequest& r, std::uint64_t since,
+                  const std::shared_ptr<TraceSlots>& slots, std::uint32_t uid, bool privileged) {
+  std::function<TraceChoice()> choose;
+  if (!r.children && !r.job) {
+    choose = [capture = collector.capture_trace(r.pids, since)]() -> TraceChoice {
+      return capture;
+    };
+  } else {
+    choose = [all = collector.capture_trace({}, since), r, uid, privileged]() -> TraceChoice {
+      return choose_processes(*all, r, uid, privileged);
+    };
+  }
+  return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(std::move(choose), slots, uid));
 }
 
 Reply run_trace(const TraceRequest& r, const Call& call) {
@@ -597,10 +637,7 @@ Reply run_trace(const TraceRequest& r, const Call& call) {
   if (!r.for_s) {
     const std::uint64_t since =
         r.last_s && seconds_ns(*r.last_s) < now ? now - seconds_ns(*r.last_s) : 0;
-    auto capture = trace_capture(collector, r, since, uid, privileged);
-    if (auto* error = std::get_if<std::string>(&capture)) return std::move(*error);
-    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(
-        std::get<std::shared_ptr<const TraceCapture>>(std::move(capture)), slots, uid));
+    return trace_reply(collector, r, since, slots, uid, privileged);
   }
   if (auto busy = slots->pending_busy(uid, call.context.max_pending_traces_per_uid)) {
     collector.count_limit(LimitKind::kMaxPendingTracesPerUid);
@@ -611,11 +648,9 @@ Reply run_trace(const TraceRequest& r, const Call& call) {
   deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
   deferred.make = [&collector, r, since = now, hold, slots, uid, privileged]() mutable -> Reply {
     if (auto busy = slots->busy(uid)) return *busy;
-    auto capture = trace_capture(collector, r, since, uid, privileged);
+    Reply reply = trace_reply(collector, r, since, slots, uid, privileged);
     hold.reset();  // the capture holds its chunks; recording may stop now
-    if (auto* error = std::get_if<std::string>(&capture)) return std::move(*error);
-    return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(
-        std::get<std::shared_ptr<const TraceCapture>>(std::move(capture)), slots, uid));
+    return reply;
   };
   return deferred;
 }

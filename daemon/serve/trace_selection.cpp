@@ -1,10 +1,14 @@
 #include "daemon/serve/trace_selection.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
+#include <cerrno>
 #include <charconv>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <map>
 #include <sstream>
 
 #include "daemon/state/proc_probe.h"
@@ -20,56 +24,136 @@ bool TraceSelection::selects(const TraceCapture::Process& p) const {
 
 namespace {
 
-std::string read_stat(const std::filesystem::path& file) {
-  std::ifstream in(file);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+constexpr std::size_t kMaxStatBytes = 4096;
+
+// Up to `max` bytes of `file` into `out`: the errno of a failed open or read, else 0.
+int read_file(const std::string& file, std::size_t max, std::string& out) {
+  out.clear();
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  std::array<char, 4096> buf{};
+  int error = 0;
+  while (out.size() < max) {
+    const ssize_t n = ::read(fd, buf.data(), std::min(buf.size(), max - out.size()));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) error = errno;
+    if (n <= 0) break;
+    out.append(buf.data(), static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return error;
+}
+
+std::optional<std::int32_t> parse_pid(std::string_view text) {
+  std::int32_t pid = 0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), pid);
+  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || pid <= 0) {
+    return std::nullopt;
+  }
+  return pid;
+}
+
+// A live (not zombie) process `pid` and its parent, from PROC/PID/stat ("PID (comm) S PPID
+// ..."; comm may hold spaces and parentheses, so the fields start after the last ')').
+struct LiveChild {
+  ProcessKey key;
+  std::int32_t parent = 0;
+};
+std::optional<LiveChild> live_child(std::int32_t pid, const std::string& proc_root) {
+  std::string stat;
+  if (read_file(proc_root + "/" + std::to_string(pid) + "/stat", kMaxStatBytes, stat) != 0) {
+    return std::nullopt;
+  }
+  const auto probe = parse_proc_stat(stat);
+  if (!probe || probe->zombie) return std::nullopt;
+  std::istringstream fields(stat.substr(stat.rfind(')') + 1));
+  std::string state;
+  LiveChild out{{pid, probe->start_time}, 0};
+  if (!(fields >> state >> out.parent)) return std::nullopt;
+  return out;
+}
+
+constexpr std::string_view kChoose = "; choose the processes with --pid or --job instead\n";
+
+// The pids the threads of process `pid` forked (PROC/PID/task/*/children), appended to
+// `out`; each thread read counts against `tasks_left`. Or the error reply.
+std::optional<std::string> children_of(std::int32_t pid, const std::string& proc_root,
+                                       const DescendantBounds& bounds, std::size_t& tasks_left,
+                                       std::vector<std::int32_t>& out) {
+  // Each pid and its separator take at most 8 bytes (pid_max is at most 4194304): a file
+  // cut at this size still holds more children than the walk may take.
+  const std::size_t max_bytes = (bounds.processes + 2) * 8;
+  std::error_code ec;
+  std::string text;
+  const auto tasks = std::filesystem::path(proc_root) / std::to_string(pid) / "task";
+  for (std::filesystem::directory_iterator it(tasks, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!parse_pid(it->path().filename().string())) continue;
+    if (tasks_left == 0) {
+      return "error: trace: --children reads at most " + std::to_string(bounds.tasks) +
+             " threads' children files, and the --pid processes and their descendants have "
+             "more threads" +
+             std::string(kChoose);
+    }
+    --tasks_left;
+    const std::string file = (it->path() / "children").string();
+    if (const int error = read_file(file, max_bytes, text); error != 0) {
+      std::error_code gone;
+      if (!std::filesystem::is_directory(it->path(), gone)) continue;  // the thread ended
+      if (error != ENOENT) {
+        return "error: trace: --children cannot read " + file + ": " + std::strerror(error) + "\n";
+      }
+      return std::string(
+                 "error: trace: --children needs /proc/PID/task/TID/children, which this "
+                 "kernel does not have (Linux 3.5 on, CONFIG_PROC_CHILDREN)") +
+             std::string(kChoose);
+    }
+    if (text.size() == max_bytes) text.resize(text.find_last_of(" \n") + 1);  // no cut pid
+    std::istringstream words(text);
+    for (std::string word; words >> word;) {
+      if (const auto child = parse_pid(word)) out.push_back(*child);
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace
 
 std::optional<ProcessKey> live_process(std::int32_t pid, const std::string& proc_root) {
-  const auto probe =
-      parse_proc_stat(read_stat(std::filesystem::path(proc_root) / std::to_string(pid) / "stat"));
+  std::string stat;
+  if (read_file(proc_root + "/" + std::to_string(pid) + "/stat", kMaxStatBytes, stat) != 0) {
+    return std::nullopt;
+  }
+  const auto probe = parse_proc_stat(stat);
   if (!probe || probe->zombie) return std::nullopt;
   return ProcessKey{pid, probe->start_time};
 }
 
-std::vector<ProcessKey> live_descendants(std::int32_t pid, const std::string& proc_root) {
-  // Every live process's parent and start time, read together from PROC/N/stat
-  // ("N (comm) S PPID ..."; comm may hold spaces and parentheses, so the fields start
-  // after the last ')'). A process that ends during the walk is left out.
-  struct Entry {
-    std::int32_t pid = 0;
-    std::uint64_t start_time = 0;
-  };
-  std::map<std::int32_t, std::vector<Entry>> children;
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it(proc_root, ec), end; !ec && it != end;
-       it.increment(ec)) {
-    const std::string name = it->path().filename();
-    std::int32_t child = 0;
-    const auto [ptr, parse_ec] = std::from_chars(name.data(), name.data() + name.size(), child);
-    if (name.empty() || parse_ec != std::errc() || ptr != name.data() + name.size()) continue;
-    const std::string stat = read_stat(it->path() / "stat");
-    const auto probe = parse_proc_stat(stat);
-    if (!probe || probe->zombie) continue;
-    std::istringstream fields(stat.substr(stat.rfind(')') + 1));
-    std::string state;
-    std::int32_t parent = 0;
-    if (fields >> state >> parent) children[parent].push_back({child, probe->start_time});
-  }
+std::variant<std::vector<ProcessKey>, std::string> live_descendants(
+    const std::vector<std::int32_t>& roots, const std::string& proc_root, DescendantBounds bounds) {
   std::vector<ProcessKey> out;
-  std::vector<std::int32_t> todo{pid};
-  std::set<std::int32_t> seen{pid};
+  std::vector<std::int32_t> todo(roots.begin(), roots.end());
+  std::set<std::int32_t> seen(roots.begin(), roots.end());
+  std::size_t tasks_left = bounds.tasks;
+  std::size_t read = 0;  // descendants' stat files
+  std::vector<std::int32_t> children;
   while (!todo.empty()) {
-    const std::int32_t next = todo.back();
+    const std::int32_t parent = todo.back();
     todo.pop_back();
-    for (const Entry& child : children[next]) {
-      if (!seen.insert(child.pid).second) continue;
-      out.push_back({child.pid, child.start_time});
-      todo.push_back(child.pid);
+    children.clear();
+    if (auto error = children_of(parent, proc_root, bounds, tasks_left, children)) {
+      return std::move(*error);
+    }
+    for (const std::int32_t child : children) {
+      if (!seen.insert(child).second) continue;  // a root, or a cycle of a stand-in /proc
+      if (++read > bounds.processes) {
+        return "error: trace: --children takes at most " + std::to_string(bounds.processes) +
+               " descendants of the --pid processes, and they have more" + std::string(kChoose);
+      }
+      const auto found = live_child(child, proc_root);
+      // Another parent: the child ended and its pid was reused since the list was read.
+      if (!found || found->parent != parent) continue;
+      out.push_back(found->key);
+      todo.push_back(child);
     }
   }
   std::sort(out.begin(), out.end());

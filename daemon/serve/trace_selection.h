@@ -7,11 +7,18 @@
 // Why --children goes by ProcessKey: the CLI used to walk /proc and send the descendants'
 // pids, and `--pid` takes every window of a pid, exited ones included: a descendant on a
 // pid an earlier, exited process had (pid_max is 32768 on many hosts; parallel builds go
-// through it in minutes) brought that process's window along. The daemon reads each
-// live process's parent and start time from one walk of /proc and keeps only windows of
-// exactly those processes (a live --pid's own too).
+// through it in minutes) brought that process's window along. The daemon finds the live
+// descendants and their start times and keeps only windows of exactly those processes (a
+// live --pid's own too).
+//
+// How it finds them (issue 26): from each --pid down, through each thread's list of the
+// children it forked (PROC/N/task/T/children), reading only the descendants' files,
+// never every process of the host, and at most kMaxTraceDescendants processes and
+// kMaxTraceDescendantTasks threads of them: a uid cannot make one trace read all of /proc.
+// The selection runs on the render thread while the uid's trace slot is held.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -35,9 +42,25 @@ struct TraceSelection {
   bool selects(const TraceCapture::Process& p) const;
 };
 
-// The processes descended from `pid` (children, their children...) that run now, from
-// one read of PROC/N/stat each (parent and start time); `pid` itself not included.
-std::vector<ProcessKey> live_descendants(std::int32_t pid, const std::string& proc_root = "/proc");
+// What one --children walk reads at most (all its --pids together): past either bound the
+// trace is refused, with an error naming it.
+inline constexpr std::size_t kMaxTraceDescendants = 4096;       // descendants' stat files
+inline constexpr std::size_t kMaxTraceDescendantTasks = 65536;  // threads' children files
+struct DescendantBounds {
+  std::size_t processes = kMaxTraceDescendants;
+  std::size_t tasks = kMaxTraceDescendantTasks;
+};
+
+// The processes descended from `roots` (children, their children...) that run now, by
+// ProcessKey; the roots themselves not included. Each thread T of a process N lists the
+// pids it forked in PROC/N/task/T/children (Linux 3.5 on, CONFIG_PROC_CHILDREN); each
+// such pid's PROC/C/stat gives its start time, and its parent, which must be N (else the
+// pid was reused meanwhile and is skipped, as are zombies, garbage and files that went
+// away with their process). Or the error reply, `error: trace: ...`: past `bounds`, or a
+// kernel without the children files (there is no bounded way to find descendants then).
+std::variant<std::vector<ProcessKey>, std::string> live_descendants(
+    const std::vector<std::int32_t>& roots, const std::string& proc_root = "/proc",
+    DescendantBounds bounds = {});
 
 // The process that has `pid` now (PROC/PID/stat's start time); nullopt when none runs.
 std::optional<ProcessKey> live_process(std::int32_t pid, const std::string& proc_root = "/proc");

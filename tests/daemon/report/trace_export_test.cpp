@@ -591,6 +591,42 @@ TEST(TraceExportTest, HeldSpansAreBoundedAcrossManyThreads) {
   EXPECT_EQ(few.at("otherData").at("spans_written_early"), 0);
 }
 
+// A client that sent only starts: at the process's end every one is an open span. They go
+// out in lots of at most kMaxHeldTotal, each counted in spans_written_early, every span
+// once, and the exporter never holds more than that at once.
+TEST(TraceExportTest, ManyOpenSpansAtTheEndAreWrittenInBoundedLots) {
+  constexpr std::uint32_t kThreads = 7;
+  constexpr std::size_t kStarts = 2 * TraceExport::kMaxHeldTotal + 100;  // three lots
+  std::vector<proto::EventRecord> events = {start(kBase, 50, kForward),
+                                            end(kBase + 5, 50, kForward)};
+  for (std::size_t i = 0; i < kStarts; ++i) {
+    events.push_back(start(kBase + 10 + i, 60 + static_cast<std::uint32_t>(i % kThreads),
+                           i % 2 == 0 ? kMatmul : kAttention));
+  }
+  auto c = new_capture();
+  c->now_ns = kBase + 10 + kStarts + 1000;
+  add_process(*c, 50, "starts", events);
+  TraceExport exporter(c);
+  std::string text;
+  while (exporter.next(text)) {
+  }
+  EXPECT_LE(exporter.max_held(), TraceExport::kMaxHeldTotal);
+  const json doc = parse_trace(text);  // valid JSON, one event a line
+  const std::vector<Span> got = spans_of(doc);
+  ASSERT_EQ(got.size(), kStarts + 1);
+  std::set<std::uint64_t> starts;
+  for (const Span& s : got) {
+    if (s.tid == 50) continue;  // the closed span (at the window start: held to the end)
+    EXPECT_EQ(s.args, json({{"open", true}})) << s;
+    EXPECT_EQ(s.ts + s.dur, c->now_ns) << s;
+    EXPECT_EQ(s.tid, 60 + static_cast<std::int64_t>((s.ts - kBase - 10) % kThreads)) << s;
+    starts.insert(s.ts);
+  }
+  EXPECT_EQ(starts.size(), kStarts);  // each once
+  // Every span of the process's end, the closed one held with them included.
+  EXPECT_EQ(doc.at("otherData").at("spans_written_early").get<std::uint64_t>(), kStarts + 1);
+}
+
 TEST(TraceExportTest, SinceClipsSpansThatCrossIt) {
   const std::uint64_t since = kBase + 5000;
   auto c = new_capture();

@@ -3,11 +3,17 @@
 #include "daemon/serve/trace_selection.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <variant>
+#include <vector>
 
 namespace steptrace::daemon {
 namespace {
@@ -27,20 +33,53 @@ class FakeProc {
   FakeProc(const FakeProc&) = delete;
   FakeProc& operator=(const FakeProc&) = delete;
   // PROC/PID/stat with the parent (field 4), the state (field 3) and the start time
-  // (field 22).
+  // (field 22); PID's main thread with an empty children file; and PID in the children
+  // file of its parent's thread `parent_tid` (the parent's main thread when 0).
   void add(int pid, int parent, std::uint64_t start, const std::string& comm = "w",
-           char state = 'S') {
+           char state = 'S', int parent_tid = 0) {
+    stat(pid, parent, start, comm, state);
+    append(pid, pid, "");
+    append(parent, parent_tid == 0 ? parent : parent_tid, std::to_string(pid) + " ");
+  }
+  // PROC/PID/stat alone: a process no children file lists.
+  void stat(int pid, int parent, std::uint64_t start, const std::string& comm = "w",
+            char state = 'S') {
     fs::create_directories(root_ / std::to_string(pid));
     std::ofstream out(root_ / std::to_string(pid) / "stat");
     out << pid << " (" << comm << ") " << state << " " << parent;
     for (int field = 5; field < 22; ++field) out << " 0";
     out << " " << start << " 0 0\n";
   }
+  // `text` appended to PROC/PID/task/TID/children (made as needed).
+  void append(int pid, int tid, const std::string& text) {
+    const fs::path task = root_ / std::to_string(pid) / "task" / std::to_string(tid);
+    fs::create_directories(task);
+    std::ofstream(task / "children", std::ios::app) << text;
+  }
+  fs::path task(int pid, int tid) const {
+    return root_ / std::to_string(pid) / "task" / std::to_string(tid);
+  }
   std::string path() const { return root_.string(); }
 
  private:
   fs::path root_;
 };
+
+using Descendants = std::variant<std::vector<ProcessKey>, std::string>;
+
+std::vector<ProcessKey> keys_of(const Descendants& found) {
+  if (const auto* error = std::get_if<std::string>(&found)) {
+    ADD_FAILURE() << *error;
+    return {};
+  }
+  return std::get<std::vector<ProcessKey>>(found);
+}
+
+std::string error_of(const Descendants& found) {
+  const auto* error = std::get_if<std::string>(&found);
+  EXPECT_NE(error, nullptr) << "no error";
+  return error != nullptr ? *error : std::string();
+}
 
 TraceCapture::Process process(std::int32_t pid, std::uint64_t start, std::uint32_t uid = 0,
                               std::string job = "") {
@@ -60,14 +99,117 @@ TEST(TraceSelection, LiveDescendantsFollowTheParentChainWithStartTimes) {
   proc.add(104, 100, 14, "zombie", 'Z');  // has ended: not taken
   proc.add(200, 1, 20);
   proc.add(201, 200, 21);
-  fs::create_directories(proc.path() + "/self");
-  EXPECT_EQ(live_descendants(100, proc.path()),
+  EXPECT_EQ(keys_of(live_descendants({100}, proc.path())),
             (std::vector<ProcessKey>{{101, 11}, {102, 12}, {103, 13}}));
-  EXPECT_TRUE(live_descendants(103, proc.path()).empty());
-  EXPECT_TRUE(live_descendants(100, proc.path() + "/absent").empty());
+  EXPECT_TRUE(keys_of(live_descendants({103}, proc.path())).empty());
+  EXPECT_TRUE(keys_of(live_descendants({100}, proc.path() + "/absent")).empty());
+  EXPECT_EQ(keys_of(live_descendants({100, 200}, proc.path())),
+            (std::vector<ProcessKey>{{101, 11}, {102, 12}, {103, 13}, {201, 21}}));
   EXPECT_EQ(live_process(100, proc.path()), (ProcessKey{100, 10}));
   EXPECT_FALSE(live_process(104, proc.path()));  // a zombie
   EXPECT_FALSE(live_process(999, proc.path()));
+}
+
+// Issue 26: the walk reads each thread's children file from the --pid down, never every
+// process of /proc: a process that names the root as its parent but that no children
+// file lists is not found (a walk of all of /proc would take it).
+TEST(TraceSelection, DescendantsComeFromEachThreadsChildrenFile) {
+  FakeProc proc;
+  proc.add(100, 1, 10);
+  proc.add(101, 100, 11);
+  proc.add(102, 100, 12, "w", 'S', /*parent_tid=*/150);  // forked by a thread of 100
+  proc.add(103, 102, 13, "w", 'S', /*parent_tid=*/160);  // by a thread of 102
+  proc.stat(500, 100, 50);                               // in no children file
+  EXPECT_EQ(keys_of(live_descendants({100}, proc.path())),
+            (std::vector<ProcessKey>{{101, 11}, {102, 12}, {103, 13}}));
+}
+
+// What a stand-in (or a racing) /proc may hold: a cycle, garbage, a listed pid that has
+// ended, one reused by a process of another parent. The walk ends, skips them, and
+// finds the rest.
+TEST(TraceSelection, DescendantWalkSurvivesCyclesGarbageAndEndedProcesses) {
+  FakeProc proc;
+  proc.add(100, 1, 10);
+  proc.add(101, 100, 11);
+  proc.add(102, 101, 12);
+  proc.append(101, 101, "100 101 ");                      // the root and itself: a cycle
+  proc.append(102, 102, "101\n");                         // its parent
+  proc.append(100, 100, "abc -5 0 12x 99999999999 +7 ");  // garbage
+  proc.append(100, 100, "300 ");                          // listed, ended (no PROC/300)
+  proc.append(100, 100, "301 ");                          // listed, its pid reused since:
+  proc.stat(301, 7, 31);                                  // another parent's process
+  proc.append(301, 301, "302 ");
+  proc.add(302, 301, 32);
+  EXPECT_EQ(keys_of(live_descendants({100}, proc.path())),
+            (std::vector<ProcessKey>{{101, 11}, {102, 12}}));
+}
+
+// A thread without a children file: the kernel lacks them (CONFIG_PROC_CHILDREN off), and
+// no bounded walk can find the descendants; the trace is refused saying so.
+TEST(TraceSelection, AKernelWithoutChildrenFilesIsAnError) {
+  FakeProc proc;
+  proc.add(100, 1, 10);
+  proc.add(101, 100, 11);
+  fs::remove(proc.task(101, 101) / "children");
+  EXPECT_EQ(error_of(live_descendants({100}, proc.path())),
+            "error: trace: --children needs /proc/PID/task/TID/children, which this kernel does "
+            "not have (Linux 3.5 on, CONFIG_PROC_CHILDREN); choose the processes with --pid or "
+            "--job instead\n");
+}
+
+// At most `processes` descendants' stat files and `tasks` threads' children files, all
+// roots together; past either the walk stops with an error naming the bound.
+TEST(TraceSelection, DescendantWalkIsBounded) {
+  FakeProc proc;
+  proc.add(100, 1, 10);
+  for (int i = 0; i < 6; ++i) proc.add(200 + i, 100, 20);
+  proc.add(300, 1, 30);
+  proc.add(301, 300, 31);
+  EXPECT_EQ(keys_of(live_descendants({100, 300}, proc.path(), {.processes = 7})).size(), 7u);
+  EXPECT_EQ(error_of(live_descendants({100, 300}, proc.path(), {.processes = 6})),
+            "error: trace: --children takes at most 6 descendants of the --pid processes, and "
+            "they have more; choose the processes with --pid or --job instead\n");
+  // Threads: 100, 300, 301 and each of 100's children have one: 9 in all.
+  EXPECT_EQ(keys_of(live_descendants({100, 300}, proc.path(), {.tasks = 9})).size(), 7u);
+  for (int tid = 150; tid < 160; ++tid) proc.append(100, tid, "");  // 17 threads now
+  EXPECT_EQ(keys_of(live_descendants({100}, proc.path(), {.tasks = 17})).size(), 6u);
+  EXPECT_EQ(error_of(live_descendants({100}, proc.path(), {.tasks = 16})),
+            "error: trace: --children reads at most 16 threads' children files, and the --pid "
+            "processes and their descendants have more threads; choose the processes with "
+            "--pid or --job instead\n");
+}
+
+// The real kernel's files: a forked child and the child it forked, with their start times.
+TEST(TraceSelection, RealProcFindsAChildAndItsChild) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const pid_t grandchild = ::fork();
+    if (grandchild == 0) {
+      ::pause();
+      ::_exit(0);
+    }
+    if (::write(fds[1], &grandchild, sizeof grandchild) != sizeof grandchild) ::_exit(1);
+    ::pause();
+    ::_exit(0);
+  }
+  pid_t grandchild = 0;
+  const bool told = ::read(fds[0], &grandchild, sizeof grandchild) == sizeof grandchild;
+  const auto found = live_descendants({::getpid()});
+  const auto child_key = live_process(child);
+  const auto grandchild_key = told ? live_process(grandchild) : std::nullopt;
+  if (told) ::kill(grandchild, SIGKILL);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  ::close(fds[0]);
+  ::close(fds[1]);
+  ASSERT_TRUE(told && child_key && grandchild_key);
+  std::vector<ProcessKey> expected{*child_key, *grandchild_key};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(keys_of(found), expected);
+  EXPECT_NE(child_key->start_time, 0u);
 }
 
 // The bug of issue 27's closing note: `trace --pid P --children --last 2` took in a
@@ -87,7 +229,9 @@ TEST(TraceSelection, ChildrenTakeNoEarlierProcessOfAReusedPid) {
   capture.marks = {old_mark, new_mark};
 
   TraceSelection selection;
-  for (const ProcessKey& key : live_descendants(100, proc.path())) selection.keys.insert(key);
+  for (const ProcessKey& key : keys_of(live_descendants({100}, proc.path()))) {
+    selection.keys.insert(key);
+  }
   const auto selected = select_processes(capture, selection);
   ASSERT_EQ(selected->processes.size(), 1u);
   EXPECT_EQ(selected->processes[0].key, (ProcessKey{4242, 510}));
