@@ -2,6 +2,23 @@
 # One GoogleTest executable, discovered test by test.
 # (GTest itself is found by SteptraceDependencies.cmake.)
 include(GoogleTest)
+
+# steptrace_test_costs(): the COST (expected seconds) of the longest tests, from
+# tests/test_costs.cmake, applied to the tests of the calling directory. `ctest -j N`
+# starts the costliest first; without this a fresh build tree (CI's clone) has no cost
+# data and runs them in declaration order, so a long test started last runs alone at the
+# end on one core. The table is read by ctest itself, after the directory's tests are
+# defined (gtest_discover_tests defines its tests only then, under names CMake never
+# sees): a deferred TEST_INCLUDE_FILES entry, once per directory. Names of tests another
+# directory defines, or a configuration leaves out, match nothing and are ignored.
+function(steptrace_test_costs)
+  get_property(added DIRECTORY PROPERTY STEPTRACE_TEST_COSTS)
+  if(NOT added)
+    set_property(DIRECTORY PROPERTY STEPTRACE_TEST_COSTS ON)
+    cmake_language(DEFER CALL set_property DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES
+      "${PROJECT_SOURCE_DIR}/tests/test_costs.cmake")
+  endif()
+endfunction()
 function(steptrace_add_test)
   cmake_parse_arguments(ARG "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${ARG_NAME} ${ARG_SOURCES})
@@ -14,6 +31,7 @@ function(steptrace_add_test)
   gtest_discover_tests(${ARG_NAME}
     DISCOVERY_TIMEOUT 60
     PROPERTIES LABELS "${labels}" TIMEOUT 300)
+  steptrace_test_costs()
 endfunction()
 
 # An uninstrumented interpreter (python3) that loads the ASan-built libsteptrace needs
