@@ -22,8 +22,10 @@
 // record twice. A bad record (kind, reserved byte, step id, thread id) is skipped and
 // counted as refused (drop cause invalid); an event of a custom step not yet registered
 // waits in the ring until the step's RegisterStep arrives (the library sends it within
-// a round), or is refused in the last pass. The file cannot shrink (F_SEAL_SHRINK), so
-// the header's mapping never faults and a pread of the slots is never short.
+// a round), or is refused in the last pass; one whose registration a limit refused is
+// handed to the Collector, which counts it as refused (PROTOCOL.md 4.4). The file
+// cannot shrink (F_SEAL_SHRINK), so the header's mapping never faults and a pread of the
+// slots is never short.
 #pragma once
 
 #include <cstddef>

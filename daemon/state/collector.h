@@ -169,8 +169,9 @@ class Collector {
   // The daemon is stopping gracefully: the connections it closes from now on keep their
   // processes' open spans (for the final snapshot) instead of abandoning them.
   void stopping() { stopping_ = true; }
-  // Whether an event of `step` can be folded for the process now: a built-in step, or a
-  // custom one it registered (shared-memory rings wait for the registration).
+  // Whether an event of `step` can be folded for the process now: a built-in step, a
+  // custom one it registered, or one whose registration a limit refused (events() counts
+  // those as refused). Shared-memory rings wait for the registration of any other.
   bool step_known(ProcessHandle process, std::uint32_t step) const;
   // A configured bound of the server's was hit (shared-memory rings).
   void count_limit(LimitKind kind) { counters_.hit(kind); }

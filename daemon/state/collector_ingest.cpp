@@ -295,8 +295,11 @@ bool Collector::step_known(ProcessHandle process, std::uint32_t step) const {
   if (step < kBuiltinStepCount) return proto::is_builtin_step(step);
   if (!proto::is_custom_step(step) || process >= state_->slots.size()) return false;
   const ProcessRecord* rec = state_->slots[process].get();
-  return rec != nullptr && rec->custom_slot &&
-         (*rec->custom_slot)[step - proto::kFirstCustomStep] != 0;
+  if (rec == nullptr) return false;
+  // A step whose registration a limit refused is settled too: events() refuses and
+  // counts its events, so a ring must not wait for a registration that will not come.
+  return (rec->custom_slot && (*rec->custom_slot)[step - proto::kFirstCustomStep] != 0) ||
+         refused_step(*rec, step);
 }
 
 std::error_code Collector::events(ProcessHandle process, proto::EventSpan events) {
