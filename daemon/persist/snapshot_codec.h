@@ -85,19 +85,20 @@ std::size_t snapshot_max_array_elements(const Limits& limits);
 //   <crc> {"schema":"steptrace.snapshot/v2","version":2,"written_at_ns":N}   the header
 //   <crc> {"counters":{...}}            the daemon's kept counters (as version 1's)
 //   <crc> {"ledger":{...}}              the VRAM ledger (as version 1's)
-//   <crc> {"retired":{...}}             one retired step histogram (an entry of v1's)
 //   <crc> {"process":{...}}             one process (an entry of v1's), fair by bytes
+//   <crc> {"retired":{...}}             one retired step histogram (an entry of v1's), fair
 //   <crc> {"retired_job":{...}}         one retired job (an entry of v1's), fair by bytes
 //   <crc> {"end":{"records":N,"left_out":M}}   N lines before it, M records not written
 // so that a bit flip, a torn tail or a record that breaks a rule costs that record alone:
 // the reader skips it, says why, and restores the rest (in any order after the header).
-// The daemon's own records come first and are never cut, then the retired step
-// histograms (daemon-wide, bounded: snapshot_records.cpp); then the uid that has written
-// the fewest bytes so far writes its next record (its processes, then its retired jobs),
-// so that when `max_bytes` cuts the file, it cuts the uid that holds the most bytes (its
+// The daemon's own records come first and are never cut; then the uid that has written
+// the fewest bytes so far writes its next record (its processes, then its retired jobs;
+// the retired step histograms, daemon-wide, take turns as one more owner:
+// snapshot_records.cpp), so that when `max_bytes` cuts the file, it cuts the owner that
+// holds the most bytes (its
 // last records, and every one after the first that did not fit), never a small one's and
-// never everyone's state. Files written before issue 26 have every retired job before
-// the processes.
+// never everyone's state. Files written before issue 26 have every retired histogram and
+// job before the processes.
 inline constexpr const char* kSnapshotRecordsSchema = "steptrace.snapshot/v2";
 
 struct EncodedSnapshot {

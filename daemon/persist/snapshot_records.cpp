@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <limits>
+#include <map>
 #include <queue>
 #include <tuple>
 #include <utility>
@@ -147,7 +149,13 @@ std::string describe(const RetiredJobImage& job) {
   return "retired job " + job.job + " of uid " + std::to_string(job.uid);
 }
 
+using RetiredEntry = std::pair<const std::string, Histogram>;
+std::string describe(const RetiredEntry& entry) { return "retired step " + entry.first; }
+
 json record_json(const ProcessImage& p) { return {{"process", snapshot_detail::process_json(p)}}; }
+json record_json(const RetiredEntry& entry) {
+  return {{"retired", snapshot_detail::retired_json(entry.first, entry.second)}};
+}
 json record_json(const RetiredJobImage& job) {
   return {{"retired_job", snapshot_detail::retired_job_json(job)}};
 }
@@ -157,7 +165,7 @@ json record_json(const RetiredJobImage& job) {
 // restart, a retired job only the totals its evicted ones left), while the uid's bytes so
 // far are the fewest of any uid that still has some to write.
 struct UidTurn {
-  using Record = std::variant<const ProcessImage*, const RetiredJobImage*>;
+  using Record = std::variant<const ProcessImage*, const RetiredJobImage*, const RetiredEntry*>;
   std::uint64_t bytes = 0;
   std::uint32_t uid = 0;
   std::vector<Record> records;
@@ -169,10 +177,21 @@ struct UidTurn {
 // own (left out, counted), and the others go on. So the cap cuts the uid that holds the
 // most bytes, never a small one, whatever its uid, pids or job ids, and however many
 // retired jobs (each up to its kMaxJobRanks ranks' totals) another uid has.
+//
+// The retired step histograms are no uid's: each merges every evicted process of its step
+// name, whoever ran it, into the daemon-wide per-step counters. They take turns of their
+// own, as one more owner, ordered after every uid at equal bytes: bounded (at most
+// kMaxRetiredNames + 1 records, each one step's histogram, about 1 KB for a typical step
+// and some 12-16 KB when crafted spans hit every bucket the span bound allows), but one
+// tenant can fill them with its own step names, so they must not pass everyone's
+// processes either.
 void put_uid_records(const StateImage& image, RecordWriter& writer) {
   std::map<std::uint32_t, UidTurn> by_uid;
   for (const ProcessImage& p : image.processes) by_uid[p.peer.uid].records.emplace_back(&p);
   for (const RetiredJobImage& job : image.retired_jobs) by_uid[job.uid].records.emplace_back(&job);
+  UidTurn shared;  // the retired step histograms
+  shared.uid = std::numeric_limits<std::uint32_t>::max();
+  for (const RetiredEntry& entry : image.retired) shared.records.emplace_back(&entry);
   const auto later = [](const UidTurn* a, const UidTurn* b) {
     return std::tie(a->bytes, a->uid) > std::tie(b->bytes, b->uid);
   };
@@ -181,6 +200,7 @@ void put_uid_records(const StateImage& image, RecordWriter& writer) {
     turn.uid = uid;
     next.push(&turn);
   }
+  if (!shared.records.empty()) next.push(&shared);
   const auto put = [&writer](const auto* record) {
     return writer.put(record_json(*record), [record] { return describe(*record); });
   };
@@ -216,19 +236,6 @@ EncodedSnapshot encode_snapshot_records(const StateImage& image, std::size_t max
              /*always=*/true);
   writer.put({{"ledger", snapshot_detail::ledger_json(image.ledger)}}, daemon_own,
              /*always=*/true);
-  // The retired step histograms are no uid's: each merges every evicted process of its
-  // step name, whoever ran it, into the daemon-wide per-step counters that every tenant's
-  // metrics rest on, so they go before the uids' turns (cut only by a cap they alone
-  // pass). They are bounded: at most kMaxRetiredNames + 1 records ("(other)"), each one
-  // step's histogram (a name of at most 63 bytes, at most Histogram::kBuckets buckets and
-  // the Prometheus counts): about 1 KB for a typical step, about 52 KB at the very worst
-  // (every bucket hit, counts near 2^64), so about 210 MB if crafted spans hit every
-  // bucket of every name.
-  for (const auto& entry : image.retired) {
-    const std::string& name = entry.first;
-    writer.put({{"retired", snapshot_detail::retired_json(name, entry.second)}},
-               [&name] { return "retired step " + name; });
-  }
   put_uid_records(image, writer);
   EncodedSnapshot& out = writer.result();
   writer.put({{"end", {{"records", out.lines}, {"left_out", out.left_out}}}}, daemon_own,

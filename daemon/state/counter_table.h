@@ -95,8 +95,8 @@ inline constexpr std::array<CounterRow, 18> kCounterTable = {{
     {&DaemonCounters::reply_bytes_pending, &ServerCounters::reply_bytes_pending, "memory",
      "reply_bytes_pending", Kept::kNo, "", MetricGroup::kConnections,
      "steptrace_reply_bytes_pending", "gauge",
-     "Reply bytes rendered for text clients and not yet taken by their sockets (each uid's "
-     "at most limits.max_pending_reply_bytes_per_uid)."},
+     "Bytes queued to clients (text replies, binary acks and errors) and not yet taken by "
+     "their sockets."},
     {&DaemonCounters::snapshots_written, &ServerCounters::snapshots_written, "snapshots", "written",
      Kept::kNo, "", MetricGroup::kSnapshots, "steptrace_snapshots_written_total", "counter",
      "State snapshots written."},

@@ -438,6 +438,35 @@ TEST(SnapshotCodecTest, MaxBytesCutsTheUidWithTheMostRetiredJobBytesNotAnInnocen
   EXPECT_EQ(greedy_jobs + encoded.left_out, kGreedyJobs);
 }
 
+// The retired step histograms are no uid's, but one tenant can fill them with its own step
+// names (a review found 4,096 full ones are about 48 MiB): they take turns of their own
+// with the uids, so past a small cap they are what is cut, not everyone's processes.
+TEST(SnapshotCodecTest, MaxBytesCutsTheRetiredHistogramsNotAnInnocentsProcesses) {
+  FakeWorld world;
+  Collector c(Limits{}, world.env());
+  populate_greedy(c, world, /*greedy=*/0, /*innocents=*/3, /*steps=*/1);
+  StateImage image = c.freeze()->image();
+  constexpr std::size_t kNames = 400;
+  for (std::size_t i = 0; i < kNames; ++i) {
+    Histogram& h = image.retired["greedy-step-" + std::to_string(i)];
+    for (std::uint64_t v = 1; v < (std::uint64_t{1} << 40); v = v * 9 / 8 + 1) h.record(v);
+  }
+  const std::size_t whole = encode_snapshot_text(image).size();
+  const std::size_t cap = whole / 4;
+  const EncodedSnapshot encoded =
+      encode_snapshot_records(image, cap, [](std::string_view) { return true; });
+  EXPECT_GT(encoded.left_out, kNames / 2);
+  EXPECT_EQ(encoded.first_left_out.rfind("retired step greedy-step-", 0), 0u)
+      << encoded.first_left_out;
+
+  std::string error;
+  const auto restored = decode_snapshot_text(encode_snapshot_text(image, cap), Limits{}, error);
+  ASSERT_TRUE(restored) << error;
+  EXPECT_TRUE(restored->skipped.empty());
+  EXPECT_EQ(innocent_and_greedy(*restored), std::make_pair(std::size_t{3}, std::size_t{0}));
+  EXPECT_EQ(restored->retired.size() + encoded.left_out, kNames);
+}
+
 // The writer interleaves the uids' retired jobs; the reader gives them back in (uid, job)
 // order, as the state keeps them, so what it restores encodes to the same bytes.
 TEST(SnapshotCodecTest, RetiredJobsOfSeveralUidsRestoreInUidAndJobOrder) {
