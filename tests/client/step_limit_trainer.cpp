@@ -47,7 +47,11 @@
 
 #include "tests/client/step_limit_counts.h"
 
+#include "tests/support/flush_until.h"
+
 namespace {
+
+using steptrace::testing::flush_until;
 
 using Clock = std::chrono::steady_clock;
 using steptrace::testing::StepLimitCounts;
@@ -100,16 +104,6 @@ void write_ready(const std::string& path) {
 bool file_exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
-}
-
-int flush_until(int total_ms) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(total_ms);
-  int rc = steptrace_flush(10000);
-  while (rc != 0 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    rc = steptrace_flush(10000);
-  }
-  return rc;
 }
 
 class Trainer {

@@ -45,8 +45,11 @@
 #include <vector>
 
 #include "tests/support/fill_steps.h"
+#include "tests/support/flush_until.h"
 
 namespace {
+
+using steptrace::testing::flush_until;
 
 using Clock = std::chrono::steady_clock;
 using Values = std::map<std::string, long long>;
@@ -104,18 +107,6 @@ long long record(const Options& o, const std::atomic<bool>& stop) {
   return spans;
 }
 
-// Retries the flush until it succeeds or `total_ms` have passed: while the daemon is
-// between two lives it fails at once.
-int flush_until(int total_ms) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(total_ms);
-  int rc = steptrace_flush(5000);
-  while (rc != 0 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    rc = steptrace_flush(5000);
-  }
-  return rc;
-}
-
 int run(const Options& o) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() == 1) return 7;    // the test is gone already
@@ -138,7 +129,7 @@ int run(const Options& o) {
   for (const long long s : spans) recorded += 2 * s;
   out["recorded_events"] = recorded;
   const auto flush_t0 = Clock::now();
-  out["flush_rc"] = flush_until(30000);
+  out["flush_rc"] = flush_until(30000, 5000);
   out["flush_ms"] = ms_since(flush_t0);
   out["dropped"] = static_cast<long long>(steptrace_dropped());
   for (int c = 0; c < STEPTRACE_DROP_CAUSE_COUNT; ++c) {

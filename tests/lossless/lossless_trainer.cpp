@@ -37,8 +37,11 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/fill_steps.h"
+#include "tests/support/flush_until.h"
 
 namespace {
+
+using steptrace::testing::flush_until;
 
 using Clock = std::chrono::steady_clock;
 using Values = std::map<std::string, long long>;
@@ -64,18 +67,6 @@ void add_drops_by_cause(Values& out) {
     out[std::string("dropped_") + kCauseNames[c]] =
         static_cast<long long>(steptrace_dropped_by_cause(c));
   }
-}
-
-// Retries a timed-out flush until `total_ms` have passed (a loaded machine, not the
-// library, is then the likely cause).
-int flush_until(int total_ms) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(total_ms);
-  int rc = steptrace_flush(10000);
-  while (rc != 0 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    rc = steptrace_flush(10000);
-  }
-  return rc;
 }
 
 int burst(const std::string& socket, const std::string& outfile, int threads, int bursts,

@@ -55,7 +55,11 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/flush_until.h"
+
 namespace {
+
+using steptrace::testing::flush_until;
 
 using Clock = std::chrono::steady_clock;
 
@@ -135,16 +139,6 @@ SpanRecord timed_span(std::uint32_t step, const char* name) {
   steptrace_end(step);
   r.after_end = now_ns();
   return r;
-}
-
-int flush_until(int total_ms) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(total_ms);
-  int rc = steptrace_flush(10000);
-  while (rc != 0 && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    rc = steptrace_flush(10000);
-  }
-  return rc;
 }
 
 std::string comm() {
