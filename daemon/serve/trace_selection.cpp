@@ -119,13 +119,9 @@ std::optional<std::string> children_of(std::int32_t pid, const std::string& proc
 }  // namespace
 
 std::optional<ProcessKey> live_process(std::int32_t pid, const std::string& proc_root) {
-  std::string stat;
-  if (read_file(proc_root + "/" + std::to_string(pid) + "/stat", kMaxStatBytes, stat) != 0) {
-    return std::nullopt;
-  }
-  const auto probe = parse_proc_stat(stat);
-  if (!probe || probe->zombie) return std::nullopt;
-  return ProcessKey{pid, probe->start_time};
+  const auto child = live_child(pid, proc_root);
+  if (!child) return std::nullopt;
+  return child->key;
 }
 
 std::variant<std::vector<ProcessKey>, std::string> live_descendants(

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "tests/support/daemon_process.h"
+#include "tests/support/settled_process.h"
 
 namespace steptrace::testing {
 namespace {
@@ -55,14 +56,6 @@ constexpr const char* kCauses[] = {"buffer_full", "not_connected", "in_flight", 
 
 // The ring of STEPTRACE_BUFFER_BYTES=64K: 4096 16-byte records.
 constexpr long long kSmallRingRecords = 64 * 1024 / 16;
-
-std::optional<nlohmann::json> json_command(const std::string& socket, const std::string& line) {
-  const auto reply = command(socket, line, 30000);
-  if (!reply) return std::nullopt;
-  auto doc = nlohmann::json::parse(*reply, nullptr, false);
-  if (doc.is_discarded()) return std::nullopt;
-  return doc;
-}
 
 // `stats --json`'s shared_rings.
 struct RingStats {
@@ -94,27 +87,6 @@ long long events_received(const std::string& socket) {
   const auto doc = json_command(socket, "report --json");
   EXPECT_TRUE(doc.has_value()) << "report --json";
   return doc ? doc->at("daemon").at("events_received").get<long long>() : -1;
-}
-
-// The report entry of `pid` once its connection has closed (the daemon's last pass over
-// its rings is done), polled for at most 10 s; a failure and the last entry seen (or
-// null) when that does not happen.
-nlohmann::json settled_process(const std::string& socket, long long pid) {
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  nlohmann::json last;
-  for (;;) {
-    if (const auto doc = json_command(socket, "report --json --pid " + std::to_string(pid))) {
-      for (const auto& p : doc->at("processes")) {
-        if (p.at("pid").get<long long>() == pid) last = p;
-      }
-    }
-    if (last.is_object() && last.at("connections").get<long long>() == 0) return last;
-    if (Clock::now() > deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  ADD_FAILURE() << "pid " << pid << ": its connection was not closed within 10 s: "
-                << (last.is_null() ? std::string("not in the report") : last.dump());
-  return last;
 }
 
 long long step_field(const nlohmann::json& process, const std::string& step, const char* field) {
@@ -218,7 +190,7 @@ class ShmDeath : public ::testing::Test {
     ASSERT_GT(pid, 0);
     ASSERT_EQ(wait_or_kill(pid, 60000), status)
         << "the trainer did not die as `" << death << "` (2: connect or flush failed)";
-    const auto process = settled_process(socket(), pid);
+    const auto process = settled_process(socket(), pid, 10);
     expect_all_counted(process, events);
     const RingStats after = ring_stats(socket());
     EXPECT_GT(after.attached, before.attached) << "its ring was never mapped";
@@ -269,7 +241,7 @@ class ShmDeath : public ::testing::Test {
       const long long pid = std::stoll(pid_text);
       const long long spans = spans_json.get<long long>();
       SCOPED_TRACE("worker pid " + pid_text + ", " + std::to_string(spans) + " spans");
-      const auto worker = settled_process(socket(), pid);
+      const auto worker = settled_process(socket(), pid, 10);
       EXPECT_EQ(step_field(worker, "Forward", "count"), spans);
       EXPECT_EQ(step_field(worker, "Backward", "count"), 1);  // its warm-up span
       EXPECT_EQ(worker.value("abandoned", -1LL), 0);
@@ -280,7 +252,7 @@ class ShmDeath : public ::testing::Test {
     }
     EXPECT_EQ(counted, recorded);
     // The parent: its own spans, none of its workers', none of theirs in it.
-    const auto parent = settled_process(socket(), doc.at("parent").get<long long>());
+    const auto parent = settled_process(socket(), doc.at("parent").get<long long>(), 10);
     EXPECT_EQ(step_field(parent, "Backward", "count"), doc.at("parent_spans").get<long long>());
     EXPECT_EQ(step_field(parent, "Forward", "count"), 0);
     expect_nothing_dropped(parent);
@@ -364,7 +336,7 @@ TEST_F(ShmDeath, DaemonStoppedWhileTheRingOverflowsThenSigkillCountsEveryEvent) 
   }
   ASSERT_EQ(status, kKilled);
 
-  const auto process = settled_process(socket(), pid);
+  const auto process = settled_process(socket(), pid, 10);
   ASSERT_TRUE(process.is_object());
   const long long counted = events_counted(process, "Forward");
   const long long lost = dropped(process);
@@ -435,7 +407,7 @@ TEST_F(ShmDeath, GracefulRestartKeepsWhatTheLastRingPassRead) {
     ::kill(pid, SIGKILL);
     ASSERT_EQ(wait_or_kill(pid, 10000), kKilled);
     ASSERT_TRUE(start_daemon()) << daemon_->log();
-    const auto process = settled_process(socket(), pid);
+    const auto process = settled_process(socket(), pid, 10);
     ASSERT_TRUE(process.is_object()) << "the restored daemon does not know pid " << pid;
     const long long counted = step_field(process, "Forward", "count");
     lost_rounds += counted == kEvents / 2 ? 0 : 1;
@@ -462,7 +434,7 @@ TEST_F(ShmDeath, PythonOsExitLosesNoSpan) {
   const pid_t pid = python_child({"exit", socket(), std::to_string(kSpans)});
   ASSERT_GT(pid, 0);
   ASSERT_EQ(wait_or_kill(pid, 120000), 0);
-  const auto process = settled_process(socket(), pid);
+  const auto process = settled_process(socket(), pid, 10);
   expect_all_counted(process, 2 * kSpans);
 }
 

@@ -39,6 +39,7 @@
 
 #include "tests/client/step_limit_counts.h"
 #include "tests/support/daemon_process.h"
+#include "tests/support/settled_process.h"
 
 namespace steptrace::testing {
 namespace {
@@ -53,35 +54,6 @@ constexpr int kKilled = 128 + SIGKILL;
 // The six causes of dropped_by_cause (PROTOCOL.md 10.4).
 constexpr const char* kCauses[] = {"buffer_full", "not_connected", "in_flight",
                                    "invalid",     "daemon_crash",  "refused"};
-
-std::optional<nlohmann::json> json_command(const std::string& socket, const std::string& line) {
-  const auto reply = command(socket, line, 30000);
-  if (!reply) return std::nullopt;
-  auto doc = nlohmann::json::parse(*reply, nullptr, false);
-  if (doc.is_discarded()) return std::nullopt;
-  return doc;
-}
-
-// The report entry of `pid` once its connection has closed (the daemon's last pass over
-// its rings is done), polled for at most 30 s; a failure and the last entry seen (or
-// null) when that does not happen.
-nlohmann::json settled_process(const std::string& socket, long long pid) {
-  const auto deadline = Clock::now() + std::chrono::seconds(30);
-  nlohmann::json last;
-  for (;;) {
-    if (const auto doc = json_command(socket, "report --json --pid " + std::to_string(pid))) {
-      for (const auto& p : doc->at("processes")) {
-        if (p.at("pid").get<long long>() == pid) last = p;
-      }
-    }
-    if (last.is_object() && last.at("connections").get<long long>() == 0) return last;
-    if (Clock::now() > deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  ADD_FAILURE() << "pid " << pid << ": its connection was not closed within 30 s: "
-                << (last.is_null() ? std::string("not in the report") : last.dump());
-  return last;
-}
 
 nlohmann::json step_row(const nlohmann::json& process, const std::string& step) {
   for (const auto& s : process.at("steps")) {
@@ -250,7 +222,7 @@ TEST_F(StepLimit, RefusedStepsEventsAreCountedAsRefusedAndTheRestArrives) {
   std::ofstream(file("once.ready.exit")) << "exit\n";
   EXPECT_EQ(wait_or_kill(pid, 60000), 0);
   SCOPED_TRACE("exited");
-  expect_refused_exactly(settled_process(socket(), pid), kSpans, sent);
+  expect_refused_exactly(settled_process(socket(), pid, 30), kSpans, sent);
 }
 
 // 24 trainers, 4 at a time, each SIGKILLed at a random moment 0..200 ms after it is
@@ -304,7 +276,7 @@ TEST_F(StepLimit, TrainersKilledAtRandomMomentsLoseNothingSilently) {
         done += counts->thread[t].done;
         begun += counts->thread[t].begun;
       }
-      const auto p = settled_process(socket(), pid);
+      const auto p = settled_process(socket(), pid, 30);
       ASSERT_TRUE(p.is_object());
       const long long events = p.at("events").get<long long>();
       const long long drops = dropped_sum(p);
