@@ -34,10 +34,13 @@ inline constexpr std::uint64_t kMinShmRingRecords = 4096;                    // 
 inline constexpr std::uint64_t kMaxShmRingRecords = std::uint64_t{1} << 26;  // 1 GiB of slots
 
 struct RingHeader {
-  // Written once by the library before the ring is offered.
+  // Written once by the library before the ring is offered (thread_id: see there).
   std::uint32_t magic;           // kRingMagic
   std::uint16_t layout_version;  // kRingLayoutVersion
   std::uint16_t reserved0;
+  // The producer thread. Version 8: 0 in a spare ring (offered before a thread took it);
+  // the thread that claims it stores its id here (release, ring_thread_field) before its
+  // first record, and the daemon loads it (acquire) after a head that shows a record.
   std::uint32_t thread_id;
   std::uint32_t reserved1;
   std::uint64_t capacity;
@@ -78,6 +81,11 @@ constexpr bool valid_shm_ring_capacity(std::uint64_t capacity) {
 // One 8-byte header field as an atomic (both sides map the same page).
 inline std::atomic_ref<std::uint64_t> ring_field(std::uint64_t& field) {
   return std::atomic_ref<std::uint64_t>(field);
+}
+
+// The header's thread_id as an atomic (a spare ring's is written after the offer).
+inline std::atomic_ref<std::uint32_t> ring_thread_field(RingHeader& header) {
+  return std::atomic_ref<std::uint32_t>(header.thread_id);
 }
 
 // ClockSync's conversion (wire_format.h), the same arithmetic as the library's own.

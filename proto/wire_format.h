@@ -24,8 +24,9 @@ inline constexpr std::uint8_t kMagic[4] = {0xF7, 'S', 'T', 'P'};
 // The version this code speaks; a daemon also accepts hellos of kMinProtocolVersion..
 // kProtocolVersion (version 2 added the DroppedByCause frame, version 3 the ledger ops
 // ReserveLease and Renew, version 4 the Identity frame, version 5 the shared rings,
-// version 6 the Delivered frame, version 7 the Batch frame, nothing else).
-inline constexpr std::uint16_t kProtocolVersion = 7;
+// version 6 the Delivered frame, version 7 the Batch frame, version 8 spare rings,
+// nothing else).
+inline constexpr std::uint16_t kProtocolVersion = 8;
 inline constexpr std::uint16_t kLeaseProtocolVersion = 3;
 inline constexpr std::uint16_t kIdentityProtocolVersion = 4;
 // Rings in shared memory (RingAttach, ClockSync, RingAck; proto/shm_ring.h).
@@ -36,6 +37,10 @@ inline constexpr std::uint16_t kDeliveredProtocolVersion = 6;
 // The Batch frame: socket batches numbered per process, so that a client resends what a
 // daemon did not acknowledge and the daemon skips what it already applied.
 inline constexpr std::uint16_t kBatchProtocolVersion = 7;
+// Spare rings: a RingAttach may name thread 0, a ring offered before any thread records
+// into it; the thread that claims it writes its id into the ring's header before its
+// first record (proto/shm_ring.h), so no new thread's events wait for an offer.
+inline constexpr std::uint16_t kSpareRingProtocolVersion = 8;
 inline constexpr std::uint16_t kMinProtocolVersion = 1;
 
 // Hard limits that every decoder enforces.
@@ -238,7 +243,7 @@ static_assert(sizeof(Identity) == 80);
 // against shrinking, of exactly kRingHeaderBytes + capacity * 16 bytes.
 struct RingAttach {
   std::uint32_t ring_id;    // the library's name for the ring, echoed in RingAck
-  std::uint32_t thread_id;  // the ring's one producer thread
+  std::uint32_t thread_id;  // the ring's one producer thread; version 8: 0, a spare ring
   std::uint64_t capacity;   // records: a power of two, kMinShmRingRecords..kMaxShmRingRecords
 };
 static_assert(sizeof(RingAttach) == 16);

@@ -174,6 +174,15 @@ EventRing* Client::create_ring() {
   const std::uint32_t tid = current_tid();
   RingRegistry& registry = s_.registry;
   std::lock_guard lock(registry.mu);
+  // A spare ring the flusher made and offered already (protocol version 8): the daemon
+  // maps it before this thread records anything, so a SIGKILL right after the thread's
+  // first span loses nothing uncounted. No system call here but the flusher's wake.
+  if (EventRing* spare = registry.take_spare_locked()) {
+    spare->claim(tid);
+    thread_key_.set(spare);
+    s_.wake();  // the flusher makes the next spare
+    return spare;
+  }
   auto size = [&] {
     const std::uint64_t used = std::min(registry.used_bytes, registry.total_bytes);
     return next_ring_bytes(registry.per_thread_bytes, registry.total_bytes - used);

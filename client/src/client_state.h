@@ -18,6 +18,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -77,6 +78,23 @@ struct RingRegistry {
       total += ring->daemon_took;
     }
     return total;
+  }
+
+  // Requires mu. A spare ring of the per-thread size (EventRing::spare), one already
+  // offered to the daemon first; nullptr when there is none.
+  EventRing* take_spare_locked() {
+    EventRing* found = nullptr;
+    for (auto& ring : rings) {
+      if (!ring->spare() || ring->orphaned() || ring->bytes() != per_thread_bytes) continue;
+      if (ring->sharing != EventRing::Sharing::kLocal) return ring.get();
+      if (found == nullptr) found = ring.get();
+    }
+    return found;
+  }
+  std::size_t spares_locked() const {
+    return static_cast<std::size_t>(std::count_if(rings.begin(), rings.end(), [](const auto& ring) {
+      return ring->spare() && !ring->orphaned();
+    }));
   }
 
   // Requires mu. Frees `ring` (orphaned, or any ring when nothing will drain it again),

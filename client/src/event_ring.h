@@ -126,6 +126,16 @@ class EventRing {
   EventRing& operator=(const EventRing&) = delete;
 
   std::uint32_t thread_id() const { return thread_id_; }
+  // A spare ring (made with thread 0 by the flusher, protocol version 8) becomes the
+  // calling thread's: its id goes into the header (release) before any record, so the
+  // daemon, which may map the ring already, reads it after a head that shows a record.
+  // Requires RingRegistry::mu (the flusher reads thread_id() under it).
+  void claim(std::uint32_t thread_id) noexcept {
+    assert(thread_id_ == 0 && thread_id != 0);
+    thread_id_ = thread_id;
+    proto::ring_thread_field(*header_).store(thread_id, std::memory_order_release);
+  }
+  bool spare() const { return thread_id_ == 0 && capacity_ != 0; }
   std::size_t capacity() const { return capacity_; }
   std::size_t high_water() const { return high_water_; }
   // The budget's bytes: the slots (the header page is not counted).
@@ -303,7 +313,7 @@ class EventRing {
   void init_header() noexcept {
     header_->magic = proto::kRingMagic;
     header_->layout_version = proto::kRingLayoutVersion;
-    header_->thread_id = thread_id_;
+    proto::ring_thread_field(*header_).store(thread_id_, std::memory_order_relaxed);
     header_->capacity = capacity_;
   }
   static void bump(std::uint64_t& field) noexcept {
@@ -330,8 +340,8 @@ class EventRing {
   std::uint64_t cached_tail_ = 0;       // producer's last view of the tail
   proto::RingHeader* header_ = nullptr;
   Slot* slots_ = nullptr;
-  const std::uint32_t thread_id_;
-  bool wake_sent_ = false;  // a wake was asked for since cached_tail_ last moved
+  std::uint32_t thread_id_;  // 0: a spare ring no thread has claimed yet
+  bool wake_sent_ = false;   // a wake was asked for since cached_tail_ last moved
   const std::size_t mask_;
   const std::size_t high_water_;
   const std::size_t capacity_;

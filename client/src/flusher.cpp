@@ -14,6 +14,8 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <new>
 
 #ifndef STEPTRACE_CLIENT_VERSION
 #define STEPTRACE_CLIENT_VERSION "0.0.0"
@@ -26,6 +28,10 @@ constexpr std::chrono::milliseconds kMinBackoff{10};
 constexpr std::chrono::milliseconds kMaxBackoff{1000};
 constexpr std::chrono::milliseconds kAnchorInterval{50};
 constexpr int kQuietPollMs = 20;
+// Spare rings kept offered to the daemon (protocol version 8): new threads take one each
+// without waiting for an offer; a burst of more new threads than this within one flusher
+// round makes the rest their own rings, offered at once (the window before version 8).
+constexpr std::size_t kSpareRings = 2;
 // Room kept after the events for the DroppedByCause frame and two Flush frames (the
 // flusher's own and a steptrace_flush caller's).
 constexpr std::size_t kFrameBytes = sizeof(proto::FrameHeader);
@@ -131,6 +137,7 @@ void Flusher::on_connected(proto::UniqueFd fd) {
   quiet_ = false;
   nudge_flush_ = 0;
   connected_at_ = Clock::now();
+  no_spares_ = false;
   unshare_rings();
   {
     std::lock_guard lock(s_.registry.mu);
@@ -375,7 +382,10 @@ bool Flusher::build_batch() {
 
   bool busy = round.leftovers || round.ledger_waits;
   std::size_t shared = 0;
-  for (const auto& ring : rings) shared += ring->sharing == EventRing::Sharing::kShared ? 1 : 0;
+  for (const auto& ring : rings) {
+    // An unclaimed spare holds nothing to send, read by the daemon or not.
+    shared += ring->sharing == EventRing::Sharing::kShared || ring->spare() ? 1 : 0;
+  }
   quiet_ = shared == rings.size() && carried_.empty() && !busy;
   free_orphans_locked();
   // A ring this side drains is at its high-water mark: the next round comes at once.
@@ -744,6 +754,51 @@ void Flusher::offer_rings() {
   }
 }
 
+void Flusher::keep_spares() {
+  assert(thread_owner_.is_caller());
+  if (version_ < proto::kSpareRingProtocolVersion || no_spares_) return;
+  RingRegistry& registry = s_.registry;
+  for (;;) {
+    std::uint64_t bytes = 0;
+    {
+      std::lock_guard lock(registry.mu);
+      // Spares of an earlier per-thread size (steptrace_set_buffer_size) go the way of an
+      // exited thread's empty ring: whoever consumes them lets them go.
+      for (auto& ring : registry.rings) {
+        if (ring->spare() && !ring->orphaned() && ring->bytes() != registry.per_thread_bytes) {
+          ring->orphan();
+        }
+      }
+      // A spare never takes a budget a thread's smaller ring could use: only a whole
+      // per-thread ring, while it fits.
+      const std::uint64_t used = std::min(registry.used_bytes, registry.total_bytes);
+      if (registry.spares_locked() >= kSpareRings ||
+          registry.total_bytes - used < registry.per_thread_bytes) {
+        return;
+      }
+      bytes = registry.per_thread_bytes;
+      registry.used_bytes += bytes;  // held while the ring is made, outside the lock
+    }
+    std::unique_ptr<EventRing> ring;
+    try {
+      ring = std::make_unique<EventRing>(0, static_cast<std::size_t>(bytes / kRingRecordBytes),
+                                         /*shared=*/true);
+    } catch (const std::bad_alloc&) {
+    }
+    std::lock_guard lock(registry.mu);
+    if (ring == nullptr || ring->memfd() < 0) {
+      // No memfd (or no memory): a spare would be an ordinary ring made early. Threads
+      // make their own on this connection, as before version 8.
+      registry.used_bytes -= bytes;
+      registry.budget_epoch.fetch_add(1, std::memory_order_release);
+      no_spares_ = true;
+      return;
+    }
+    ring->ring_id = registry.next_ring_id++;
+    registry.rings.push_back(std::move(ring));
+  }
+}
+
 void Flusher::ring_answered(const proto::RingAck& ack) {
   std::lock_guard lock(s_.registry.mu);
   for (auto& ring : s_.registry.rings) {
@@ -808,6 +863,7 @@ void Flusher::run() {
     // Rings wait until the resent batches are out: the daemon would fold their newer
     // events before the older ones of the same threads.
     if (fd_.valid() && off_ == len_ && accepted_ && shm_connection() && resend_.empty()) {
+      keep_spares();
       offer_rings();
     }
     if (fd_.valid() && off_ == len_) {

@@ -119,6 +119,9 @@ class Flusher {
   // Protocol version 5: offers the rings nobody consumes yet to the daemon (a RingAttach
   // with the memfd, after a ClockSync). False when the socket is full.
   void offer_rings();
+  // Version 8: keeps kSpareRings unclaimed rings (thread 0) for offer_rings to offer, so
+  // that a new thread takes one the daemon already maps (Client::create_ring).
+  void keep_spares();
   // The RingAck of an offer: the daemon consumes the ring from now on, or refused it.
   void ring_answered(const proto::RingAck& ack);
   // Every ring back to the flusher (a new connection, or the daemon is gone).
@@ -183,6 +186,7 @@ class Flusher {
   std::uint16_t version_ = proto::kProtocolVersion;  // of this connection's hello
   bool need_hello_ = false;
   bool accepted_ = false;          // the Flush after the hello was acknowledged
+  bool no_spares_ = false;         // this connection could not make a spare ring
   std::uint64_t own_flushes_ = 0;  // own Flush frames sent so far (all connections)
   std::uint64_t hello_flush_ = 0;  // the sequence of this connection's first one
   std::uint32_t steps_sent_ = 0;

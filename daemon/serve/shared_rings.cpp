@@ -87,10 +87,14 @@ proto::RingStatus SharedRings::attach(const proto::RingAttach& attach, int fd,
   // charged to the daemon).
   void* p = ::mmap(nullptr, proto::kRingHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return proto::RingStatus::kRefusedFd;
-  // The header must say what the frame says (a later layout is refused, not misread).
-  const auto* header = static_cast<const proto::RingHeader*>(p);
+  // The header must say what the frame says (a later layout is refused, not misread). A
+  // spare ring (thread 0, version 8) may already name the thread that claimed it.
+  auto* header = static_cast<proto::RingHeader*>(p);
+  const std::uint32_t header_thread =
+      proto::ring_thread_field(*header).load(std::memory_order_acquire);
   if (header->magic != proto::kRingMagic || header->layout_version != proto::kRingLayoutVersion ||
-      header->capacity != attach.capacity || header->thread_id != attach.thread_id) {
+      header->capacity != attach.capacity ||
+      (attach.thread_id != 0 && header_thread != attach.thread_id)) {
     ::munmap(p, proto::kRingHeaderBytes);
     return proto::RingStatus::kRefusedFd;
   }
@@ -124,6 +128,13 @@ void SharedRings::charge_uid(std::int64_t rings, std::int64_t bytes) {
   };
   add(budget_.rings_by_uid, budget_.rings, rings);
   add(budget_.bytes_by_uid, budget_.bytes, bytes);
+}
+
+void SharedRings::learn_thread(Ring& ring) {
+  // The claiming thread stores its id before it publishes its first record (release), so
+  // after a head load that shows a record this load sees the id. Read once: the producer
+  // cannot change a ring's thread afterwards (section 11.5).
+  ring.thread_id = proto::ring_thread_field(*ring.header).load(std::memory_order_acquire);
 }
 
 void SharedRings::read_drops(Ring& ring) {
@@ -171,6 +182,7 @@ SharedRings::Drained SharedRings::drain(Collector& collector, ProcessHandle proc
   Drained out;
   for (std::size_t i = 0; i < rings_.size();) {
     Ring& ring = rings_[i];
+    if (thread && ring.thread_id == 0) learn_thread(ring);
     if ((thread && ring.thread_id != *thread) ||
         (pass == Pass::kLive && ring.waiting_since == registrations_)) {
       ++i;
@@ -201,6 +213,7 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
                              std::uint64_t until_ns, Drained& out) {
   const std::uint64_t head = proto::ring_field(ring.header->head).load(std::memory_order_acquire);
   if (head - ring.tail > ring.capacity) return false;  // also head < tail (wraps)
+  if (ring.thread_id == 0) learn_thread(ring);         // after the head: its records' thread
   ring.waiting_since = UINT64_MAX;
   const std::uint64_t mask = ring.capacity - 1;
   copy_.resize(kChunkRecords);
@@ -228,7 +241,7 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
     std::size_t taken = 0;
     for (; taken < n; ++taken) {
       proto::EventRecord e = copy_[taken];
-      const bool valid = e.reserved == 0 && e.thread_id == ring.thread_id &&
+      const bool valid = e.reserved == 0 && e.thread_id == ring.thread_id && e.thread_id != 0 &&
                          (e.kind == static_cast<std::uint8_t>(proto::EventKind::kStart) ||
                           e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) &&
                          proto::is_valid_step(e.step);

@@ -89,7 +89,7 @@ class SharedRings {
  private:
   struct Ring {
     std::uint32_t ring_id = 0;
-    std::uint32_t thread_id = 0;
+    std::uint32_t thread_id = 0;  // 0: a spare ring no thread has claimed yet (version 8)
     std::uint64_t capacity = 0;
     proto::RingHeader* header = nullptr;  // the first kRingHeaderBytes, mapped
     int fd = -1;                          // the memfd, owned: the slots are read from it
@@ -103,6 +103,9 @@ class SharedRings {
   };
   // Reads the header's drop counters (never backwards).
   static void read_drops(Ring& ring);
+  // A spare ring (attached for thread 0): takes the thread id its claiming thread wrote
+  // into the header, once it is there (0 until then).
+  static void learn_thread(Ring& ring);
   void unmap(std::size_t index);  // keeps its drop counts
   // Adds `rings` and `bytes` (negative: returns them) to this uid's share of the budget.
   void charge_uid(std::int64_t rings, std::int64_t bytes);

@@ -20,6 +20,8 @@
 //      abort  abort(), SIGABRT's default action                  status 128 + 6
 //      live   not yet: writes the file GO.done and waits for a signal to end it (its
 //             connection stays open; the test kills it)
+//      thread-kill  step 3 runs on a new thread (its first events: its ring is made or
+//             taken now), which raises SIGKILL right after them     status 128 + 9
 //    No core is written (RLIMIT_CORE 0, not dumpable).
 //
 // Exit 2 when a step before the death failed (connect or flush), 64 on bad arguments.
@@ -85,7 +87,9 @@ void no_core() {
 
 int main(int argc, char** argv) {
   if (argc != 4 && argc != 6) {
-    std::fprintf(stderr, "usage: %s SOCKET EVENTS kill|exit|segv|abort|live [READY GO]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s SOCKET EVENTS kill|exit|segv|abort|live|thread-kill [READY GO]\n",
+                 argv[0]);
     return 64;
   }
   const std::string socket = argv[1];
@@ -94,7 +98,7 @@ int main(int argc, char** argv) {
   const std::string death = argv[3];
   if (end == argv[2] || *end != '\0' || events < 0 ||
       (death != "kill" && death != "exit" && death != "segv" && death != "abort" &&
-       death != "live")) {
+       death != "live" && death != "thread-kill")) {
     std::fprintf(stderr, "%s: bad arguments\n", argv[0]);
     return 64;
   }
@@ -120,13 +124,24 @@ int main(int argc, char** argv) {
   }
 
   // 3. The events, unflushed.
-  for (long long i = 0; i < events; ++i) {
-    if (i % 2 == 0) {
-      steptrace_start(STEPTRACE_FORWARD);
-    } else {
-      steptrace_end(STEPTRACE_FORWARD);
+  const auto record = [events] {
+    for (long long i = 0; i < events; ++i) {
+      if (i % 2 == 0) {
+        steptrace_start(STEPTRACE_FORWARD);
+      } else {
+        steptrace_end(STEPTRACE_FORWARD);
+      }
     }
+  };
+  if (death == "thread-kill") {
+    std::thread fresh([&record] {
+      record();
+      ::raise(SIGKILL);
+    });
+    fresh.join();
+    fail("survived its death");
   }
+  record();
 
   // 4. The death.
   if (death == "live") {

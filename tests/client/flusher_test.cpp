@@ -280,8 +280,8 @@ TEST(Flusher, VersionOneDaemonGetsVersionOneAfterEachNewerVersionIsRefusedAndLos
   steptrace_start(4000);  // unknown step: one invalid drop
   spans(STEPTRACE_MATMUL, 100);
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  // A version-1 daemon refuses the version-7 hello and closes, then versions 6 .. 2.
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {7, 6, 5, 4, 3, 2}));
+  // A version-1 daemon refuses the version-8 hello and closes, then versions 7 .. 2.
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {8, 7, 6, 5, 4, 3, 2}));
   // The next connection speaks version 1 (and the daemon decodes it as version 1: a
   // DroppedByCause frame would be a decode error).
   ASSERT_TRUE(daemon.accept_connection(5000));
@@ -326,7 +326,7 @@ TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {
 TEST(Flusher, AVersionTwoDaemonGetsLeasedReservationsWithoutTheLeaseAndNoRenewals) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {7, 6, 5, 4, 3}));
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {8, 7, 6, 5, 4, 3}));
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), 2u);
   steptrace_ledger_reserve_lease("GPU-a", 7, 1 << 20, "job", 1500);
@@ -524,7 +524,7 @@ TEST(Flusher, BatchesRefusedWithAnErrorCountAsInFlight) {
 TEST(Flusher, EventsInABrokenConnectionsUnsentFramesCountAsInFlightBeforeVersionSeven) {
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
-  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {7}));
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {8, 7}));
   ASSERT_TRUE(daemon.accept_connection(5000));
   ASSERT_EQ(daemon.handshake(), 6u);
   // The daemon stops reading: far more than the socket buffer is recorded (the ring

@@ -718,6 +718,59 @@ TEST_F(HostileShmRingTest, DescriptorsThatAreNotASealedMemfdOfTheStatedSizeAreRe
   expect_nothing_mapped();
 }
 
+// A spare ring (protocol version 8: a RingAttach of thread 0) is mapped before any thread
+// has it. Records published while its header still names thread 0 are refused (invalid);
+// once the header names a thread, its records are read as that thread's; the thread is
+// taken once, so a header rewritten to another thread later changes nothing (that
+// thread's records are refused, the first thread's still read). A spare's header may also
+// name its thread before the daemon reads the RingAttach.
+TEST_F(HostileShmRingTest, ASpareRingIsReadAsTheThreadItsHeaderNamesOnceAndForAll) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  RawClient hostile(socket());
+  ASSERT_TRUE(hostile.handshake());
+  CraftedRing spare(0);
+  ASSERT_TRUE(spare.ok());
+  ASSERT_EQ(hostile.attach(1, spare), RingStatus::kMapped);
+  std::uint64_t ts = 1'000'000;
+  spare.publish(pairs(0, kForward, 2, ts));  // nobody's records
+  ASSERT_TRUE(hostile.flush());
+  json r = rings();
+  EXPECT_EQ(r["events"], 0) << r.dump();
+  EXPECT_EQ(r["records_refused"], 4) << r.dump();
+
+  proto::ring_thread_field(spare.header()).store(4321, std::memory_order_release);
+  spare.publish(pairs(4321, kForward, 3, ts));
+  ASSERT_TRUE(hostile.flush());
+  r = rings();
+  EXPECT_EQ(r["events"], 6) << r.dump();
+  EXPECT_EQ(r["records_refused"], 4) << r.dump();
+  EXPECT_EQ(spans(::getpid(), "Forward"), 3u);
+
+  proto::ring_thread_field(spare.header()).store(999, std::memory_order_release);
+  spare.publish(pairs(999, kForward, 1, ts));
+  spare.publish(pairs(4321, kForward, 1, ts));
+  ASSERT_TRUE(hostile.flush());
+  r = rings();
+  EXPECT_EQ(r["events"], 8) << r.dump();
+  EXPECT_EQ(r["records_refused"], 6) << r.dump();
+  EXPECT_EQ(spans(::getpid(), "Forward"), 4u);
+
+  // Claimed before the attach: mapped, and read as the header's thread.
+  CraftedRing early(0);
+  ASSERT_TRUE(early.ok());
+  proto::ring_thread_field(early.header()).store(4322, std::memory_order_release);
+  early.publish(pairs(4322, kForward, 2, ts));
+  ASSERT_EQ(hostile.attach(2, early), RingStatus::kMapped);
+  ASSERT_TRUE(hostile.flush());
+  r = rings();
+  EXPECT_EQ(r["events"], 12) << r.dump();
+  EXPECT_EQ(r["records_refused"], 6) << r.dump();
+  EXPECT_EQ(spans(::getpid(), "Forward"), 6u);
+  EXPECT_EQ(protocol_errors("bad_ring"), 0u);
+  hostile.close();
+  expect_nothing_mapped();
+}
+
 // ---- 2. descriptors without frames, frames without descriptors ----------------------------
 
 TEST_F(HostileShmRingTest, ARingAttachWithoutADescriptorIsRefusedAndTheConnectionStays) {

@@ -233,11 +233,13 @@ TEST(ProtoGolden, HelloVersion5) { expect_hello_golden("hello_v5.hex", 5); }
 
 TEST(ProtoGolden, HelloVersion6) { expect_hello_golden("hello_v6.hex", 6); }
 
-TEST(ProtoGolden, HelloVersion7) {
-  expect_hello_golden("hello_v7.hex", 7);
+TEST(ProtoGolden, HelloVersion7) { expect_hello_golden("hello_v7.hex", 7); }
+
+TEST(ProtoGolden, HelloVersion8) {
+  expect_hello_golden("hello_v8.hex", 8);
   // The encoder's default is kProtocolVersion.
-  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.7.0", "trainer")); }),
-            read_hex("hello_v7.hex"));
+  EXPECT_EQ(encode([](Encoder& e) { ASSERT_TRUE(e.hello("0.8.0", "trainer")); }),
+            read_hex("hello_v8.hex"));
 }
 
 TEST(ProtoGolden, Batch) {

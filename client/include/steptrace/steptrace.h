@@ -29,7 +29,11 @@
  * stay within 256 MiB by default: a thread gets the per-thread size, or the largest
  * power of two left in that total, or, below 64 KiB, no buffer at all (its events are
  * then dropped and counted as STEPTRACE_DROP_BUFFER_FULL). Each buffer also has a 4 KiB
- * header page, not counted in those sizes. An exited thread's buffer is freed once sent
+ * header page, not counted in those sizes. While connected to a daemon of protocol
+ * version 8, the library keeps up to 2 spare buffers of the per-thread size (made by its
+ * flusher thread when a whole one fits in the total, so no thread gets less for them),
+ * already handed to the daemon: a new thread takes one at its first event, so what it
+ * records survives the process's death from the first event on. An exited thread's buffer is freed once sent
  * or read by the daemon (while no daemon is connected, the newest 64 are kept for it,
  * within that total). See steptrace_set_buffer_size.
  *
