@@ -809,6 +809,9 @@ void Flusher::ring_answered(const proto::RingAck& ack) {
     if (ring->sharing == EventRing::Sharing::kLocal) {
       ring->refused_by_daemon();
       s_.rings_refused.fetch_add(1, std::memory_order_relaxed);
+      // A daemon over its ring limits for us: no more spares on this connection (each
+      // would be one more refusal); the refused one is still taken as a socket-path ring.
+      if (ring->spare()) no_spares_ = true;
     }
     return;
   }

@@ -185,8 +185,8 @@ class Flusher {
   std::optional<proto::Decoder> decoder_;
   std::uint16_t version_ = proto::kProtocolVersion;  // of this connection's hello
   bool need_hello_ = false;
-  bool accepted_ = false;          // the Flush after the hello was acknowledged
-  bool no_spares_ = false;         // this connection could not make a spare ring
+  bool accepted_ = false;   // the Flush after the hello was acknowledged
+  bool no_spares_ = false;  // no spare rings on this connection: a memfd failed, or one was refused
   std::uint64_t own_flushes_ = 0;  // own Flush frames sent so far (all connections)
   std::uint64_t hello_flush_ = 0;  // the sequence of this connection's first one
   std::uint32_t steps_sent_ = 0;
