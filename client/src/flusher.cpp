@@ -758,6 +758,13 @@ void Flusher::keep_spares() {
   assert(thread_owner_.is_caller());
   if (version_ < proto::kSpareRingProtocolVersion || no_spares_) return;
   RingRegistry& registry = s_.registry;
+  // Whether another spare of `bytes` is wanted and fits: a spare never takes budget a
+  // thread's smaller ring could use, only a whole per-thread ring, while one fits.
+  const auto wanted = [&registry](std::uint64_t bytes) {
+    const std::uint64_t used = std::min(registry.used_bytes, registry.total_bytes);
+    return registry.spares_locked() < kSpareRings && bytes == registry.per_thread_bytes &&
+           registry.total_bytes - used >= bytes;
+  };
   for (;;) {
     std::uint64_t bytes = 0;
     {
@@ -769,33 +776,33 @@ void Flusher::keep_spares() {
           ring->orphan();
         }
       }
-      // A spare never takes a budget a thread's smaller ring could use: only a whole
-      // per-thread ring, while it fits.
-      const std::uint64_t used = std::min(registry.used_bytes, registry.total_bytes);
-      if (registry.spares_locked() >= kSpareRings ||
-          registry.total_bytes - used < registry.per_thread_bytes) {
-        return;
-      }
       bytes = registry.per_thread_bytes;
-      registry.used_bytes += bytes;  // held while the ring is made, outside the lock
+      if (!wanted(bytes)) return;
     }
+    // Made outside the lock (its system calls), its budget taken only once it is in the
+    // registry: meanwhile a new thread's ring is made as if no spare were coming.
     std::unique_ptr<EventRing> ring;
     try {
       ring = std::make_unique<EventRing>(0, static_cast<std::size_t>(bytes / kRingRecordBytes),
                                          /*shared=*/true);
     } catch (const std::bad_alloc&) {
     }
-    std::lock_guard lock(registry.mu);
     if (ring == nullptr || ring->memfd() < 0) {
       // No memfd (or no memory): a spare would be an ordinary ring made early. Threads
       // make their own on this connection, as before version 8.
-      registry.used_bytes -= bytes;
-      registry.budget_epoch.fetch_add(1, std::memory_order_release);
       no_spares_ = true;
       return;
     }
-    ring->ring_id = registry.next_ring_id++;
-    registry.rings.push_back(std::move(ring));
+    std::lock_guard lock(registry.mu);
+    if (!wanted(bytes)) return;  // the budget went to a thread meanwhile: `ring` is freed
+    try {
+      registry.rings.push_back(std::move(ring));
+    } catch (const std::bad_alloc&) {
+      no_spares_ = true;
+      return;
+    }
+    registry.rings.back()->ring_id = registry.next_ring_id++;
+    registry.used_bytes += bytes;
   }
 }
 
