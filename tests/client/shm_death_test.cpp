@@ -42,6 +42,7 @@
 
 #include "tests/support/daemon_process.h"
 #include "tests/support/settled_process.h"
+#include "tests/support/test_seed.h"
 
 namespace steptrace::testing {
 namespace {
@@ -130,14 +131,6 @@ void expect_all_counted(const nlohmann::json& process, long long events) {
   EXPECT_EQ(process.at("unmatched_ends").get<long long>(), 0);
   EXPECT_EQ(step_field(process, "Backward", "count"), 1);  // the warm-up span
   expect_nothing_dropped(process);
-}
-
-std::uint64_t test_seed() {
-  if (const char* env = std::getenv("STEPTRACE_TEST_SEED"); env != nullptr && *env != '\0') {
-    return std::strtoull(env, nullptr, 10);
-  }
-  std::random_device device;
-  return (std::uint64_t{device()} << 32) | device();
 }
 
 bool file_exists(const std::string& path) {
@@ -275,10 +268,8 @@ class ShmDeath : public ::testing::Test {
 TEST_F(ShmDeath, SigkilledTrainersLoseNoEvent) {
   constexpr int kTrainers = 100;
   constexpr long long kMaxEvents = 200'000;
-  const std::uint64_t seed = test_seed();
-  std::cerr << "SigkilledTrainersLoseNoEvent: seed " << seed << " (STEPTRACE_TEST_SEED)\n";
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (STEPTRACE_TEST_SEED=" + std::to_string(seed) +
-               " repeats this run)");
+  const std::uint64_t seed = announced_seed("SigkilledTrainersLoseNoEvent");
+  SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<long long> pick(1, kMaxEvents);
   const auto t0 = Clock::now();
@@ -300,11 +291,8 @@ TEST_F(ShmDeath, SigkilledTrainersLoseNoEvent) {
 // either side. K is 1..2,000 (a few microseconds of recording); the first two take 1 and 2.
 TEST_F(ShmDeath, ANewThreadSigkilledRightAfterItsFirstEventsLosesNone) {
   constexpr int kTrainers = 40;
-  const std::uint64_t seed = test_seed();
-  std::cerr << "ANewThreadSigkilledRightAfterItsFirstEventsLosesNone: seed " << seed
-            << " (STEPTRACE_TEST_SEED)\n";
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (STEPTRACE_TEST_SEED=" + std::to_string(seed) +
-               " repeats this run)");
+  const std::uint64_t seed = announced_seed("ANewThreadSigkilledRightAfterItsFirstEventsLosesNone");
+  SCOPED_TRACE(seed_note(seed));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<long long> pick(1, 2000);
   for (int i = 0; i < kTrainers; ++i) {

@@ -40,6 +40,7 @@
 #include "tests/client/step_limit_counts.h"
 #include "tests/support/daemon_process.h"
 #include "tests/support/settled_process.h"
+#include "tests/support/test_seed.h"
 
 namespace steptrace::testing {
 namespace {
@@ -110,14 +111,6 @@ std::optional<StepLimitCounts> read_counts(const std::string& path) {
 bool file_exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
-}
-
-std::uint64_t test_seed() {
-  if (const char* env = std::getenv("STEPTRACE_TEST_SEED"); env != nullptr && *env != '\0') {
-    return std::strtoull(env, nullptr, 10);
-  }
-  std::random_device device;
-  return (std::uint64_t{device()} << 32) | device();
 }
 
 // A once-trainer's process: its threads' `spans` rounds of the 8 steps, kept or
@@ -235,11 +228,8 @@ TEST_F(StepLimit, RefusedStepsEventsAreCountedAsRefusedAndTheRestArrives) {
 TEST_F(StepLimit, TrainersKilledAtRandomMomentsLoseNothingSilently) {
   constexpr int kTrainers = 24;
   constexpr int kParallel = 4;
-  const std::uint64_t seed = test_seed();
-  std::cerr << "TrainersKilledAtRandomMomentsLoseNothingSilently: seed " << seed
-            << " (STEPTRACE_TEST_SEED)\n";
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (STEPTRACE_TEST_SEED=" + std::to_string(seed) +
-               " repeats the kill moments)");
+  const std::uint64_t seed = announced_seed("TrainersKilledAtRandomMomentsLoseNothingSilently");
+  SCOPED_TRACE(seed_note(seed, "the kill moments"));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick_ms(0, 200);
   const long long hits_before = limit_hits(socket());

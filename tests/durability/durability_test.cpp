@@ -53,6 +53,7 @@
 #include "proto/unique_fd.h"
 #include "tests/durability/socket_activation.h"
 #include "tests/support/daemon_process.h"
+#include "tests/support/test_seed.h"
 
 namespace steptrace::testing {
 namespace {
@@ -80,14 +81,6 @@ constexpr double kCrashLossSecondsPerKill = 1.5;
 
 long long ms_since(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
-}
-
-std::uint64_t test_seed() {
-  if (const char* env = std::getenv("STEPTRACE_TEST_SEED"); env != nullptr && *env != '\0') {
-    return std::strtoull(env, nullptr, 10);
-  }
-  std::random_device device;
-  return (std::uint64_t{device()} << 32) | device();
 }
 
 // STEPTRACE_DURABILITY_ITERATIONS, else `fallback`.
@@ -520,22 +513,10 @@ class Durability : public ::testing::Test {
   std::vector<Trainer> trainers_;
 };
 
-// The seed of a test's random timing, printed; `seed_note` is for its SCOPED_TRACE.
-std::uint64_t announced_seed(const char* test) {
-  const std::uint64_t seed = test_seed();
-  std::cerr << test << ": seed " << seed << " (STEPTRACE_TEST_SEED)\n";
-  return seed;
-}
-
-std::string seed_note(std::uint64_t seed) {
-  return "seed " + std::to_string(seed) + " (STEPTRACE_TEST_SEED=" + std::to_string(seed) +
-         " repeats this run's timing)";
-}
-
 // Graceful restarts under load: nothing lost, nothing counted twice.
 TEST_F(Durability, SigtermRestartsLoseNothing) {
   const std::uint64_t seed = announced_seed("SigtermRestartsLoseNothing");
-  SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE(seed_note(seed, "this run's timing"));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(30, 250);
   run_restarts(SIGTERM, 0, iterations(kDefaultIterations), [&](int) { return pick(rng); });
@@ -569,7 +550,7 @@ class DurabilityUnderSystemd : public Durability {
 TEST_F(DurabilityUnderSystemd, SocketActivatedRestartsUnderLoadLoseNothing) {
   constexpr int kRestarts = 10;
   const std::uint64_t seed = announced_seed("SocketActivatedRestartsUnderLoadLoseNothing");
-  SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE(seed_note(seed, "this run's timing"));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(30, 250);
   std::uniform_int_distribution<int> pick_long(1100, 1500);
@@ -601,7 +582,7 @@ TEST_F(DurabilityUnderSystemd, SocketActivatedRestartsUnderLoadLoseNothing) {
 // lives 1.1-2 s, so that some state is made durable between kills too.
 TEST_F(Durability, SigkillRestartsCountWhatTheyLose) {
   const std::uint64_t seed = announced_seed("SigkillRestartsCountWhatTheyLose");
-  SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE(seed_note(seed, "this run's timing"));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(30, 250);
   std::uniform_int_distribution<int> pick_long(1100, 2000);
@@ -624,7 +605,7 @@ class DurabilityOnSocket : public Durability {
 
 TEST_F(DurabilityOnSocket, SigtermRestartsLoseNothing) {
   const std::uint64_t seed = announced_seed("OnSocket.SigtermRestartsLoseNothing");
-  SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE(seed_note(seed, "this run's timing"));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(30, 250);
   run_restarts(SIGTERM, 0, iterations(kDefaultIterations / 2), [&](int) { return pick(rng); });
@@ -636,7 +617,7 @@ TEST_F(DurabilityOnSocket, SigtermRestartsLoseNothing) {
 
 TEST_F(DurabilityOnSocket, SigkillRestartsCountWhatTheyLose) {
   const std::uint64_t seed = announced_seed("OnSocket.SigkillRestartsCountWhatTheyLose");
-  SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE(seed_note(seed, "this run's timing"));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(30, 250);
   std::uniform_int_distribution<int> pick_long(1100, 2000);
@@ -655,7 +636,7 @@ TEST_F(DurabilityOnSocket, SigkillRestartsCountWhatTheyLose) {
 TEST_F(Durability, StateDirRestoresAfterKillsDuringSnapshots) {
   constexpr int kKills = 12;
   const std::uint64_t seed = announced_seed("StateDirRestoresAfterKillsDuringSnapshots");
-  SCOPED_TRACE(seed_note(seed));
+  SCOPED_TRACE(seed_note(seed, "this run's timing"));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> pick(850, 1250);
   std::uniform_int_distribution<int> pick_short(0, 500);
