@@ -208,7 +208,7 @@ struct ServerCounters {
   std::uint64_t connections_undrained = 0;         // queued at shutdown, closed unread
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
-  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace reply waited
   // Reply bytes queued for text clients that their sockets have not taken yet (a gauge).
   std::uint64_t reply_bytes_pending = 0;
   std::uint64_t snapshots_written = 0;
@@ -258,7 +258,7 @@ struct DaemonCounters {
   std::uint64_t liveness_probe_errors = 0;  // /proc probes that failed (EMFILE...): no death
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
-  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace reply waited
   // Reply bytes queued for text clients that their sockets have not taken yet (a gauge).
   std::uint64_t reply_bytes_pending = 0;
   std::uint64_t snapshots_written = 0;
