@@ -420,7 +420,8 @@ void append_state_metrics(const CollectorView& view, std::string& out) {
     // Every limit (state/types.h), at zero until hit.
     const auto limits = with_known_kinds(kLimitNames, c.limits_hit);
     MetricFamily f(out, "steptrace_limit_hits_total", "counter",
-                   "Times a configured limit refused or dropped something, by limit.");
+                   "Times a limit (configured, or a fixed bound such as trace --children's) "
+                   "refused or dropped something, by limit.");
     for (const auto& [name, n] : limits) f.sample({{"limit", name}}, n);
   }
   append_counter_group(c, MetricGroup::kSnapshots, out);

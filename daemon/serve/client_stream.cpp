@@ -428,6 +428,7 @@ void ClientStream::piece_rendered(std::string text, bool more) {
   piece_out_ = false;
   transport_.send(std::move(text));
   if (!more) {
+    reply_stream_->finished();
     reply_stream_.reset();
     state_ = State::kText;
   }

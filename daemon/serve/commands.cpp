@@ -500,18 +500,19 @@ Option<TraceRequest> seconds_option(std::string_view name, double max,
           }};
 }
 
-// The capture a trace renders, or the error reply instead of a document.
-using TraceChoice = std::variant<std::shared_ptr<const TraceCapture>, std::string>;
+// The capture a trace renders, or the refusal (its error reply) instead of a document.
+using TraceChoice = std::variant<std::shared_ptr<const TraceCapture>, TraceRefusal>;
 
 // Renders a capture as the trace document, a piece per next(), holding a TraceSlots slot.
 // `choose` (--children, --job) picks the capture's processes at the first next(): on the
 // render thread, with the uid's slot held, since --children reads /proc. An error it gives
-// is the whole reply, as when the io thread answered it (PROTOCOL.md 10.5).
+// is the whole reply, as when the io thread answered it (PROTOCOL.md 10.5); one past a
+// bound is counted in limits_hit when the reply is handed over, back on the io thread.
 class TraceReply final : public ReplyStream {
  public:
-  TraceReply(std::function<TraceChoice()> choose, std::shared_ptr<TraceSlots> slots,
-             std::uint32_t uid)
-      : choose_(std::move(choose)), slots_(std::move(slots)), uid_(uid) {
+  TraceReply(std::function<TraceChoice()> choose, Collector& collector,
+             std::shared_ptr<TraceSlots> slots, std::uint32_t uid)
+      : choose_(std::move(choose)), collector_(collector), slots_(std::move(slots)), uid_(uid) {
     slots_->take(uid_);
   }
   ~TraceReply() override { slots_->give_back(uid_); }  // on the io or the render thread
@@ -521,18 +522,24 @@ class TraceReply final : public ReplyStream {
     if (choose_) {
       TraceChoice choice = choose_();
       choose_ = nullptr;
-      if (auto* error = std::get_if<std::string>(&choice)) {
-        out += *error;
+      if (auto* refusal = std::get_if<TraceRefusal>(&choice)) {
+        out += refusal->reply;
+        refused_ = refusal->limit;  // read by finished(), after the piece's post to the io thread
         return false;
       }
       export_.emplace(std::get<std::shared_ptr<const TraceCapture>>(std::move(choice)));
     }
     return export_ && export_->next(out);
   }
+  void finished() override {
+    if (refused_) collector_.count_limit(*refused_);
+  }
 
  private:
   std::function<TraceChoice()> choose_;
   std::optional<TraceExport> export_;
+  Collector& collector_;
+  std::optional<LimitKind> refused_;
   std::shared_ptr<TraceSlots> slots_;
   std::uint32_t uid_;
 };
@@ -570,13 +577,14 @@ std::uint64_t seconds_ns(double s) { return static_cast<std::uint64_t>(s * 1e9);
 // they answer an error rather than an empty trace when they take no process. On the render
 // thread: --children reads /proc (bounded, the descendants' files only).
 TraceChoice choose_processes(const TraceCapture& all, const TraceRequest& r, std::uint32_t caller,
-                             bool privileged) {
+                             bool privileged, const std::string& proc_root,
+                             DescendantBounds bounds) {
   TraceSelection selection;
   std::vector<std::int32_t> roots;
   for (const std::int32_t pid : r.pids) {
     // With --children a live --pid is taken by its ProcessKey too: an earlier process
     // that had its pid is no more its family than its descendants' namesakes are.
-    const auto self = r.children ? live_process(pid) : std::nullopt;
+    const auto self = r.children ? live_process(pid, proc_root) : std::nullopt;
     if (self) {
       selection.keys.insert(*self);
       roots.push_back(pid);
@@ -585,49 +593,61 @@ TraceChoice choose_processes(const TraceCapture& all, const TraceRequest& r, std
     }
   }
   if (!roots.empty()) {
-    auto found = live_descendants(roots);
-    if (auto* error = std::get_if<std::string>(&found)) return std::move(*error);
+    auto found = live_descendants(roots, proc_root, bounds);
+    if (auto* refusal = std::get_if<TraceRefusal>(&found)) return std::move(*refusal);
     const auto& keys = std::get<std::vector<ProcessKey>>(found);
     selection.keys.insert(keys.begin(), keys.end());
   }
   if (r.job) {
     auto uid = trace_job_uid(all, *r.job, r.job_uid, caller, privileged);
-    if (auto* error = std::get_if<std::string>(&uid)) return std::move(*error);
+    if (auto* error = std::get_if<std::string>(&uid)) return TraceRefusal{std::move(*error), {}};
     selection.job = JobRef{std::get<std::uint32_t>(uid), *r.job};
   }
   auto capture = select_processes(all, selection);
   if (r.children && capture->processes.empty()) {
     std::string pids;
     for (const std::int32_t pid : r.pids) pids += (pids.empty() ? "" : ", ") + std::to_string(pid);
-    return "error: trace: no process with pid " + pids +
-           " nor any live process it forked is in the flight recorder's window\n";
+    return TraceRefusal{"error: trace: no process with pid " + pids +
+                            " nor any live process it forked is in the flight recorder's window\n",
+                        {}};
   }
   return capture;
 }
 
+// Who asks for a trace, and where its --children looks (a copy: `trace --for` makes its
+// reply after the command's context is gone).
+struct TraceAsker {
+  std::uint32_t uid = 0;
+  bool privileged = false;
+  std::string proc_root;
+  DescendantBounds bounds;
+};
+
 // The reply to `r` from the recorder's window since `since`: --pid alone is the recorder's
 // own filter; --children and --job capture every window here, on the io thread (the
 // collector's), and choose from it on the render thread (choose_processes()).
-Reply trace_reply(const Collector& collector, const TraceRequest& r, std::uint64_t since,
-                  const std::shared_ptr<TraceSlots>& slots, std::uint32_t uid, bool privileged) {
+Reply trace_reply(Collector& collector, const TraceRequest& r, std::uint64_t since,
+                  const std::shared_ptr<TraceSlots>& slots, const TraceAsker& asker) {
   std::function<TraceChoice()> choose;
   if (!r.children && !r.job) {
     choose = [capture = collector.capture_trace(r.pids, since)]() -> TraceChoice {
       return capture;
     };
   } else {
-    choose = [all = collector.capture_trace({}, since), r, uid, privileged]() -> TraceChoice {
-      return choose_processes(*all, r, uid, privileged);
+    choose = [all = collector.capture_trace({}, since), r, asker]() -> TraceChoice {
+      return choose_processes(*all, r, asker.uid, asker.privileged, asker.proc_root, asker.bounds);
     };
   }
-  return std::shared_ptr<ReplyStream>(std::make_shared<TraceReply>(std::move(choose), slots, uid));
+  return std::shared_ptr<ReplyStream>(
+      std::make_shared<TraceReply>(std::move(choose), collector, slots, asker.uid));
 }
 
 Reply run_trace(const TraceRequest& r, const Call& call) {
   Collector& collector = call.context.collector;
   const std::shared_ptr<TraceSlots>& slots = call.trace_slots;
   const std::uint32_t uid = call.context.peer_uid;
-  const bool privileged = may_reset(uid, call.context.daemon_euid);
+  const TraceAsker asker{uid, may_reset(uid, call.context.daemon_euid), call.context.proc_root,
+                         call.context.descendant_bounds};
   const std::uint64_t now = collector.now_ns();
   if (r.children && r.pids.empty()) {
     return std::string("error: trace: --children needs --pid N (whose forked processes to take)") +
@@ -637,7 +657,7 @@ Reply run_trace(const TraceRequest& r, const Call& call) {
   if (!r.for_s) {
     const std::uint64_t since =
         r.last_s && seconds_ns(*r.last_s) < now ? now - seconds_ns(*r.last_s) : 0;
-    return trace_reply(collector, r, since, slots, uid, privileged);
+    return trace_reply(collector, r, since, slots, asker);
   }
   if (auto busy = slots->pending_busy(uid, call.context.max_pending_traces_per_uid)) {
     collector.count_limit(LimitKind::kMaxPendingTracesPerUid);
@@ -646,9 +666,9 @@ Reply run_trace(const TraceRequest& r, const Call& call) {
   auto hold = std::make_shared<CaptureHold>(collector, slots, uid);
   DeferredReply deferred;
   deferred.delay = std::chrono::milliseconds(static_cast<std::int64_t>(*r.for_s * 1000));
-  deferred.make = [&collector, r, since = now, hold, slots, uid, privileged]() mutable -> Reply {
-    if (auto busy = slots->busy(uid)) return *busy;
-    Reply reply = trace_reply(collector, r, since, slots, uid, privileged);
+  deferred.make = [&collector, r, since = now, hold, slots, asker]() mutable -> Reply {
+    if (auto busy = slots->busy(asker.uid)) return *busy;
+    Reply reply = trace_reply(collector, r, since, slots, asker);
     hold.reset();  // the capture holds its chunks; recording may stop now
     return reply;
   };
@@ -774,6 +794,7 @@ std::string CommandTable::execute(std::string_view line, const CommandContext& c
     std::string out;
     while (reply.stream->next(out)) {
     }
+    reply.stream->finished();
     return out;
   }
   if (!reply.render) return std::move(reply.text);

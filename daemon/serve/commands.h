@@ -30,6 +30,7 @@
 #include "daemon/report/overhead_rule.h"
 #include "daemon/serve/command_syntax.h"
 #include "daemon/serve/render_job.h"
+#include "daemon/serve/trace_selection.h"
 #include "daemon/state/collector.h"
 #include "proto/commands.h"
 
@@ -46,6 +47,10 @@ struct CommandContext {
   std::size_t max_pending_traces_per_uid = 4;
   // The config's 50% rules (`report`); nullptr: the built-in default only.
   const report::OverheadRules* overhead_rules = nullptr;
+  // Where `trace --children` reads the processes, and how many at most
+  // (trace_selection.h); tests point them at a stand-in /proc with small bounds.
+  std::string proc_root = "/proc";
+  DescendantBounds descendant_bounds{};
 };
 
 // A reply too big to be one string (`trace`): rendered a piece at a time on the render
@@ -56,6 +61,11 @@ class ReplyStream {
   virtual ~ReplyStream() = default;
   // Appends the next piece to `out`; false once that piece ends the reply.
   virtual bool next(std::string& out) = 0;
+  // On the io thread, once the piece that ended the reply was handed to its connection:
+  // what the reply counts (a trace refused past a bound) goes to the Collector here,
+  // never from the render thread next() ran on. Not called when the connection closed
+  // first.
+  virtual void finished() {}
 };
 
 struct Reply;

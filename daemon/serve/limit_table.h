@@ -1,6 +1,7 @@
 // Every configured bound under "limits" in the config file, one row each: its key, the
 // LimitKind its hits are counted under (the name in stats, metrics and snapshots comes
-// from kLimitNames, state/types.h, and must be the key), the values the config accepts,
+// from kLimitNames, state/types.h, and must be the key; the fixed LimitKinds, from
+// kFirstFixedLimit on, have no row), the values the config accepts,
 // and where the value lives (ServerLimits or the Collector's Limits, whose fields hold
 // the defaults). read_limits() and config_to_json() (config.cpp) walk it;
 // config/steptraced.json and config/README.md are checked against it by
@@ -122,7 +123,8 @@ inline constexpr std::array<LimitRow, 29> kLimitTable = [] {
   };
 }();
 
-// Each counted limit's key is its name in kLimitNames, and each LimitKind has its row.
+// Each counted limit's key is its name in kLimitNames, each configured LimitKind has its
+// row, and a fixed one (kFirstFixedLimit on) none.
 consteval bool limit_table_names_match() {
   std::array<int, kLimitNames.size()> rows{};
   for (const LimitRow& row : kLimitTable) {
@@ -130,11 +132,13 @@ consteval bool limit_table_names_match() {
     if (row.key != limit_name(*row.kind)) return false;
     ++rows[static_cast<std::size_t>(*row.kind)];
   }
-  for (const int n : rows) {
-    if (n != 1) return false;
+  for (std::size_t kind = 0; kind < rows.size(); ++kind) {
+    const bool fixed = kind >= static_cast<std::size_t>(kFirstFixedLimit);
+    if (rows[kind] != (fixed ? 0 : 1)) return false;
   }
   return true;
 }
-static_assert(limit_table_names_match(), "a LimitKind without its config row, or misnamed");
+static_assert(limit_table_names_match(),
+              "a configured LimitKind without its config row, a fixed one with one, or misnamed");
 
 }  // namespace steptrace::daemon

@@ -214,9 +214,9 @@ void Session::render(RenderJob job) {
 }
 
 void Session::render_piece(std::shared_ptr<ReplyStream> stream) {
-  auto piece = [stream](std::string& out) {
+  auto piece = [](ReplyStream& reply, std::string& out) {
     try {
-      return stream->next(out);
+      return reply.next(out);
     } catch (const std::exception& e) {
       // A renderer bug ends the reply, saying so, and leaves the daemon up.
       out += std::string("\nerror: internal error: ") + e.what() + "\n";
@@ -225,25 +225,32 @@ void Session::render_piece(std::shared_ptr<ReplyStream> stream) {
   };
   if (shared_.renderer == nullptr) {
     std::string out;
-    const bool more = piece(out);
+    const bool more = piece(*stream, out);
     stream_->piece_rendered(std::move(out), more);
     return;
   }
-  // `more` is written on the render thread before its result is posted back.
+  // `more` is written on the render thread before its result is posted back. The task
+  // holds the reply weakly: the stream's is the only owner, so a connection that closed
+  // while the piece waited for its lane (the hang-up watch below) took the reply with it,
+  // and the piece is not rendered: a trace's first piece, which chooses its processes
+  // (--children reads /proc), reads nothing for a client that is gone.
   auto more = std::make_shared<bool>(false);
+  piece_waiting_ = true;
   shared_.renderer->submit_task(
-      [piece, more] {
+      [piece, weak = std::weak_ptr<ReplyStream>(stream), more] {
         std::string out;
-        *more = piece(out);
+        if (const auto alive = weak.lock()) *more = piece(*alive, out);
         return out;
       },
       [self = shared_from_this(), more](std::string text) {
+        self->piece_waiting_ = false;
         if (self->closed()) return;
         self->stream_->piece_rendered(std::move(text), *more);
         self->stream_->resume();
         self->after_stream();
       },
       RenderOwner::of_uid(uid()));
+  watch_hangup();
 }
 
 void Session::defer(std::chrono::milliseconds delay, std::function<void()> fire) {
@@ -261,15 +268,17 @@ void Session::defer(std::chrono::milliseconds delay, std::function<void()> fire)
 }
 
 // Nothing is read while the reply waits, so without this a client that closed would hold
-// its connection (and its uid's slots) for up to an hour. What is watched is the hang-up
-// alone: a shutdown of the peer's writing side is how the CLI asks (send, shut down,
-// read until close), so end of input is no reason to stop; and bytes sent meanwhile are
-// further commands (PROTOCOL.md 10.2: a client may send several before reading), which
-// wait in the kernel's socket buffer, bounded, until this reply is out. On a Unix stream
-// socket the kernel sets EPOLLHUP only when the peer's socket is released (closed by
-// its last holder, or its process died), never for a half-close: exactly the client
-// that can no longer read the reply. Asio re-arms the descriptor (EPOLL_CTL_MOD) when the
-// wait starts, so a hang-up that came before it is reported at once.
+// its connection (and its uid's slots) for up to an hour; or, while a piece of a streamed
+// reply waits for its turn on the render thread (behind its uid's other jobs), have it
+// rendered for no one. What is watched is the hang-up alone: a shutdown of the peer's
+// writing side is how the CLI asks (send, shut down, read until close), so end of input
+// is no reason to stop; and bytes sent meanwhile are further commands (PROTOCOL.md 10.2:
+// a client may send several before reading), which wait in the kernel's socket buffer,
+// bounded, until this reply is out. On a Unix stream socket the kernel sets EPOLLHUP only
+// when the peer's socket is released (closed by its last holder, or its process died),
+// never for a half-close: exactly the client that can no longer read the reply. Asio
+// re-arms the descriptor (EPOLL_CTL_MOD) when the wait starts, so a hang-up that came
+// before it is reported at once.
 void Session::watch_hangup() {
   if (watching_ || closed()) return;
   watching_ = true;
@@ -282,7 +291,7 @@ void Session::on_hangup(const boost::system::error_code& ec) {
   assert(on_io_thread(socket_.get_executor()));
   watching_ = false;
   // Cancelled (shutdown), or the reply was made meanwhile: its writes notice a closed peer.
-  if (ec || closed() || !deferred_) return;
+  if (ec || closed() || (!deferred_ && !piece_waiting_)) return;
   pollfd p{socket_.native_handle(), POLLRDHUP, 0};
   if (::poll(&p, 1, 0) != 1 || (p.revents & (POLLHUP | POLLERR)) == 0) {
     // Not a hang-up (EPOLLPRI has no meaning here): watching again could spin, so the
@@ -292,8 +301,11 @@ void Session::on_hangup(const boost::system::error_code& ec) {
     return;
   }
   ++shared_.counters.closed_waiting;
-  spdlog::debug("{} closed its connection while its trace --for waited", stream_->describe_peer());
-  close();  // cancels the reply's timer: what it holds (capture, uid's slot) goes with it
+  spdlog::debug("{} closed its connection while its {} waited", stream_->describe_peer(),
+                deferred_ ? "trace --for" : "reply's next piece");
+  // Cancels the reply's timer, or drops the reply whose piece waits (its task then renders
+  // nothing): what it holds (capture, uid's trace slot) goes with it.
+  close();
 }
 
 void Session::write_next() {

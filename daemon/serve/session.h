@@ -13,10 +13,12 @@
 // One steady_timer serves the stream's deadlines and this session's write deadline (a
 // reply the peer does not read within frame_s closes the connection). Reading pauses
 // while the stream does not want input (output backed up, a reply rendering), so memory
-// stays bounded. While a deferred reply (trace --for) waits, the session watches the
-// socket for the peer's hang-up (watch_hangup()): a client that closes ends the wait at
-// once, and with it the capture and the connection. Everything here runs on the io thread (what
-// calls into the stream, and so into the Collector, asserts it in debug builds: io_thread.h).
+// stays bounded. While a deferred reply (trace --for) waits, or a piece of a streamed
+// reply (trace) waits for the render thread, the session watches the socket for the
+// peer's hang-up (watch_hangup()): a client that closes ends the wait at once, and with
+// it the capture, the reply (its piece is then not rendered) and the connection.
+// Everything here runs on the io thread (what calls into the stream, and so into the
+// Collector, asserts it in debug builds: io_thread.h).
 #pragma once
 
 #include <chrono>
@@ -85,8 +87,8 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
   // (SCM_RIGHTS, protocol version 5) go to the stream first. 0 with `ec` set: would
   // block, end of stream, or an error.
   std::size_t receive(boost::system::error_code& ec);
-  // While a deferred reply waits: an async_wait for an error or hang-up (EPOLLERR,
-  // EPOLLHUP), never for readability, see session.cpp.
+  // While a deferred reply or a piece waits: an async_wait for an error or hang-up
+  // (EPOLLERR, EPOLLHUP), never for readability, see session.cpp.
   void watch_hangup();
   void on_hangup(const boost::system::error_code& ec);
   void write_next();
@@ -102,11 +104,12 @@ class Session : public std::enable_shared_from_this<Session>, private StreamTran
 
   std::deque<std::string> write_queue_;
   std::size_t pending_write_bytes_ = 0;
-  bool writing_ = false;   // an async_write is in flight
-  bool reading_ = false;   // an async_wait for input is in flight
-  bool draining_ = false;  // begin_drain() cancelled reading for the shutdown drain
-  bool deferred_ = false;  // a deferred reply waits (defer() until it fires)
-  bool watching_ = false;  // watch_hangup()'s async_wait is in flight
+  bool writing_ = false;        // an async_write is in flight
+  bool reading_ = false;        // an async_wait for input is in flight
+  bool draining_ = false;       // begin_drain() cancelled reading for the shutdown drain
+  bool deferred_ = false;       // a deferred reply waits (defer() until it fires)
+  bool piece_waiting_ = false;  // a piece of a streamed reply is with the RenderWorker
+  bool watching_ = false;       // watch_hangup()'s async_wait is in flight
 
   boost::asio::steady_timer timer_;
   boost::asio::steady_timer defer_timer_;  // a deferred reply (trace --for)

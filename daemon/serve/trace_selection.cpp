@@ -76,10 +76,10 @@ std::optional<LiveChild> live_child(std::int32_t pid, const std::string& proc_ro
 constexpr std::string_view kChoose = "; choose the processes with --pid or --job instead\n";
 
 // The pids the threads of process `pid` forked (PROC/PID/task/*/children), appended to
-// `out`; each thread read counts against `tasks_left`. Or the error reply.
-std::optional<std::string> children_of(std::int32_t pid, const std::string& proc_root,
-                                       const DescendantBounds& bounds, std::size_t& tasks_left,
-                                       std::vector<std::int32_t>& out) {
+// `out`; each thread read counts against `tasks_left`. Or the refusal.
+std::optional<TraceRefusal> children_of(std::int32_t pid, const std::string& proc_root,
+                                        const DescendantBounds& bounds, std::size_t& tasks_left,
+                                        std::vector<std::int32_t>& out) {
   // Each pid and its separator take at most 8 bytes (pid_max is at most 4194304): a file
   // cut at this size still holds more children than the walk may take.
   const std::size_t max_bytes = (bounds.processes + 2) * 8;
@@ -89,10 +89,11 @@ std::optional<std::string> children_of(std::int32_t pid, const std::string& proc
   for (std::filesystem::directory_iterator it(tasks, ec), end; !ec && it != end; it.increment(ec)) {
     if (!parse_pid(it->path().filename().string())) continue;
     if (tasks_left == 0) {
-      return "error: trace: --children reads at most " + std::to_string(bounds.tasks) +
-             " threads' children files, and the --pid processes and their descendants have "
-             "more threads" +
-             std::string(kChoose);
+      return TraceRefusal{"error: trace: --children reads at most " + std::to_string(bounds.tasks) +
+                              " threads' children files, and the --pid processes and their "
+                              "descendants have more threads" +
+                              std::string(kChoose),
+                          LimitKind::kTraceChildrenThreads};
     }
     --tasks_left;
     const std::string file = (it->path() / "children").string();
@@ -100,12 +101,15 @@ std::optional<std::string> children_of(std::int32_t pid, const std::string& proc
       std::error_code gone;
       if (!std::filesystem::is_directory(it->path(), gone)) continue;  // the thread ended
       if (error != ENOENT) {
-        return "error: trace: --children cannot read " + file + ": " + std::strerror(error) + "\n";
+        return TraceRefusal{
+            "error: trace: --children cannot read " + file + ": " + std::strerror(error) + "\n",
+            std::nullopt};
       }
-      return std::string(
-                 "error: trace: --children needs /proc/PID/task/TID/children, which this "
-                 "kernel does not have (Linux 3.5 on, CONFIG_PROC_CHILDREN)") +
-             std::string(kChoose);
+      return TraceRefusal{std::string("error: trace: --children needs /proc/PID/task/TID/children, "
+                                      "which this kernel does not have (Linux 3.5 on, "
+                                      "CONFIG_PROC_CHILDREN)") +
+                              std::string(kChoose),
+                          std::nullopt};
     }
     if (text.size() == max_bytes) text.resize(text.find_last_of(" \n") + 1);  // no cut pid
     std::istringstream words(text);
@@ -124,7 +128,7 @@ std::optional<ProcessKey> live_process(std::int32_t pid, const std::string& proc
   return child->key;
 }
 
-std::variant<std::vector<ProcessKey>, std::string> live_descendants(
+std::variant<std::vector<ProcessKey>, TraceRefusal> live_descendants(
     const std::vector<std::int32_t>& roots, const std::string& proc_root, DescendantBounds bounds) {
   std::vector<ProcessKey> out;
   std::vector<std::int32_t> todo(roots.begin(), roots.end());
@@ -142,8 +146,10 @@ std::variant<std::vector<ProcessKey>, std::string> live_descendants(
     for (const std::int32_t child : children) {
       if (!seen.insert(child).second) continue;  // a root, or a cycle of a stand-in /proc
       if (++read > bounds.processes) {
-        return "error: trace: --children takes at most " + std::to_string(bounds.processes) +
-               " descendants of the --pid processes, and they have more" + std::string(kChoose);
+        return TraceRefusal{
+            "error: trace: --children takes at most " + std::to_string(bounds.processes) +
+                " descendants of the --pid processes, and they have more" + std::string(kChoose),
+            LimitKind::kTraceChildrenDescendants};
       }
       const auto found = live_child(child, proc_root);
       // Another parent: the child ended and its pid was reused since the list was read.

@@ -53,14 +53,21 @@ struct DescendantBounds {
   std::size_t tasks = kMaxTraceDescendantTasks;
 };
 
+// A trace refused while choosing its processes: the whole reply, `error: trace: ...`, and
+// the bound it passed, if one (counted in stats' limits_hit on the io thread).
+struct TraceRefusal {
+  std::string reply;
+  std::optional<LimitKind> limit;
+};
+
 // The processes descended from `roots` (children, their children...) that run now, by
 // ProcessKey; the roots themselves not included. Each thread T of a process N lists the
 // pids it forked in PROC/N/task/T/children (Linux 3.5 on, CONFIG_PROC_CHILDREN); each
 // such pid's PROC/C/stat gives its start time, and its parent, which must be N (else the
 // pid was reused meanwhile and is skipped, as are zombies, garbage and files that went
-// away with their process). Or the error reply, `error: trace: ...`: past `bounds`, or a
+// away with their process). Or the refusal: past `bounds` (with its LimitKind), or a
 // kernel without the children files (there is no bounded way to find descendants then).
-std::variant<std::vector<ProcessKey>, std::string> live_descendants(
+std::variant<std::vector<ProcessKey>, TraceRefusal> live_descendants(
     const std::vector<std::int32_t>& roots, const std::string& proc_root = "/proc",
     DescendantBounds bounds = {});
 

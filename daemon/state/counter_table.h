@@ -89,8 +89,9 @@ inline constexpr std::array<CounterRow, 18> kCounterTable = {{
     {&DaemonCounters::closed_waiting, &ServerCounters::closed_waiting, "connections",
      "closed_waiting", Kept::kNo, "", MetricGroup::kConnections,
      "steptrace_connections_closed_waiting_total", "counter",
-     "Connections their client closed while a trace --for reply waited (the wait ended at "
-     "once, its capture and connection freed)."},
+     "Connections their client closed while a trace reply waited (trace --for's wait, or a "
+     "piece's turn on the render thread): the wait ended at once, its capture, reply and "
+     "connection freed."},
     // Memory the daemon holds beside its state: replies rendered, not yet read.
     {&DaemonCounters::reply_bytes_pending, &ServerCounters::reply_bytes_pending, "memory",
      "reply_bytes_pending", Kept::kNo, "", MetricGroup::kConnections,

@@ -89,6 +89,8 @@ struct Limits {
 
 // Every bound whose hits are counted (DaemonCounters::limits_hit), named as in the config
 // and in stats, metrics and snapshots. Metrics export each at zero before any is hit.
+// The configured ones come first; from kFirstFixedLimit on, bounds the config does not
+// set (constants of the code), named after what they bound rather than a config key.
 enum class LimitKind : std::uint8_t {
   kMaxConnections,  // ServerLimits (serve/config.h)
   kMaxProcesses,
@@ -115,8 +117,13 @@ enum class LimitKind : std::uint8_t {
   kMaxSpanNs,
   kMaxPendingReplyBytesPerUid,  // ServerLimits: reply bytes one uid's clients have not read
   kMaxLedgerRowsPerUid,
+  // Fixed: a `trace --children` refused past kMaxTraceDescendants descendants or
+  // kMaxTraceDescendantTasks threads' children files (serve/trace_selection.h).
+  kTraceChildrenDescendants,
+  kTraceChildrenThreads,
 };
-inline constexpr std::array<std::string_view, 25> kLimitNames = {"max_connections",
+inline constexpr LimitKind kFirstFixedLimit = LimitKind::kTraceChildrenDescendants;
+inline constexpr std::array<std::string_view, 27> kLimitNames = {"max_connections",
                                                                  "max_processes",
                                                                  "max_exited_processes",
                                                                  "max_custom_steps",
@@ -140,8 +147,10 @@ inline constexpr std::array<std::string_view, 25> kLimitNames = {"max_connection
                                                                  "max_pending_traces_per_uid",
                                                                  "max_span_ns",
                                                                  "max_pending_reply_bytes_per_uid",
-                                                                 "max_ledger_rows_per_uid"};
-static_assert(static_cast<std::size_t>(LimitKind::kMaxLedgerRowsPerUid) + 1 == kLimitNames.size());
+                                                                 "max_ledger_rows_per_uid",
+                                                                 "trace_children_descendants",
+                                                                 "trace_children_threads"};
+static_assert(static_cast<std::size_t>(LimitKind::kTraceChildrenThreads) + 1 == kLimitNames.size());
 constexpr std::string_view limit_name(LimitKind kind) {
   return kLimitNames[static_cast<std::size_t>(kind)];
 }
@@ -199,7 +208,7 @@ struct ServerCounters {
   std::uint64_t connections_undrained = 0;         // queued at shutdown, closed unread
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
-  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace reply waited
   // Reply bytes queued for text clients that their sockets have not taken yet (a gauge).
   std::uint64_t reply_bytes_pending = 0;
   std::uint64_t snapshots_written = 0;
@@ -249,7 +258,7 @@ struct DaemonCounters {
   std::uint64_t liveness_probe_errors = 0;  // /proc probes that failed (EMFILE...): no death
   std::uint64_t commands_served = 0;
   std::uint64_t replies_refused = 0;  // busy: too many reply bytes waiting to be read
-  std::uint64_t closed_waiting = 0;   // closed by the client while a trace --for waited
+  std::uint64_t closed_waiting = 0;   // closed by the client while a trace reply waited
   // Reply bytes queued for text clients that their sockets have not taken yet (a gauge).
   std::uint64_t reply_bytes_pending = 0;
   std::uint64_t snapshots_written = 0;

@@ -865,5 +865,38 @@ TEST_F(TraceTest, BadRequestsGetOneErrorLine) {
   EXPECT_EQ(recorder_stats().value("captures_active", -1), 0);
 }
 
+// A trace whose choice of processes fails on the render thread, after its uid's trace
+// slot was taken (--job of no process, --children of no live process, the same after a
+// --for), gives the slot back with its error: a uid has 2, and after three times that
+// many such errors, on connections of their own and pipelined on one, its traces are
+// answered and no capture is left open.
+TEST_F(TraceTest, SelectionsRefusedOnTheRenderThreadGiveTheSlotBack) {
+  ASSERT_NO_FATAL_FAILURE(start_daemon());
+  const std::vector<std::string> refused{"trace --job nosuch", "trace --pid 999999 --children",
+                                         "trace --job nosuch --for 0.05"};
+  std::string all;
+  for (int round = 0; round < 2; ++round) {
+    for (const std::string& line : refused) {
+      const auto reply = command(socket(), line, kTraceTimeoutMs);
+      ASSERT_TRUE(reply.has_value()) << line;
+      EXPECT_EQ(reply->rfind("error: trace: ", 0), 0u) << line << ": " << *reply;
+      EXPECT_EQ(reply->find('\n'), reply->size() - 1) << line << ": " << *reply;
+      all += line + "\n";
+    }
+  }
+  const auto reply = command(socket(), all + "trace", kTraceTimeoutMs);
+  ASSERT_TRUE(reply.has_value());
+  std::istringstream lines(*reply);
+  std::string line;
+  for (std::size_t i = 0; i < 2 * refused.size(); ++i) {
+    ASSERT_TRUE(std::getline(lines, line)) << *reply;
+    EXPECT_EQ(line.rfind("error: trace: ", 0), 0u) << i << ": " << line;
+  }
+  ASSERT_TRUE(std::getline(lines, line)) << *reply;
+  EXPECT_EQ(line.rfind(R"({"traceEvents":[)", 0), 0u) << line;
+  EXPECT_TRUE(trace("trace").is_object());
+  EXPECT_EQ(recorder_stats().value("captures_active", -1), 0);
+}
+
 }  // namespace
 }  // namespace steptrace::testing

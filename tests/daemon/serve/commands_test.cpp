@@ -7,6 +7,8 @@
 #include <steptrace/version.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/daemon/serve/fake_proc.h"
+
 namespace steptrace::daemon {
 namespace {
 
@@ -640,6 +642,57 @@ TEST_F(CommandsTest, TraceJobTakesTheJobsProcessesOfItsUid) {
   // No process of this test's has a live descendant in /proc.
   EXPECT_TRUE(run("trace --pid 999999 --children")
                   .starts_with("error: trace: no process with pid 999999 nor any live process"));
+}
+
+// `trace --children` past one of its walk's bounds (here small, over a stand-in /proc) is
+// refused with the error naming the bound and counted once per refusal in limits_hit,
+// under the bound's name, in stats and metrics. Other refusals are no limit hits.
+TEST_F(CommandsTest, TraceChildrenPastABoundIsCountedAsThatLimitsHit) {
+  test::FakeProc proc;
+  proc.add(100, 1, 77);
+  for (int pid = 201; pid <= 203; ++pid) proc.add(pid, 100, 77);
+  proc.append(100, 150, "");  // a second thread of 100: 5 children files in all
+  ingest(202, 2);             // in the recorder as {202, 77}
+  const auto trace = [&](DescendantBounds bounds) {
+    CommandContext context{collector_, 1000, /*daemon_euid=*/1000};
+    context.proc_root = proc.path();
+    context.descendant_bounds = bounds;
+    return table_.execute("trace --pid 100 --children", context);
+  };
+  const auto hits = [&](const std::string& limit) {
+    return json::parse(run("stats --json"))["limits_hit"].value(limit, std::uint64_t{0});
+  };
+  EXPECT_EQ(trace({.processes = 2}),
+            "error: trace: --children takes at most 2 descendants of the --pid processes, and "
+            "they have more; choose the processes with --pid or --job instead\n");
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(trace({.tasks = 4}),
+              "error: trace: --children reads at most 4 threads' children files, and the --pid "
+              "processes and their descendants have more threads; choose the processes with "
+              "--pid or --job instead\n");
+  }
+  EXPECT_EQ(hits("trace_children_descendants"), 1u);
+  EXPECT_EQ(hits("trace_children_threads"), 2u);
+  const std::string metrics = run("metrics");
+  EXPECT_NE(metrics.find("steptrace_limit_hits_total{limit=\"trace_children_descendants\"} 1\n"),
+            std::string::npos);
+  EXPECT_NE(metrics.find("steptrace_limit_hits_total{limit=\"trace_children_threads\"} 2\n"),
+            std::string::npos);
+
+  // Within the bounds the walk takes 202's window; a trace taking nothing is refused, but
+  // passed no bound.
+  const json doc = json::parse(trace({.processes = 3, .tasks = 5}));
+  std::set<int> pids;
+  for (const json& e : doc["traceEvents"]) {
+    if (e["ph"] == "X") pids.insert(e["pid"].get<int>());
+  }
+  EXPECT_EQ(pids, std::set<int>{202});
+  CommandContext nothing{collector_, 1000, 1000};
+  nothing.proc_root = proc.path();
+  EXPECT_TRUE(table_.execute("trace --pid 203 --children", nothing)
+                  .starts_with("error: trace: no process with pid 203 nor any live process"));
+  EXPECT_EQ(hits("trace_children_descendants"), 1u);
+  EXPECT_EQ(hits("trace_children_threads"), 2u);
 }
 
 // `trace`: its options are checked word by word; a reply streams the recorder's window;

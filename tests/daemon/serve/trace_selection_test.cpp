@@ -4,81 +4,37 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <variant>
 #include <vector>
+
+#include "tests/daemon/serve/fake_proc.h"
 
 namespace steptrace::daemon {
 namespace {
 
 namespace fs = std::filesystem;
+using test::FakeProc;
 
-class FakeProc {
- public:
-  FakeProc() {
-    std::string pattern = (fs::temp_directory_path() / "steptrace-proc-XXXXXX").string();
-    root_ = ::mkdtemp(pattern.data());
-  }
-  ~FakeProc() {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
-  FakeProc(const FakeProc&) = delete;
-  FakeProc& operator=(const FakeProc&) = delete;
-  // PROC/PID/stat with the parent (field 4), the state (field 3) and the start time
-  // (field 22); PID's main thread with an empty children file; and PID in the children
-  // file of its parent's thread `parent_tid` (the parent's main thread when 0).
-  void add(int pid, int parent, std::uint64_t start, const std::string& comm = "w",
-           char state = 'S', int parent_tid = 0) {
-    stat(pid, parent, start, comm, state);
-    append(pid, pid, "");
-    append(parent, parent_tid == 0 ? parent : parent_tid, std::to_string(pid) + " ");
-  }
-  // PROC/PID/stat alone: a process no children file lists.
-  void stat(int pid, int parent, std::uint64_t start, const std::string& comm = "w",
-            char state = 'S') {
-    fs::create_directories(root_ / std::to_string(pid));
-    std::ofstream out(root_ / std::to_string(pid) / "stat");
-    out << pid << " (" << comm << ") " << state << " " << parent;
-    for (int field = 5; field < 22; ++field) out << " 0";
-    out << " " << start << " 0 0\n";
-  }
-  // `text` appended to PROC/PID/task/TID/children (made as needed).
-  void append(int pid, int tid, const std::string& text) {
-    const fs::path task = root_ / std::to_string(pid) / "task" / std::to_string(tid);
-    fs::create_directories(task);
-    std::ofstream(task / "children", std::ios::app) << text;
-  }
-  fs::path task(int pid, int tid) const {
-    return root_ / std::to_string(pid) / "task" / std::to_string(tid);
-  }
-  std::string path() const { return root_.string(); }
-
- private:
-  fs::path root_;
-};
-
-using Descendants = std::variant<std::vector<ProcessKey>, std::string>;
+using Descendants = std::variant<std::vector<ProcessKey>, TraceRefusal>;
 
 std::vector<ProcessKey> keys_of(const Descendants& found) {
-  if (const auto* error = std::get_if<std::string>(&found)) {
-    ADD_FAILURE() << *error;
+  if (const auto* refusal = std::get_if<TraceRefusal>(&found)) {
+    ADD_FAILURE() << refusal->reply;
     return {};
   }
   return std::get<std::vector<ProcessKey>>(found);
 }
 
-std::string error_of(const Descendants& found) {
-  const auto* error = std::get_if<std::string>(&found);
-  EXPECT_NE(error, nullptr) << "no error";
-  return error != nullptr ? *error : std::string();
+TraceRefusal refusal_of(const Descendants& found) {
+  const auto* refusal = std::get_if<TraceRefusal>(&found);
+  EXPECT_NE(refusal, nullptr) << "no error";
+  return refusal != nullptr ? *refusal : TraceRefusal{};
 }
 
 TraceCapture::Process process(std::int32_t pid, std::uint64_t start, std::uint32_t uid = 0,
@@ -151,14 +107,17 @@ TEST(TraceSelection, AKernelWithoutChildrenFilesIsAnError) {
   proc.add(100, 1, 10);
   proc.add(101, 100, 11);
   fs::remove(proc.task(101, 101) / "children");
-  EXPECT_EQ(error_of(live_descendants({100}, proc.path())),
+  const TraceRefusal refusal = refusal_of(live_descendants({100}, proc.path()));
+  EXPECT_EQ(refusal.reply,
             "error: trace: --children needs /proc/PID/task/TID/children, which this kernel does "
             "not have (Linux 3.5 on, CONFIG_PROC_CHILDREN); choose the processes with --pid or "
             "--job instead\n");
+  EXPECT_EQ(refusal.limit, std::nullopt);  // no bound: not a limit hit
 }
 
 // At most `processes` descendants' stat files and `tasks` threads' children files, all
-// roots together; past either the walk stops with an error naming the bound.
+// roots together; past either the walk stops with an error naming the bound, and the
+// LimitKind it is counted under.
 TEST(TraceSelection, DescendantWalkIsBounded) {
   FakeProc proc;
   proc.add(100, 1, 10);
@@ -166,17 +125,22 @@ TEST(TraceSelection, DescendantWalkIsBounded) {
   proc.add(300, 1, 30);
   proc.add(301, 300, 31);
   EXPECT_EQ(keys_of(live_descendants({100, 300}, proc.path(), {.processes = 7})).size(), 7u);
-  EXPECT_EQ(error_of(live_descendants({100, 300}, proc.path(), {.processes = 6})),
+  const TraceRefusal processes =
+      refusal_of(live_descendants({100, 300}, proc.path(), {.processes = 6}));
+  EXPECT_EQ(processes.reply,
             "error: trace: --children takes at most 6 descendants of the --pid processes, and "
             "they have more; choose the processes with --pid or --job instead\n");
+  EXPECT_EQ(processes.limit, LimitKind::kTraceChildrenDescendants);
   // Threads: 100, 300, 301 and each of 100's children have one: 9 in all.
   EXPECT_EQ(keys_of(live_descendants({100, 300}, proc.path(), {.tasks = 9})).size(), 7u);
   for (int tid = 150; tid < 160; ++tid) proc.append(100, tid, "");  // 17 threads now
   EXPECT_EQ(keys_of(live_descendants({100}, proc.path(), {.tasks = 17})).size(), 6u);
-  EXPECT_EQ(error_of(live_descendants({100}, proc.path(), {.tasks = 16})),
+  const TraceRefusal threads = refusal_of(live_descendants({100}, proc.path(), {.tasks = 16}));
+  EXPECT_EQ(threads.reply,
             "error: trace: --children reads at most 16 threads' children files, and the --pid "
             "processes and their descendants have more threads; choose the processes with "
             "--pid or --job instead\n");
+  EXPECT_EQ(threads.limit, LimitKind::kTraceChildrenThreads);
 }
 
 // The real kernel's files: a forked child and the child it forked, with their start times.
