@@ -223,7 +223,9 @@ class EventRing {
   // Flusher-only, under RingRegistry::mu: the ring's consumer on this connection and its
   // name in RingAttach/RingAck.
   Sharing sharing = Sharing::kLocal;
-  bool refused = false;  // the daemon of this connection refused it: not offered again
+  bool refused = false;     // the daemon of this connection refused it: not offered again
+  bool made_spare = false;  // made by keep_spares (claimed or not): its RingAck says whether
+                            // the daemon still takes spares
   // Offered to a daemon (which may have mapped it); cleared once that daemon let it go.
   bool was_shared = false;
   // Whether no daemon reads the ring any more (requires RingRegistry::mu): never shared,

@@ -32,6 +32,11 @@ constexpr int kQuietPollMs = 20;
 // without waiting for an offer; a burst of more new threads than this within one flusher
 // round makes the rest their own rings, offered at once (the window before version 8).
 constexpr std::size_t kSpareRings = 2;
+// After a spare's memfd failed or the daemon refused one: none for this long, doubling
+// up to the maximum while it keeps happening (back to the minimum once one is mapped, and
+// on each new connection).
+constexpr std::chrono::milliseconds kMinSparesBackoff{1000};
+constexpr std::chrono::milliseconds kMaxSparesBackoff{60000};
 // Room kept after the events for the DroppedByCause frame and two Flush frames (the
 // flusher's own and a steptrace_flush caller's).
 constexpr std::size_t kFrameBytes = sizeof(proto::FrameHeader);
@@ -137,8 +142,18 @@ void Flusher::on_connected(proto::UniqueFd fd) {
   quiet_ = false;
   nudge_flush_ = 0;
   connected_at_ = Clock::now();
-  no_spares_ = false;
+  spares_resume_ = {};
+  spares_backoff_ = kMinSparesBackoff;
   unshare_rings();
+  if (version_ < proto::kSpareRingProtocolVersion) {
+    // A daemon before version 8 would take a spare's thread 0 at its word and refuse every
+    // record of the thread that takes it: the spares no thread took go, like an exited
+    // thread's empty ring.
+    std::lock_guard lock(s_.registry.mu);
+    for (auto& ring : s_.registry.rings) {
+      if (ring->spare()) ring->orphan();
+    }
+  }
   {
     std::lock_guard lock(s_.registry.mu);
     s_.registry.retired_shared = {};  // this daemon never saw those rings
@@ -700,6 +715,7 @@ void Flusher::offer_rings() {
   for (auto& owned : s_.registry.rings) {
     EventRing& ring = *owned;
     if (ring.sharing != EventRing::Sharing::kLocal || ring.refused || ring.memfd() < 0) continue;
+    if (ring.spare() && version_ < proto::kSpareRingProtocolVersion) continue;  // see on_connected
     if (!ring.consumer_gone()) continue;  // the last daemon's final pass is not done yet
     if (ring.orphaned() && ring.fill() == 0) continue;  // about to be freed
     // [ClockSync] RingAttach, the memfd riding on the first byte (PROTOCOL.md 11.2).
@@ -756,31 +772,25 @@ void Flusher::offer_rings() {
 
 void Flusher::keep_spares() {
   assert(thread_owner_.is_caller());
-  if (version_ < proto::kSpareRingProtocolVersion || no_spares_) return;
+  if (version_ < proto::kSpareRingProtocolVersion || Clock::now() < spares_resume_) return;
   RingRegistry& registry = s_.registry;
-  // Whether another spare of `bytes` is wanted and fits: a spare never takes budget a
-  // thread's smaller ring could use, only a whole per-thread ring, while one fits.
-  const auto wanted = [&registry](std::uint64_t bytes) {
-    const std::uint64_t used = std::min(registry.used_bytes, registry.total_bytes);
-    return registry.spares_locked() < kSpareRings && bytes == registry.per_thread_bytes &&
-           registry.total_bytes - used >= bytes;
-  };
-  for (;;) {
-    std::uint64_t bytes = 0;
-    {
-      std::lock_guard lock(registry.mu);
-      // Spares of an earlier per-thread size (steptrace_set_buffer_size) go the way of an
-      // exited thread's empty ring: whoever consumes them lets them go.
-      for (auto& ring : registry.rings) {
-        if (ring->spare() && !ring->orphaned() && ring->bytes() != registry.per_thread_bytes) {
-          ring->orphan();
-        }
-      }
-      bytes = registry.per_thread_bytes;
-      if (!wanted(bytes)) return;
+  // Made under the registry's lock, like a thread's own ring: a fork (fork_prepare takes
+  // the lock) never copies a memfd the child's registry does not know of, and the budget
+  // is checked and taken at once. A thread starting meanwhile waits for one ring's system
+  // calls, as it would for its own.
+  std::lock_guard lock(registry.mu);
+  // Spares of an earlier per-thread size (steptrace_set_buffer_size) go the way of an
+  // exited thread's empty ring: whoever consumes them lets them go.
+  for (auto& ring : registry.rings) {
+    if (ring->spare() && !ring->orphaned() && ring->bytes() != registry.per_thread_bytes) {
+      ring->orphan();
     }
-    // Made outside the lock (its system calls), its budget taken only once it is in the
-    // registry: meanwhile a new thread's ring is made as if no spare were coming.
+  }
+  // A spare never takes budget a thread's smaller ring could use: only a whole per-thread
+  // ring, while one fits.
+  const std::uint64_t bytes = registry.per_thread_bytes;
+  while (registry.spares_locked() < kSpareRings &&
+         registry.total_bytes - std::min(registry.used_bytes, registry.total_bytes) >= bytes) {
     std::unique_ptr<EventRing> ring;
     try {
       ring = std::make_unique<EventRing>(0, static_cast<std::size_t>(bytes / kRingRecordBytes),
@@ -789,21 +799,25 @@ void Flusher::keep_spares() {
     }
     if (ring == nullptr || ring->memfd() < 0) {
       // No memfd (or no memory): a spare would be an ordinary ring made early. Threads
-      // make their own on this connection, as before version 8.
-      no_spares_ = true;
+      // make their own rings for a while, as before version 8.
+      pause_spares();
       return;
     }
-    std::lock_guard lock(registry.mu);
-    if (!wanted(bytes)) return;  // the budget went to a thread meanwhile: `ring` is freed
+    ring->ring_id = registry.next_ring_id++;
+    ring->made_spare = true;
     try {
       registry.rings.push_back(std::move(ring));
     } catch (const std::bad_alloc&) {
-      no_spares_ = true;
+      pause_spares();
       return;
     }
-    registry.rings.back()->ring_id = registry.next_ring_id++;
     registry.used_bytes += bytes;
   }
+}
+
+void Flusher::pause_spares() {
+  spares_resume_ = Clock::now() + spares_backoff_;
+  spares_backoff_ = std::min(spares_backoff_ * 2, kMaxSparesBackoff);
 }
 
 void Flusher::ring_answered(const proto::RingAck& ack) {
@@ -816,9 +830,11 @@ void Flusher::ring_answered(const proto::RingAck& ack) {
     if (ring->sharing == EventRing::Sharing::kLocal) {
       ring->refused_by_daemon();
       s_.rings_refused.fetch_add(1, std::memory_order_relaxed);
-      // A daemon over its ring limits for us: no more spares on this connection (each
-      // would be one more refusal); the refused one is still taken as a socket-path ring.
-      if (ring->spare()) no_spares_ = true;
+      // A daemon over its ring limits for us: no spares for a while (each would be one
+      // more refusal); the refused one is still taken as a socket-path ring.
+      if (ring->made_spare) pause_spares();
+    } else if (ring->made_spare) {
+      spares_backoff_ = kMinSparesBackoff;
     }
     return;
   }

@@ -122,6 +122,7 @@ class Flusher {
   // Version 8: keeps kSpareRings unclaimed rings (thread 0) for offer_rings to offer, so
   // that a new thread takes one the daemon already maps (Client::create_ring).
   void keep_spares();
+  void pause_spares();
   // The RingAck of an offer: the daemon consumes the ring from now on, or refused it.
   void ring_answered(const proto::RingAck& ack);
   // Every ring back to the flusher (a new connection, or the daemon is gone).
@@ -185,8 +186,11 @@ class Flusher {
   std::optional<proto::Decoder> decoder_;
   std::uint16_t version_ = proto::kProtocolVersion;  // of this connection's hello
   bool need_hello_ = false;
-  bool accepted_ = false;   // the Flush after the hello was acknowledged
-  bool no_spares_ = false;  // no spare rings on this connection: a memfd failed, or one was refused
+  bool accepted_ = false;  // the Flush after the hello was acknowledged
+  // No spare ring is made before spares_resume_ (a memfd failed, or one was refused);
+  // the next pause lasts spares_backoff_.
+  Clock::time_point spares_resume_{};
+  std::chrono::milliseconds spares_backoff_{1000};
   std::uint64_t own_flushes_ = 0;  // own Flush frames sent so far (all connections)
   std::uint64_t hello_flush_ = 0;  // the sequence of this connection's first one
   std::uint32_t steps_sent_ = 0;

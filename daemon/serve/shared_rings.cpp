@@ -132,8 +132,10 @@ void SharedRings::charge_uid(std::int64_t rings, std::int64_t bytes) {
 
 void SharedRings::learn_thread(Ring& ring) {
   // The claiming thread stores its id before it publishes its first record (release), so
-  // after a head load that shows a record this load sees the id. Read once: the producer
-  // cannot change a ring's thread afterwards (section 11.5).
+  // after a head load (acquire) that shows a record this load sees the id. Kept once not
+  // 0: the producer cannot change a ring's thread afterwards (PROTOCOL.md 11.5).
+  [[maybe_unused]] const std::uint64_t head =
+      proto::ring_field(ring.header->head).load(std::memory_order_acquire);
   ring.thread_id = proto::ring_thread_field(*ring.header).load(std::memory_order_acquire);
 }
 

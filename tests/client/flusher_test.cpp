@@ -11,7 +11,9 @@
 #include <gtest/gtest.h>
 #include <steptrace/steptrace.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -36,7 +38,15 @@ using Clock = std::chrono::steady_clock;
 // These tests script the socket path frame by frame: rings stay in the library's memory
 // (STEPTRACE_SHM_RINGS=0, read at load) and the flusher encodes every event. The shared
 // rings of protocol version 5 are tested against the real daemon (shm_ring_test.cpp).
-[[maybe_unused]] const int kSocketPathEnv = ::setenv("STEPTRACE_SHM_RINGS", "0", 1);
+// A test that needs the shared rings runs itself again in a child with
+// STEPTRACE_SHM_RINGS=1, which is kept.
+[[maybe_unused]] const int kSocketPathEnv = ::setenv("STEPTRACE_SHM_RINGS", "0", 0);
+
+// Whether this process's library offers rings (STEPTRACE_SHM_RINGS=1 at load).
+bool shm_rings_on() {
+  const char* env = std::getenv("STEPTRACE_SHM_RINGS");
+  return env != nullptr && std::string(env) == "1";
+}
 
 class FakeDaemon {
  public:
@@ -301,6 +311,62 @@ TEST(Flusher, VersionOneDaemonGetsVersionOneAfterEachNewerVersionIsRefusedAndLos
   daemon.close_connection();
   ASSERT_TRUE(daemon.accept_connection(5000));
   EXPECT_EQ(daemon.handshake(), 1u);
+}
+
+// The RingAttach frames of the next `ms` (answering flushes): the thread ids they name.
+std::vector<std::uint32_t> ring_attaches(FakeDaemon& daemon, int ms) {
+  std::vector<std::uint32_t> threads;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(ms);
+  while (Clock::now() < deadline) {
+    const auto m = daemon.next(50);
+    if (!m) {
+      if (daemon.error()) break;
+      continue;
+    }
+    if (const auto* attach = std::get_if<proto::RingAttach>(&*m)) {
+      threads.push_back(attach->thread_id);
+    } else if (const auto* f = std::get_if<proto::FlushRequest>(&*m)) {
+      daemon.send_ack(f->sequence);
+    }
+  }
+  return threads;
+}
+
+// Spare rings (version 8) never reach an older daemon, which would take a spare's thread
+// 0 at its word and refuse every record of the thread that takes it: after a version-8
+// connection made and offered its spares, the version-7 connection that follows offers
+// no ring of thread 0, and a new thread's ring goes with its own id.
+TEST(Flusher, SparesOfAVersionEightConnectionAreNotOfferedToAnOlderDaemon) {
+  if (!shm_rings_on()) {
+    // The library read STEPTRACE_SHM_RINGS=0 when it was loaded: this test runs in a
+    // child of this binary whose library offers rings.
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    const std::string filter =
+        std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
+    EXPECT_EQ(steptrace::testing::run_process({"/proc/self/exe", filter}, {"STEPTRACE_SHM_RINGS=1"},
+                                              60000),
+              0);
+    return;
+  }
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kSpareRingProtocolVersion);
+  const std::vector<std::uint32_t> v8 = ring_attaches(daemon, 1000);
+  EXPECT_EQ(std::count(v8.begin(), v8.end(), 0u), 2) << "the premise: two spares offered";
+  daemon.close_connection();
+  ASSERT_NO_FATAL_FAILURE(refuse_hellos(daemon, {8}));
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), 7u);
+  std::uint32_t tid = 0;
+  std::thread([&tid] {
+    tid = static_cast<std::uint32_t>(::gettid());
+    spans(STEPTRACE_MATMUL, 10);
+  }).join();
+  const std::vector<std::uint32_t> v7 = ring_attaches(daemon, 1000);
+  EXPECT_EQ(std::count(v7.begin(), v7.end(), 0u), 0) << "a spare offered to a version-7 daemon";
+  EXPECT_EQ(std::count(v7.begin(), v7.end(), tid), 1) << "the new thread's ring";
+  steptrace_shutdown();
 }
 
 TEST(Flusher, LeasesGoWithTheirLeaseToAVersionThreeDaemon) {

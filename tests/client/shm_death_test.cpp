@@ -189,7 +189,9 @@ class ShmDeath : public ::testing::Test {
     const auto process = settled_process(socket(), pid, 10);
     expect_all_counted(process, events);
     const RingStats after = ring_stats(socket());
-    EXPECT_GT(after.attached, before.attached) << "its ring was never mapped";
+    // Its first ring and the spares, all offered before the warm-up flush was answered
+    // (a thread that took a spare may have had another made and mapped since).
+    EXPECT_GE(after.attached - before.attached, 1 + kSpareRings) << "its rings were not mapped";
     EXPECT_EQ(after.refused, before.refused);
     // The Forward events can only have come from the ring: it was shared from before the
     // first of them, and the process flushed nothing. (The warm-up's two events may have

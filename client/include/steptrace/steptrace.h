@@ -32,8 +32,9 @@
  * header page, not counted in those sizes. While connected to a daemon of protocol
  * version 8, the library keeps up to 2 spare buffers of the per-thread size (made by its
  * flusher thread when a whole one fits in the total, so no thread gets less for them),
- * already handed to the daemon: a new thread takes one at its first event, so what it
- * records survives the process's death from the first event on. An exited thread's buffer is freed once sent
+ * already handed to the daemon: a new thread that finds one ready takes it at its first
+ * event, so what it records survives the process's death from the first event on (the
+ * cases with none ready, e.g. more new threads at once than spares: PROTOCOL.md 11.2). An exited thread's buffer is freed once sent
  * or read by the daemon (while no daemon is connected, the newest 64 are kept for it,
  * within that total). See steptrace_set_buffer_size.
  *
