@@ -198,6 +198,8 @@ class ViewCopies {
   }
   // Bytes of the copies still held (as of the last sweep, for a view's copy).
   std::size_t bytes() const { return bytes_; }
+  // The same now: forgets the copies whose views are gone first (the state's own).
+  std::size_t held_bytes() const { return sweep(); }
 
  private:
   struct Held {
@@ -211,6 +213,18 @@ class ViewCopies {
   mutable std::size_t bytes_ = 0;
   mutable std::size_t swept_size_ = 0;
 };
+
+// What the copies may hold beside the charge before the render worker stops adding views
+// (render_worker.h: while they are over it, a lane renders from the view another lane
+// holds, or waits for it, rather than freeze a second one): an eighth of the charge, so
+// that with the copies the state's heap stays within 25% of what is charged with room for
+// the daemon's own, and at least kViewCopyFloorBytes (one whole record of a process at
+// the default max_process_state_bytes), so that a small table is never held back.
+inline constexpr std::size_t kViewCopyFloorBytes = std::size_t{16} << 20;
+inline constexpr std::size_t kViewCopyChargeDivisor = 8;
+constexpr std::size_t view_copy_bound(std::size_t charged) {
+  return std::max(kViewCopyFloorBytes, charged / kViewCopyChargeDivisor);
+}
 
 // Big blocks straight from and back to the kernel: called once at start, before any
 // thread. glibc serves a block of at least M_MMAP_THRESHOLD (128 KiB at first) with an

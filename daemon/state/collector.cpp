@@ -250,6 +250,10 @@ std::uint64_t Collector::generation() const {
   return state_->generation + state_->ledger.changes();
 }
 
+bool Collector::view_copies_over_bound() const {
+  return state_->view_copies.held_bytes() > view_copy_bound(state_->charged);
+}
+
 std::shared_ptr<const CollectorView> Collector::freeze(const ServerCounters* server) const {
   DaemonCounters counters = counters_;
   counters.flight_recorder = recorder_.counters();
