@@ -157,6 +157,10 @@ void make_room_for_slot(ThreadSpans& thread, std::size_t slot);
 // built from a snapshot, charged at once.
 std::size_t thread_bytes(const ThreadSpans& thread);
 std::size_t record_bytes(const ProcessRecord& rec);
+// What a clone copies (copy on write, collector_state.h): a thread's own block and
+// stacks; a record without its threads' (it shares them).
+std::size_t thread_heap_bytes(const ThreadSpans& thread);
+std::size_t record_shell_bytes(const ProcessRecord& rec);
 // A retired histogram's entry (RetiredHistograms: node, name, chunks) and a retired job's
 // (RetiredJobs: node, job id, its steps' nodes and names).
 std::size_t retired_histogram_bytes(std::string_view name, const Histogram& hist);
@@ -173,11 +177,12 @@ inline void make_room_for_push(std::vector<std::uint64_t>& v) { reserve_grown(v,
 
 }  // namespace heap
 
-// The records views still hold that ingest has cloned since (copy on write): while a
-// render runs, the first write to a record it shows clones the record, and the old one
-// lives until every view holding it is released. Under a render flood (a view in each
-// lane all the time) that is a second copy of every record being written, up to a whole
-// record each (a process's 16 MiB): the state's RSS beside its charge (stats
+// The records and threads views still hold that ingest has cloned since (copy on write):
+// while a render runs, the first write to a record it shows clones the record (sharing
+// its threads), the first write to one of its threads clones the thread, and the old ones
+// live until every view holding them is released. Under a render flood (a view in a lane
+// all the time) that is a second copy of every record and thread being written, up to a
+// whole record each (a process's 16 MiB): the state's RSS beside its charge (stats
 // memory.view_copy_bytes). io thread only; a view's copy of the state keeps the figure
 // as it was when it was frozen, not the list.
 class ViewCopies {

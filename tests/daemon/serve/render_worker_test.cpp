@@ -105,9 +105,9 @@ class RenderWorkerTest : public ::testing::Test {
     return limits;
   }
   // One process whose record holds `threads` threads, each with a span open in the last
-  // of 1,024 custom steps (a stack slot vector of 1,036 entries each), and one span of
-  // built-in step 0 open twice on thread 1 (what write_to_record() ends).
+  // of 1,024 custom steps (a stack slot vector of 1,036 entries each).
   void big_record(std::uint32_t threads) {
+    threads_ = threads;
     client_ = std::make_unique<test::DirectClient>(collector_, world_.spawn(7, 7, "big", 1000));
     for (std::uint32_t i = 0; i < proto::kMaxCustomSteps; ++i) {
       ASSERT_FALSE(client_->register_step(proto::kFirstCustomStep + i, "s" + std::to_string(i)));
@@ -116,19 +116,25 @@ class RenderWorkerTest : public ::testing::Test {
     for (std::uint32_t tid = 1; tid <= threads; ++tid) {
       events.push_back(test::start(tid, proto::kFirstCustomStep + proto::kMaxCustomSteps - 1, 1));
     }
-    events.push_back(test::start(1, 0, 2));
-    events.push_back(test::start(1, 0, 3));
     ASSERT_FALSE(client_->events(events));
   }
-  // Ends one of thread 1's spans of step 0: a write to the record, cloned when a view
-  // holds it.
-  void write_to_record() { ASSERT_FALSE(client_->events({test::end(1, 0, 10)})); }
+  // A span of built-in step 0 on every thread: a write to the record and all its threads,
+  // each cloned when a view holds it.
+  void write_to_record() {
+    std::vector<proto::EventRecord> events;
+    for (std::uint32_t tid = 1; tid <= threads_; ++tid) {
+      events.push_back(test::start(tid, 0, 10));
+      events.push_back(test::end(tid, 0, 20));
+    }
+    ASSERT_FALSE(client_->events(events));
+  }
   std::uint64_t charged() { return collector_.freeze()->table().state_bytes_charged; }
   std::uint64_t view_copies() { return collector_.freeze()->table().view_copy_bytes; }
 
   test::FakeWorld world_;
   Collector collector_{limits(), world_.env()};
   std::unique_ptr<test::DirectClient> client_;
+  std::uint32_t threads_ = 0;
   boost::asio::io_context io_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_ =
       boost::asio::make_work_guard(io_);
@@ -257,11 +263,11 @@ TEST_F(RenderWorkerTest, ALaneRendersFromTheOtherLanesViewWhenThatIsNewerThanIts
   renderer_.submit(fast.job(RenderLane::kFast), fast.on_done(), RenderOwner::of_uid(1002));
   ASSERT_TRUE(run_until([&] { return fast.started.load(); }));
   EXPECT_EQ(first.ended_seen, 0u);
-  EXPECT_EQ(fast.ended_seen, 1u);
+  EXPECT_EQ(fast.ended_seen, 4u);
   first.release.set_value();
   ASSERT_TRUE(run_until([&] { return second.done; }));
   EXPECT_EQ(second.view.load(), fast.view.load());  // the fast lane's view, still held
-  EXPECT_EQ(second.ended_seen, 1u);
+  EXPECT_EQ(second.ended_seen, 4u);
   fast.release.set_value();
   EXPECT_TRUE(run_until([&] { return first.done && fast.done; }));
   renderer_.stop();
@@ -278,16 +284,16 @@ TEST_F(RenderWorkerTest, OverTheCopyBoundTheBulkLaneWaitsForTheFastLanesView) {
   HeldJob fast, report;
   renderer_.submit(fast.job(RenderLane::kFast), fast.on_done(), RenderOwner::http());
   ASSERT_TRUE(run_until([&] { return fast.started.load(); }));
-  write_to_record();  // cloned: the fast lane's view holds the old record
+  write_to_record();  // cloned: the fast lane's view holds the old record and threads
   EXPECT_TRUE(collector_.view_copies_over_bound());
   renderer_.submit(report.job(RenderLane::kBulk), report.on_done(), RenderOwner::of_uid(1001));
   io_.run_for(std::chrono::milliseconds(100));
-  write_to_record();  // no view holds the clone: written in place
+  write_to_record();  // no view holds the clones: written in place
   EXPECT_LT(view_copies(), record + record / 2) << "a second view holds a second copy";
   EXPECT_FALSE(report.started);
   fast.release.set_value();
   ASSERT_TRUE(run_until([&] { return report.started.load(); }));
-  EXPECT_EQ(report.ended_seen, 2u);  // frozen after the release: both writes
+  EXPECT_EQ(report.ended_seen, 2000u);  // frozen after the release: both writes
   report.release.set_value();
   EXPECT_TRUE(run_until([&] { return fast.done && report.done; }));
   EXPECT_EQ(view_copies(), 0u);
@@ -305,7 +311,7 @@ TEST_F(RenderWorkerTest, OverTheCopyBoundTheFastLaneStillDoesNotWaitBehindARepor
   EXPECT_TRUE(collector_.view_copies_over_bound());
   renderer_.submit(stats.job(RenderLane::kFast, false), stats.on_done(), RenderOwner::of_uid(1002));
   EXPECT_TRUE(run_until([&] { return stats.done; }));
-  EXPECT_EQ(stats.ended_seen, 1u);
+  EXPECT_EQ(stats.ended_seen, 1000u);
   EXPECT_FALSE(report.done);
   report.release.set_value();
   EXPECT_TRUE(run_until([&] { return report.done; }));
