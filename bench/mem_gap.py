@@ -15,7 +15,7 @@ Every second it prints VmRSS (/proc/PID/status) beside `stats --json`
 memory.state_bytes_charged, the view copies, the flight recorder's bytes and the replies
 pending to clients (memory.reply_bytes_pending).
 
-  bench/mem_gap.py BUILD_DIR [--holders N] [--threads T] [--flood-s S]
+  bench/mem_gap.py BUILD_DIR [--holders N] [--threads T] [--flood-s S] [--churn N]
 """
 import argparse
 import http.client
@@ -37,7 +37,8 @@ ap.add_argument("--threads", type=int, default=256)
 ap.add_argument("--flood-s", type=int, default=40)
 ap.add_argument("--reports", type=int, default=16)
 ap.add_argument("--scrapers", type=int, default=8)
-ap.add_argument("--churn", type=int, default=1, help="0: no holder comes or goes in the flood")
+ap.add_argument("--churn", type=int, default=1,
+                help="short-lived holders filling at once in the flood (0: none comes or goes)")
 args = ap.parse_args()
 
 repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +97,7 @@ def sample(phase):
     print("%-6s %8.0f %8.0f %6.2f %6.0f %6.0f %7.0f %6.2f %5d" % (
         phase, rss, charged, charged / rss if rss else 0, copies, fr, replies,
         held / rss if rss else 0, stats["processes"]["tracked"]), flush=True)
-    return rss, charged, held
+    return rss, charged, held, copies
 
 
 stop = threading.Event()
@@ -118,12 +119,15 @@ def holder_loop():
 def churn_loop():
     # Short-lived holders while the flood runs: ingest mutates records views hold.
     while not stop.is_set():
-        if flood_on.is_set() and args.churn:
+        if flood_on.is_set():
             subprocess.run([raw_client, sock_path, "good", "--threads", str(args.threads),
                             "--pairs", "1", "--custom", "bomb", "--customs", "1024"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
             time.sleep(0.2)
+
+
+done = {"reports": 0, "scrapes": 0}  # replies read whole in the flood (+= under the GIL)
 
 
 def reports():
@@ -133,6 +137,7 @@ def reports():
             continue
         try:
             ask("report --json")
+            done["reports"] += 1
         except OSError:
             time.sleep(0.5)
 
@@ -147,14 +152,15 @@ def scrapes():
             while flood_on.is_set():
                 c.request("GET", "/metrics")
                 c.getresponse().read()
+                done["scrapes"] += 1
         except (OSError, http.client.HTTPException):
             time.sleep(0.5)
 
 
 print("phase   rss_MiB charged_MiB ratio copies_MiB fr_MiB replies_MiB held/rss procs",
       flush=True)
-threads = [threading.Thread(target=holder_loop, daemon=True),
-           threading.Thread(target=churn_loop, daemon=True)]
+threads = [threading.Thread(target=holder_loop, daemon=True)]
+threads += [threading.Thread(target=churn_loop, daemon=True) for _ in range(args.churn)]
 threads += [threading.Thread(target=reports, daemon=True) for _ in range(args.reports)]
 threads += [threading.Thread(target=scrapes, daemon=True) for _ in range(args.scrapers)]
 for t in threads:
@@ -169,12 +175,13 @@ try:
     print("reply bytes: report --json %.1f MiB, metrics %.1f MiB" % (
         report_bytes / 2**20, len(c.getresponse().read()) / 2**20), flush=True)
     flood_on.set()
-    ratios, helds = [], []
+    ratios, helds, copies = [], [], []
     for _ in range(args.flood_s):
         time.sleep(1)
-        rss, charged, held = sample("flood")
+        rss, charged, held, copy = sample("flood")
         ratios.append(charged / rss)
         helds.append(held / rss)
+        copies.append(copy)
     flood_on.clear()
     stop.set()
     time.sleep(2)
@@ -186,11 +193,14 @@ try:
     for i in range(40):
         time.sleep(1)
         if i % 5 == 4:
-            rss_after, charged_after, _ = sample("freed")
+            rss_after, charged_after, _, _ = sample("freed")
     print("flood charged/RSS min %.2f median %.2f max %.2f; (charged + view copies + flight "
-          "recorder + pending replies)/RSS min %.2f median %.2f max %.2f; after free RSS %.0f MiB for %.0f MiB "
-          "charged" % (min(ratios), sorted(ratios)[len(ratios) // 2], max(ratios), min(helds),
-                       sorted(helds)[len(helds) // 2], max(helds), rss_after, charged_after))
+          "recorder + pending replies)/RSS min %.2f median %.2f max %.2f; view copies MiB "
+          "median %.0f max %.0f; replies in the flood: %d reports, %d scrapes; after free "
+          "RSS %.0f MiB for %.0f MiB charged" % (
+              min(ratios), sorted(ratios)[len(ratios) // 2], max(ratios), min(helds),
+              sorted(helds)[len(helds) // 2], max(helds), sorted(copies)[len(copies) // 2],
+              max(copies), done["reports"], done["scrapes"], rss_after, charged_after))
 finally:
     stop.set()
     proc.send_signal(signal.SIGTERM)

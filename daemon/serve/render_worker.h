@@ -22,7 +22,23 @@
 // and share the next view).
 //
 // While a job renders, ingest goes on: the first mutation of a record a view holds
-// clones that record (one process's aggregates), once per view.
+// clones that record (one process's aggregates), once per view. Those copies are heap
+// the state budget does not charge (a render flood must not refuse anyone's spans), so
+// the worker bounds what views make them hold instead:
+//  - a lane that needs a view renders from the one the other lane holds when that was
+//    frozen after every job waiting in the lane was submitted (a freeze numbered past
+//    the lane's last submission): each reply still shows everything applied before its
+//    command, and no second view makes a second copy of each record written;
+//  - while the copies are over their bound (Collector::view_copies_over_bound, charge.h's
+//    view_copy_bound: an eighth of the charge, at least 16 MiB), the bulk lane freezes no
+//    view of its own while the fast lane holds one: it waits for that view's release
+//    (one round of stats and metrics renders), then freezes first, so the fast lane's
+//    jobs waiting by then render from its view; and it renders one job per view, so each
+//    view lives one render. The fast lane never waits for a view (stats, metrics and
+//    scrapes never wait behind a report): it freezes its own when the bulk lane's is
+//    older than its jobs. The copies then exceed the bound by at most what ingest writes
+//    during the renders in progress when they crossed it (a copy per record written in
+//    the bulk render, a second one only for those the fast lane's view holds meanwhile).
 #pragma once
 
 #include <algorithm>
@@ -107,22 +123,41 @@ class RenderWorker {
     Done done;
   };
   struct Lane {
-    explicit Lane(boost::asio::io_context& io) : pace_timer(io) {}
+    Lane(boost::asio::io_context& io, RenderLane which) : which(which), pace_timer(io) {}
+    RenderLane which;
     RenderQueue<Queued> queue;
     boost::asio::steady_timer pace_timer;
     std::chrono::steady_clock::time_point last_freeze{};
     bool busy = false;  // a round is out (or its pacing timer waits)
+    // The view its round renders from (none between rounds, or for a round of tasks) and
+    // that view's freeze number (freezes_ once it was made).
+    std::shared_ptr<const CollectorView> view;
+    std::uint64_t view_freeze = 0;
+    // freezes_ when a job that needs a view last came: a view numbered past it was frozen
+    // after every job waiting here was submitted.
+    std::uint64_t last_submit = 0;
+    bool waited = false;  // it waited for the other lane's view: its next freeze is not paced
     boost::asio::thread_pool pool{1};
   };
   Lane& lane(RenderLane which) { return *lanes_[static_cast<std::size_t>(which)]; }
   const Lane& lane(RenderLane which) const { return *lanes_[static_cast<std::size_t>(which)]; }
+  static RenderLane other(RenderLane which) {
+    return which == RenderLane::kBulk ? RenderLane::kFast : RenderLane::kBulk;
+  }
   void enqueue(RenderLane which, RenderOwner owner, Queued queued);
   void start_next(Lane& lane);
+  // How start_next gets the round's view: the other lane's, a new one, or not yet.
+  enum class ViewSource : std::uint8_t { kShare, kFreeze, kPace, kWait };
+  ViewSource view_source(const Lane& lane, bool copies_over_bound,
+                         std::chrono::steady_clock::time_point now) const;
+  void start_round(Lane& lane, std::shared_ptr<const CollectorView> view, std::uint64_t freeze,
+                   std::size_t max_jobs);
 
   boost::asio::io_context& io_;
   Collector& collector_;
   const ServerCounters* server_;
   std::array<std::unique_ptr<Lane>, 2> lanes_;  // by RenderLane
+  std::uint64_t freezes_ = 0;                   // views this worker froze so far
   ReplyBytes reply_bytes_;
   bool stopped_ = false;
 };

@@ -50,10 +50,14 @@ void make_room_for_step(ProcessRecord& rec) {
   reserve_grown(rec.custom_names, rec.custom_names.size() + 1);
 }
 
+namespace {
+// make_shared: the control block (two counts, a vtable pointer) and the thread in one.
+constexpr std::size_t kThreadBlock = heap_block(2 * sizeof(void*) + sizeof(ThreadSpans));
+}  // namespace
+
 std::size_t new_thread_bytes() {
-  return heap_block(sizeof(ThreadSpans)) +
-         hash_node_bytes<std::pair<const std::uint32_t, std::uint32_t>>() +
-         2 * sizeof(DeepPtr<ThreadSpans>);  // its pointer, in a vector grown by two
+  return kThreadBlock + hash_node_bytes<std::pair<const std::uint32_t, std::uint32_t>>() +
+         2 * sizeof(std::shared_ptr<const ThreadSpans>);  // its pointer, in a vector grown by two
 }
 
 std::size_t stack_slots_bytes(const ThreadSpans& thread, std::size_t slot) {
@@ -67,12 +71,22 @@ void make_room_for_slot(ThreadSpans& thread, std::size_t slot) {
   thread.stacks.resize(slot + 1);
 }
 
-std::size_t thread_bytes(const ThreadSpans& thread) {
+std::size_t thread_heap_bytes(const ThreadSpans& thread) {
   // Charged by capacity (charge.h): what it holds now is what its growth was charged.
   std::size_t bytes =
-      new_thread_bytes() + array_bytes<std::vector<std::uint64_t>>(thread.stacks.capacity());
+      kThreadBlock + array_bytes<std::vector<std::uint64_t>>(thread.stacks.capacity());
   for (const auto& stack : thread.stacks) bytes += array_bytes<std::uint64_t>(stack.capacity());
   return bytes + array_bytes<std::uint64_t>(thread.child_ns.capacity());
+}
+
+std::size_t thread_bytes(const ThreadSpans& thread) {
+  return new_thread_bytes() - kThreadBlock + thread_heap_bytes(thread);
+}
+
+std::size_t record_shell_bytes(const ProcessRecord& rec) {
+  std::size_t bytes = record_bytes(rec);
+  for (const auto& thread : rec.threads) bytes -= thread_heap_bytes(*thread);
+  return bytes;
 }
 
 std::size_t record_bytes(const ProcessRecord& rec) {

@@ -157,6 +157,10 @@ void make_room_for_slot(ThreadSpans& thread, std::size_t slot);
 // built from a snapshot, charged at once.
 std::size_t thread_bytes(const ThreadSpans& thread);
 std::size_t record_bytes(const ProcessRecord& rec);
+// What a clone copies (copy on write, collector_state.h): a thread's own block and
+// stacks; a record without its threads' (it shares them).
+std::size_t thread_heap_bytes(const ThreadSpans& thread);
+std::size_t record_shell_bytes(const ProcessRecord& rec);
 // A retired histogram's entry (RetiredHistograms: node, name, chunks) and a retired job's
 // (RetiredJobs: node, job id, its steps' nodes and names).
 std::size_t retired_histogram_bytes(std::string_view name, const Histogram& hist);
@@ -173,11 +177,12 @@ inline void make_room_for_push(std::vector<std::uint64_t>& v) { reserve_grown(v,
 
 }  // namespace heap
 
-// The records views still hold that ingest has cloned since (copy on write): while a
-// render runs, the first write to a record it shows clones the record, and the old one
-// lives until every view holding it is released. Under a render flood (a view in each
-// lane all the time) that is a second copy of every record being written, up to a whole
-// record each (a process's 16 MiB): the state's RSS beside its charge (stats
+// The records and threads views still hold that ingest has cloned since (copy on write):
+// while a render runs, the first write to a record it shows clones the record (sharing
+// its threads), the first write to one of its threads clones the thread, and the old ones
+// live until every view holding them is released. Under a render flood (a view in a lane
+// all the time) that is a second copy of every record and thread being written, up to a
+// whole record each (a process's 16 MiB): the state's RSS beside its charge (stats
 // memory.view_copy_bytes). io thread only; a view's copy of the state keeps the figure
 // as it was when it was frozen, not the list.
 class ViewCopies {
@@ -198,6 +203,8 @@ class ViewCopies {
   }
   // Bytes of the copies still held (as of the last sweep, for a view's copy).
   std::size_t bytes() const { return bytes_; }
+  // The same now: forgets the copies whose views are gone first (the state's own).
+  std::size_t held_bytes() const { return sweep(); }
 
  private:
   struct Held {
@@ -211,6 +218,18 @@ class ViewCopies {
   mutable std::size_t bytes_ = 0;
   mutable std::size_t swept_size_ = 0;
 };
+
+// What the copies may hold beside the charge before the render worker stops adding views
+// (render_worker.h: while they are over it, a lane renders from the view another lane
+// holds, or waits for it, rather than freeze a second one): an eighth of the charge, so
+// that with the copies the state's heap stays within 25% of what is charged with room for
+// the daemon's own, and at least kViewCopyFloorBytes (one whole record of a process at
+// the default max_process_state_bytes), so that a small table is never held back.
+inline constexpr std::size_t kViewCopyFloorBytes = std::size_t{16} << 20;
+inline constexpr std::size_t kViewCopyChargeDivisor = 8;
+constexpr std::size_t view_copy_bound(std::size_t charged) {
+  return std::max(kViewCopyFloorBytes, charged / kViewCopyChargeDivisor);
+}
 
 // Big blocks straight from and back to the kernel: called once at start, before any
 // thread. glibc serves a block of at least M_MMAP_THRESHOLD (128 KiB at first) with an

@@ -58,7 +58,8 @@ std::uint64_t ProcessRecord::open_total() const {
 }
 
 std::shared_ptr<ProcessRecord> ProcessRecord::clone() const {
-  auto copy = std::make_shared<ProcessRecord>(*this);  // deep: DeepPtr members
+  // Deep but for the threads, which it shares (copied when written: write_thread).
+  auto copy = std::make_shared<ProcessRecord>(*this);
   // The cache points into this record's threads: the next event finds its thread by index.
   copy->last_thread = nullptr;
   copy->last_tid = 0;
@@ -73,7 +74,7 @@ std::size_t ProcessRecord::memory_bytes() const {
   if (custom_slot) bytes += sizeof(*custom_slot);
   if (refused_custom) bytes += sizeof(*refused_custom);
   for (const auto& thread : threads) {
-    bytes += sizeof(DeepPtr<ThreadSpans>) + sizeof(ThreadSpans) +
+    bytes += sizeof(std::shared_ptr<const ThreadSpans>) + sizeof(ThreadSpans) +
              thread->stacks.capacity() * sizeof(std::vector<std::uint64_t>);
     for (const auto& stack : thread->stacks) bytes += stack.capacity() * sizeof(std::uint64_t);
   }
@@ -250,6 +251,10 @@ std::uint64_t Collector::generation() const {
   return state_->generation + state_->ledger.changes();
 }
 
+bool Collector::view_copies_over_bound() const {
+  return state_->view_copies.held_bytes() > view_copy_bound(state_->charged);
+}
+
 std::shared_ptr<const CollectorView> Collector::freeze(const ServerCounters* server) const {
   DaemonCounters counters = counters_;
   counters.flight_recorder = recorder_.counters();
@@ -284,14 +289,16 @@ namespace {
 // snapshot's writer's): each thread charged as ingest charges one; a thread past
 // max_threads_per_process, or nested deeper than max_open_depth, is abandoned.
 void charge_restored_threads(ProcessRecord& rec, const Limits& limits) {
-  std::vector<DeepPtr<ThreadSpans>> kept;
+  std::vector<std::shared_ptr<const ThreadSpans>> kept;
   for (auto& thread : rec.threads) {
     if (kept.size() >= limits.max_threads_per_process || thread->open > limits.max_open_depth) {
       for (std::size_t slot = 0; slot < thread->stacks.size(); ++slot)
         rec.steps[slot].abandoned += thread->stacks[slot].size();
       continue;
     }
-    thread->charged = heap::thread_bytes(*thread);
+    // Restored: made non-const (state_image.cpp), and no view holds it yet.
+    const_cast<ThreadSpans&>(*thread).charged =  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+        heap::thread_bytes(*thread);
     kept.push_back(std::move(thread));
   }
   rec.threads = std::move(kept);

@@ -205,6 +205,9 @@ class Collector {
   // Grows with every change of the state (processes, retired totals, ledger): equal
   // values mean nothing a snapshot holds changed in between, but the counters.
   std::uint64_t generation() const;
+  // Records cloned while views held them, still held by one (ViewCopies, charge.h), are
+  // over view_copy_bound() of the charge now: the render worker freezes no second view.
+  bool view_copies_over_bound() const;
 
   // ---- timeline (daemon/state/flight_recorder.h) --------------------------------------
   // The flight recorder's window now, for `trace` (all processes, or those pids; events

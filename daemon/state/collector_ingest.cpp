@@ -105,7 +105,7 @@ ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_
                          const Limits& limits, DaemonCounters& counters) {
   if (const auto it = rec.thread_index.find(tid); it != rec.thread_index.end()) {
     rec.last_tid = tid;
-    rec.last_thread = rec.threads[it->second].get();
+    rec.last_thread = &state.write_thread(rec, it->second);
     return rec.last_thread;
   }
   if (rec.threads.size() >= limits.max_threads_per_process) {
@@ -113,6 +113,7 @@ ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_
     std::erase_if(rec.threads, [&](const auto& t) {
       if (t->open != 0) return false;
       uncharge(state, rec, t->charged);
+      state.drop_thread(t);
       return true;
     });
     rec.thread_index.clear();
@@ -128,13 +129,13 @@ ThreadSpans* find_thread(CollectorState& state, ProcessRecord& rec, std::uint32_
   // Its record and index entry; its stacks are charged as they grow.
   const std::size_t cost = heap::new_thread_bytes();
   if (!charge(state, rec, cost, limits, counters)) return nullptr;
-  auto thread = std::make_unique<ThreadSpans>();
+  auto thread = std::make_shared<ThreadSpans>();  // non-const: see ProcessRecord::threads
   thread->tid = tid;
   thread->charged = cost;
   rec.thread_index.emplace(tid, static_cast<std::uint32_t>(rec.threads.size()));
-  rec.threads.push_back(std::move(thread));
+  rec.threads.push_back(thread);
   rec.last_tid = tid;
-  rec.last_thread = rec.threads.back().get();
+  rec.last_thread = thread.get();
   return rec.last_thread;
 }
 

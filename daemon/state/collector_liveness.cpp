@@ -34,6 +34,7 @@ void abandon_open_spans(CollectorState& state, ProcessRecord& rec) {
       rec.steps[slot].abandoned += thread->stacks[slot].size();
     }
     uncharge(state, rec, thread->charged);
+    state.drop_thread(thread);
   }
   rec.threads.clear();
   rec.thread_index.clear();
@@ -293,6 +294,7 @@ std::size_t reclaim_state(CollectorState& state, std::uint32_t uid, std::size_t 
     for (std::size_t slot = 0; slot < t->stacks.size(); ++slot)
       rec.steps[slot].abandoned += t->stacks[slot].size();
     uncharge(state, rec, t->charged);
+    state.drop_thread(t);
     return true;
   });
   rec.thread_index.clear();

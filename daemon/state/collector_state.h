@@ -18,8 +18,13 @@
 // records, the ledger view's state and the retired histograms are held by shared_ptr.
 // Collector::freeze() copies the pointers (not the data) into a CollectorView; every
 // mutation goes through CollectorState::write() / write_retired() (and LedgerView's own
-// check), which first clones an object a view still holds. The io thread alone creates
-// and destroys views and mutates, so the use counts it reads are its own.
+// check), which first clones an object a view still holds. A record's threads (most of a
+// big record: their open-span stacks) are shared the same way, one level down: a record's
+// clone shares them with the view's, and write_thread() clones one only when ingest
+// writes to it, so a view costs ingest a copy of the threads it touches, not of every
+// thread of every record it touches (a process filling 256 threads one after another
+// copies the one it is in). The io thread alone creates and destroys views and mutates,
+// so the use counts it reads are its own.
 #pragma once
 
 #include <algorithm>
@@ -152,14 +157,20 @@ struct ProcessRecord {
   // in snapshots: a client registers its steps again on its next connection.
   DeepPtr<std::bitset<proto::kMaxCustomSteps>> refused_custom;
 
-  std::vector<DeepPtr<ThreadSpans>> threads;
+  // Shared with the clones of this record (copy on write: CollectorState::write_thread),
+  // so const here; each was made non-const (make_shared<ThreadSpans>), which is what lets
+  // write_thread hand out a mutable one once no view shares it.
+  std::vector<std::shared_ptr<const ThreadSpans>> threads;
   std::size_t charged = 0;  // state budget bytes: its threads' and custom steps' (charge())
   std::unordered_map<std::uint32_t, std::uint32_t> thread_index;  // tid -> index in threads
   std::uint32_t last_tid = 0;
+  // The thread last written, unique to this record (write_thread); a clone of the record
+  // starts without it.
   ThreadSpans* last_thread = nullptr;
 
   ProcessRecord() : steps(proto::kBuiltinStepCount) {}
-  // A deep copy (threads' open spans included); the thread cache starts empty.
+  // A copy that shares the threads (each cloned when first written, write_thread); the
+  // thread cache starts empty.
   std::shared_ptr<ProcessRecord> clone() const;
 
   const ProcessKey& key() const { return peer.key; }
@@ -239,10 +250,26 @@ struct CollectorState {
     ++generation;
     auto& slot = slots[handle];
     if (slot.use_count() > 1) {
-      view_copies.held(slot, heap::record_bytes(*slot));  // charge.h
+      view_copies.held(slot, heap::record_shell_bytes(*slot));  // charge.h; threads apart
       slot = slot->clone();
     }
     return *slot;
+  }
+  // Thread `index` of `rec` (a record write() returned), cloned first when a view's copy
+  // of the record still holds it.
+  ThreadSpans& write_thread(ProcessRecord& rec, std::size_t index) {
+    auto& thread = rec.threads[index];
+    if (thread.use_count() > 1) {
+      view_copies.held(thread, heap::thread_heap_bytes(*thread));
+      thread = std::make_shared<ThreadSpans>(*thread);
+    }
+    // Made non-const (ProcessRecord::threads), and no view holds it now.
+    return const_cast<ThreadSpans&>(*thread);  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+  }
+  // `rec` lets go of `thread` (eviction of its threads, reclaim): a view's copy of the
+  // record may still hold it, which then holds it alone.
+  void drop_thread(const std::shared_ptr<const ThreadSpans>& thread) {
+    if (thread.use_count() > 1) view_copies.held(thread, heap::thread_heap_bytes(*thread));
   }
   RetiredHistograms& write_retired() {
     ++generation;

@@ -126,8 +126,8 @@ std::optional<std::size_t> slot_of(const ProcessRecord& rec, std::uint32_t id) {
 // The open spans of `image` as a thread of `rec`; null when the image breaks its rules
 // (a step id neither built-in nor registered or twice, an empty stack, child_ns not one
 // per open span).
-std::unique_ptr<ThreadSpans> make_thread(OpenThreadImage& image, const ProcessRecord& rec) {
-  auto thread = std::make_unique<ThreadSpans>();
+std::shared_ptr<ThreadSpans> make_thread(OpenThreadImage& image, const ProcessRecord& rec) {
+  auto thread = std::make_shared<ThreadSpans>();
   thread->tid = image.tid;
   std::size_t open = 0;
   for (OpenStackImage& stack : image.stacks) {

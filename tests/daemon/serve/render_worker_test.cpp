@@ -1,12 +1,17 @@
 // The render worker's fairness (daemon/serve/render_queue.h, render_worker.h): per-owner
 // queues served round-robin, at most one job of an owner in progress, FIFO within an
-// owner; a fast lane (stats, metrics, scrapes) that never waits behind a report.
+// owner; a fast lane (stats, metrics, scrapes) that never waits behind a report. And the
+// views it freezes: shared between the lanes when one is newer than a lane's jobs, and
+// no second one while the records views made ingest copy are over their bound.
 #include "daemon/serve/render_worker.h"
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +19,7 @@
 #include <boost/asio/io_context.hpp>
 
 #include "daemon/serve/render_queue.h"
+#include "daemon/state/charge.h"
 #include "tests/daemon/daemon_test_util.h"
 
 namespace steptrace::daemon {
@@ -92,8 +98,43 @@ class RenderWorkerTest : public ::testing::Test {
     return done();
   }
 
+  // Room for one process of more than view_copy_bound()'s floor (BigRecord).
+  static Limits limits() {
+    Limits limits;
+    limits.max_process_state_bytes = std::size_t{64} << 20;
+    return limits;
+  }
+  // One process whose record holds `threads` threads, each with a span open in the last
+  // of 1,024 custom steps (a stack slot vector of 1,036 entries each).
+  void big_record(std::uint32_t threads) {
+    threads_ = threads;
+    client_ = std::make_unique<test::DirectClient>(collector_, world_.spawn(7, 7, "big", 1000));
+    for (std::uint32_t i = 0; i < proto::kMaxCustomSteps; ++i) {
+      ASSERT_FALSE(client_->register_step(proto::kFirstCustomStep + i, "s" + std::to_string(i)));
+    }
+    std::vector<proto::EventRecord> events;
+    for (std::uint32_t tid = 1; tid <= threads; ++tid) {
+      events.push_back(test::start(tid, proto::kFirstCustomStep + proto::kMaxCustomSteps - 1, 1));
+    }
+    ASSERT_FALSE(client_->events(events));
+  }
+  // A span of built-in step 0 on every thread: a write to the record and all its threads,
+  // each cloned when a view holds it.
+  void write_to_record() {
+    std::vector<proto::EventRecord> events;
+    for (std::uint32_t tid = 1; tid <= threads_; ++tid) {
+      events.push_back(test::start(tid, 0, 10));
+      events.push_back(test::end(tid, 0, 20));
+    }
+    ASSERT_FALSE(client_->events(events));
+  }
+  std::uint64_t charged() { return collector_.freeze()->table().state_bytes_charged; }
+  std::uint64_t view_copies() { return collector_.freeze()->table().view_copy_bytes; }
+
   test::FakeWorld world_;
-  Collector collector_{Limits{}, world_.env()};
+  Collector collector_{limits(), world_.env()};
+  std::unique_ptr<test::DirectClient> client_;
+  std::uint32_t threads_ = 0;
   boost::asio::io_context io_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_ =
       boost::asio::make_work_guard(io_);
@@ -168,6 +209,112 @@ TEST_F(RenderWorkerTest, TasksTakeTheirOwnersTurn) {
   }
   EXPECT_TRUE(run_until([&] { return order.size() == 3; }));
   EXPECT_EQ(order, (std::vector<std::string>{"piece0", "piece1", "piece2"}));
+  renderer_.stop();
+}
+
+// Spans of step 0 ended, as a view shows them.
+std::uint64_t ended(const CollectorView& view) {
+  std::uint64_t n = 0;
+  for (const ProcessFigures& p : view.processes()) {
+    for (const StepFigures& s : p.steps) {
+      if (s.name == proto::kBuiltinStepNames[0]) n += s.hist().count();
+    }
+  }
+  return n;
+}
+
+// A job that says when it started, which view it got and what that view shows, then
+// waits for `release`.
+struct HeldJob {
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> started{false};
+  std::atomic<const CollectorView*> view{nullptr};
+  std::atomic<std::uint64_t> ended_seen{0};
+  bool done = false;
+
+  RenderJob job(RenderLane lane, bool hold = true) {
+    return RenderJob(
+        [this, hold](const CollectorView& v) {
+          view = &v;
+          ended_seen = ended(v);
+          started = true;
+          if (hold) released.wait();
+          return std::string("ok\n");
+        },
+        lane);
+  }
+  RenderWorker::Done on_done() {
+    return [this](std::string) { done = true; };
+  }
+};
+
+// A lane whose jobs all came before the view the other lane renders from renders from
+// that view too: no second freeze (and no second copy of each record written while both
+// render), and each reply still shows what was applied before its command.
+TEST_F(RenderWorkerTest, ALaneRendersFromTheOtherLanesViewWhenThatIsNewerThanItsJobs) {
+  big_record(4);
+  HeldJob first, second, fast;
+  renderer_.submit(first.job(RenderLane::kBulk), first.on_done(), RenderOwner::of_uid(1001));
+  ASSERT_TRUE(run_until([&] { return first.started.load(); }));
+  write_to_record();  // before the second report's command: it must show it
+  renderer_.submit(second.job(RenderLane::kBulk, false), second.on_done(),
+                   RenderOwner::of_uid(1001));
+  renderer_.submit(fast.job(RenderLane::kFast), fast.on_done(), RenderOwner::of_uid(1002));
+  ASSERT_TRUE(run_until([&] { return fast.started.load(); }));
+  EXPECT_EQ(first.ended_seen, 0u);
+  EXPECT_EQ(fast.ended_seen, 4u);
+  first.release.set_value();
+  ASSERT_TRUE(run_until([&] { return second.done; }));
+  EXPECT_EQ(second.view.load(), fast.view.load());  // the fast lane's view, still held
+  EXPECT_EQ(second.ended_seen, 4u);
+  fast.release.set_value();
+  EXPECT_TRUE(run_until([&] { return first.done && fast.done; }));
+  renderer_.stop();
+}
+
+// While the copies views made ingest keep are over their bound, the bulk lane does not
+// freeze a second view beside the fast lane's: its report waits for that view's release
+// (then renders from a view frozen after it, with every write before its command), so a
+// record written meanwhile is copied once, not once per view.
+TEST_F(RenderWorkerTest, OverTheCopyBoundTheBulkLaneWaitsForTheFastLanesView) {
+  big_record(1000);
+  const std::uint64_t record = charged();
+  ASSERT_GT(record, kViewCopyFloorBytes);  // one copy of it is over the bound
+  HeldJob fast, report;
+  renderer_.submit(fast.job(RenderLane::kFast), fast.on_done(), RenderOwner::http());
+  ASSERT_TRUE(run_until([&] { return fast.started.load(); }));
+  write_to_record();  // cloned: the fast lane's view holds the old record and threads
+  EXPECT_TRUE(collector_.view_copies_over_bound());
+  renderer_.submit(report.job(RenderLane::kBulk), report.on_done(), RenderOwner::of_uid(1001));
+  io_.run_for(std::chrono::milliseconds(100));
+  write_to_record();  // no view holds the clones: written in place
+  EXPECT_LT(view_copies(), record + record / 2) << "a second view holds a second copy";
+  EXPECT_FALSE(report.started);
+  fast.release.set_value();
+  ASSERT_TRUE(run_until([&] { return report.started.load(); }));
+  EXPECT_EQ(report.ended_seen, 2000u);  // frozen after the release: both writes
+  report.release.set_value();
+  EXPECT_TRUE(run_until([&] { return fast.done && report.done; }));
+  EXPECT_EQ(view_copies(), 0u);
+  renderer_.stop();
+}
+
+// Over the bound too, stats and metrics do not wait behind a report: the fast lane
+// freezes a view of its own when the bulk lane's is older than its jobs.
+TEST_F(RenderWorkerTest, OverTheCopyBoundTheFastLaneStillDoesNotWaitBehindAReport) {
+  big_record(1000);
+  HeldJob report, stats;
+  renderer_.submit(report.job(RenderLane::kBulk), report.on_done(), RenderOwner::of_uid(1001));
+  ASSERT_TRUE(run_until([&] { return report.started.load(); }));
+  write_to_record();
+  EXPECT_TRUE(collector_.view_copies_over_bound());
+  renderer_.submit(stats.job(RenderLane::kFast, false), stats.on_done(), RenderOwner::of_uid(1002));
+  EXPECT_TRUE(run_until([&] { return stats.done; }));
+  EXPECT_EQ(stats.ended_seen, 1000u);
+  EXPECT_FALSE(report.done);
+  report.release.set_value();
+  EXPECT_TRUE(run_until([&] { return report.done; }));
   renderer_.stop();
 }
 

@@ -134,10 +134,12 @@ TEST_F(ChargeTest, AnEvictedProcessLeavesOnlyItsRetiredHistogramsCharged) {
   EXPECT_LT(retired, with_process / 2);
 }
 
-// A record a view still holds is cloned by the next write: the old one is counted as a
-// view's copy (its whole record, threads included) until the last view holding it goes,
-// never against the state budget.
-TEST_F(ChargeTest, ARecordClonedUnderAViewIsCountedAsAViewCopyWhileTheViewLives) {
+// A record a view still holds is cloned by the next write, sharing its threads, and a
+// thread is cloned when it is first written: the old record without its threads, and
+// each old thread written, are counted as a view's copies until the last view holding
+// them goes, never against the state budget. A write to one of 200 threads copies that
+// thread, not the 200.
+TEST_F(ChargeTest, WritesUnderAViewCountTheRecordAndTheThreadsTheyCloneAsViewCopies) {
   for (std::uint32_t tid = 1; tid <= 200; ++tid) events_.push_back(start(tid, 0, tid));
   send();
   const std::uint64_t charged_before = charged();
@@ -145,11 +147,18 @@ TEST_F(ChargeTest, ARecordClonedUnderAViewIsCountedAsAViewCopyWhileTheViewLives)
   auto held = collector_->freeze();
   events_.push_back(end(1, 0, 1'000));
   send();
-  events_.push_back(end(2, 0, 1'000));  // the clone is the table's own now: no second copy
+  const std::uint64_t one = collector_->freeze()->table().view_copy_bytes;
+  EXPECT_GT(one, heap::new_thread_bytes());  // the record's own and thread 1
+  EXPECT_LT(one, charged_before / 2) << "the threads not written were copied too";
+  events_.push_back(end(2, 0, 1'000));
   send();
-  const std::uint64_t copies = collector_->freeze()->table().view_copy_bytes;
-  EXPECT_GT(copies, 200 * heap::new_thread_bytes());
-  EXPECT_LT(copies, 2 * charged_before);
+  const std::uint64_t two = collector_->freeze()->table().view_copy_bytes;
+  EXPECT_GT(two, one);                             // thread 2 too
+  EXPECT_LT(two - one, 2 * charged_before / 200);  // about one thread's share of the charge
+  events_.push_back(start(1, 0, 2'000));           // thread 1's clone is the table's own now
+  events_.push_back(end(1, 0, 3'000));
+  send();
+  EXPECT_EQ(collector_->freeze()->table().view_copy_bytes, two);
   EXPECT_LE(charged(), charged_before + heap::heap_block(Histogram::kChunkBytes));
   held.reset();
   EXPECT_EQ(collector_->freeze()->table().view_copy_bytes, 0u);
