@@ -69,8 +69,9 @@ RenderWorker::ViewSource RenderWorker::view_source(
   if (copies_over_bound && l.which == RenderLane::kBulk && o.view) return ViewSource::kWait;
   // At most one view per lane per kMinViewInterval: each view costs ingest a clone of
   // every record it then touches, so a client asking in a tight loop must not multiply
-  // that. A lane that waited for the other's view has had its pause.
-  if (!l.waited && now < l.last_freeze + kMinViewInterval) return ViewSource::kPace;
+  // that, nor a lane that waited for the other's view (over the bound each wait ends at
+  // the other's release, as often as another tenant's stats calls make it).
+  if (now < l.last_freeze + kMinViewInterval) return ViewSource::kPace;
   return ViewSource::kFreeze;
 }
 
@@ -89,13 +90,11 @@ void RenderWorker::start_next(Lane& l) {
   switch (view_source(l, over, now)) {
     case ViewSource::kShare: {
       const Lane& o = lane(other(l.which));
-      l.waited = false;
       start_round(l, o.view, o.view_freeze, max_jobs);
       return;
     }
     case ViewSource::kWait:
-      l.waited = true;  // the other lane's release starts this one (start_round)
-      return;
+      return;  // the other lane's release starts this one (start_round)
     case ViewSource::kPace:
       l.busy = true;
       l.pace_timer.expires_at(l.last_freeze + kMinViewInterval);
@@ -109,7 +108,6 @@ void RenderWorker::start_next(Lane& l) {
     case ViewSource::kFreeze:
       break;
   }
-  l.waited = false;
   l.last_freeze = now;
   std::shared_ptr<const CollectorView> view = collector_.freeze(server_);
   start_round(l, std::move(view), ++freezes_, max_jobs);

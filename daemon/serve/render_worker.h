@@ -136,7 +136,6 @@ class RenderWorker {
     // freezes_ when a job that needs a view last came: a view numbered past it was frozen
     // after every job waiting here was submitted.
     std::uint64_t last_submit = 0;
-    bool waited = false;  // it waited for the other lane's view: its next freeze is not paced
     boost::asio::thread_pool pool{1};
   };
   Lane& lane(RenderLane which) { return *lanes_[static_cast<std::size_t>(which)]; }

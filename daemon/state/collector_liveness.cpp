@@ -207,6 +207,10 @@ void evict(CollectorState& state, ProcessHandle handle) {
   state.by_key.erase(rec.key());
   if (!rec.alive) --state.exited;
   const std::uint32_t uid = rec.peer.uid;
+  // A view's copy of the table still holding the record holds it alone now.
+  if (state.slots[handle].use_count() > 1) {
+    state.view_copies.held(state.slots[handle], heap::record_bytes(rec));
+  }
   state.slots[handle].reset();
   state.free_slots.push_back(handle);
   enforce_job_limits(state, uid);

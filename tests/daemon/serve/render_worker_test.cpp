@@ -13,6 +13,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <boost/asio/executor_work_guard.hpp>
@@ -231,6 +232,7 @@ struct HeldJob {
   std::atomic<bool> started{false};
   std::atomic<const CollectorView*> view{nullptr};
   std::atomic<std::uint64_t> ended_seen{0};
+  std::chrono::steady_clock::time_point start_time{};  // read after `started`
   bool done = false;
 
   RenderJob job(RenderLane lane, bool hold = true) {
@@ -238,6 +240,7 @@ struct HeldJob {
         [this, hold](const CollectorView& v) {
           view = &v;
           ended_seen = ended(v);
+          start_time = std::chrono::steady_clock::now();
           started = true;
           if (hold) released.wait();
           return std::string("ok\n");
@@ -297,6 +300,45 @@ TEST_F(RenderWorkerTest, OverTheCopyBoundTheBulkLaneWaitsForTheFastLanesView) {
   report.release.set_value();
   EXPECT_TRUE(run_until([&] { return fast.done && report.done; }));
   EXPECT_EQ(view_copies(), 0u);
+  renderer_.stop();
+}
+
+// Over the bound, a bulk view that waited for the fast lane's release is still paced (at
+// most one per kMinViewInterval), however soon short fast rounds end: a tenant's stats
+// loop must not make every report freeze a view of its own at once, each one more copy of
+// every record written. (A lower bound the pacing timer guarantees; without the pacing
+// the second report starts as soon as the fast round ends, a few ms after the first.)
+TEST_F(RenderWorkerTest, OverTheCopyBoundABulkViewThatWaitedIsStillPaced) {
+  big_record(1000);
+  // Runs ready handlers until `done`, without run_until's 5 ms steps: the test measures
+  // the worker's pause, not its own.
+  const auto spin_until = [this](auto done) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!done() && std::chrono::steady_clock::now() < deadline) {
+      io_.poll();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return done();
+  };
+  const auto held = collector_.freeze();  // keeps the copies over the bound throughout
+  write_to_record();
+  ASSERT_TRUE(collector_.view_copies_over_bound());
+  HeldJob fast1, first, fast2, second;
+  renderer_.submit(fast1.job(RenderLane::kFast), fast1.on_done(), RenderOwner::http());
+  ASSERT_TRUE(spin_until([&] { return fast1.started.load(); }));
+  renderer_.submit(first.job(RenderLane::kBulk, false), first.on_done(), RenderOwner::of_uid(1001));
+  // The first report freezes its view after this (its wait ends with fast1's release),
+  // the second no sooner than kMinViewInterval after that freeze.
+  const auto before_first_freeze = std::chrono::steady_clock::now();
+  fast1.release.set_value();
+  ASSERT_TRUE(spin_until([&] { return first.done; }));
+  renderer_.submit(fast2.job(RenderLane::kFast), fast2.on_done(), RenderOwner::http());
+  ASSERT_TRUE(spin_until([&] { return fast2.started.load(); }));
+  renderer_.submit(second.job(RenderLane::kBulk, false), second.on_done(),
+                   RenderOwner::of_uid(1001));
+  fast2.release.set_value();  // the second report's wait ends, right after the first's
+  ASSERT_TRUE(spin_until([&] { return second.done && fast2.done; }));
+  EXPECT_GE(second.start_time - before_first_freeze, RenderWorker::kMinViewInterval);
   renderer_.stop();
 }
 
