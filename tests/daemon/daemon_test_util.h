@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -29,6 +30,17 @@
 #include "tests/daemon/state/collector_driver.h"
 
 namespace steptrace::daemon::test {
+
+// An Environment whose clock stands at 5 s and whose every pid looks alive and unchanged,
+// so nothing is marked exited behind a test's back.
+inline Environment alive_env() {
+  Environment env;
+  env.monotonic_now_ns = [] { return std::uint64_t{5'000'000'000}; };
+  env.probe = [](std::int32_t) {
+    return std::optional<ProcessProbe>(ProcessProbe{77, false, "t"});
+  };
+  return env;
+}
 
 // The transport side of a ClientStream, in memory: what the stream sends is kept in
 // order, render jobs run at once on a fresh view of the collector (as Session does

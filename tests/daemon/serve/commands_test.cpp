@@ -7,6 +7,7 @@
 #include <steptrace/version.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/daemon/daemon_test_util.h"
 #include "tests/daemon/serve/fake_proc.h"
 
 namespace steptrace::daemon {
@@ -14,19 +15,9 @@ namespace {
 
 using nlohmann::json;
 
-Environment test_env() {
-  Environment env;
-  env.monotonic_now_ns = [] { return std::uint64_t{5'000'000'000}; };
-  // Every pid looks alive and unchanged, so nothing is marked exited behind our back.
-  env.probe = [](std::int32_t) {
-    return std::optional<ProcessProbe>(ProcessProbe{77, false, "t"});
-  };
-  return env;
-}
-
 class CommandsTest : public ::testing::Test {
  protected:
-  CommandsTest() : collector_(Limits{}, test_env()) {}
+  CommandsTest() : collector_(Limits{}, test::alive_env()) {}
 
   std::string run(std::string_view line, std::uint32_t uid = 1000,
                   const PeerIdentity* peer = nullptr) {
@@ -739,7 +730,7 @@ TEST_F(CommandsTest, TraceValidatesItsOptionsAndBoundsRepliesInProgress) {
 // `trace --for`: recording is on from the command (here with the standing window off)
 // until the deferred reply is made (what it holds: tests/timeline).
 TEST(CommandsTraceForTest, TurnsRecordingOnFromTheCommandUntilTheReplyIsMade) {
-  Collector collector(Limits{}, test_env(), FlightRecorderConfig{0, 300'000'000'000ULL});
+  Collector collector(Limits{}, test::alive_env(), FlightRecorderConfig{0, 300'000'000'000ULL});
   CommandTable table;
   const CommandContext context{collector, 1000, 1000};
   Reply reply = table.dispatch("trace --for 2.5", context);
@@ -755,7 +746,7 @@ TEST(CommandsTraceForTest, TurnsRecordingOnFromTheCommandUntilTheReplyIsMade) {
 // next is refused (counted) while another uid's waits. A reply dropped uncalled (its
 // connection closed) gives its slot and its capture back.
 TEST(CommandsTraceForTest, PendingRepliesAreCappedPerUidAndFreedWhenDropped) {
-  Collector collector(Limits{}, test_env(), FlightRecorderConfig{0, 300'000'000'000ULL});
+  Collector collector(Limits{}, test::alive_env(), FlightRecorderConfig{0, 300'000'000'000ULL});
   CommandTable table;
   CommandContext greedy{collector, 2000, 1000};
   greedy.max_pending_traces_per_uid = 2;

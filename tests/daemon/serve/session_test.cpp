@@ -24,24 +24,16 @@
 #include "daemon/serve/config.h"
 #include "daemon/serve/render_worker.h"
 #include "daemon/state/collector.h"
+#include "tests/daemon/daemon_test_util.h"
 
 namespace steptrace::daemon {
 namespace {
 
 using std::chrono::milliseconds;
 
-Environment test_env() {
-  Environment env;
-  env.monotonic_now_ns = [] { return std::uint64_t{5'000'000'000}; };
-  env.probe = [](std::int32_t) {
-    return std::optional<ProcessProbe>(ProcessProbe{77, false, "t"});
-  };
-  return env;
-}
-
 class SessionTest : public ::testing::Test {
  protected:
-  SessionTest() : collector_(Limits{}, test_env()), worker_(io_, collector_, &counters_) {}
+  SessionTest() : collector_(Limits{}, test::alive_env()), worker_(io_, collector_, &counters_) {}
   ~SessionTest() override {
     release();
     if (session_) session_->close();
@@ -115,8 +107,8 @@ class SessionTest : public ::testing::Test {
   CommandTable commands_;
   RateLimitedLog log_;
   RenderWorker worker_;
-  SessionShared shared_{collector_, counters_,  config_, commands_, log_,
-                        &worker_,   test_env(), 0,       false};
+  SessionShared shared_{collector_, counters_,         config_, commands_, log_,
+                        &worker_,   test::alive_env(), 0,       false};
   std::shared_ptr<Session> session_;
   std::promise<void> gate_;
   bool released_ = false;
