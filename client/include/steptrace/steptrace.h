@@ -34,9 +34,10 @@
  * flusher thread when a whole one fits in the total, so no thread gets less for them),
  * already handed to the daemon: a new thread that finds one ready takes it at its first
  * event, so what it records survives the process's death from the first event on (the
- * cases with none ready, e.g. more new threads at once than spares: PROTOCOL.md 11.2). An exited thread's buffer is freed once sent
- * or read by the daemon (while no daemon is connected, the newest 64 are kept for it,
- * within that total). See steptrace_set_buffer_size.
+ * cases with none ready, e.g. more new threads at once than spares: PROTOCOL.md 11.2).
+ * An exited thread's buffer is freed once sent or read by the daemon (while no daemon is
+ * connected, the newest 64 are kept for it, within that total). See
+ * steptrace_set_buffer_size.
  *
  * Connecting: calling steptrace_connect is optional. A process that never called it
  * (nor steptrace_shutdown) connects by itself at its first event, ledger call or
