@@ -243,10 +243,11 @@ class EventRing {
     daemon_took += consumed() - shared_from;  // only that daemon moved the tail meanwhile
     return true;
   }
-  // Offered to a daemon at tail `consumed()`: from now on it may consume the ring.
-  void offered() noexcept {
+  // Offered to a daemon at tail `tail`, read before the offer went out: from then on the
+  // daemon may consume the ring, and it may do so before the sending call returns here.
+  void offered(std::uint64_t tail) noexcept {
     was_shared = true;
-    shared_from = consumed();
+    shared_from = tail;
   }
   // The daemon said it does not map the ring: it never consumed any of it.
   void refused_by_daemon() noexcept {

@@ -737,6 +737,11 @@ void Flusher::offer_rings() {
     cmsg->cmsg_len = CMSG_LEN(sizeof(int));
     const int fd = ring.memfd();
     std::memcpy(CMSG_DATA(cmsg), &fd, sizeof fd);
+    // The tail before the offer: the daemon may map the ring and consume from it as soon
+    // as the frame is out, before sendmsg returns; what it takes from there on is
+    // counted in Delivered once it lets the ring go (a later tail would leave out what
+    // it took meanwhile, and a crash would lose those events uncounted).
+    const std::uint64_t tail = ring.consumed();
     ssize_t n;
     do {
       n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -754,7 +759,7 @@ void Flusher::offer_rings() {
       return;
     }
     ring.sharing = EventRing::Sharing::kOffered;
-    ring.offered();
+    ring.offered(tail);
     clock_dirty_ = false;
     const std::size_t sent = static_cast<std::size_t>(n);
     if (sent < enc.size()) {

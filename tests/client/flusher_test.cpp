@@ -4,6 +4,7 @@
 // exit. Each test runs in its own process (gtest discovery): the library's per-process state starts
 // fresh.
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <steptrace/steptrace.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +26,7 @@
 #include "client/src/client.h"
 #include "client/src/flusher.h"
 #include "proto/codec.h"
+#include "proto/shm_ring.h"
 #include "tests/support/daemon_process.h"
 
 namespace steptrace::client {
@@ -46,6 +49,44 @@ using Clock = std::chrono::steady_clock;
 bool shm_rings_on() {
   const char* env = std::getenv("STEPTRACE_SHM_RINGS");
   return env != nullptr && std::string(env) == "1";
+}
+
+// For a test that needs the shared rings, in a process whose library read
+// STEPTRACE_SHM_RINGS=0 at load: runs the current test in a child of this binary whose
+// library offers rings, expects it to pass, and returns true (the caller returns). False
+// in that child.
+bool ran_with_shm_rings() {
+  if (shm_rings_on()) return false;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string filter =
+      std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
+  EXPECT_EQ(
+      steptrace::testing::run_process({"/proc/self/exe", filter}, {"STEPTRACE_SHM_RINGS=1"}, 60000),
+      0);
+  return true;
+}
+
+// A daemon that consumes an offered ring before the library's sendmsg returns (it may:
+// the frame is out), played inside that call: this binary links with
+// -Wl,--wrap=sendmsg (CMakeLists.txt). While on, every ring offered is consumed to its
+// head there, and let go at once (consumer_pid 0, as a daemon does after its last pass).
+std::atomic<bool> g_consume_in_sendmsg{false};
+std::atomic<std::uint64_t> g_consumed_in_sendmsg{0};
+
+void consume_offered_ring(const msghdr* msg) {
+  const cmsghdr* c = CMSG_FIRSTHDR(msg);
+  if (c == nullptr || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) return;
+  int fd = -1;
+  std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+  void* p = ::mmap(nullptr, proto::kRingHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return;
+  auto* header = static_cast<proto::RingHeader*>(p);
+  const std::uint64_t head = proto::ring_field(header->head).load(std::memory_order_acquire);
+  const std::uint64_t tail = proto::ring_field(header->tail).load(std::memory_order_acquire);
+  proto::ring_field(header->tail).store(head, std::memory_order_release);
+  proto::ring_field(header->consumer_pid).store(0, std::memory_order_release);
+  g_consumed_in_sendmsg.fetch_add(head - tail);
+  ::munmap(p, proto::kRingHeaderBytes);
 }
 
 class FakeDaemon {
@@ -337,17 +378,7 @@ std::vector<std::uint32_t> ring_attaches(FakeDaemon& daemon, int ms) {
 // connection made and offered its spares, the version-7 connection that follows offers
 // no ring of thread 0, and a new thread's ring goes with its own id.
 TEST(Flusher, SparesOfAVersionEightConnectionAreNotOfferedToAnOlderDaemon) {
-  if (!shm_rings_on()) {
-    // The library read STEPTRACE_SHM_RINGS=0 when it was loaded: this test runs in a
-    // child of this binary whose library offers rings.
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    const std::string filter =
-        std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
-    EXPECT_EQ(steptrace::testing::run_process({"/proc/self/exe", filter}, {"STEPTRACE_SHM_RINGS=1"},
-                                              60000),
-              0);
-    return;
-  }
+  if (ran_with_shm_rings()) return;
   FakeDaemon daemon;
   ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
   ASSERT_TRUE(daemon.accept_connection(5000));
@@ -366,6 +397,36 @@ TEST(Flusher, SparesOfAVersionEightConnectionAreNotOfferedToAnOlderDaemon) {
   const std::vector<std::uint32_t> v7 = ring_attaches(daemon, 1000);
   EXPECT_EQ(std::count(v7.begin(), v7.end(), 0u), 0) << "a spare offered to a version-7 daemon";
   EXPECT_EQ(std::count(v7.begin(), v7.end(), tid), 1) << "the new thread's ring";
+  steptrace_shutdown();
+}
+
+// What a daemon consumes from a ring between the moment the library sent the ring's
+// RingAttach and the moment its sendmsg returned is delivered too: the next connection's
+// Delivered frame counts it (a restarted daemon that lost it counts it as daemon_crash;
+// left out, it was lost uncounted).
+TEST(Flusher, RecordsADaemonTookWhileTheOfferWasBeingSentAreDelivered) {
+  if (ran_with_shm_rings()) return;
+  spans(STEPTRACE_FORWARD, 50);  // in this thread's ring, before any connection
+  // The clock conversion is ready (kMinBaselineNs after load): the ring is offered, not
+  // drained by the flusher, once the hello is acknowledged.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  FakeDaemon daemon;
+  g_consume_in_sendmsg = true;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  EXPECT_EQ(daemon.delivered(), std::optional<std::uint64_t>(0));
+  const std::vector<std::uint32_t> attached = ring_attaches(daemon, 500);
+  g_consume_in_sendmsg = false;
+  EXPECT_EQ(std::count(attached.begin(), attached.end(), static_cast<std::uint32_t>(::gettid())), 1)
+      << "the premise: this thread's ring was offered";
+  EXPECT_EQ(g_consumed_in_sendmsg.load(), 100u)
+      << "the premise: the 100 events were taken from the ring inside sendmsg";
+  daemon.close_connection();
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
+  EXPECT_EQ(daemon.delivered(), std::optional<std::uint64_t>(100));
+  EXPECT_EQ(steptrace_dropped(), 0u);
   steptrace_shutdown();
 }
 
@@ -639,3 +700,13 @@ TEST(Flusher, AtExitEventsLeftUnconnectedCountAsNotConnected) {
 
 }  // namespace
 }  // namespace steptrace::client
+
+// The library's sendmsg calls in this binary (-Wl,--wrap=sendmsg).
+extern "C" ssize_t __real_sendmsg(int fd, const msghdr* msg, int flags);   // NOLINT
+extern "C" ssize_t __wrap_sendmsg(int fd, const msghdr* msg, int flags) {  // NOLINT
+  const ssize_t n = __real_sendmsg(fd, msg, flags);
+  if (n > 0 && steptrace::client::g_consume_in_sendmsg.load()) {
+    steptrace::client::consume_offered_ring(msg);
+  }
+  return n;
+}
