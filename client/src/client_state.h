@@ -80,21 +80,22 @@ struct RingRegistry {
     return total;
   }
 
-  // Requires mu. A spare ring of the per-thread size (EventRing::spare), one already
+  // Requires mu. A spare ring a thread may take (EventRing::takeable_spare), one already
   // offered to the daemon first; nullptr when there is none.
   EventRing* take_spare_locked() {
     EventRing* found = nullptr;
     for (auto& ring : rings) {
-      if (!ring->spare() || ring->orphaned() || ring->bytes() != per_thread_bytes) continue;
+      if (!ring->takeable_spare(per_thread_bytes)) continue;
       if (ring->sharing != EventRing::Sharing::kLocal) return ring.get();
       if (found == nullptr) found = ring.get();
     }
     return found;
   }
+  // Requires mu. How many take_spare_locked could give.
   std::size_t spares_locked() const {
-    return static_cast<std::size_t>(std::count_if(rings.begin(), rings.end(), [](const auto& ring) {
-      return ring->spare() && !ring->orphaned();
-    }));
+    return static_cast<std::size_t>(
+        std::count_if(rings.begin(), rings.end(),
+                      [this](const auto& ring) { return ring->takeable_spare(per_thread_bytes); }));
   }
 
   // Requires mu. Frees `ring` (orphaned, or any ring when nothing will drain it again),

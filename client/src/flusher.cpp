@@ -780,11 +780,10 @@ void Flusher::keep_spares() {
   // calls, as it would for its own.
   std::lock_guard lock(registry.mu);
   // Spares of an earlier per-thread size (steptrace_set_buffer_size) go the way of an
-  // exited thread's empty ring: whoever consumes them lets them go.
+  // exited thread's empty ring: whoever consumes them lets them go. (Orphaning one
+  // already orphaned changes nothing.)
   for (auto& ring : registry.rings) {
-    if (ring->spare() && !ring->orphaned() && ring->bytes() != registry.per_thread_bytes) {
-      ring->orphan();
-    }
+    if (ring->spare() && !ring->takeable_spare(registry.per_thread_bytes)) ring->orphan();
   }
   // A spare never takes budget a thread's smaller ring could use: only a whole per-thread
   // ring, while one fits.
