@@ -80,15 +80,26 @@ struct RingRegistry {
     return total;
   }
 
+  // Spares threads took so far (take_spare_locked). With budget_epoch, what tells the
+  // flusher that it may have spares to make (Flusher::keep_spares): bumped under mu, read
+  // without it.
+  std::atomic<std::uint64_t> spares_taken{0};
+
   // Requires mu. A spare ring a thread may take (EventRing::takeable_spare), one already
-  // offered to the daemon first; nullptr when there is none.
-  EventRing* take_spare_locked() {
+  // offered to the daemon first, claimed for `thread_id`; nullptr when there is none.
+  EventRing* take_spare_locked(std::uint32_t thread_id) {
     EventRing* found = nullptr;
     for (auto& ring : rings) {
       if (!ring->takeable_spare(per_thread_bytes)) continue;
-      if (ring->sharing != EventRing::Sharing::kLocal) return ring.get();
+      if (ring->sharing != EventRing::Sharing::kLocal) {
+        found = ring.get();
+        break;
+      }
       if (found == nullptr) found = ring.get();
     }
+    if (found == nullptr) return nullptr;
+    found->claim(thread_id);
+    spares_taken.fetch_add(1, std::memory_order_relaxed);
     return found;
   }
   // Requires mu. How many take_spare_locked could give.
