@@ -23,6 +23,8 @@ run hot_path_monotonic env STEPTRACE_CLOCK=monotonic "$bin/hot_path_bench" --ben
 run ingest "$bin/ingest_bench" --benchmark_repetitions=5
 run trace_export "$bin/trace_export_bench" --benchmark_repetitions=5
 run burst "$bin/burst_bench"
+run spare_ring "$bin/spare_ring_bench" --benchmark_repetitions=5
+run spare_ring_socket env STEPTRACE_SHM_RINGS=0 "$bin/spare_ring_bench" --benchmark_repetitions=5
 run e2e "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
 run e2e_monotonic env STEPTRACE_CLOCK=monotonic "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3
 run e2e_default_search "$bin/e2e_load" --procs 2 --spans 10000000 --runs 3 --search

@@ -177,8 +177,7 @@ EventRing* Client::create_ring() {
   // A spare ring the flusher made and offered already (protocol version 8): the daemon
   // maps it before this thread records anything, so a SIGKILL right after the thread's
   // first span loses nothing uncounted. No system call here but the flusher's wake.
-  if (EventRing* spare = registry.take_spare_locked()) {
-    spare->claim(tid);
+  if (EventRing* spare = registry.take_spare_locked(tid)) {
     thread_key_.set(spare);
     s_.wake();  // the flusher makes the next spare
     return spare;

@@ -80,21 +80,33 @@ struct RingRegistry {
     return total;
   }
 
-  // Requires mu. A spare ring of the per-thread size (EventRing::spare), one already
-  // offered to the daemon first; nullptr when there is none.
-  EventRing* take_spare_locked() {
+  // Spares threads took so far (take_spare_locked). With budget_epoch, what tells the
+  // flusher that it may have spares to make (Flusher::keep_spares): bumped under mu, read
+  // without it.
+  std::atomic<std::uint64_t> spares_taken{0};
+
+  // Requires mu. A spare ring a thread may take (EventRing::takeable_spare), one already
+  // offered to the daemon first, claimed for `thread_id`; nullptr when there is none.
+  EventRing* take_spare_locked(std::uint32_t thread_id) {
     EventRing* found = nullptr;
     for (auto& ring : rings) {
-      if (!ring->spare() || ring->orphaned() || ring->bytes() != per_thread_bytes) continue;
-      if (ring->sharing != EventRing::Sharing::kLocal) return ring.get();
+      if (!ring->takeable_spare(per_thread_bytes)) continue;
+      if (ring->sharing != EventRing::Sharing::kLocal) {
+        found = ring.get();
+        break;
+      }
       if (found == nullptr) found = ring.get();
     }
+    if (found == nullptr) return nullptr;
+    found->claim(thread_id);
+    spares_taken.fetch_add(1, std::memory_order_relaxed);
     return found;
   }
+  // Requires mu. How many take_spare_locked could give.
   std::size_t spares_locked() const {
-    return static_cast<std::size_t>(std::count_if(rings.begin(), rings.end(), [](const auto& ring) {
-      return ring->spare() && !ring->orphaned();
-    }));
+    return static_cast<std::size_t>(
+        std::count_if(rings.begin(), rings.end(),
+                      [this](const auto& ring) { return ring->takeable_spare(per_thread_bytes); }));
   }
 
   // Requires mu. Frees `ring` (orphaned, or any ring when nothing will drain it again),

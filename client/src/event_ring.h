@@ -136,6 +136,13 @@ class EventRing {
     proto::ring_thread_field(*header_).store(thread_id, std::memory_order_release);
   }
   bool spare() const { return thread_id_ == 0 && capacity_ != 0; }
+  // A spare a new thread may take: not claimed, not given up (orphaned), and of the size
+  // threads get now (`per_thread_bytes`, RingRegistry's). The one test behind
+  // RingRegistry::take_spare_locked, spares_locked and the flusher's keep_spares, which
+  // orphans the spares that fail it. Requires RingRegistry::mu.
+  bool takeable_spare(std::uint64_t per_thread_bytes) const {
+    return spare() && !orphaned() && bytes() == per_thread_bytes;
+  }
   std::size_t capacity() const { return capacity_; }
   std::size_t high_water() const { return high_water_; }
   // The budget's bytes: the slots (the header page is not counted).

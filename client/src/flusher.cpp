@@ -144,6 +144,7 @@ void Flusher::on_connected(proto::UniqueFd fd) {
   connected_at_ = Clock::now();
   spares_resume_ = {};
   spares_backoff_ = kMinSparesBackoff;
+  spares_due_ = true;
   unshare_rings();
   if (version_ < proto::kSpareRingProtocolVersion) {
     // A daemon before version 8 would take a spare's thread 0 at its word and refuse every
@@ -777,19 +778,29 @@ void Flusher::offer_rings() {
 
 void Flusher::keep_spares() {
   assert(thread_owner_.is_caller());
-  if (version_ < proto::kSpareRingProtocolVersion || Clock::now() < spares_resume_) return;
+  if (version_ < proto::kSpareRingProtocolVersion) return;
   RingRegistry& registry = s_.registry;
+  // Nothing changed since the last pass: no lock, no walk over the rings. (A bump this
+  // load misses is seen by the next round's: the thread that took a spare wakes us.)
+  if (!spares_due_ && registry.spares_taken.load(std::memory_order_relaxed) == spares_taken_seen_ &&
+      registry.budget_epoch.load(std::memory_order_relaxed) == budget_seen_) {
+    return;
+  }
+  if (Clock::now() < spares_resume_) return;  // still due once the pause is over
   // Made under the registry's lock, like a thread's own ring: a fork (fork_prepare takes
   // the lock) never copies a memfd the child's registry does not know of, and the budget
   // is checked and taken at once. A thread starting meanwhile waits for one ring's system
   // calls, as it would for its own.
   std::lock_guard lock(registry.mu);
+  // Both are bumped only under the lock: this pass sees everything up to these values.
+  spares_due_ = false;
+  spares_taken_seen_ = registry.spares_taken.load(std::memory_order_relaxed);
+  budget_seen_ = registry.budget_epoch.load(std::memory_order_relaxed);
   // Spares of an earlier per-thread size (steptrace_set_buffer_size) go the way of an
-  // exited thread's empty ring: whoever consumes them lets them go.
+  // exited thread's empty ring: whoever consumes them lets them go. (Orphaning one
+  // already orphaned changes nothing.)
   for (auto& ring : registry.rings) {
-    if (ring->spare() && !ring->orphaned() && ring->bytes() != registry.per_thread_bytes) {
-      ring->orphan();
-    }
+    if (ring->spare() && !ring->takeable_spare(registry.per_thread_bytes)) ring->orphan();
   }
   // A spare never takes budget a thread's smaller ring could use: only a whole per-thread
   // ring, while one fits.
@@ -821,6 +832,7 @@ void Flusher::keep_spares() {
 }
 
 void Flusher::pause_spares() {
+  spares_due_ = true;  // try again when it ends
   spares_resume_ = Clock::now() + spares_backoff_;
   spares_backoff_ = std::min(spares_backoff_ * 2, kMaxSparesBackoff);
 }

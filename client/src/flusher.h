@@ -120,8 +120,12 @@ class Flusher {
   // with the memfd, after a ClockSync). False when the socket is full.
   void offer_rings();
   // Version 8: keeps kSpareRings unclaimed rings (thread 0) for offer_rings to offer, so
-  // that a new thread takes one the daemon already maps (Client::create_ring).
+  // that a new thread takes one the daemon already maps (Client::create_ring). Called
+  // every round, it takes the registry's lock only when something it depends on may have
+  // changed since its last pass (spares_due_, spares_taken_seen_, budget_seen_).
   void keep_spares();
+  // No spares for spares_backoff_ (a memfd failed, or the daemon refused one); a pass
+  // comes once the pause is over.
   void pause_spares();
   // The RingAck of an offer: the daemon consumes the ring from now on, or refused it.
   void ring_answered(const proto::RingAck& ack);
@@ -191,6 +195,13 @@ class Flusher {
   // the next pause lasts spares_backoff_.
   Clock::time_point spares_resume_{};
   std::chrono::milliseconds spares_backoff_{1000};
+  // What keep_spares's last pass saw. Another pass is due on a new connection and after a
+  // pause (spares_due_), when a thread took a spare (RingRegistry::spares_taken), or when
+  // ring bytes came back to the budget or its sizes changed (RingRegistry::budget_epoch):
+  // nothing else changes how many spares it can or should make.
+  bool spares_due_ = true;
+  std::uint64_t spares_taken_seen_ = 0;
+  std::uint64_t budget_seen_ = 0;
   std::uint64_t own_flushes_ = 0;  // own Flush frames sent so far (all connections)
   std::uint64_t hello_flush_ = 0;  // the sequence of this connection's first one
   std::uint32_t steps_sent_ = 0;

@@ -1,8 +1,9 @@
 // The flusher against a scripted daemon (a listening socket this test drives frame by
 // frame with the shared codec): the handshake before events, the fall back to protocol
 // versions 2 and 1 (leases without their lease), drop reports per cause, and the drop accounting at
-// exit. Each test runs in its own process (gtest discovery): the library's per-process state starts
-// fresh.
+// exit; and the spare rings of protocol version 8 (one test against the real steptraced, which
+// drains a shared ring). Each test runs in its own process (gtest discovery): the library's
+// per-process state starts fresh.
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -427,6 +428,86 @@ TEST(Flusher, RecordsADaemonTookWhileTheOfferWasBeingSentAreDelivered) {
   ASSERT_EQ(daemon.handshake(), proto::kProtocolVersion);
   EXPECT_EQ(daemon.delivered(), std::optional<std::uint64_t>(100));
   EXPECT_EQ(steptrace_dropped(), 0u);
+  steptrace_shutdown();
+}
+
+// The capacities (records) of the spares (RingAttach of thread 0) offered until `n` came
+// or 10 s passed, answering flushes meanwhile.
+std::vector<std::uint64_t> spares_offered(FakeDaemon& daemon, std::size_t n) {
+  std::vector<std::uint64_t> capacities;
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (capacities.size() < n && Clock::now() < deadline) {
+    const auto m = daemon.next(50);
+    if (!m) {
+      if (daemon.error()) break;
+      continue;
+    }
+    if (const auto* attach = std::get_if<proto::RingAttach>(&*m)) {
+      if (attach->thread_id == 0) capacities.push_back(attach->capacity);
+    } else if (const auto* f = std::get_if<proto::FlushRequest>(&*m)) {
+      daemon.send_ack(f->sequence);
+    }
+  }
+  return capacities;
+}
+
+// The flusher makes spares only when something they depend on changed since it last
+// looked, and must miss no such change: a thread that takes a spare is followed by one
+// new spare offered, a new per-thread size (steptrace_set_buffer_size) by two of that size.
+TEST(Flusher, ANewSpareFollowsATakenOneAndTwoFollowANewPerThreadSize) {
+  if (ran_with_shm_rings()) return;
+  FakeDaemon daemon;
+  ASSERT_EQ(steptrace_connect(daemon.path().c_str()), 0);
+  ASSERT_TRUE(daemon.accept_connection(5000));
+  ASSERT_EQ(daemon.handshake(), proto::kSpareRingProtocolVersion);
+  constexpr std::uint64_t kRecords = kDefaultRingBytes / kRingRecordBytes;
+  EXPECT_EQ(spares_offered(daemon, 2), std::vector<std::uint64_t>(2, kRecords))
+      << "the premise: two spares offered";
+  std::thread([] { spans(STEPTRACE_MATMUL, 10); }).join();  // takes one
+  EXPECT_EQ(spares_offered(daemon, 1), std::vector<std::uint64_t>(1, kRecords))
+      << "no spare made after a thread took one";
+  ASSERT_EQ(steptrace_set_buffer_size(kDefaultRingBytes / 2, 0), 0);
+  EXPECT_EQ(spares_offered(daemon, 2), std::vector<std::uint64_t>(2, kRecords / 2))
+      << "no spares of the new per-thread size";
+  steptrace_shutdown();
+}
+
+// Unclaimed spares of the per-thread size (what a new thread could take now).
+std::size_t spares_kept() {
+  RingRegistry& registry = Client::get().state().registry;
+  std::lock_guard lock(registry.mu);
+  return registry.spares_locked();
+}
+
+bool spares_kept_reach(std::size_t n) {
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (spares_kept() != n && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return spares_kept() == n;
+}
+
+// A spare also follows ring bytes coming back to the budget: with room for two rings, a
+// thread takes one of the two spares (no room for another); once it exited and its ring
+// was freed, the second spare is made again. Against the real daemon, which maps the
+// spares and drains the thread's ring before it answers the thread's flush, so that the
+// ring is empty, and freed, when the thread exits.
+TEST(Flusher, ASpareFollowsRingBytesComingBackToTheBudget) {
+  if (ran_with_shm_rings()) return;
+  const steptrace::testing::TempDir dir;
+  steptrace::testing::DaemonProcess daemon(dir.file("d.sock"));
+  ASSERT_TRUE(daemon.start()) << daemon.log();
+  ASSERT_EQ(steptrace_set_buffer_size(kMinRingBytes, 2 * kMinRingBytes), 0);
+  ASSERT_EQ(steptrace_connect(daemon.socket().c_str()), 0);
+  ASSERT_TRUE(spares_kept_reach(2)) << "the premise: two spares";
+  std::size_t while_it_ran = SIZE_MAX;
+  std::thread([&while_it_ran] {
+    spans(STEPTRACE_MATMUL, 10);
+    EXPECT_EQ(steptrace_flush(10000), 0);
+    while_it_ran = spares_kept();
+  }).join();
+  EXPECT_EQ(while_it_ran, 1u) << "the premise: no room for a third ring";
+  EXPECT_TRUE(spares_kept_reach(2)) << "no spare made once the thread's ring was freed";
   steptrace_shutdown();
 }
 
