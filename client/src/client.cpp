@@ -173,13 +173,16 @@ EventRing* Client::no_ring() noexcept {
 EventRing* Client::create_ring() {
   const std::uint32_t tid = current_tid();
   RingRegistry& registry = s_.registry;
-  std::lock_guard lock(registry.mu);
+  std::unique_lock lock(registry.mu);
   // A spare ring the flusher made and offered already (protocol version 8): the daemon
   // maps it before this thread records anything, so a SIGKILL right after the thread's
   // first span loses nothing uncounted. No system call here but the flusher's wake.
   if (EventRing* spare = registry.take_spare_locked(tid)) {
     thread_key_.set(spare);
-    s_.wake();  // the flusher makes the next spare
+    // The flusher makes the next spare under the lock: woken after it is released, not
+    // into a wait for it while this thread still holds it.
+    lock.unlock();
+    s_.wake();
     return spare;
   }
   auto size = [&] {
