@@ -120,6 +120,7 @@ std::uint64_t ClientStream::drain_rings(SharedRings::Pass pass, std::optional<st
   counters.events += d.events;
   counters.records_refused += d.refused;
   counters.bad_rings += d.bad_rings;
+  shared_.collector.refused_records(*handle_, d.refused);
   counters.mapped = shared_.ring_budget.rings;
   counters.bytes_mapped = shared_.ring_budget.bytes;
   if (d.bad_rings > 0) {

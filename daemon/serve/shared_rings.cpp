@@ -174,7 +174,6 @@ proto::DroppedByCause SharedRings::drops() const {
   }
   d.count[static_cast<std::size_t>(proto::DropCause::kBufferFull)] = full;
   d.count[static_cast<std::size_t>(proto::DropCause::kNotConnected)] = unconnected;
-  d.count[static_cast<std::size_t>(proto::DropCause::kInvalid)] = refused_;
   return d;
 }
 
@@ -248,7 +247,6 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
                           e.kind == static_cast<std::uint8_t>(proto::EventKind::kEnd)) &&
                          proto::is_valid_step(e.step);
       if (!valid) {
-        ++refused_;
         ++out.refused;
         continue;
       }
@@ -259,7 +257,6 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
           ring.waiting_since = registrations_;
           break;
         }
-        ++refused_;
         ++out.refused;
         continue;
       }

@@ -20,10 +20,11 @@
 // keeps its own tail, reads head once per pass and checks 0 <= head - tail <= capacity
 // (else the ring is dropped from the set and counted as bad_ring), and never reads a
 // record twice. A bad record (kind, reserved byte, step id, thread id) is skipped and
-// counted as refused (drop cause invalid); an event of a custom step not yet registered
-// waits in the ring until the step's RegisterStep arrives (the library sends it within
-// a round), or is refused in the last pass; one whose registration a limit refused is
-// handed to the Collector, which counts it as refused (PROTOCOL.md 4.4). The file
+// counted as refused (Drained::refused, which the caller hands to the Collector: the
+// process's drop cause `refused`, PROTOCOL.md 11.3); an event of a custom step not yet
+// registered waits in the ring until the step's RegisterStep arrives (the library sends
+// it within a round), or is refused in the last pass; one whose registration a limit
+// refused is handed to the Collector, which counts it as refused (PROTOCOL.md 4.4). The file
 // cannot shrink (F_SEAL_SHRINK), so the header's mapping never faults and a pread of the
 // slots is never short.
 #pragma once
@@ -70,7 +71,7 @@ class SharedRings {
 
   struct Drained {
     std::uint64_t events = 0;     // folded into the collector
-    std::uint64_t refused = 0;    // bad records skipped (drop cause invalid)
+    std::uint64_t refused = 0;    // records skipped (Collector::refused_records)
     std::uint64_t bad_rings = 0;  // rings dropped for a head out of range
   };
   // Folds what every ring published. `thread` / `until_ns`: only that thread's ring, and
@@ -79,9 +80,8 @@ class SharedRings {
                 std::optional<std::uint32_t> thread = std::nullopt,
                 std::uint64_t until_ns = UINT64_MAX);
 
-  // The drop counts the rings' producers wrote (rings unmapped since included), plus the
-  // records refused here under invalid: what the library leaves out of its DroppedByCause
-  // frames on a version-5 connection.
+  // The drop counts the rings' producers wrote (rings unmapped since included): what the
+  // library leaves out of its DroppedByCause frames on a version-5 connection.
   proto::DroppedByCause drops() const;
   std::size_t size() const { return rings_.size(); }
   std::uint64_t bytes() const { return bytes_; }  // slot bytes charged
@@ -121,7 +121,6 @@ class SharedRings {
   proto::ClockSync clock_{};
   std::uint64_t retired_full_ = 0;  // drop counts of rings unmapped
   std::uint64_t retired_unconnected_ = 0;
-  std::uint64_t refused_ = 0;
   std::uint64_t registrations_ = 0;
   std::vector<proto::EventRecord> copy_;  // one chunk copied out of a ring
 };

@@ -157,6 +157,11 @@ class Collector {
   // events. Beyond what this daemon counted for it, they were lost with a daemon that
   // stopped before it made them durable: counted as the process's daemon_crash drops.
   void delivered(ProcessHandle process, std::uint64_t delivered);
+  // Records of the process's shared rings the daemon consumed (moved the tail past) and
+  // folded nowhere: bad ones, or of a custom step never registered. Its `refused` drops,
+  // cumulative and kept in snapshots, so that they are in what the daemon took when a
+  // later Delivered frame (which counts every record past the tail) is compared with it.
+  void refused_records(ProcessHandle process, std::uint64_t records);
   // Protocol version 7: frame `index` of socket batch `sequence` of the process arrived.
   // True when it is to be applied (it follows every frame applied so far: the process's
   // cursor moves past it); false for a frame applied before (a batch the client resent
@@ -253,8 +258,11 @@ class Collector {
   std::uint64_t raise_dropped(ProcessRecord& rec, std::uint64_t total_dropped);
   // Spans of `rec` past max_span_ns, refused at their end: counted (Limits::max_span_ns).
   void refuse_spans(ProcessRecord& rec, std::uint64_t spans);
-  // Events of `rec` the daemon took and keeps nowhere: its `refused` drops.
+  // Events of `rec` the daemon took, counted in its `events`, and keeps nowhere: out of
+  // `events`, into its `refused` drops (count_refused).
   void refuse_events(ProcessRecord& rec, std::uint64_t events);
+  // Records of `rec` the daemon took and never counted: its `refused` drops.
+  void count_refused(ProcessRecord& rec, std::uint64_t records);
   // daemon_crash becomes `lost` if that is more (cumulative, the maximum kept).
   void raise_crash(ProcessRecord& rec, std::uint64_t lost);
   // A drop as a TraceMark, stamped `ts_ns` (a client timestamp), else now.

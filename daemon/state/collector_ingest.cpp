@@ -448,11 +448,20 @@ void Collector::refuse_events(ProcessRecord& rec, std::uint64_t lost) {
   // `events`, counted as refused, so that events + dropped is still what the client sent
   // (and a Delivered frame does not take them for a crash's loss).
   rec.events -= std::min(rec.events, lost);
+  count_refused(rec, lost);
+}
+
+void Collector::count_refused(ProcessRecord& rec, std::uint64_t records) {
   std::uint64_t& refused = rec.dropped_by_cause[proto::kRefusedCause];
-  refused = saturating_add(refused, lost);
+  refused = saturating_add(refused, records);
   std::uint64_t& total = counters_.events_dropped_by_cause[proto::kRefusedCause];
-  total = saturating_add(total, lost);
-  raise_dropped(rec, saturating_add(rec.dropped, lost));
+  total = saturating_add(total, records);
+  raise_dropped(rec, saturating_add(rec.dropped, records));
+}
+
+void Collector::refused_records(ProcessHandle process, std::uint64_t records) {
+  if (process >= state_->slots.size() || !state_->slots[process] || records == 0) return;
+  count_refused(state_->write(process), records);
 }
 
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {

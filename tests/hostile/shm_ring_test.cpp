@@ -20,7 +20,7 @@
 //   - a ring whose head lies (beyond tail + capacity, below tail, 2^63) is dropped, the
 //     connection stays, nothing more is folded from it; positions wrapping past 2^64 are
 //     fine; bad records are skipped and counted (records_refused, the process's
-//     dropped_by_cause.invalid) and the good records around them folded exactly;
+//     dropped_by_cause.refused) and the good records around them folded exactly;
 //   - threads rewriting heads, tails, counters and slots at random while the daemon
 //     drains (and a second connection mapping the same memfds) crash nothing, close no
 //     connection, and cost the trainer recording alongside nothing;
@@ -322,6 +322,17 @@ class RawClient {
     const auto bytes = frames([&](proto::Encoder& e) {
       e.hello("hostile-0.0", "hostile", version);
       if (version >= proto::kShmProtocolVersion) e.clock_sync(proto::ClockSync{});
+    });
+    return send(bytes) && flush();
+  }
+
+  // The same with a Delivered frame after the hello, as libsteptrace sends it: the
+  // process's events that daemons took before this connection.
+  bool handshake_delivered(std::uint64_t delivered) {
+    const auto bytes = frames([&](proto::Encoder& e) {
+      e.hello("hostile-0.0", "hostile", proto::kProtocolVersion);
+      e.delivered(delivered);
+      e.clock_sync(proto::ClockSync{});
     });
     return send(bytes) && flush();
   }
@@ -719,7 +730,7 @@ TEST_F(HostileShmRingTest, DescriptorsThatAreNotASealedMemfdOfTheStatedSizeAreRe
 }
 
 // A spare ring (protocol version 8: a RingAttach of thread 0) is mapped before any thread
-// has it. Records published while its header still names thread 0 are refused (invalid);
+// has it. Records published while its header still names thread 0 are refused (cause refused);
 // once the header names a thread, its records are read as that thread's; the thread is
 // taken once, so a header rewritten to another thread later changes nothing (that
 // thread's records are refused, the first thread's still read). A spare's header may also
@@ -1177,7 +1188,8 @@ TEST_F(HostileShmRingTest, BadRecordsAreSkippedAndCountedAndTheGoodOnesAroundThe
   json p = process(::getpid());
   EXPECT_EQ(spans(::getpid(), "Forward"), 10u) << p.dump();
   EXPECT_EQ(p["unmatched_ends"], 0) << p.dump();
-  EXPECT_EQ(p["dropped_by_cause"]["invalid"], kRefused) << p.dump();
+  EXPECT_EQ(p["dropped_by_cause"]["refused"], kRefused) << p.dump();
+  EXPECT_EQ(p["dropped_by_cause"]["invalid"], 0) << p.dump();
   EXPECT_EQ(p["dropped"], kRefused) << p.dump();
   EXPECT_EQ(protocol_errors("bad_ring"), 0u);
 
@@ -1201,11 +1213,27 @@ TEST_F(HostileShmRingTest, BadRecordsAreSkippedAndCountedAndTheGoodOnesAroundThe
   EXPECT_EQ(rings()["events"], 22);
   p = process(::getpid());
   EXPECT_EQ(spans(::getpid(), "Forward"), 11u) << p.dump();
-  EXPECT_EQ(p["dropped_by_cause"]["invalid"], kRefused + 1) << p.dump();
+  EXPECT_EQ(p["dropped_by_cause"]["refused"], kRefused + 1) << p.dump();
+  EXPECT_EQ(p["dropped_by_cause"]["invalid"], 0) << p.dump();
   EXPECT_EQ(p["dropped_by_cause"]["buffer_full"], 0) << p.dump();
   EXPECT_EQ(p["dropped_by_cause"]["not_connected"], 0) << p.dump();
   EXPECT_EQ(p["dropped_by_cause"]["in_flight"], 0) << p.dump();
   expect_nothing_mapped();
+
+  // The skipped records are in what the daemon took: the process's next connection says
+  // it delivered every record past the tail (as libsteptrace does: the tail moved by a
+  // daemon), and none of them is counted again as lost by a crash, on any connection.
+  const std::uint64_t consumed = ring.tail();
+  for (int again = 0; again < 2; ++again) {
+    RawClient next(socket());
+    ASSERT_TRUE(next.handshake_delivered(consumed));
+    p = process(::getpid());
+    EXPECT_EQ(p["dropped_by_cause"]["daemon_crash"], 0) << p.dump();
+    EXPECT_EQ(p["dropped_by_cause"]["refused"], kRefused + 1) << p.dump();
+    EXPECT_EQ(p["events"].get<std::uint64_t>() + p["dropped"].get<std::uint64_t>(), consumed)
+        << p.dump();
+    next.close();
+  }
   run_trainer_exactly();
 }
 
@@ -1710,7 +1738,7 @@ TEST_F(HostileShmRingTest, ASealedRingCannotShrinkAndPunchedHolesOnlyReadAsZeros
   r = rings();
   EXPECT_EQ(r["bad_rings"], 1) << r.dump();
   EXPECT_EQ(r["mapped"], 0) << r.dump();
-  EXPECT_EQ(process(::getpid())["dropped_by_cause"]["invalid"], 8);
+  EXPECT_EQ(process(::getpid())["dropped_by_cause"]["refused"], 8);
   EXPECT_TRUE(daemon_->running());
   expect_pong();
   run_trainer_exactly();
