@@ -538,13 +538,11 @@ int main(int argc, char** argv) {
     --argc;
     --i;
   }
-  std::vector<std::string> defaults{"--benchmark_repetitions=5",
-                                    "--benchmark_display_aggregates_only=true",
-                                    "--benchmark_enable_random_interleaving=true"};
-  std::vector<char*> args = steptrace::bench::with_default_flags(argc, argv, defaults);
-  int n = static_cast<int>(args.size()) - 1;
-  benchmark::Initialize(&n, args.data());
-  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
+  if (!steptrace::bench::initialize(
+          argc, argv,
+          {"--benchmark_repetitions=5", "--benchmark_display_aggregates_only=true",
+           "--benchmark_enable_random_interleaving=true"}))
+    return 2;
 
   // Recorder off and on side by side, per key count.
   for (auto keys : kKeyCounts) {

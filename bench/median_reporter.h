@@ -92,4 +92,13 @@ inline std::vector<char*> with_default_flags(int argc, char** argv,
   return out;
 }
 
+// Google Benchmark initialised from argv plus `defaults` (with_default_flags); false when
+// the command line holds an argument it does not know (then said on stderr).
+inline bool initialize(int argc, char** argv, std::vector<std::string> defaults) {
+  std::vector<char*> args = with_default_flags(argc, argv, defaults);
+  int n = static_cast<int>(args.size()) - 1;
+  benchmark::Initialize(&n, args.data());
+  return !benchmark::ReportUnrecognizedArguments(n, args.data());
+}
+
 }  // namespace steptrace::bench

@@ -302,12 +302,9 @@ int main(int argc, char** argv) {
     std::perror("execv /proc/self/exe");
     return 1;
   }
-  std::vector<std::string> defaults{"--benchmark_repetitions=5",
-                                    "--benchmark_display_aggregates_only=true"};
-  std::vector<char*> args = steptrace::bench::with_default_flags(argc, argv, defaults);
-  int n = static_cast<int>(args.size()) - 1;
-  benchmark::Initialize(&n, args.data());
-  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 2;
+  if (!steptrace::bench::initialize(
+          argc, argv, {"--benchmark_repetitions=5", "--benchmark_display_aggregates_only=true"}))
+    return 2;
 
   steptrace::testing::TempDir dir;
   g_socket = dir.file("steptraced.sock");
