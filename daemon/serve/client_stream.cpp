@@ -528,6 +528,9 @@ bool ClientStream::begin_drain() {
 }
 
 void ClientStream::closed() {
+  // The daemon stopping with the process still connected (it sent no EOF): its rings go
+  // back to it with what waits for a registration, for the next daemon.
+  const bool handing_over = state_ == State::kDraining && !input_ended_;
   state_ = State::kClosed;
   reply_stream_.reset();
   handshake_deadline_.reset();
@@ -538,7 +541,7 @@ void ClientStream::closed() {
     const ProcessHandle handle = *handle_;
     // The process may be dead: its rings are all that is left of what it recorded.
     if (rings_) {
-      drain_rings(SharedRings::Pass::kFinal);
+      drain_rings(handing_over ? SharedRings::Pass::kHandOver : SharedRings::Pass::kFinal);
       update_drops();
       shared_.ring_streams.erase(this);
       rings_.reset();

@@ -201,7 +201,7 @@ SharedRings::Drained SharedRings::drain(Collector& collector, ProcessHandle proc
     const bool empty =
         proto::ring_field(ring.header->head).load(std::memory_order_acquire) == ring.tail;
     // The thread is gone and everything it wrote is folded; at the last pass every ring goes.
-    if ((orphaned && empty) || pass == Pass::kFinal) {
+    if ((orphaned && empty) || pass != Pass::kLive) {
       unmap(i);
       continue;
     }
@@ -253,7 +253,7 @@ bool SharedRings::drain_ring(Ring& ring, Collector& collector, ProcessHandle pro
       e.timestamp_ns = proto::ticks_to_ns(clock_, e.timestamp_ns);
       if (e.timestamp_ns > until_ns) break;
       if (!collector.step_known(process, e.step)) {
-        if (pass == Pass::kLive) {  // its RegisterStep is on its way
+        if (pass != Pass::kFinal) {  // its RegisterStep is on its way (to us, or the next)
           ring.waiting_since = registrations_;
           break;
         }

@@ -52,8 +52,13 @@ struct RingBudget {
 
 class SharedRings {
  public:
-  // Why a drain() runs: the last pass refuses what can never become valid.
-  enum class Pass : std::uint8_t { kLive, kFinal };
+  // Why a drain() runs. kLive: records of a custom step not registered yet wait in the
+  // ring. kFinal, the last pass of a connection the process ended: they are refused (no
+  // registration will come) and every ring is let go. kHandOver, the last pass of a
+  // connection the daemon ends while the process is still connected (a graceful stop):
+  // every ring is let go with such records left in it, from the first one on, for the
+  // next daemon, to which the library registers its steps again.
+  enum class Pass : std::uint8_t { kLive, kFinal, kHandOver };
 
   SharedRings(const ServerLimits& limits, RingBudget& budget, std::uint32_t uid);
   ~SharedRings();  // unmaps every ring, returns its bytes

@@ -1139,6 +1139,49 @@ TEST_F(HostileShmRingTest, AHeadOutOfRangeDropsOnlyThatRingAndTheConnectionStays
   expect_nothing_mapped();
 }
 
+// A graceful stop with the process still connected: a record of a custom step whose
+// RegisterStep has not arrived is not refused (it would be, were the process gone) but
+// left in the ring, with what follows it, for the next daemon, to which the process
+// registers its steps again; nothing of it is lost or counted twice.
+TEST_F(HostileShmRingTest, AGracefulStopLeavesRecordsWaitingForARegistrationToTheNextDaemon) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  RawClient first(socket());
+  ASSERT_TRUE(first.handshake());
+  CraftedRing ring(201);
+  ASSERT_TRUE(ring.ok());
+  ASSERT_EQ(first.attach(1, ring), RingStatus::kMapped);
+  std::uint64_t ts = 1'000'000;
+  std::vector<proto::EventRecord> records = pairs(201, kForward, 2, ts);
+  const std::uint16_t custom = proto::kFirstCustomStep;
+  records.push_back(record(ts += 1000, 201, custom, proto::EventKind::kStart));
+  records.push_back(record(ts += 1000, 201, custom, proto::EventKind::kEnd));
+  const auto last = pairs(201, kForward, 1, ts += 1000);
+  records.insert(records.end(), last.begin(), last.end());
+  ring.publish(records);
+  ASSERT_TRUE(first.flush());
+  ASSERT_EQ(ring.tail(), 4u) << "the premise: the custom step's record waits";
+  ASSERT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+  EXPECT_EQ(ring.tail(), 4u) << "records waiting for a registration were consumed at the stop";
+
+  ASSERT_NO_FATAL_FAILURE(start());
+  RawClient next(socket());
+  ASSERT_TRUE(next.handshake());
+  ASSERT_TRUE(next.send(
+      RawClient::frames([&](proto::Encoder& e) { e.register_step(custom, "custom-0"); })));
+  ASSERT_EQ(next.attach(1, ring), RingStatus::kMapped);
+  ASSERT_TRUE(next.flush());
+  EXPECT_EQ(ring.tail(), records.size());
+  const json r = rings();
+  EXPECT_EQ(r["events"], 4) << r.dump();
+  EXPECT_EQ(r["records_refused"], 0) << r.dump();
+  const json p = process(::getpid());
+  EXPECT_EQ(p["dropped"], 0) << p.dump();
+  EXPECT_EQ(spans(::getpid(), "Forward"), 1u) << p.dump();
+  EXPECT_EQ(spans(::getpid(), "custom-0"), 1u) << p.dump();
+  next.close();
+  first.close();
+}
+
 TEST_F(HostileShmRingTest, BadRecordsAreSkippedAndCountedAndTheGoodOnesAroundThemFoldedExactly) {
   ASSERT_NO_FATAL_FAILURE(start());
   RawClient hostile(socket());
