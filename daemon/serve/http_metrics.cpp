@@ -266,7 +266,9 @@ namespace {
 // may be gone, hence shared->stats, which then points to the listener's own.
 std::shared_ptr<const std::string> held_text(
     const std::shared_ptr<HttpMetricsServer::Shared>& shared, std::string text) {
-  const std::uint64_t bytes = text.capacity();
+  // Its size, not its capacity: the render reserves generously, and the pages it never
+  // wrote (the block is mapped alone: heap::return_big_blocks_when_freed) are not resident.
+  const std::uint64_t bytes = text.size();
   shared->stats->reply_bytes += bytes;
   return {new const std::string(std::move(text)), [shared, bytes](const std::string* held) {
             delete held;
