@@ -12,8 +12,10 @@ freed), then
   flood:  16 looping `report --json` and 8 keep-alive `GET /metrics` (the soak's flood);
   free:   the flood stops, the holders are killed; RSS is read after the trims.
 Every second it prints VmRSS (/proc/PID/status) beside `stats --json`
-memory.state_bytes_charged, the view copies, the flight recorder's bytes and the replies
-pending to clients (memory.reply_bytes_pending).
+memory.state_bytes_charged, the view copies, the flight recorder's bytes, the replies
+pending to clients (memory.reply_bytes_pending), the metrics texts the HTTP listener holds
+(memory.http_reply_bytes) and their sum, memory.accounted_bytes (for a daemon without it,
+the sum of the figures it has), each over RSS.
 
   bench/mem_gap.py BUILD_DIR [--holders N] [--threads T] [--flood-s S] [--churn N]
 """
@@ -93,9 +95,11 @@ def sample(phase):
     fr = stats.get("flight_recorder", {}).get("bytes", 0) / 2**20
     copies = stats["memory"].get("view_copy_bytes", 0) / 2**20
     replies = stats["memory"].get("reply_bytes_pending", 0) / 2**20
-    held = charged + copies + fr + replies
-    print("%-6s %8.0f %8.0f %6.2f %6.0f %6.0f %7.0f %6.2f %5d" % (
-        phase, rss, charged, charged / rss if rss else 0, copies, fr, replies,
+    scrape_texts = stats["memory"].get("http_reply_bytes", 0) / 2**20
+    held = stats["memory"].get("accounted_bytes")
+    held = held / 2**20 if held is not None else charged + copies + fr + replies + scrape_texts
+    print("%-6s %8.0f %8.0f %6.2f %6.0f %6.0f %7.0f %6.0f %6.2f %5d" % (
+        phase, rss, charged, charged / rss if rss else 0, copies, fr, replies, scrape_texts,
         held / rss if rss else 0, stats["processes"]["tracked"]), flush=True)
     return rss, charged, held, copies
 
@@ -157,8 +161,8 @@ def scrapes():
             time.sleep(0.5)
 
 
-print("phase   rss_MiB charged_MiB ratio copies_MiB fr_MiB replies_MiB held/rss procs",
-      flush=True)
+print("phase   rss_MiB charged_MiB ratio copies_MiB fr_MiB replies_MiB http_MiB "
+      "accounted/rss procs", flush=True)
 threads = [threading.Thread(target=holder_loop, daemon=True)]
 threads += [threading.Thread(target=churn_loop, daemon=True) for _ in range(args.churn)]
 threads += [threading.Thread(target=reports, daemon=True) for _ in range(args.reports)]
@@ -194,8 +198,9 @@ try:
         time.sleep(1)
         if i % 5 == 4:
             rss_after, charged_after, _, _ = sample("freed")
-    print("flood charged/RSS min %.2f median %.2f max %.2f; (charged + view copies + flight "
-          "recorder + pending replies)/RSS min %.2f median %.2f max %.2f; view copies MiB "
+    print("flood charged/RSS min %.2f median %.2f max %.2f; accounted (charged + view copies + "
+          "flight recorder + pending replies + HTTP scrape texts)/RSS min %.2f median %.2f max "
+          "%.2f; view copies MiB "
           "median %.0f max %.0f; replies in the flood: %d reports, %d scrapes; after free "
           "RSS %.0f MiB for %.0f MiB charged" % (
               min(ratios), sorted(ratios)[len(ratios) // 2], max(ratios), min(helds),

@@ -383,11 +383,14 @@ def stats():
         doc = json.loads(reply)
         memory = doc.get("memory", {})
         charged = memory.get("state_bytes_charged", 0)
-        # All the daemon states it holds: the charge, view copies, pending replies and
-        # the flight recorder.
-        held = (charged + memory.get("view_copy_bytes", 0) +
-                memory.get("reply_bytes_pending", 0) +
-                doc.get("flight_recorder", {}).get("bytes", 0))
+        # All the daemon states it holds (memory.accounted_bytes): the charge, view
+        # copies, pending replies, HTTP scrape bodies and the flight recorder; summed
+        # here for a daemon too old to have the field.
+        held = memory.get("accounted_bytes")
+        if held is None:
+            held = (charged + memory.get("view_copy_bytes", 0) +
+                    memory.get("reply_bytes_pending", 0) +
+                    doc.get("flight_recorder", {}).get("bytes", 0))
         return ((time.monotonic() - t0) * 1000, charged, memory.get("rss_bytes", 0), held)
     except (OSError, ValueError):
         return (-1.0, 0, 0, 0)

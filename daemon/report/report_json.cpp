@@ -199,6 +199,14 @@ std::uint64_t rss_bytes() {
   return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+// Everything the daemon accounts for holding, to compare with rss_bytes: the state's
+// charge, the records' copies for views, the flight recorder, and replies not yet taken
+// (text and binary sessions', and the metrics texts the HTTP listener holds).
+std::uint64_t accounted_bytes(const DaemonCounters& c, const TableFigures& table) {
+  return table.state_bytes_charged + table.view_copy_bytes + c.flight_recorder.bytes +
+         c.reply_bytes_pending + c.http.reply_bytes;
+}
+
 // "rule": the 50% rule over `totals`, `job`'s or the flags' (overhead_rule.h).
 nlohmann::json popper_json(const report::ReportOptions& options, const std::optional<JobRef>& job,
                            const std::vector<StepFigures>& totals) {
@@ -404,7 +412,9 @@ nlohmann::json report::stats_json(const CollectorView& view) {
        {{"rss_bytes", rss_bytes()},
         {"state_bytes_estimate", table.state_bytes_estimate},
         {"state_bytes_charged", table.state_bytes_charged},
-        {"view_copy_bytes", table.view_copy_bytes}}},
+        {"view_copy_bytes", table.view_copy_bytes},
+        {"http_reply_bytes", view.counters().http.reply_bytes},
+        {"accounted_bytes", accounted_bytes(view.counters(), table)}}},
       {"flight_recorder",
        {{"bytes", view.counters().flight_recorder.bytes},
         {"budget_bytes", view.counters().flight_recorder.budget_bytes},

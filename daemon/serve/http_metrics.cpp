@@ -2,6 +2,7 @@
 #include "daemon/report/report.h"
 
 #include <spdlog/spdlog.h>
+#include <algorithm>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/http/span_body.hpp>
@@ -228,6 +229,10 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
     }
     ++shared_->stats->responses;
     ++served_;
+    // Written: let go of the text now rather than at the next request (a keep-alive
+    // scraper would hold the last one between scrapes).
+    response_.body() = {};
+    body_.reset();
     if (!keep_alive) {
       stream_.socket().shutdown(Tcp::socket::shutdown_send, ec);
       return;
@@ -255,6 +260,23 @@ class HttpConnection : public std::enable_shared_from_this<HttpConnection> {
 
 namespace {
 
+// A render's metrics text, counted in HttpCounters::reply_bytes until the last response
+// holding it lets it go. Every holder lives on the io thread (the render's done callback
+// and the connections), so the deleter runs there too; at shutdown the Server's counters
+// may be gone, hence shared->stats, which then points to the listener's own.
+std::shared_ptr<const std::string> held_text(
+    const std::shared_ptr<HttpMetricsServer::Shared>& shared, std::string text) {
+  // Its size, not its capacity: the render reserves generously, and the pages it never
+  // wrote (the block is mapped alone: heap::return_big_blocks_when_freed) are not resident.
+  const std::uint64_t bytes = text.size();
+  shared->stats->reply_bytes += bytes;
+  return {new const std::string(std::move(text)), [shared, bytes](const std::string* held) {
+            delete held;
+            auto& gauge = shared->stats->reply_bytes;
+            gauge -= std::min(gauge, bytes);
+          }};
+}
+
 void render_scrapes(const std::shared_ptr<HttpMetricsServer::Shared>& shared) {
   if (shared->renderer == nullptr || shared->scrapes_waiting.empty()) return;
   shared->scrape_rendering = true;
@@ -264,7 +286,7 @@ void render_scrapes(const std::shared_ptr<HttpMetricsServer::Shared>& shared) {
                 RenderLane::kFast),
       [shared, waiting = std::move(shared->scrapes_waiting)](std::string text) {
         shared->scrape_rendering = false;
-        const auto body = std::make_shared<const std::string>(std::move(text));
+        const auto body = held_text(shared, std::move(text));
         for (const auto& connection : waiting) connection->respond_metrics(body);
         render_scrapes(shared);  // those that asked meanwhile
       },
@@ -284,8 +306,9 @@ HttpMetricsServer::HttpMetricsServer(boost::asio::io_context& io, RenderWorker& 
 HttpMetricsServer::~HttpMetricsServer() {
   close();
   // Connections still queued in the io_context must not reach the collector, nor the
-  // Server's counters.
+  // Server's counters: the texts they still hold are let go against the listener's own.
   shared_->renderer = nullptr;
+  shared_->own_stats.reply_bytes = shared_->stats->reply_bytes;
   shared_->stats = &shared_->own_stats;
 }
 

@@ -167,6 +167,10 @@ struct HttpCounters {
   std::uint64_t write_timeouts = 0;   // response not taken within the write timeout
   std::uint64_t bad_requests = 0;     // answered 400, 413 or 431
   std::uint64_t responses = 0;        // responses written in full
+  // Bytes of metrics texts held for responses not yet written in full (a gauge): each
+  // render's text, shared by the scrapes waiting for it, counted once from when the render
+  // hands it over until the last of them lets it go (stats memory.http_reply_bytes).
+  std::uint64_t reply_bytes = 0;
 };
 
 // Shared-memory rings (protocol version 5; daemon/serve/shared_rings.h): the server's

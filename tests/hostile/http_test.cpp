@@ -2,10 +2,13 @@
 // their request a byte a second, or nothing at all, must neither keep a scraper from
 // being served nor stay open past the header timeout, and the Unix socket keeps
 // answering meanwhile. (70 such connections used to make 29 of 30 scrapes fail.)
+// And a scraper that does not read its response makes the daemon hold the metrics text,
+// which stats counts (memory.http_reply_bytes, issue 26) until the connection lets it go.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,6 +18,9 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -48,10 +54,16 @@ int remaining_ms(Clock::time_point deadline) {
   return left > 0 ? static_cast<int>(left) : 0;
 }
 
-// A TCP connection to 127.0.0.1:port made by `deadline`, or -1.
-int connect_tcp(int port, Clock::time_point deadline) {
+// A TCP connection to 127.0.0.1:port made by `deadline`, or -1; `receive_buffer`, when
+// not 0, is its SO_RCVBUF (set before connecting, so the window stays that small).
+int connect_tcp(int port, Clock::time_point deadline, int receive_buffer = 0) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return -1;
+  if (receive_buffer != 0 &&
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer) != 0) {
+    ::close(fd);
+    return -1;
+  }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<std::uint16_t>(port));
@@ -105,6 +117,61 @@ Scrape scrape(int port, const std::string& request = kGetMetrics) {
   ::close(fd);
   return out;
 }
+
+// Reads one response whose header has a Content-Length, whole, by `deadline`: "" when
+// the peer closed or the deadline passed first.
+std::string read_response(int fd, Clock::time_point deadline) {
+  std::string reply;
+  char buf[65536];
+  std::size_t want = std::string::npos;  // header + body, once the header is in
+  while (reply.size() < want) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, remaining_ms(deadline)) <= 0) return "";
+    const ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (n <= 0) return "";
+    reply.append(buf, static_cast<std::size_t>(n));
+    const std::size_t end = reply.find("\r\n\r\n");
+    const std::size_t length = reply.find("Content-Length: ");
+    if (want == std::string::npos && end != std::string::npos && length < end) {
+      want = end + 4 + std::strtoull(reply.c_str() + length + 16, nullptr, 10);
+    }
+  }
+  return reply;
+}
+
+// The size of a whole GET /metrics reply, 0 when it could not be read.
+std::size_t metrics_size(int port) {
+  const auto deadline = Clock::now() + seconds(30);
+  const int fd = connect_tcp(port, deadline);
+  if (fd < 0) return 0;
+  bool closed = false;
+  std::string reply;
+  if (send_all(fd, kGetMetrics)) reply = read_until_close(fd, deadline, &closed);
+  ::close(fd);
+  return closed ? reply.size() : 0;
+}
+
+// The kernel's largest TCP send buffer (net.ipv4.tcp_wmem's third figure).
+std::size_t max_send_buffer() {
+  std::ifstream in("/proc/sys/net/ipv4/tcp_wmem");
+  std::size_t low = 0, initial = 0, high = 0;
+  return in >> low >> initial >> high ? high : std::size_t{4} << 20;
+}
+
+// Client processes that hold their connections, killed at the end of the test.
+struct Holders {
+  std::vector<pid_t> pids;
+  Holders() = default;
+  Holders(const Holders&) = delete;
+  Holders& operator=(const Holders&) = delete;
+  ~Holders() {
+    for (const pid_t pid : pids) {
+      ::kill(pid, SIGKILL);
+      wait_or_kill(pid, 10000);
+    }
+  }
+};
 
 // Slow clients: each connection either sent nothing or sent kSlowStart and adds a byte
 // every second (from a thread of their own) until the daemon closes it.
@@ -322,6 +389,80 @@ TEST_F(HostileHttpTest, SlowIdleAndKeptAliveConnectionsAreClosedAtTheHeaderTimeo
   }
   EXPECT_NE(daemon_.log().find("sent no complete request in 5 s"), std::string::npos)
       << daemon_.log();
+  EXPECT_EQ(daemon_.stop(), 0) << daemon_.log();
+}
+
+// Issue 26: the metrics text a scrape waits to write is heap the daemon holds; stats
+// counts it (memory.http_reply_bytes, and so memory.accounted_bytes) from the render until
+// the connection lets it go, and no longer: a keep-alive scraper that read its response
+// holds nothing while it stays connected.
+TEST_F(HostileHttpTest, MetricsTextsHeldForUnreadResponsesAreCountedUntilLetGo) {
+  ASSERT_TRUE(daemon_.start()) << daemon_.log();
+  // A figure of `stats --json` (in its "memory" object unless told), or ~0 when absent.
+  const auto memory = [this](const char* key, const char* group = "memory") -> std::uint64_t {
+    json s = json::parse(command(daemon_.socket(), "stats --json").value_or("{}"));
+    if (*group != '\0') s = s.contains(group) ? s[group] : json();
+    return s.contains(key) ? s[key].get<std::uint64_t>() : ~std::uint64_t{0};
+  };
+  const auto wait_until = [](const std::function<bool()>& done) {
+    const auto by = Clock::now() + seconds(8);  // within the daemon's 10 s write timeout
+    while (!done() && Clock::now() < by) std::this_thread::sleep_for(milliseconds(20));
+    return done();
+  };
+  // A table whose metrics text the socket buffers cannot take while nobody reads: live
+  // processes of 1,024 custom steps each, until it is twice the largest send buffer.
+  Holders holders;
+  const std::size_t wanted = 2 * max_send_buffer();
+  std::size_t body = 0;
+  for (int i = 0; i < 32 && body <= wanted; ++i) {
+    const std::string name = "fill" + std::to_string(i);
+    holders.pids.push_back(
+        spawn_process({RAW_CLIENT_BIN, daemon_.socket(), "good", "--threads", "1", "--pairs", "1",
+                       "--custom", name, "--customs", "1024", "--hold-ms", "120000"}));
+    ASSERT_TRUE(wait_until([&] { return memory("custom_steps", "") >= 1024u * (i + 1); }));
+    body = metrics_size(port_);
+  }
+  ASSERT_GT(body, wanted);
+  EXPECT_EQ(memory("http_reply_bytes"), 0u);  // every scrape so far was read whole
+
+  // A scraper that asks and does not read, through a small receive window.
+  const int stalled = connect_tcp(port_, Clock::now() + seconds(2), 4096);
+  ASSERT_GE(stalled, 0);
+  ASSERT_TRUE(send_all(stalled, kGetMetrics));
+  std::uint64_t held = 0;
+  ASSERT_TRUE(wait_until([&] { return (held = memory("http_reply_bytes")) != 0; }))
+      << daemon_.log();
+  EXPECT_GE(held, body * 9 / 10);  // the text, once
+  EXPECT_LT(held, body * 2);
+  const json s = json::parse(command(daemon_.socket(), "stats --json").value_or("{}"));
+  const json& m = s["memory"];
+  EXPECT_EQ(m["http_reply_bytes"], held);
+  EXPECT_EQ(m["accounted_bytes"].get<std::uint64_t>(),
+            m["state_bytes_charged"].get<std::uint64_t>() +
+                m["view_copy_bytes"].get<std::uint64_t>() +
+                s["flight_recorder"]["bytes"].get<std::uint64_t>() +
+                m["reply_bytes_pending"].get<std::uint64_t>() + held)
+      << s.dump();
+
+  // A keep-alive scraper that reads its response: its text is let go once written, while
+  // the connection stays open.
+  const int kept = connect_tcp(port_, Clock::now() + seconds(2));
+  ASSERT_GE(kept, 0);
+  ASSERT_TRUE(send_all(kept, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"));
+  const std::string reply = read_response(kept, Clock::now() + seconds(30));
+  EXPECT_EQ(reply.rfind("HTTP/1.1 200", 0), 0u) << reply.substr(0, 300);
+  EXPECT_TRUE(wait_until([&] { return memory("http_reply_bytes") == held; }))
+      << memory("http_reply_bytes") << " held, " << held << " for the stalled scrape";
+
+  // The stalled scraper closes: its text is let go at once (not at the write timeout).
+  ::close(stalled);
+  EXPECT_TRUE(wait_until([&] { return memory("http_reply_bytes") == 0; })) << daemon_.log();
+  const json after = json::parse(command(daemon_.socket(), "stats --json").value_or("{}"));
+  EXPECT_EQ(after["http"]["write_timeouts"], 0) << after.dump();
+  EXPECT_EQ(after["http"]["idle_closed"], 0) << after.dump();
+  char byte = 0;
+  EXPECT_EQ(::recv(kept, &byte, 1, MSG_DONTWAIT), -1) << "the kept-alive connection was closed";
+  ::close(kept);
   EXPECT_EQ(daemon_.stop(), 0) << daemon_.log();
 }
 

@@ -537,6 +537,28 @@ TEST_F(ReportTest, StatsCoverCountersProcessesLimitsAndMemory) {
   EXPECT_NE(text.find("protocol_errors.total: 3\n"), std::string::npos) << text;
 }
 
+// Issue 26: one figure of everything the daemon accounts for holding, to set beside the
+// resident set: the state's charge, view copies, the flight recorder, replies pending to
+// text and binary sessions, and the metrics texts the HTTP listener holds.
+TEST_F(ReportTest, AccountedBytesIsTheSumOfWhatTheDaemonHolds) {
+  Connection a(collector_, world_.spawn(1, 1, "a"));
+  ASSERT_FALSE(a.register_step(256, "Tokenize"));
+  ASSERT_FALSE(a.events({start(1, kForward, 0), end(1, kForward, 10)}));
+  ServerCounters server;
+  server.reply_bytes_pending = 1000;
+  server.http.reply_bytes = 20000;
+  const json s = report::stats_json(*collector_.freeze(&server));
+  const json& memory = s["memory"];
+  EXPECT_EQ(memory["http_reply_bytes"], 20000);
+  EXPECT_EQ(memory["reply_bytes_pending"], 1000);
+  const auto part = [&](const json& at, const char* key) { return at[key].get<std::uint64_t>(); };
+  EXPECT_GT(part(memory, "state_bytes_charged"), 0u);
+  EXPECT_EQ(part(memory, "accounted_bytes"), part(memory, "state_bytes_charged") +
+                                                 part(memory, "view_copy_bytes") +
+                                                 part(s["flight_recorder"], "bytes") + 1000 + 20000)
+      << s.dump();
+}
+
 // Item 8 of issue 15: a process may name itself with escape codes and line breaks (its
 // /proc comm); no text output prints them raw.
 TEST_F(ReportTest, TextOutputsSanitiseClientChosenStrings) {
