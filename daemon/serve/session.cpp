@@ -387,7 +387,16 @@ void Session::drain(Clock::time_point deadline) {
   std::size_t drained = 0;
   while (stream_->state() == State::kDraining && Clock::now() < deadline) {
     const std::size_t n = receive(ec);
-    if (ec || closed()) break;  // would_block: nothing more was sent; eof: the peer is done
+    if (closed()) break;
+    if (ec) {
+      // would_block: nothing more was sent. EOF or a reset: the peer is done, which also
+      // tells its rings' last pass to refuse what waits for a registration rather than
+      // hand it over to a next daemon no one will offer it to.
+      if (ec != boost::asio::error::would_block && ec != boost::asio::error::try_again) {
+        stream_->input_ended();
+      }
+      break;
+    }
     drained += n;
     stream_->received(n);
   }

@@ -461,7 +461,9 @@ void Collector::count_refused(ProcessRecord& rec, std::uint64_t records) {
 
 void Collector::refused_records(ProcessHandle process, std::uint64_t records) {
   if (process >= state_->slots.size() || !state_->slots[process] || records == 0) return;
-  count_refused(state_->write(process), records);
+  ProcessRecord& rec = state_->write(process);
+  count_refused(rec, records);
+  mark_drop(rec.key(), static_cast<std::uint8_t>(proto::kRefusedCause), records);
 }
 
 void Collector::dropped(ProcessHandle process, std::uint64_t total_dropped) {

@@ -24,6 +24,7 @@
 #include "daemon/serve/config.h"
 #include "daemon/serve/render_worker.h"
 #include "daemon/state/collector.h"
+#include "proto/codec.h"
 #include "tests/daemon/daemon_test_util.h"
 
 namespace steptrace::daemon {
@@ -158,6 +159,33 @@ TEST_F(SessionTest, AHalfClosedClientStillGetsItsTraceAfterTheWait) {
   })) << reply;
   EXPECT_TRUE(reply.starts_with("{\"traceEvents\":[")) << reply;
   EXPECT_EQ(counters_.closed_waiting, 0u);
+}
+
+// The shutdown's drain that meets a binary peer's end of stream ends the stream's input,
+// as a read outside the drain does: a frame the end cut short is a protocol error, and
+// the last pass over the peer's rings refuses what waits for a registration (the peer is
+// gone) instead of leaving it in a ring for a next daemon no one will offer it to.
+TEST_F(SessionTest, ADrainThatMeetsThePeersEndOfStreamEndsItsInput) {
+  connect();
+  std::vector<std::byte> buf(256);
+  proto::Encoder enc(buf);
+  enc.hello("test-0.0", "session-test", proto::kProtocolVersion);
+  enc.flush(1);
+  const std::size_t whole = enc.size();
+  enc.flush(2);
+  // The hello and the first Flush, then 5 bytes of the second: a frame cut short.
+  ASSERT_EQ(::write(client_, buf.data(), whole + 5), static_cast<ssize_t>(whole + 5));
+  ASSERT_TRUE(run_until([&] { return !readable().empty(); }));  // the first FlushAck
+  session_->begin_drain();
+  io_.restart();
+  io_.poll();  // the cancelled read's handler
+  ::close(client_);
+  client_ = -1;
+  session_->drain(Session::Clock::now() + std::chrono::seconds(5));
+  std::uint64_t errors = 0;
+  for (const auto& [kind, n] : counters_.protocol_errors) errors += n;
+  EXPECT_EQ(errors, 1u)
+      << "the end of stream met by the drain was not taken for the end of the peer's input";
 }
 
 }  // namespace
